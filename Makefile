@@ -1,0 +1,32 @@
+# Set-up and checks. Every target creates the virtual environment on first use.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch lies on local disk on our machines; an unpinned torch would pull a CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: install backends test lint clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+# What is installed, what this machine can run, and what `auto` picks (the server lands with the model).
+backends: install
+	$(VENV)/bin/plugserve backends --explain
+
+# The unit tests, then the conformance kit over every registered backend.
+test: install
+	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -p no:cacheprovider --pyargs plugserve.testing
+
+lint: install
+	$(VENV)/bin/ruff check plugserve tests benchmarks examples
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

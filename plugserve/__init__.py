@@ -1,0 +1,3 @@
+"""plugserve: a lean serving core for DeepSeek-V3-style models whose kernels are plugins."""
+
+__version__ = "0.1.0"

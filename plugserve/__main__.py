@@ -1,0 +1,5 @@
+import sys
+
+from plugserve.cli import main
+
+sys.exit(main())

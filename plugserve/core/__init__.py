@@ -1,0 +1,1 @@
+"""What every model run needs; no kernel code, and no optional package imported at module import."""

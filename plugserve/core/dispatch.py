@@ -1,0 +1,120 @@
+"""How each batch runs MLA: MHA over de-compressed K/V, MHA with the prefix in chunks, or absorbed MLA.
+
+The rule (SGLang's, measured there on DeepSeek-V3): with no cached prefix, prefill is plain MHA on the
+new tokens, which is cheaper than MQA over 576-wide latents. With a long cached prefix, re-expanding
+the prefix through kv_b_proj pays off too, so MHA stays, one shot when everything fits one chunk of
+de-compressed K/V, otherwise chunk by chunk merged by log-sum-exp. With a short prefix, absorbed MLA
+over the paged latent cache wins. Every mode over the paged cache but EXTEND is absorbed MLA.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from plugserve.core.forward_batch import ForwardBatch, ForwardMode
+from plugserve.core.kv_cache import token_slots
+
+DEFAULT_CHUNKED_PREFIX_CACHE_THRESHOLD = 8192
+# Tokens of de-compressed prefix K/V held at once: 16384 x 128 heads x (192 + 128) x 2 bytes = 1.3 GB.
+DEFAULT_PREFIX_CHUNK_CAPACITY = 16384
+
+
+class AttnForwardMethod(enum.Enum):
+    MHA = "mha"  # causal MHA over the new tokens (and the whole de-compressed prefix, when there is one)
+    MHA_CHUNKED_KV = "mha_chunked_kv"  # causal MHA over the new tokens + prefix chunks, merged by lse
+    MLA = "mla"  # absorbed MQA over the paged latent cache
+
+
+def choose_attn_forward_method(
+    mode: ForwardMode,
+    prefix_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    *,
+    chunked_prefix_cache_threshold: int = DEFAULT_CHUNKED_PREFIX_CACHE_THRESHOLD,
+    prefix_chunk_capacity: int = DEFAULT_PREFIX_CHUNK_CAPACITY,
+    prefill_supports_mla: bool = True,
+) -> tuple[AttnForwardMethod, str]:
+    """The method for one batch and why. `prefill_supports_mla=False` (an MHA-only prefill backend)
+    sends short-prefix batches through MHA as well."""
+    if mode is not ForwardMode.EXTEND:
+        return AttnForwardMethod.MLA, f"{mode.name} always runs absorbed MLA over the paged cache"
+    prefix_sum = sum(prefix_lens)
+    if prefix_sum == 0:
+        return AttnForwardMethod.MHA, "no cached prefix"
+    if prefix_sum < chunked_prefix_cache_threshold and prefill_supports_mla:
+        return (
+            AttnForwardMethod.MLA,
+            f"cached prefix {prefix_sum} < --chunked-prefix-cache-threshold {chunked_prefix_cache_threshold}",
+        )
+    why = (
+        f"cached prefix {prefix_sum} >= --chunked-prefix-cache-threshold {chunked_prefix_cache_threshold}"
+        if prefill_supports_mla
+        else "the prefill backend has no absorbed MLA"
+    )
+    if sum(seq_lens) <= prefix_chunk_capacity:
+        return AttnForwardMethod.MHA, f"{why}; all {sum(seq_lens)} tokens fit one chunk"
+    return AttnForwardMethod.MHA_CHUNKED_KV, f"{why}; {sum(seq_lens)} tokens > chunk capacity {prefix_chunk_capacity}"
+
+
+@dataclass(frozen=True)
+class PrefixChunk:
+    """One chunk of the cached prefixes, attended (non-causally) by every new token of its request.
+
+    starts_cpu / lens_cpu: per request, the first prefix position in this chunk and how many follow.
+    cu_lens [B+1] int32: exclusive prefix sum of lens, on the device.
+    slots [sum(lens)] int64: pool slots of the chunk's tokens, request-major.
+    """
+
+    starts_cpu: list[int]
+    lens_cpu: list[int]
+    cu_lens: torch.Tensor
+    slots: torch.Tensor
+
+
+def plan_prefix_chunks(batch: ForwardBatch, prefix_chunk_capacity: int) -> list[PrefixChunk]:
+    """Split every request's cached prefix into position windows holding at most
+    `prefix_chunk_capacity` tokens in all (each request gets an equal share of a chunk)."""
+    prefix_lens = batch.prefix_lens_cpu
+    with_prefix = sum(1 for p in prefix_lens if p > 0)
+    if with_prefix == 0:
+        return []
+    window = max(1, prefix_chunk_capacity // with_prefix)
+    device = batch.block_table.device
+    chunks = []
+    for start in range(0, max(prefix_lens), window):
+        lens = [max(0, min(window, p - start)) for p in prefix_lens]
+        starts = [start] * len(prefix_lens)
+        req = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)).to(device)
+        pos = torch.cat([torch.arange(start, start + n) for n in lens]).to(device)
+        cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
+        slots = token_slots(batch.block_table, req, pos, batch.kv_pool.page_size)
+        chunks.append(PrefixChunk(starts, lens, cu.to(device), slots))
+    return chunks
+
+
+def prepare_attention(
+    batch: ForwardBatch,
+    *,
+    chunked_prefix_cache_threshold: int = DEFAULT_CHUNKED_PREFIX_CACHE_THRESHOLD,
+    prefix_chunk_capacity: int = DEFAULT_PREFIX_CHUNK_CAPACITY,
+    prefill_supports_mla: bool = True,
+) -> ForwardBatch:
+    """Fill `batch.attn_method` (and `batch.prefix_chunks` for MHA_CHUNKED_KV) before backends plan."""
+    method, _ = choose_attn_forward_method(
+        batch.mode,
+        batch.prefix_lens_cpu,
+        batch.seq_lens_cpu,
+        chunked_prefix_cache_threshold=chunked_prefix_cache_threshold,
+        prefix_chunk_capacity=prefix_chunk_capacity,
+        prefill_supports_mla=prefill_supports_mla,
+    )
+    batch.attn_method = method
+    batch.prefix_chunks = (
+        plan_prefix_chunks(batch, prefix_chunk_capacity) if method is AttnForwardMethod.MHA_CHUNKED_KV else []
+    )
+    return batch

@@ -1,0 +1,116 @@
+"""What one model forward computes: its mode, per-request lengths, positions and KV-cache slots."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from plugserve.core.kv_cache import MLAKVPool, token_slots
+
+if TYPE_CHECKING:
+    from plugserve.core.dispatch import AttnForwardMethod, PrefixChunk
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # new prompt tokens, with or without a cached prefix
+    DECODE = "decode"  # one new token per request
+    TARGET_VERIFY = "target_verify"  # speculative decoding: the target model scores draft tokens
+    DRAFT_EXTEND = "draft_extend"  # speculative decoding: the draft model catches up on accepted tokens
+    IDLE = "idle"  # no tokens on this rank (DP attention)
+
+    @property
+    def phase(self) -> Phase:
+        """EXTEND runs on the prefill backends; every mode over the paged cache on the decode ones."""
+        return Phase.PREFILL if self is ForwardMode.EXTEND else Phase.DECODE
+
+
+class Phase(enum.Enum):
+    """The two halves of serving that may run different backends (`--prefill-attention-backend`...)."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass
+class ForwardBatch:
+    """One forward over `batch_size` requests and `num_tokens` new tokens.
+
+    Tokens are laid out request-major: request 0's new tokens, then request 1's, ...
+    Device tensors:
+      seq_lens      [B] int32  tokens per request after this forward (cached prefix + new)
+      extend_lens   [B] int32  new tokens per request (1 for every request in DECODE)
+      cu_extend_lens [B+1] int32  exclusive prefix sum of extend_lens
+      positions     [T] int64  position of each new token in its request
+      block_table   [B, max_pages] int32  page ids of each request's KV, in position order
+      out_cache_loc [T] int64  KV-pool slot of each new token
+    """
+
+    mode: ForwardMode
+    seq_lens_cpu: list[int]
+    extend_lens_cpu: list[int]
+    seq_lens: torch.Tensor
+    extend_lens: torch.Tensor
+    cu_extend_lens: torch.Tensor
+    positions: torch.Tensor
+    block_table: torch.Tensor
+    out_cache_loc: torch.Tensor
+    kv_pool: MLAKVPool
+    attn_method: AttnForwardMethod | None = None
+    prefix_chunks: list[PrefixChunk] = field(default_factory=list)
+
+    @classmethod
+    def build(
+        cls,
+        mode: ForwardMode,
+        seq_lens: Sequence[int],
+        extend_lens: Sequence[int],
+        block_table: torch.Tensor,
+        kv_pool: MLAKVPool,
+    ) -> ForwardBatch:
+        """Derive positions, slots and device tensors from per-request lengths and the block table."""
+        seq_lens_cpu, extend_lens_cpu = list(seq_lens), list(extend_lens)
+        if len(seq_lens_cpu) != len(extend_lens_cpu) or len(seq_lens_cpu) != block_table.shape[0]:
+            raise ValueError("seq_lens, extend_lens and block_table must describe the same requests")
+        if any(e < 0 or e > s for s, e in zip(seq_lens_cpu, extend_lens_cpu, strict=True)):
+            raise ValueError(f"every extend length must lie in [0, seq_len]: {extend_lens_cpu} vs {seq_lens_cpu}")
+        if mode is ForwardMode.DECODE and any(e != 1 for e in extend_lens_cpu):
+            raise ValueError("DECODE takes exactly one new token per request")
+        device = block_table.device
+        positions = torch.cat(
+            [torch.arange(s - e, s, dtype=torch.int64) for s, e in zip(seq_lens_cpu, extend_lens_cpu, strict=True)]
+            or [torch.zeros(0, dtype=torch.int64)]
+        ).to(device)
+        request_of_token = torch.repeat_interleave(
+            torch.arange(len(seq_lens_cpu)), torch.tensor(extend_lens_cpu, dtype=torch.int64)
+        ).to(device)
+        extend_lens_t = torch.tensor(extend_lens_cpu, dtype=torch.int32, device=device)
+        cu = torch.zeros(len(extend_lens_cpu) + 1, dtype=torch.int32, device=device)
+        cu[1:] = torch.cumsum(extend_lens_t, 0)
+        return cls(
+            mode=mode,
+            seq_lens_cpu=seq_lens_cpu,
+            extend_lens_cpu=extend_lens_cpu,
+            seq_lens=torch.tensor(seq_lens_cpu, dtype=torch.int32, device=device),
+            extend_lens=extend_lens_t,
+            cu_extend_lens=cu,
+            positions=positions,
+            block_table=block_table,
+            out_cache_loc=token_slots(block_table, request_of_token, positions, kv_pool.page_size),
+            kv_pool=kv_pool,
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.extend_lens_cpu)
+
+    @property
+    def prefix_lens_cpu(self) -> list[int]:
+        return [s - e for s, e in zip(self.seq_lens_cpu, self.extend_lens_cpu, strict=True)]

@@ -1,0 +1,428 @@
+"""The three backend interfaces (attention, FP8 GEMM, MoE), what each declares it supports, and the
+problem descriptions (specs) a model asks them to solve.
+
+A backend class declares `name`, `capabilities` and `priority`; `availability(hardware)` says whether
+this machine can run it (importing optional packages there, never at module import). Whether it
+fits a model is `capabilities.check(spec, phase)`. Both answer OK or a reason in words.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+import torch
+
+from plugserve.core.dispatch import AttnForwardMethod
+from plugserve.core.forward_batch import ForwardBatch, ForwardMode, Phase
+from plugserve.core.hardware import Hardware
+
+Kind = Literal["attention", "gemm", "moe"]
+KINDS: tuple[Kind, ...] = ("attention", "gemm", "moe")
+
+
+@dataclass(frozen=True)
+class Availability:
+    """OK, or why not, in words a user can act on ("flashinfer is not installed")."""
+
+    ok: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    @classmethod
+    def no(cls, reason: str) -> Availability:
+        return cls(False, reason)
+
+
+OK = Availability(True)
+
+
+def _dtype_names(dtypes: frozenset[torch.dtype]) -> str:
+    return ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+
+
+def _first_failure(*checks: Availability) -> Availability:
+    return next((c for c in checks if not c), OK)
+
+
+def _member(value: Any, allowed: frozenset | None, what: str) -> Availability:
+    """OK when `allowed` is None (anything goes) or holds `value`."""
+    if allowed is None or value in allowed:
+        return OK
+    if all(isinstance(a, torch.dtype) for a in allowed):
+        return Availability.no(f"{what} {str(value).removeprefix('torch.')} is not supported "
+                               f"(supports {_dtype_names(allowed)})")
+    return Availability.no(f"{what} {value} is not supported (supports {', '.join(map(str, sorted(allowed)))})")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Capability records
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """Hardware and dtypes a backend runs on. Capability bounds are inclusive; None is unbounded."""
+
+    dtypes: frozenset[torch.dtype]
+    devices: frozenset[str] = frozenset({"cuda"})
+    min_capability: tuple[int, int] | None = None
+    max_capability: tuple[int, int] | None = None
+
+    def phases(self) -> frozenset[Phase]:
+        return frozenset(Phase)
+
+    def check_hardware(self, hardware: Hardware) -> Availability:
+        if hardware.device_type not in self.devices:
+            return Availability.no(f"runs on {' or '.join(sorted(self.devices))}, not {hardware.device_type}")
+        cap = hardware.capability
+        if cap is not None and self.min_capability is not None and cap < self.min_capability:
+            return Availability.no(f"needs sm{self.min_capability[0]}{self.min_capability[1]} or newer, "
+                                   f"this GPU is {hardware.arch}")
+        if cap is not None and self.max_capability is not None and cap > self.max_capability:
+            return Availability.no(f"supports up to sm{self.max_capability[0]}{self.max_capability[1]}, "
+                                   f"this GPU is {hardware.arch}")
+        return OK
+
+    def check_phase(self, phase: Phase) -> Availability:
+        if phase in self.phases():
+            return OK
+        return Availability.no(f"does not run {phase.value}")
+
+    def check(self, spec: Any, phase: Phase) -> Availability:
+        """Does the backend fit this problem (a spec of its kind) in this phase? Kinds add checks."""
+        return _first_failure(self.check_phase(phase), _member(spec.dtype, self.dtypes, "dtype"))
+
+
+@dataclass(frozen=True)
+class AttentionCapabilities(Capabilities):
+    """`methods`: which of MHA / MHA_CHUNKED_KV / MLA it implements; `mla_modes`: the forward modes
+    `forward_mla` accepts. A set of None accepts any value. `page_sizes` with one value forces the
+    KV pool's page size when the backend decodes."""
+
+    methods: frozenset[AttnForwardMethod] = frozenset(AttnForwardMethod)
+    mla_modes: frozenset[ForwardMode] = frozenset(
+        {ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND}
+    )
+    kv_lora_ranks: frozenset[int] | None = None
+    qk_rope_head_dims: frozenset[int] | None = None
+    mha_head_dims: frozenset[tuple[int, int]] | None = None  # (qk, v)
+    page_sizes: frozenset[int] | None = None
+    kv_cache_dtypes: frozenset[torch.dtype] | None = None  # None: the activation dtype only
+
+    def phases(self) -> frozenset[Phase]:
+        phases = set()
+        if AttnForwardMethod.MHA in self.methods:
+            phases.add(Phase.PREFILL)
+        if AttnForwardMethod.MLA in self.methods and ForwardMode.DECODE in self.mla_modes:
+            phases.add(Phase.DECODE)
+        return frozenset(phases)
+
+    def check(self, spec: AttentionSpec, phase: Phase) -> Availability:
+        kv_dtypes = self.kv_cache_dtypes if self.kv_cache_dtypes is not None else self.dtypes
+        checks = [
+            super().check(spec, phase),
+            _member(spec.kv_cache_dtype or spec.dtype, kv_dtypes, "kv cache dtype"),
+            _member(spec.page_size, self.page_sizes, "page size") if spec.page_size else OK,
+        ]
+        if phase is Phase.DECODE:
+            checks += [
+                _member(spec.kv_lora_rank, self.kv_lora_ranks, "kv_lora_rank"),
+                _member(spec.qk_rope_head_dim, self.qk_rope_head_dims, "rope head dim"),
+            ]
+        else:
+            checks.append(_member((spec.qk_head_dim, spec.v_head_dim), self.mha_head_dims, "MHA head dims (qk, v)"))
+        return _first_failure(*checks)
+
+    def forced_page_size(self) -> int | None:
+        return next(iter(self.page_sizes)) if self.page_sizes is not None and len(self.page_sizes) == 1 else None
+
+
+@dataclass(frozen=True)
+class GemmCapabilities(Capabilities):
+    block_shapes: frozenset[tuple[int, int]] = frozenset({(128, 128)})
+
+    def check(self, spec: GemmSpec, phase: Phase) -> Availability:
+        return _first_failure(
+            super().check(spec, phase), _member(spec.block_shape, self.block_shapes, "weight block shape")
+        )
+
+
+@dataclass(frozen=True)
+class MoECapabilities(Capabilities):
+    """`weight_formats`: "unquantized" (experts in the activation dtype) and/or "fp8_block";
+    `topk_methods` / `scoring_funcs`: router variants `route` implements."""
+
+    weight_formats: frozenset[str] = frozenset({"unquantized", "fp8_block"})
+    block_shapes: frozenset[tuple[int, int]] = frozenset({(128, 128)})
+    topk_methods: frozenset[str] = frozenset({"greedy", "group_limited_greedy", "noaux_tc"})
+    scoring_funcs: frozenset[str] = frozenset({"softmax", "sigmoid"})
+
+    def check(self, spec: MoESpec, phase: Phase) -> Availability:
+        return _first_failure(
+            super().check(spec, phase),
+            _member(spec.weight_format, self.weight_formats, "expert weight format"),
+            _member(spec.block_shape, self.block_shapes, "weight block shape") if spec.is_fp8 else OK,
+            _member(spec.router.topk_method, self.topk_methods, "topk_method"),
+            _member(spec.router.scoring_func, self.scoring_funcs, "scoring_func"),
+        )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Specs: the problem a model hands a backend
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """MLA shapes of one model (defaults: DeepSeek-V3 on one GPU). `page_size` None lets the decode
+    backend choose. `sm_scale` None is 1/sqrt(qk_nope + qk_rope); YaRN models pass their own."""
+
+    num_heads: int = 128
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    dtype: torch.dtype = torch.bfloat16
+    kv_cache_dtype: torch.dtype | None = None  # None: same as dtype
+    page_size: int | None = None
+    sm_scale: float | None = None
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.sm_scale if self.sm_scale is not None else 1.0 / math.sqrt(self.qk_head_dim)
+
+
+@dataclass(frozen=True)
+class GemmSpec:
+    """Block-FP8 linear: e4m3 weights in `block_shape` blocks, activations quantized per
+    1 x block_shape[1] token group, output in `dtype`."""
+
+    dtype: torch.dtype = torch.bfloat16
+    block_shape: tuple[int, int] = (128, 128)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """DeepSeek's gate. `topk_method`: "greedy" (V2-Lite), "group_limited_greedy" (V2: best experts of
+    the `topk_group` groups with the highest max score), "noaux_tc" (V3: sigmoid scores, plus
+    `e_score_correction_bias` for choosing only, groups ranked by the sum of their top-2)."""
+
+    num_experts: int = 256
+    top_k: int = 8
+    scoring_func: Literal["softmax", "sigmoid"] = "sigmoid"
+    topk_method: Literal["greedy", "group_limited_greedy", "noaux_tc"] = "noaux_tc"
+    n_group: int = 8
+    topk_group: int = 4
+    norm_topk_prob: bool = True
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """Routed experts of one MoE layer (defaults: DeepSeek-V3). `weight_dtype` float8_e4m3fn: block-FP8
+    with `block_shape` scales; None: unquantized, in `dtype`."""
+
+    hidden_size: int = 7168
+    intermediate_size: int = 2048
+    dtype: torch.dtype = torch.bfloat16
+    weight_dtype: torch.dtype | None = torch.float8_e4m3fn
+    block_shape: tuple[int, int] = (128, 128)
+    router: RouterConfig = field(default_factory=RouterConfig)
+
+    @property
+    def num_experts(self) -> int:
+        return self.router.num_experts
+
+    @property
+    def top_k(self) -> int:
+        return self.router.top_k
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.weight_dtype == torch.float8_e4m3fn
+
+    @property
+    def weight_format(self) -> str:
+        return "fp8_block" if self.is_fp8 else "unquantized"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Backends
+
+
+class Backend(ABC):
+    """Common to every kind. `priority` maps an arch ("sm90"), a device type ("cuda", "cpu") or
+    "default" to a rank; `auto` takes the highest usable one when no measured table decides."""
+
+    kind: ClassVar[Kind]
+    name: ClassVar[str]
+    capabilities: ClassVar[Capabilities]
+    priority: ClassVar[Mapping[str, int]] = {}
+
+    @classmethod
+    def availability(cls, hardware: Hardware) -> Availability:
+        """Can this machine run the backend? Override to probe optional packages; call super() first."""
+        return cls.capabilities.check_hardware(hardware)
+
+    @classmethod
+    def check_declaration(cls) -> None:
+        """Raise TypeError when the class is not a complete backend of its kind."""
+        if not isinstance(getattr(cls, "name", None), str) or not cls.name:
+            raise TypeError(f"{cls.__qualname__} has no `name`")
+        if not isinstance(getattr(cls, "capabilities", None), Capabilities):
+            raise TypeError(f"{cls.__qualname__} has no `capabilities` record")
+
+    @classmethod
+    def priority_on(cls, hardware: Hardware) -> int:
+        for key in (hardware.arch, hardware.device_type, "default"):
+            if key in cls.priority:
+                return cls.priority[key]
+        return 0
+
+
+class AttentionBackend(Backend):
+    """MLA attention for one model (all its layers), over the KV pool of the planned batch.
+
+    Per forward: `plan(batch)` once, then per layer `set_kv` and `forward_mla` or `forward_mha`.
+    Heads H = spec.num_heads; R = kv_lora_rank; P = qk_rope_head_dim; T = batch.num_tokens.
+    Outputs have the dtype of q; log-sum-exps are float32, natural log, -inf where no key is visible.
+    Causality is bottom-right aligned: new token i of a request with q_len new tokens and kv_len
+    visible keys sees keys [0, kv_len - q_len + i].
+
+    A backend implements the methods its `capabilities.methods` declare (MLA: forward_mla; MHA:
+    forward_mha; MHA_CHUNKED_KV: forward_mha with prefix chunks and merge_attn_states); the registry
+    refuses a class that declares one it does not implement. The others raise.
+    """
+
+    kind: ClassVar[Kind] = "attention"
+    capabilities: ClassVar[AttentionCapabilities]
+    batch: ForwardBatch
+
+    def __init__(self, spec: AttentionSpec, device: torch.device) -> None:
+        self.spec = spec
+        self.device = device
+
+    @classmethod
+    def check_declaration(cls) -> None:
+        super().check_declaration()
+        required = {
+            AttnForwardMethod.MLA: "forward_mla",
+            AttnForwardMethod.MHA: "forward_mha",
+            AttnForwardMethod.MHA_CHUNKED_KV: "merge_attn_states",
+        }
+        for method, function in required.items():
+            if method in cls.capabilities.methods and getattr(cls, function) is getattr(AttentionBackend, function):
+                raise TypeError(f"{cls.__qualname__} declares {method.name} but does not implement {function}")
+
+    def plan(self, batch: ForwardBatch) -> None:
+        """Build what every layer of this forward shares (index arrays, kernel plans). Overrides call
+        super().plan(batch) first."""
+        self.batch = batch
+
+    def set_kv(self, layer_id: int, slots: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor) -> None:
+        """Write new tokens' latent [n, R] and rope key [n, P] at pool slots [n] int64. Override to fuse."""
+        self.batch.kv_pool.write(layer_id, slots, latent, k_rope)
+
+    def forward_mla(self, q_nope: torch.Tensor, q_rope: torch.Tensor, layer_id: int) -> torch.Tensor:
+        """Absorbed MLA: q_nope [T, H, R] (already multiplied by W_UK), q_rope [T, H, P] attend, as MQA,
+        to each request's cached tokens (latent ++ rope as keys, latent as values) including the
+        new ones written by `set_kv`. Returns [T, H, R]."""
+        raise NotImplementedError(f"{self.name} does not run absorbed MLA")
+
+    def forward_mha(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_chunk: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ragged MHA: q [T, H, Dqk] of the new tokens; k [Tk, H, Dqk], v [Tk, H, Dv].
+
+        prefix_chunk None: causal; k/v hold, per request, the new tokens (MHA_CHUNKED_KV) or the whole
+        sequence, prefix included (MHA). prefix_chunk i: non-causal over `batch.prefix_chunks[i]`.
+        Returns out [T, H, Dv] and lse [T, H] float32."""
+        raise NotImplementedError(f"{self.name} does not run MHA")
+
+    def merge_attn_states(
+        self, out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Combine attention over two disjoint key sets: out [T, H, D], lse [T, H] float32 each."""
+        raise NotImplementedError(f"{self.name} does not merge attention states")
+
+
+class Fp8GemmBackend(Backend):
+    """Block-FP8 linear layers: y = x @ dequant(W).T with W [N, K] e4m3 in 128x128 blocks."""
+
+    kind: ClassVar[Kind] = "gemm"
+    capabilities: ClassVar[GemmCapabilities]
+
+    def __init__(self, spec: GemmSpec, device: torch.device) -> None:
+        self.spec = spec
+        self.device = device
+
+    @abstractmethod
+    def prepare(self, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> Any:
+        """Once at load: weight [N, K] float8_e4m3fn, weight_scale_inv [ceil(N/bn), ceil(K/bk)] float32
+        (dequantized W = weight * scale of its block). Returns the backend's own packed form."""
+
+    @abstractmethod
+    def apply(self, x: torch.Tensor, packed: Any) -> torch.Tensor:
+        """x [M, K] of spec.dtype, quantized per 1 x bk token group inside. Returns [M, N] spec.dtype."""
+
+    @abstractmethod
+    def quantize_activation(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token-group quantization: x [M, K] -> (x_q [M, K] float8_e4m3fn, scales [M, ceil(K/bk)]
+        float32) with scale = amax(group) / 448 and x ~= x_q * scale."""
+
+
+class MoEBackend(Backend):
+    """Routed experts of DeepSeekMoE. E = num_experts, k = top_k, H = hidden, I = intermediate."""
+
+    kind: ClassVar[Kind] = "moe"
+    capabilities: ClassVar[MoECapabilities]
+
+    def __init__(self, spec: MoESpec, device: torch.device) -> None:
+        self.spec = spec
+        self.device = device
+
+    @abstractmethod
+    def route(
+        self, router_logits: torch.Tensor, correction_bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """router_logits [T, E] float32 (and e_score_correction_bias [E] for noaux_tc) ->
+        (topk_weights [T, k] float32, topk_ids [T, k] int32), following `spec.router`.
+        The weights do not include routed_scaling_factor: `forward` applies it."""
+
+    @abstractmethod
+    def prepare(
+        self,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        w13_scale_inv: torch.Tensor | None = None,
+        w2_scale_inv: torch.Tensor | None = None,
+    ) -> Any:
+        """Once at load: w13 [E, 2I, H] (rows [0, I) gate, [I, 2I) up), w2 [E, H, I], of spec.dtype or
+        float8_e4m3fn with block scales [E, ceil(2I/bn), ceil(H/bk)] and [E, ceil(H/bn), ceil(I/bk)]."""
+
+    @abstractmethod
+    def forward(
+        self,
+        x: torch.Tensor,
+        packed: Any,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        routed_scaling_factor: float,
+    ) -> torch.Tensor:
+        """x [T, H] of spec.dtype -> sum_j topk_weights[t, j] * routed_scaling_factor *
+        expert_{topk_ids[t, j]}(x[t]), with expert(x) = W2 (silu(W_gate x) * (W_up x)). Returns [T, H]."""
+
+
+BACKEND_BASES: dict[Kind, type[Backend]] = {
+    "attention": AttentionBackend,
+    "gemm": Fp8GemmBackend,
+    "moe": MoEBackend,
+}
+SPEC_TYPES: dict[Kind, type] = {"attention": AttentionSpec, "gemm": GemmSpec, "moe": MoESpec}

@@ -1,0 +1,88 @@
+"""The paged MLA latent pool: per layer and per token, the compressed KV latent and the rope key."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class MLAKVPool:
+    """KV storage for MLA: `kv_lora_rank + qk_rope_head_dim` values per token per layer.
+
+    Slot `s` of a layer lives at row `s` of `buffer(layer)` [num_pages * page_size, kv_lora_rank + rope];
+    the first `kv_lora_rank` columns are the normalized latent c_kv, the rest the rotated rope key.
+    Page `p` holds slots [p * page_size, (p + 1) * page_size). Keeping latent and rope in one row is
+    the layout FlashMLA reads; backends that want them split take the two column views.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        kv_lora_rank: int,
+        qk_rope_head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if page_size < 1 or num_pages < 1:
+            raise ValueError(f"page_size and num_pages must be >= 1, got {page_size} and {num_pages}")
+        self.num_layers = num_layers
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        width = kv_lora_rank + qk_rope_head_dim
+        self._buffers = [
+            torch.zeros(num_pages * page_size, width, dtype=dtype, device=self.device) for _ in range(num_layers)
+        ]
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+    def buffer(self, layer_id: int) -> torch.Tensor:
+        """[num_slots, kv_lora_rank + rope] of `dtype`."""
+        return self._buffers[layer_id]
+
+    def paged(self, layer_id: int) -> torch.Tensor:
+        """[num_pages, page_size, kv_lora_rank + rope], a view of `buffer(layer_id)`."""
+        return self._buffers[layer_id].view(self.num_pages, self.page_size, -1)
+
+    def latent(self, layer_id: int) -> torch.Tensor:
+        """[num_slots, kv_lora_rank], a strided view."""
+        return self._buffers[layer_id][:, : self.kv_lora_rank]
+
+    def rope(self, layer_id: int) -> torch.Tensor:
+        """[num_slots, qk_rope_head_dim], a strided view."""
+        return self._buffers[layer_id][:, self.kv_lora_rank :]
+
+    def write(self, layer_id: int, slots: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor) -> None:
+        """Store latent [n, kv_lora_rank] and k_rope [n, rope] at `slots` [n] int64."""
+        buf = self._buffers[layer_id]
+        buf[slots, : self.kv_lora_rank] = latent.to(self.dtype)
+        buf[slots, self.kv_lora_rank :] = k_rope.to(self.dtype)
+
+    def gather(self, layer_id: int, slots: torch.Tensor) -> torch.Tensor:
+        """Rows at `slots` [n] int64 -> [n, kv_lora_rank + rope]."""
+        return self._buffers[layer_id][slots]
+
+
+def token_slots(
+    block_table: torch.Tensor, requests: torch.Tensor, positions: torch.Tensor, page_size: int
+) -> torch.Tensor:
+    """Pool slots of tokens: block_table [B, max_pages] int32 page ids; requests [n] int64 (each token's
+    row of the block table) and positions [n] int64 (its position in its request). Returns [n] int64."""
+    pages = block_table[requests, positions // page_size].to(torch.int64)
+    return pages * page_size + positions % page_size
+
+
+def sequence_slots(block_table: torch.Tensor, seq_lens: Sequence[int], page_size: int) -> torch.Tensor:
+    """Slots of positions 0..seq_lens[b]-1 of every request b, request-major: [sum(seq_lens)] int64."""
+    device = block_table.device
+    requests = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(seq_lens, dtype=torch.int64))
+    positions = torch.cat([torch.arange(n) for n in seq_lens] or [torch.zeros(0, dtype=torch.int64)])
+    return token_slots(block_table, requests.to(device), positions.to(device), page_size)

@@ -1,0 +1,1 @@
+"""Attention backends (MLA: absorbed decode/extend over the paged latent cache, and MHA prefill)."""

@@ -1,0 +1,150 @@
+"""The torch reference block-FP8 GEMM: plain and obviously correct, the oracle other GEMM backends
+are checked against. Runs on the CPU and on CUDA.
+
+Weights are e4m3 in `block_shape` (bn, bk) blocks with one float32 scale each; activations are
+quantized per 1 x bk token group. e4m3 matmuls do not exist on the CPU, so the reference
+dequantizes both operands to float32 and multiplies there; the quantization itself is what a
+w8a8 kernel does, so only the accumulation order differs from one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from plugserve.core.interfaces import Fp8GemmBackend, GemmCapabilities
+from plugserve.registry import hookimpl
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
+# Floors the scale of an all-zero block so that x / scale stays 0 rather than NaN.
+SCALE_EPS = 1e-10
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _scale_grid(rows: int, cols: int, block_shape: tuple[int, int]) -> tuple[int, int]:
+    return _ceil_div(rows, block_shape[0]), _ceil_div(cols, block_shape[1])
+
+
+def _quantize_blocks(x: torch.Tensor, block_shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, C] float -> (x_q [R, C] e4m3, scales [ceil(R/br), ceil(C/bc)] float32), one scale
+    max(amax, eps) / 448 per block; edge blocks are shorter (zero padding does not change amax)."""
+    if x.dim() != 2:
+        raise ValueError(f"expected a 2-D tensor, got shape {tuple(x.shape)}")
+    rows, cols = x.shape
+    br, bc = block_shape
+    gr, gc = _scale_grid(rows, cols, block_shape)
+    padded = torch.nn.functional.pad(x.float(), (0, gc * bc - cols, 0, gr * br - rows))
+    blocks = padded.view(gr, br, gc, bc)
+    amax = blocks.abs().amax(dim=(1, 3), keepdim=True)
+    scales = amax.clamp(min=SCALE_EPS) / FP8_MAX
+    x_q = (blocks / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return x_q.view(gr * br, gc * bc)[:rows, :cols].contiguous(), scales.view(gr, gc)
+
+
+def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activation quantization: x [M, K] (any float dtype) -> (x_q [M, K] float8_e4m3fn,
+    scales [M, ceil(K/group_size)] float32), scale = max(amax of the 1 x group_size group, eps) / 448,
+    x ~= x_q * scale. K need not be a multiple of group_size: the last group is shorter."""
+    return _quantize_blocks(x, (1, group_size))
+
+
+def quantize_block_fp8(
+    w: torch.Tensor, block_shape: tuple[int, int] = (128, 128)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight quantization: w [N, K] (any float dtype) -> (w_q [N, K] float8_e4m3fn,
+    scale_inv [ceil(N/bn), ceil(K/bk)] float32), scale_inv = max(amax of the block, eps) / 448.
+    The inverse of `dequantize_block_fp8` up to e4m3 rounding."""
+    return _quantize_blocks(w, block_shape)
+
+
+def dequantize_block_fp8(
+    w: torch.Tensor, scale_inv: torch.Tensor, block_shape: tuple[int, int] = (128, 128)
+) -> torch.Tensor:
+    """w [N, K] float8_e4m3fn, scale_inv [ceil(N/bn), ceil(K/bk)] float32 -> w * scale of its block,
+    [N, K] float32. N and K need not be multiples of the block."""
+    rows, cols = w.shape
+    expected = _scale_grid(rows, cols, block_shape)
+    if tuple(scale_inv.shape) != expected:
+        raise ValueError(
+            f"scales of a {rows}x{cols} tensor in {block_shape} blocks must have shape {expected}, "
+            f"got {tuple(scale_inv.shape)}"
+        )
+    bn, bk = block_shape
+    scales = scale_inv.float().repeat_interleave(bn, dim=0).repeat_interleave(bk, dim=1)
+    return w.float() * scales[:rows, :cols]
+
+
+def block_fp8_matmul(
+    x_q: torch.Tensor,
+    x_scales: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale_inv: torch.Tensor,
+    block_shape: tuple[int, int] = (128, 128),
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """x_q [M, K] e4m3 with per-token-group scales [M, ceil(K/bk)] float32, times w_q [N, K] e4m3
+    with block scales [ceil(N/bn), ceil(K/bk)] float32, transposed: [M, N] in out_dtype, computed
+    in float32 on the dequantized operands."""
+    x = dequantize_block_fp8(x_q, x_scales, (1, block_shape[1]))
+    w = dequantize_block_fp8(w_q, w_scale_inv, block_shape)
+    return (x @ w.T).to(out_dtype)
+
+
+@dataclass(frozen=True)
+class TorchRefFp8Weight:
+    """weight [N, K] float8_e4m3fn and its scale_inv [ceil(N/bn), ceil(K/bk)] float32."""
+
+    weight: torch.Tensor
+    weight_scale_inv: torch.Tensor
+
+
+class TorchRefFp8Gemm(Fp8GemmBackend):
+    name: ClassVar[str] = "torch_ref"
+    capabilities: ClassVar[GemmCapabilities] = GemmCapabilities(
+        dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
+        devices=frozenset({"cpu", "cuda"}),
+    )
+    priority: ClassVar[dict[str, int]] = {"default": 0}
+
+    def prepare(self, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> TorchRefFp8Weight:
+        """weight [N, K] float8_e4m3fn, weight_scale_inv [ceil(N/bn), ceil(K/bk)] float32, kept as
+        they are on this backend's device."""
+        if weight.dim() != 2 or weight.dtype != FP8_DTYPE:
+            raise ValueError(
+                f"weight must be a 2-D float8_e4m3fn tensor [N, K], got shape {tuple(weight.shape)} "
+                f"of dtype {weight.dtype}"
+            )
+        expected = _scale_grid(*weight.shape, self.spec.block_shape)
+        if tuple(weight_scale_inv.shape) != expected or weight_scale_inv.dtype != torch.float32:
+            raise ValueError(
+                f"weight_scale_inv of a {tuple(weight.shape)} weight in {self.spec.block_shape} blocks must "
+                f"be float32 of shape {expected}, got {weight_scale_inv.dtype} of shape "
+                f"{tuple(weight_scale_inv.shape)}"
+            )
+        return TorchRefFp8Weight(weight.to(self.device), weight_scale_inv.to(self.device))
+
+    def apply(self, x: torch.Tensor, packed: TorchRefFp8Weight) -> torch.Tensor:
+        """x [M, K] of spec.dtype -> [M, N] of spec.dtype."""
+        k = packed.weight.shape[1]
+        if x.dim() != 2 or x.shape[1] != k or x.dtype != self.spec.dtype:
+            raise ValueError(f"x must be [M, {k}] of dtype {self.spec.dtype}, "
+                             f"got shape {tuple(x.shape)} of dtype {x.dtype}")
+        x_q, x_scales = self.quantize_activation(x)
+        return block_fp8_matmul(
+            x_q, x_scales, packed.weight, packed.weight_scale_inv, self.spec.block_shape, self.spec.dtype
+        )
+
+    def quantize_activation(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [M, K] -> (x_q [M, K] float8_e4m3fn, scales [M, ceil(K/bk)] float32)."""
+        return per_token_group_quant_fp8(x, self.spec.block_shape[1])
+
+
+@hookimpl
+def plugserve_backends() -> list[type[Fp8GemmBackend]]:
+    return [TorchRefFp8Gemm]

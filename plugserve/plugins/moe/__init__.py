@@ -1,0 +1,1 @@
+"""MoE backends: the router and the routed experts."""

@@ -1,0 +1,321 @@
+"""The backend registry: pluggy hooks, plugin loading, availability, selection and its explanation.
+
+Every backend, built-in or third-party, arrives through the one hook `plugserve_backends`. Built-in
+plugin modules are registered by module name; third-party ones through setuptools entry points of
+the group "plugserve". A plugin that raises on import or in its hook is recorded as broken and
+skipped. `select` picks a backend per kind, phase and batch size: the requested name if usable,
+else the measured ranking stored for this device (plugserve/tables/<device>.json), else the
+highest declared priority for this GPU architecture.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import importlib
+import inspect
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from types import ModuleType
+
+import pluggy
+from pydantic import BaseModel
+
+from plugserve.core.forward_batch import Phase
+from plugserve.core.hardware import Hardware
+from plugserve.core.interfaces import (
+    BACKEND_BASES,
+    KINDS,
+    OK,
+    SPEC_TYPES,
+    Availability,
+    Backend,
+    Kind,
+)
+
+PROJECT = "plugserve"
+ENTRY_POINT_GROUP = "plugserve"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+BUILTIN_PLUGINS = (
+    "plugserve.plugins.attention.torch_ref",
+    "plugserve.plugins.gemm.torch_ref",
+    "plugserve.plugins.moe.torch_ref",
+)
+# Upper edges of the batch-size (token count) buckets that selection tables and --explain use.
+BATCH_BUCKETS = (1, 8, 64, 512, 4096)
+TABLES_ENV = "PLUGSERVE_TABLES_DIR"
+
+
+class HookSpecs:
+    @hookspec
+    def plugserve_backends(self) -> list[type[Backend]]:  # type: ignore[empty-body]
+        """Return the backend classes this plugin contributes (subclasses of AttentionBackend,
+        Fp8GemmBackend or MoEBackend, each with a unique `name`)."""
+
+
+class RegistryError(Exception):
+    """The set of installed plugins is inconsistent (two backends with one name)."""
+
+
+class SelectionError(ValueError):
+    """A requested backend is unknown or unusable, or nothing is usable; the message lists why."""
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    cls: type[Backend]
+    plugin: str  # the plugin module or entry point that contributed it
+    package: str  # the distribution that ships it
+
+    @property
+    def name(self) -> str:
+        return self.cls.name
+
+
+@dataclass(frozen=True)
+class BrokenPlugin:
+    plugin: str
+    package: str
+    error: str
+
+
+@dataclass(frozen=True)
+class Selection:
+    kind: Kind
+    phase: Phase
+    backend: type[Backend]
+    reason: str
+
+
+@dataclass(frozen=True)
+class BackendStatus:
+    entry: BackendEntry
+    availability: Availability  # on this machine, for the phase and spec asked about
+
+
+class RankedBucket(BaseModel):
+    max_batch_size: int
+    order: list[str]  # fastest first
+
+
+class SelectionTable(BaseModel):
+    """What the shootout measured on one device: per kind and phase, batch buckets in increasing
+    `max_batch_size`, each with backend names fastest first. A batch beyond the last bucket uses it."""
+
+    device_name: str
+    source: str = ""
+    rankings: dict[str, dict[str, list[RankedBucket]]]
+
+    def order(self, kind: Kind, phase: Phase, batch_size: int) -> list[str]:
+        buckets = sorted(self.rankings.get(kind, {}).get(phase.value, []), key=lambda b: b.max_batch_size)
+        if not buckets:
+            return []
+        edges = [b.max_batch_size for b in buckets]
+        return buckets[min(bisect.bisect_left(edges, batch_size), len(buckets) - 1)].order
+
+
+def tables_dir() -> Path:
+    return Path(os.environ.get(TABLES_ENV, Path(__file__).parent / "tables"))
+
+
+def load_selection_table(hardware: Hardware) -> tuple[SelectionTable, Path] | None:
+    path = tables_dir() / f"{hardware.device_key}.json"
+    if not path.is_file():
+        return None
+    return SelectionTable.model_validate(json.loads(path.read_text())), path
+
+
+class Registry:
+    """All backends contributed by the registered plugins, by kind and name."""
+
+    def __init__(self, builtin: Iterable[str] = BUILTIN_PLUGINS, entry_points: bool = True) -> None:
+        self.plugin_manager = pluggy.PluginManager(PROJECT)
+        self.plugin_manager.add_hookspecs(HookSpecs)
+        self.backends: dict[Kind, dict[str, BackendEntry]] = {kind: {} for kind in KINDS}
+        self.broken: list[BrokenPlugin] = []
+        self._availability: dict[tuple[type[Backend], Hardware], Availability] = {}
+        for module_name in builtin:
+            self._load(module_name, PROJECT, lambda name=module_name: importlib.import_module(name))
+        if entry_points:
+            for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+                package = ep.dist.name if ep.dist is not None else "unknown"
+                self._load(ep.name, package, ep.load)
+
+    # -- loading -------------------------------------------------------------------------------------
+
+    def _load(self, plugin: str, package: str, load) -> None:
+        try:
+            module = load()
+        except Exception as exc:  # a broken plugin must never take the registry down
+            self.broken.append(BrokenPlugin(plugin, package, f"import failed: {type(exc).__name__}: {exc}"))
+            return
+        self.register(module, plugin, package)
+
+    def register(self, plugin_object: ModuleType | object, plugin: str, package: str) -> None:
+        """Register a plugin (a module or object with `plugserve_backends` hookimpls) and collect
+        its backends. Raises RegistryError when a backend name is already taken."""
+        try:
+            self.plugin_manager.register(plugin_object, name=plugin)
+        except ValueError as exc:  # pluggy: already registered, or not a valid plugin
+            self.broken.append(BrokenPlugin(plugin, package, f"registration failed: {exc}"))
+            return
+        # Each plugin's hook runs on its own so that one failing plugin cannot hide the others.
+        for impl in self.plugin_manager.hook.plugserve_backends.get_hookimpls():
+            if impl.plugin is not plugin_object:
+                continue
+            try:
+                contributed = list(impl.function())
+                for cls in contributed:
+                    _validate_backend_class(cls)
+            except Exception as exc:
+                self.plugin_manager.unregister(plugin_object)
+                self.broken.append(BrokenPlugin(plugin, package, f"{type(exc).__name__}: {exc}"))
+                return
+            for cls in contributed:
+                self._add(BackendEntry(cls, plugin, package))
+
+    def _add(self, entry: BackendEntry) -> None:
+        kind = entry.cls.kind
+        taken = self.backends[kind].get(entry.name)
+        if taken is not None:
+            raise RegistryError(
+                f"two {kind} backends are named {entry.name!r}: one from package {taken.package!r} "
+                f"(plugin {taken.plugin}), one from package {entry.package!r} (plugin {entry.plugin}); "
+                "uninstall one of them"
+            )
+        self.backends[kind][entry.name] = entry
+
+    # -- availability --------------------------------------------------------------------------------
+
+    def get(self, kind: Kind, name: str) -> BackendEntry:
+        try:
+            return self.backends[kind][name]
+        except KeyError:
+            known = ", ".join(sorted(self.backends[kind])) or "none"
+            raise SelectionError(f"unknown {kind} backend {name!r}; registered: {known}") from None
+
+    def availability(self, cls: type[Backend], hardware: Hardware) -> Availability:
+        """cls.availability(hardware), asked once per process (it may import heavy packages)."""
+        key = (cls, hardware)
+        if key not in self._availability:
+            try:
+                self._availability[key] = cls.availability(hardware)
+            except Exception as exc:
+                self._availability[key] = Availability.no(f"availability check raised {type(exc).__name__}: {exc}")
+        return self._availability[key]
+
+    def usability(self, cls: type[Backend], phase: Phase, hardware: Hardware, spec: object) -> Availability:
+        """Runs on this machine, and fits this phase and problem."""
+        available = self.availability(cls, hardware)
+        if not available:
+            return available
+        return cls.capabilities.check(spec, phase)
+
+    def statuses(self, kind: Kind, phase: Phase, hardware: Hardware, spec: object | None = None) -> list[BackendStatus]:
+        spec = spec if spec is not None else SPEC_TYPES[kind]()
+        return [
+            BackendStatus(entry, self.usability(entry.cls, phase, hardware, spec))
+            for entry in sorted(self.backends[kind].values(), key=lambda e: e.name)
+        ]
+
+    # -- selection -----------------------------------------------------------------------------------
+
+    def select(
+        self,
+        kind: Kind,
+        phase: Phase,
+        batch_size: int,
+        hardware: Hardware,
+        requested: str = "auto",
+        spec: object | None = None,
+    ) -> Selection:
+        """The backend for `kind` in `phase` at `batch_size` tokens, and why. Raises SelectionError
+        when `requested` is unknown or unusable, or when no backend is usable."""
+        statuses = self.statuses(kind, phase, hardware, spec)
+        usable = {s.entry.name: s.entry for s in statuses if s.availability}
+        if requested != "auto":
+            entry = self.get(kind, requested)
+            if requested not in usable:
+                reason = next(s.availability.reason for s in statuses if s.entry.name == requested)
+                raise SelectionError(
+                    f"{kind} backend {requested!r} cannot run {phase.value} here: {reason}. "
+                    + _describe_choices(statuses)
+                )
+            return Selection(kind, phase, entry.cls, "requested")
+        if not usable:
+            raise SelectionError(f"no {kind} backend can run {phase.value} here. " + _describe_choices(statuses))
+        loaded = load_selection_table(hardware)
+        if loaded is not None:
+            table, path = loaded
+            for name in table.order(kind, phase, batch_size):
+                if name in usable:
+                    return Selection(
+                        kind, phase, usable[name].cls,
+                        f"fastest usable backend measured on {table.device_name} for {phase.value} at "
+                        f"batch size {batch_size} ({path.name})",
+                    )
+        best = max(usable.values(), key=lambda e: (e.cls.priority_on(hardware), e.name))
+        return Selection(
+            kind, phase, best.cls,
+            f"highest priority on {hardware.arch} ({best.cls.priority_on(hardware)}) among usable: "
+            + ", ".join(sorted(usable)),
+        )
+
+
+def _describe_choices(statuses: list[BackendStatus]) -> str:
+    usable = [s.entry.name for s in statuses if s.availability]
+    unusable = [f"{s.entry.name} ({s.availability.reason})" for s in statuses if not s.availability]
+    return f"Usable: {', '.join(usable) or 'none'}. Not usable: {'; '.join(unusable) or 'none'}."
+
+
+def _validate_backend_class(cls: object) -> None:
+    if not (inspect.isclass(cls) and issubclass(cls, Backend)):
+        raise TypeError(f"{cls!r} is not a Backend subclass")
+    base = BACKEND_BASES.get(getattr(cls, "kind", None))  # type: ignore[arg-type]
+    if base is None or not issubclass(cls, base):
+        bases = ", ".join(b.__name__ for b in BACKEND_BASES.values())
+        raise TypeError(f"{cls.__qualname__} must subclass one of {bases}")
+    if inspect.isabstract(cls):
+        missing = ", ".join(sorted(cls.__abstractmethods__))
+        raise TypeError(f"{cls.__qualname__} does not implement {missing}")
+    cls.check_declaration()
+
+
+@functools.cache
+def get_registry() -> Registry:
+    """The process-wide registry of every installed plugin."""
+    return Registry()
+
+
+def select(
+    kind: Kind,
+    phase: Phase,
+    batch_size: int,
+    hardware: Hardware,
+    requested: str = "auto",
+    spec: object | None = None,
+) -> Selection:
+    return get_registry().select(kind, phase, batch_size, hardware, requested, spec)
+
+
+__all__ = [
+    "BATCH_BUCKETS",
+    "OK",
+    "BackendEntry",
+    "BackendStatus",
+    "BrokenPlugin",
+    "Registry",
+    "RegistryError",
+    "Selection",
+    "SelectionError",
+    "SelectionTable",
+    "get_registry",
+    "hookimpl",
+    "select",
+]

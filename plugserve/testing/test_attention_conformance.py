@@ -1,0 +1,116 @@
+"""Attention backends against the torch reference: set_kv, absorbed MLA, ragged / chunked MHA, merge."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plugserve.core.dispatch import AttnForwardMethod, prepare_attention
+from plugserve.core.forward_batch import ForwardMode, Phase
+from plugserve.core.hardware import Hardware
+from plugserve.core.interfaces import AttentionBackend, AttentionSpec
+from plugserve.plugins.attention.torch_ref import TorchRefAttention
+from plugserve.testing.batches import random_batch
+from plugserve.testing.cases import MHACase, MLACase
+from plugserve.testing.plugin import Target, require_available
+from plugserve.testing.tolerances import assert_close, assert_lse_close
+
+LAYER = 1  # not 0, so that a backend ignoring layer_id is caught
+
+
+def _backends(target: Target, spec: AttentionSpec, phase: Phase, hardware: Hardware, device: torch.device
+              ) -> tuple[AttentionBackend, AttentionBackend]:
+    require_available(target, hardware)
+    fits = target.cls.capabilities.check(spec, phase)
+    if not fits:
+        pytest.skip(f"{target.entry.name}: {fits.reason}")
+    return target.cls(spec, device), TorchRefAttention(spec, device)  # type: ignore[call-arg]
+
+
+def _mla_setup(target: Target, case: MLACase, page_size: int, hardware: Hardware, device: torch.device):
+    caps = target.cls.capabilities
+    if case.mode not in caps.mla_modes:  # type: ignore[attr-defined]
+        pytest.skip(f"{target.entry.name} does not run absorbed MLA in {case.mode.name}")
+    spec = AttentionSpec(num_heads=case.num_heads, dtype=target.dtype, page_size=page_size)
+    backend, reference = _backends(target, spec, Phase.DECODE, hardware, device)
+    batch = random_batch(case.mode, case.seq_lens, case.extend_lens, spec, device)
+    batch.attn_method = AttnForwardMethod.MLA
+    return spec, backend, reference, batch
+
+
+def test_set_kv(attention_target: Target, mla_case: MLACase, page_size: int, plugserve_hardware, plugserve_device):
+    spec, backend, _, batch = _mla_setup(attention_target, mla_case, page_size, plugserve_hardware, plugserve_device)
+    expected = batch.kv_pool.buffer(LAYER).clone()
+    latent = torch.randn(batch.num_tokens, spec.kv_lora_rank, device=plugserve_device, dtype=spec.dtype)
+    k_rope = torch.randn(batch.num_tokens, spec.qk_rope_head_dim, device=plugserve_device, dtype=spec.dtype)
+    expected[batch.out_cache_loc] = torch.cat([latent, k_rope], dim=-1).to(expected.dtype)
+    other_layer = batch.kv_pool.buffer(0).clone()
+    backend.plan(batch)
+    backend.set_kv(LAYER, batch.out_cache_loc, latent, k_rope)
+    assert torch.equal(batch.kv_pool.buffer(LAYER), expected), "set_kv wrote the wrong values or slots"
+    assert torch.equal(batch.kv_pool.buffer(0), other_layer), "set_kv wrote into another layer"
+
+
+def test_forward_mla(attention_target: Target, mla_case: MLACase, page_size: int, plugserve_hardware,
+                     plugserve_device):
+    spec, backend, reference, batch = _mla_setup(attention_target, mla_case, page_size, plugserve_hardware,
+                                                 plugserve_device)
+    t, h, device, dtype = batch.num_tokens, spec.num_heads, plugserve_device, spec.dtype
+    latent = torch.randn(t, spec.kv_lora_rank, device=device, dtype=dtype)
+    k_rope = torch.randn(t, spec.qk_rope_head_dim, device=device, dtype=dtype)
+    q_nope = torch.randn(t, h, spec.kv_lora_rank, device=device, dtype=dtype)
+    q_rope = torch.randn(t, h, spec.qk_rope_head_dim, device=device, dtype=dtype)
+    backend.plan(batch)
+    backend.set_kv(LAYER, batch.out_cache_loc, latent, k_rope)
+    out = backend.forward_mla(q_nope, q_rope, LAYER)
+    reference.plan(batch)
+    expected = reference.forward_mla(q_nope, q_rope, LAYER)
+    assert out.dtype == dtype
+    assert_close(out, expected, dtype, f"forward_mla {mla_case}")
+
+
+def test_forward_mha(attention_target: Target, mha_case: MHACase, plugserve_hardware, plugserve_device):
+    if mha_case.method not in attention_target.cls.capabilities.methods:  # type: ignore[attr-defined]
+        pytest.skip(f"{attention_target.entry.name} does not implement {mha_case.method.name}")
+    spec = AttentionSpec(num_heads=mha_case.num_heads, dtype=attention_target.dtype)
+    backend, reference = _backends(attention_target, spec, Phase.PREFILL, plugserve_hardware, plugserve_device)
+    seq_lens = [p + e for p, e in zip(mha_case.prefix_lens, mha_case.extend_lens, strict=True)]
+    batch = random_batch(ForwardMode.EXTEND, seq_lens, mha_case.extend_lens, spec, plugserve_device, num_layers=1)
+    prepare_attention(batch, chunked_prefix_cache_threshold=1, prefix_chunk_capacity=mha_case.chunk_capacity)
+    assert batch.attn_method is mha_case.method
+    backend.plan(batch)
+    reference.plan(batch)
+
+    def check(kv_tokens: int, chunk: int | None, what: str) -> None:
+        dtype, device, h = spec.dtype, plugserve_device, spec.num_heads
+        q = torch.randn(batch.num_tokens, h, spec.qk_head_dim, device=device, dtype=dtype)
+        k = torch.randn(kv_tokens, h, spec.qk_head_dim, device=device, dtype=dtype)
+        v = torch.randn(kv_tokens, h, spec.v_head_dim, device=device, dtype=dtype)
+        out, lse = backend.forward_mha(q, k, v, prefix_chunk=chunk)
+        ref_out, ref_lse = reference.forward_mha(q, k, v, prefix_chunk=chunk)
+        assert_close(out, ref_out, dtype, f"{what} output")
+        assert_lse_close(lse, ref_lse, dtype, f"{what} lse")
+
+    main_kv = sum(seq_lens) if mha_case.method is AttnForwardMethod.MHA else batch.num_tokens
+    check(main_kv, None, f"forward_mha {mha_case} causal")
+    for i, chunk in enumerate(batch.prefix_chunks):
+        check(sum(chunk.lens_cpu), i, f"forward_mha {mha_case} prefix chunk {i}")
+
+
+def test_merge_attn_states(attention_target: Target, plugserve_hardware, plugserve_device):
+    caps = attention_target.cls.capabilities
+    if AttnForwardMethod.MHA_CHUNKED_KV not in caps.methods:  # type: ignore[attr-defined]
+        pytest.skip(f"{attention_target.entry.name} does not implement MHA_CHUNKED_KV")
+    spec = AttentionSpec(num_heads=16, dtype=attention_target.dtype)
+    backend, reference = _backends(attention_target, spec, Phase.PREFILL, plugserve_hardware, plugserve_device)
+    t, h, d, device, dtype = 37, spec.num_heads, spec.v_head_dim, plugserve_device, spec.dtype
+    out_a, out_b = (torch.randn(t, h, d, device=device, dtype=dtype) for _ in range(2))
+    lse_a, lse_b = (torch.randn(t, h, device=device) * 3 for _ in range(2))
+    # No visible key on one side, on the other, and on both (rows 0-2): what empty prefix chunks give.
+    lse_a[0], lse_b[1] = float("-inf"), float("-inf")
+    lse_a[2], lse_b[2] = float("-inf"), float("-inf")
+    out_a[0], out_b[1], out_a[2], out_b[2] = 0, 0, 0, 0
+    out, lse = backend.merge_attn_states(out_a, lse_a, out_b, lse_b)
+    ref_out, ref_lse = reference.merge_attn_states(out_a, lse_a, out_b, lse_b)
+    assert_close(out, ref_out, dtype, "merge_attn_states output")
+    assert_lse_close(lse, ref_lse, dtype, "merge_attn_states lse")

@@ -1,0 +1,53 @@
+"""Block-FP8 GEMM backends against the torch reference: activation quantizer and GEMM."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plugserve.core.forward_batch import Phase
+from plugserve.core.interfaces import Fp8GemmBackend, GemmSpec
+from plugserve.plugins.gemm.torch_ref import TorchRefFp8Gemm, quantize_block_fp8
+from plugserve.testing.cases import GemmCase
+from plugserve.testing.plugin import Target, require_available
+from plugserve.testing.tolerances import assert_close
+
+E4M3_MANTISSA_BITS = 3
+
+
+def _backends(target: Target, hardware, device) -> tuple[Fp8GemmBackend, Fp8GemmBackend]:
+    require_available(target, hardware)
+    spec = GemmSpec(dtype=target.dtype)
+    fits = target.cls.capabilities.check(spec, Phase.DECODE)
+    if not fits:
+        pytest.skip(f"{target.entry.name}: {fits.reason}")
+    return target.cls(spec, device), TorchRefFp8Gemm(spec, device)  # type: ignore[call-arg]
+
+
+def test_quantize_activation(gemm_target: Target, gemm_case: GemmCase, plugserve_hardware, plugserve_device):
+    backend, reference = _backends(gemm_target, plugserve_hardware, plugserve_device)
+    x = torch.randn(gemm_case.m, gemm_case.k, device=plugserve_device, dtype=gemm_target.dtype)
+    x[0, :64] = 0  # an all-zero half group must not divide by zero
+    q, scales = backend.quantize_activation(x)
+    ref_q, ref_scales = reference.quantize_activation(x)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape
+    assert scales.dtype == torch.float32 and scales.shape == ref_scales.shape, (
+        f"scales {tuple(scales.shape)} != reference {tuple(ref_scales.shape)}"
+    )
+    torch.testing.assert_close(scales, ref_scales, rtol=1e-5, atol=0, msg="per-token-group scales")
+    # A kernel may round x / scale or x * (1 / scale): values may sit one e4m3 step apart.
+    q32, ref32 = q.float(), ref_q.float()
+    one_step = ref32.abs() * 2.0**-E4M3_MANTISSA_BITS + 2.0**-9  # 2^-9: e4m3's smallest subnormal
+    assert ((q32 - ref32).abs() <= one_step).all(), "quantized values differ by more than one e4m3 step"
+
+
+def test_apply(gemm_target: Target, gemm_case: GemmCase, plugserve_hardware, plugserve_device):
+    backend, reference = _backends(gemm_target, plugserve_hardware, plugserve_device)
+    block = reference.spec.block_shape
+    w = torch.randn(gemm_case.n, gemm_case.k, device=plugserve_device) / gemm_case.k**0.5
+    w_q, w_scale_inv = quantize_block_fp8(w, block)
+    x = torch.randn(gemm_case.m, gemm_case.k, device=plugserve_device, dtype=gemm_target.dtype)
+    out = backend.apply(x, backend.prepare(w_q, w_scale_inv))
+    expected = reference.apply(x, reference.prepare(w_q, w_scale_inv))
+    assert out.dtype == gemm_target.dtype
+    assert_close(out, expected, gemm_target.dtype, f"block-FP8 GEMM {gemm_case}")

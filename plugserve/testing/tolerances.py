@@ -1,0 +1,67 @@
+"""How close a backend must come to the torch reference, per dtype: the one place these live.
+
+Errors are measured against the reference's largest magnitude (kernels accumulate in a different
+order, so elementwise-relative bounds break on values near zero), plus a cosine-similarity floor
+that catches systematic errors (a dropped term, a missing scale) small in every element.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    atol: float  # times max |reference|
+    rtol: float  # times |reference| elementwise
+    min_cosine: float
+    lse_atol: float  # absolute, on natural-log log-sum-exps
+
+
+TOLERANCES: dict[torch.dtype, Tolerance] = {
+    # float32 admits TF32 tensor-core math (Triton's default for fp32 tl.dot on NVIDIA GPUs).
+    torch.float32: Tolerance(atol=2e-3, rtol=2e-3, min_cosine=0.99999, lse_atol=2e-3),
+    torch.float16: Tolerance(atol=4e-3, rtol=4e-3, min_cosine=0.9999, lse_atol=5e-3),
+    torch.bfloat16: Tolerance(atol=2.5e-2, rtol=2.5e-2, min_cosine=0.999, lse_atol=2e-2),
+}
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    """Raise AssertionError naming `what`, the worst element and the cosine when `actual` is off."""
+    tol = TOLERANCES[dtype]
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{what}: shape {tuple(actual.shape)} != reference {tuple(expected.shape)}")
+    a, e = actual.double(), expected.double()
+    if not torch.isfinite(a).all():
+        raise AssertionError(f"{what}: {int((~torch.isfinite(a)).sum())} non-finite values")
+    if a.numel() == 0:
+        return
+    scale = e.abs().max().item()
+    err = (a - e).abs()
+    bound = tol.atol * scale + tol.rtol * e.abs()
+    cosine = torch.nn.functional.cosine_similarity(a.flatten(), e.flatten(), dim=0).item() if scale > 0 else 1.0
+    if bool((err > bound).any()) or cosine < tol.min_cosine:
+        worst = int(torch.argmax(err - bound))
+        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), a.shape))
+        raise AssertionError(
+            f"{what} ({dtype}): max error {err.max().item():.3e} at {index} "
+            f"(got {a.flatten()[worst].item():.5g}, reference {e.flatten()[worst].item():.5g}; "
+            f"bound {tol.atol:g} x max|ref| {scale:.3g} + {tol.rtol:g} x |ref|), cosine {cosine:.6f} "
+            f"(floor {tol.min_cosine})"
+        )
+
+
+def assert_lse_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    """Log-sum-exps: equal infinities where no key is visible, absolute error elsewhere."""
+    tol = TOLERANCES[dtype]
+    if actual.shape != expected.shape or actual.dtype != torch.float32:
+        raise AssertionError(f"{what}: got {actual.dtype} {tuple(actual.shape)}, "
+                             f"expected float32 {tuple(expected.shape)}")
+    finite = torch.isfinite(expected)
+    if not torch.equal(torch.isfinite(actual), finite) or not torch.equal(actual[~finite], expected[~finite]):
+        raise AssertionError(f"{what}: -inf where no key is visible does not match the reference")
+    err = (actual[finite] - expected[finite]).abs()
+    if err.numel() and err.max().item() > tol.lse_atol:
+        raise AssertionError(f"{what} ({dtype}): max lse error {err.max().item():.3e} > {tol.lse_atol}")

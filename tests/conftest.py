@@ -1,0 +1,29 @@
+"""Shared test helpers: installed-looking plugin packages made on the fly."""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+MakePlugin = Callable[[str, str, str], Path]
+
+
+@pytest.fixture
+def make_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> MakePlugin:
+    """make_plugin(package, module, source) writes module `module` with `source` and a dist-info for
+    `package` whose `plugserve` entry point names it, puts the folder on sys.path (the same way an
+    installed package is found), and returns the folder (for PYTHONPATH in subprocesses)."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def make(package: str, module: str, source: str) -> Path:
+        (tmp_path / f"{module}.py").write_text(textwrap.dedent(source))
+        dist_info = tmp_path / f"{package.replace('-', '_')}-0.1.dist-info"
+        dist_info.mkdir()
+        (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {package}\nVersion: 0.1\n")
+        (dist_info / "entry_points.txt").write_text(f"[plugserve]\n{module} = {module}\n")
+        return tmp_path
+
+    return make

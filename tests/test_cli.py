@@ -1,0 +1,44 @@
+import json
+import os
+import subprocess
+import sys
+
+from plugserve.cli import main
+
+
+def test_backends_json_lists_reference_backends_and_auto_picks(capsys):
+    assert main(["backends", "--json", "--explain"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    usable = {(b["kind"], b["name"]) for b in report["backends"] if b["available"]}
+    assert {("attention", "torch_ref"), ("gemm", "torch_ref"), ("moe", "torch_ref")} <= usable
+    picks = {(r["kind"], r["phase"], r["max_batch_size"]): r["backend"] for r in report["auto"]}
+    assert picks[("gemm", "decode", 1)] is not None
+    methods = [row["method"] for row in report["mla_dispatch"]["examples"]]
+    assert methods == ["MHA", "MLA", "MHA", "MHA_CHUNKED_KV", "MLA", "MLA", "MLA"]
+
+
+def test_backends_table_and_kind_filter(capsys):
+    assert main(["backends", "--kind", "moe"]) == 0
+    out = capsys.readouterr().out
+    assert "torch_ref" in out and "auto selection" in out and "attention" not in out
+
+
+def test_broken_plugin_is_reported_and_the_command_still_succeeds(make_plugin):
+    folder = make_plugin("broken-kernels", "broken_kernels_mod", "import this_module_does_not_exist\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "plugserve", "backends", "--json"],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(folder)}, check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    [broken] = json.loads(result.stdout)["broken_plugins"]
+    assert broken["package"] == "broken-kernels"
+    assert "No module named 'this_module_does_not_exist'" in broken["error"]
+
+
+def test_unknown_kind_is_a_usage_error_naming_the_choices(capsys):
+    try:
+        main(["backends", "--kind", "conv"])
+    except SystemExit as exit_:
+        assert exit_.code == 2
+    err = capsys.readouterr().err
+    assert "--kind: invalid choice: 'conv'" in err and all(k in err for k in ("attention", "gemm", "moe"))

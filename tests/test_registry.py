@@ -1,0 +1,178 @@
+import json
+
+import pytest
+import torch
+
+from plugserve.core.dispatch import AttnForwardMethod
+from plugserve.core.forward_batch import Phase
+from plugserve.core.hardware import Hardware
+from plugserve.core.interfaces import OK, AttentionCapabilities, AttentionSpec, Availability
+from plugserve.plugins.attention.torch_ref import TorchRefAttention
+from plugserve.registry import TABLES_ENV, Registry, RegistryError, SelectionError, hookimpl
+
+CPU = Hardware.detect("cpu")
+H100 = Hardware("cuda", "NVIDIA H100 80GB HBM3", (9, 0), 80 * 2**30, 132)
+B200 = Hardware("cuda", "NVIDIA B200", (10, 0), 180 * 2**30, 148)
+
+
+def _backend(name: str, priority: dict[str, int] | None = None, **caps) -> type[TorchRefAttention]:
+    """A reference-backed attention backend with its own name, priority and capabilities."""
+    capabilities = AttentionCapabilities(
+        dtypes=frozenset({torch.bfloat16, torch.float32}), devices=frozenset({"cuda", "cpu"}), **caps
+    )
+    return type(name, (TorchRefAttention,), {"name": name, "capabilities": capabilities,
+                                             "priority": priority or {}})
+
+
+class _Plugin:
+    def __init__(self, *backends):
+        self.backends = list(backends)
+
+    @hookimpl
+    def plugserve_backends(self):
+        return self.backends
+
+
+def _registry(*backends) -> Registry:
+    registry = Registry(builtin=(), entry_points=False)
+    registry.register(_Plugin(*backends), "test-plugin", "test-package")
+    return registry
+
+
+def test_builtin_reference_backends_are_registered_and_usable_on_cpu():
+    registry = Registry(entry_points=False)
+    for kind in ("attention", "gemm", "moe"):
+        entry = registry.get(kind, "torch_ref")
+        assert entry.package == "plugserve"
+        assert registry.availability(entry.cls, CPU)
+    assert registry.broken == []
+
+
+def test_entry_point_plugins_load_and_broken_ones_are_recorded(make_plugin):
+    make_plugin("good-kernels", "good_kernels_plugin", """
+        from plugserve.plugins.attention.torch_ref import TorchRefAttention
+        from plugserve.registry import hookimpl
+
+        class Fast(TorchRefAttention):
+            name = "fast"
+
+        @hookimpl
+        def plugserve_backends():
+            return [Fast]
+    """)
+    make_plugin("bad-kernels", "bad_kernels_plugin", "raise RuntimeError('no CUDA toolkit found')\n")
+    registry = Registry()
+    assert registry.get("attention", "fast").package == "good-kernels"
+    [broken] = [b for b in registry.broken if b.package == "bad-kernels"]
+    assert "RuntimeError: no CUDA toolkit found" in broken.error
+
+
+def test_a_plugin_whose_hook_raises_or_returns_junk_is_broken_not_fatal():
+    class Raises:
+        @hookimpl
+        def plugserve_backends(self):
+            raise ImportError("flashinfer is not installed")
+
+    class Junk:
+        @hookimpl
+        def plugserve_backends(self):
+            return [object]
+
+    registry = Registry(builtin=(), entry_points=False)
+    registry.register(Raises(), "raises", "pkg-a")
+    registry.register(Junk(), "junk", "pkg-b")
+    errors = {b.plugin: b.error for b in registry.broken}
+    assert "flashinfer is not installed" in errors["raises"]
+    assert "not a Backend subclass" in errors["junk"]
+
+
+def test_a_backend_declaring_a_method_it_lacks_is_refused():
+    from plugserve.core.interfaces import AttentionBackend
+
+    class DecodeOnly(AttentionBackend):
+        name = "decode_only"
+        capabilities = AttentionCapabilities(dtypes=frozenset({torch.float32}))  # declares MHA too
+
+        def forward_mla(self, q_nope, q_rope, layer_id):
+            return q_nope
+
+    registry = _registry(DecodeOnly)
+    assert "declares MHA but does not implement forward_mha" in registry.broken[0].error
+
+
+def test_two_backends_with_one_name_is_an_error_naming_both_packages():
+    registry = _registry(_backend("same"))
+    with pytest.raises(RegistryError, match=r"'test-package'.*'other-package'"):
+        registry.register(_Plugin(_backend("same")), "other-plugin", "other-package")
+
+
+def test_requested_backend_is_used_or_refused_with_the_usable_list():
+    sm100_only = _backend("blackwell", min_capability=(10, 0))
+    registry = _registry(_backend("portable"), sm100_only)
+    assert registry.select("attention", Phase.DECODE, 8, B200, "blackwell").backend is sm100_only
+    with pytest.raises(SelectionError) as err:
+        registry.select("attention", Phase.DECODE, 8, H100, "blackwell")
+    assert "needs sm100 or newer, this GPU is sm90" in str(err.value)
+    assert "Usable: portable" in str(err.value)
+    with pytest.raises(SelectionError, match="unknown attention backend 'nope'; registered: blackwell, portable"):
+        registry.select("attention", Phase.DECODE, 8, H100, "nope")
+
+
+def test_spec_mismatch_makes_a_backend_unusable_for_that_model():
+    flashmla_like = _backend("paged64", page_sizes=frozenset({64}), kv_lora_ranks=frozenset({512}),
+                             methods=frozenset({AttnForwardMethod.MLA}))
+    registry = _registry(flashmla_like, _backend("anything"))
+    status = {s.entry.name: s.availability for s in
+              registry.statuses("attention", Phase.DECODE, H100, AttentionSpec(page_size=16))}
+    assert status["paged64"].reason == "page size 16 is not supported (supports 64)"
+    prefill = {s.entry.name: s.availability for s in registry.statuses("attention", Phase.PREFILL, H100)}
+    assert prefill["paged64"].reason == "does not run prefill"
+    fp16 = {s.entry.name: s.availability for s in
+            registry.statuses("attention", Phase.DECODE, H100, AttentionSpec(dtype=torch.float16))}
+    assert fp16["anything"].reason == "dtype float16 is not supported (supports bfloat16, float32)"
+
+
+def test_auto_takes_the_highest_priority_for_this_arch():
+    registry = _registry(
+        _backend("hopper_fast", {"sm90": 90, "default": 10}),
+        _backend("generic", {"cuda": 50}),
+        _backend("blackwell", {"sm100": 100}, min_capability=(10, 0)),
+    )
+    assert registry.select("attention", Phase.DECODE, 1, H100).backend.name == "hopper_fast"
+    assert registry.select("attention", Phase.DECODE, 1, B200).backend.name == "blackwell"
+    assert "highest priority on sm90 (90)" in registry.select("attention", Phase.DECODE, 1, H100).reason
+
+
+def test_auto_follows_the_measured_table_per_bucket_and_skips_unusable(tmp_path, monkeypatch):
+    registry = _registry(_backend("a", {"default": 100}), _backend("b"),
+                         _backend("c", min_capability=(10, 0)))
+    table = {
+        "device_name": H100.name,
+        "rankings": {"attention": {"decode": [
+            {"max_batch_size": 8, "order": ["b", "a"]},
+            {"max_batch_size": 128, "order": ["c", "a", "b"]},  # c cannot run on sm90
+        ]}},
+    }
+    (tmp_path / f"{H100.device_key}.json").write_text(json.dumps(table))
+    monkeypatch.setenv(TABLES_ENV, str(tmp_path))
+    pick = registry.select("attention", Phase.DECODE, 4, H100)
+    assert pick.backend.name == "b" and "measured on NVIDIA H100 80GB HBM3" in pick.reason
+    assert registry.select("attention", Phase.DECODE, 64, H100).backend.name == "a"
+    assert registry.select("attention", Phase.DECODE, 4096, H100).backend.name == "a"  # beyond last bucket
+    assert registry.select("attention", Phase.PREFILL, 4, H100).backend.name == "a"  # no table: priority
+
+
+def test_availability_is_asked_once_and_an_exception_becomes_a_reason():
+    calls = []
+
+    class Probe(_backend("probe")):
+        @classmethod
+        def availability(cls, hardware):
+            calls.append(hardware)
+            raise OSError("libcuda.so.1: cannot open shared object file")
+
+    registry = _registry(Probe)
+    first = registry.availability(Probe, H100)
+    assert registry.availability(Probe, H100) == first and len(calls) == 1
+    assert first == Availability.no("availability check raised OSError: libcuda.so.1: cannot open shared object file")
+    assert OK and not first
