@@ -6,6 +6,7 @@ for the kit's fixtures (`attention_target`, `gemm_target`, `moe_target`, `mla_ca
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import pytest
@@ -45,10 +46,41 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="shape grid: full DeepSeek-V3 sizes, or small ones for the CPU (default: full on a GPU)",
     )
     group.addoption("--plugserve-device", default=None, help="torch device (default: cuda if present, else cpu)")
+    group.addoption("--plugserve-report", default=None, metavar="PATH",
+                    help="write every kit test's outcome, duration and skip reason as JSON")
     group.addoption(
         "--plugserve-dtypes", default=None, metavar="D1,D2",
         help=f"restrict the activation dtypes checked (of {', '.join(DTYPES)})",
     )
+
+
+class _Report:
+    """Collects the kit's outcomes for --plugserve-report."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.results: list[dict[str, object]] = []
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when == "call" or report.outcome != "passed":
+            reason = report.longrepr[2] if report.skipped and isinstance(report.longrepr, tuple) else None
+            self.results.append({"test": report.nodeid, "outcome": report.outcome, "when": report.when,
+                                 "seconds": round(report.duration, 4), "skip_reason": reason})
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        device = _device(session.config)
+        hardware = Hardware.detect(device)
+        counts = {o: sum(r["outcome"] == o for r in self.results) for o in ("passed", "failed", "skipped")}
+        summary = {"device": hardware.name, "arch": hardware.arch, "torch": torch.__version__,
+                   "shapes": _profile(session.config), "counts": counts, "results": self.results}
+        with open(self.path, "w") as f:
+            json.dump(summary, f, indent=1)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    path = config.getoption("--plugserve-report", default=None)
+    if path:
+        config.pluginmanager.register(_Report(path), "plugserve-report")
 
 
 def _device(config: pytest.Config) -> torch.device:
