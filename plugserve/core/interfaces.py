@@ -266,6 +266,11 @@ class Backend(ABC):
     capabilities: ClassVar[Capabilities]
     priority: ClassVar[Mapping[str, int]] = {}
 
+    def __init__(self, spec: Any, device: torch.device) -> None:
+        """`spec`: the AttentionSpec, GemmSpec or MoESpec of the kind; `device`: where tensors live."""
+        self.spec = spec
+        self.device = device
+
     @classmethod
     def availability(cls, hardware: Hardware) -> Availability:
         """Can this machine run the backend? Override to probe optional packages; call super() first."""
@@ -303,11 +308,9 @@ class AttentionBackend(Backend):
 
     kind: ClassVar[Kind] = "attention"
     capabilities: ClassVar[AttentionCapabilities]
+    spec: AttentionSpec
     batch: ForwardBatch
 
-    def __init__(self, spec: AttentionSpec, device: torch.device) -> None:
-        self.spec = spec
-        self.device = device
 
     @classmethod
     def check_declaration(cls) -> None:
@@ -341,8 +344,9 @@ class AttentionBackend(Backend):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Ragged MHA: q [T, H, Dqk] of the new tokens; k [Tk, H, Dqk], v [Tk, H, Dv].
 
-        prefix_chunk None: causal; k/v hold, per request, the new tokens (MHA_CHUNKED_KV) or the whole
-        sequence, prefix included (MHA). prefix_chunk i: non-causal over `batch.prefix_chunks[i]`.
+        prefix_chunk None: causal; k/v hold, per request, the new tokens (batch.attn_method MHA_CHUNKED_KV)
+        or the whole sequence, prefix included (MHA, or None: a batch `prepare_attention` never saw).
+        prefix_chunk i: non-causal over `batch.prefix_chunks[i]`.
         Returns out [T, H, Dv] and lse [T, H] float32."""
         raise NotImplementedError(f"{self.name} does not run MHA")
 
@@ -358,10 +362,8 @@ class Fp8GemmBackend(Backend):
 
     kind: ClassVar[Kind] = "gemm"
     capabilities: ClassVar[GemmCapabilities]
+    spec: GemmSpec
 
-    def __init__(self, spec: GemmSpec, device: torch.device) -> None:
-        self.spec = spec
-        self.device = device
 
     @abstractmethod
     def prepare(self, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> Any:
@@ -383,10 +385,8 @@ class MoEBackend(Backend):
 
     kind: ClassVar[Kind] = "moe"
     capabilities: ClassVar[MoECapabilities]
+    spec: MoESpec
 
-    def __init__(self, spec: MoESpec, device: torch.device) -> None:
-        self.spec = spec
-        self.device = device
 
     @abstractmethod
     def route(
