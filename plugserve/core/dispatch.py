@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode
-from plugserve.core.kv_cache import token_slots
+from plugserve.core.kv_cache import sequence_slots, token_slots
 
 DEFAULT_CHUNKED_PREFIX_CACHE_THRESHOLD = 8192
 # Tokens of de-compressed prefix K/V held at once: 16384 x 128 heads x (192 + 128) x 2 bytes = 1.3 GB.
@@ -116,5 +116,11 @@ def prepare_attention(
     batch.attn_method = method
     batch.prefix_chunks = (
         plan_prefix_chunks(batch, prefix_chunk_capacity) if method is AttnForwardMethod.MHA_CHUNKED_KV else []
+    )
+    has_prefix = any(batch.prefix_lens_cpu)
+    batch.sequence_slots = (
+        sequence_slots(batch.block_table, batch.seq_lens_cpu, batch.kv_pool.page_size)
+        if method is AttnForwardMethod.MHA and has_prefix
+        else None
     )
     return batch

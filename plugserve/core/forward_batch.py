@@ -61,6 +61,8 @@ class ForwardBatch:
     kv_pool: MLAKVPool
     attn_method: AttnForwardMethod | None = None
     prefix_chunks: list[PrefixChunk] = field(default_factory=list)
+    # One-shot MHA over a cached prefix: pool slots of every position of every request [sum(seq_lens)]
+    sequence_slots: torch.Tensor | None = None
 
     @classmethod
     def build(

@@ -86,3 +86,38 @@ def sequence_slots(block_table: torch.Tensor, seq_lens: Sequence[int], page_size
     requests = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(seq_lens, dtype=torch.int64))
     positions = torch.cat([torch.arange(n) for n in seq_lens] or [torch.zeros(0, dtype=torch.int64)])
     return token_slots(block_table, requests.to(device), positions.to(device), page_size)
+
+
+class OutOfPagesError(RuntimeError):
+    """The pool has fewer free pages than asked for; the scheduler waits or retracts a request."""
+
+
+class PageAllocator:
+    """Hands out and takes back the pool's page ids. Freed pages are reused first (warm in cache)."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, -1, -1))  # a stack: pop() gives 0, 1, 2, ...
+        self._used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfPagesError(f"asked for {n} KV pages, {len(self._free)} of {self.num_pages} are free")
+        pages = [self._free.pop() for _ in range(n)]
+        self._used.update(pages)
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        for page in pages:
+            if page not in self._used:
+                raise ValueError(f"page {page} is not allocated")
+            self._used.remove(page)
+            self._free.append(page)
+
+
+def pages_needed(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)

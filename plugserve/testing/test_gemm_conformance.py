@@ -7,7 +7,8 @@ import torch
 
 from plugserve.core.forward_batch import Phase
 from plugserve.core.interfaces import Fp8GemmBackend, GemmSpec
-from plugserve.plugins.gemm.torch_ref import TorchRefFp8Gemm, quantize_block_fp8
+from plugserve.core.layers.quant import quantize_block_fp8
+from plugserve.plugins.gemm.torch_ref import TorchRefFp8Gemm
 from plugserve.testing.cases import GemmCase
 from plugserve.testing.plugin import Target, require_available
 from plugserve.testing.tolerances import assert_close

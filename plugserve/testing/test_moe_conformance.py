@@ -7,7 +7,7 @@ import torch
 
 from plugserve.core.forward_batch import Phase
 from plugserve.core.interfaces import MoEBackend, MoESpec
-from plugserve.plugins.gemm.torch_ref import quantize_block_fp8
+from plugserve.core.layers.quant import quantize_block_fp8
 from plugserve.plugins.moe.torch_ref import TorchRefMoE
 from plugserve.testing.cases import MoECase
 from plugserve.testing.plugin import Target, require_available

@@ -15,69 +15,8 @@ from typing import ClassVar
 import torch
 
 from plugserve.core.interfaces import Fp8GemmBackend, GemmCapabilities
+from plugserve.core.layers.quant import FP8_DTYPE, dequantize_block_fp8, per_token_group_quant_fp8, scale_grid
 from plugserve.registry import hookimpl
-
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
-# Floors the scale of an all-zero block so that x / scale stays 0 rather than NaN.
-SCALE_EPS = 1e-10
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _scale_grid(rows: int, cols: int, block_shape: tuple[int, int]) -> tuple[int, int]:
-    return _ceil_div(rows, block_shape[0]), _ceil_div(cols, block_shape[1])
-
-
-def _quantize_blocks(x: torch.Tensor, block_shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, C] float -> (x_q [R, C] e4m3, scales [ceil(R/br), ceil(C/bc)] float32), one scale
-    max(amax, eps) / 448 per block; edge blocks are shorter (zero padding does not change amax)."""
-    if x.dim() != 2:
-        raise ValueError(f"expected a 2-D tensor, got shape {tuple(x.shape)}")
-    rows, cols = x.shape
-    br, bc = block_shape
-    gr, gc = _scale_grid(rows, cols, block_shape)
-    padded = torch.nn.functional.pad(x.float(), (0, gc * bc - cols, 0, gr * br - rows))
-    blocks = padded.view(gr, br, gc, bc)
-    amax = blocks.abs().amax(dim=(1, 3), keepdim=True)
-    scales = amax.clamp(min=SCALE_EPS) / FP8_MAX
-    x_q = (blocks / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return x_q.view(gr * br, gc * bc)[:rows, :cols].contiguous(), scales.view(gr, gc)
-
-
-def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """Activation quantization: x [M, K] (any float dtype) -> (x_q [M, K] float8_e4m3fn,
-    scales [M, ceil(K/group_size)] float32), scale = max(amax of the 1 x group_size group, eps) / 448,
-    x ~= x_q * scale. K need not be a multiple of group_size: the last group is shorter."""
-    return _quantize_blocks(x, (1, group_size))
-
-
-def quantize_block_fp8(
-    w: torch.Tensor, block_shape: tuple[int, int] = (128, 128)
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weight quantization: w [N, K] (any float dtype) -> (w_q [N, K] float8_e4m3fn,
-    scale_inv [ceil(N/bn), ceil(K/bk)] float32), scale_inv = max(amax of the block, eps) / 448.
-    The inverse of `dequantize_block_fp8` up to e4m3 rounding."""
-    return _quantize_blocks(w, block_shape)
-
-
-def dequantize_block_fp8(
-    w: torch.Tensor, scale_inv: torch.Tensor, block_shape: tuple[int, int] = (128, 128)
-) -> torch.Tensor:
-    """w [N, K] float8_e4m3fn, scale_inv [ceil(N/bn), ceil(K/bk)] float32 -> w * scale of its block,
-    [N, K] float32. N and K need not be multiples of the block."""
-    rows, cols = w.shape
-    expected = _scale_grid(rows, cols, block_shape)
-    if tuple(scale_inv.shape) != expected:
-        raise ValueError(
-            f"scales of a {rows}x{cols} tensor in {block_shape} blocks must have shape {expected}, "
-            f"got {tuple(scale_inv.shape)}"
-        )
-    bn, bk = block_shape
-    scales = scale_inv.float().repeat_interleave(bn, dim=0).repeat_interleave(bk, dim=1)
-    return w.float() * scales[:rows, :cols]
 
 
 def block_fp8_matmul(
@@ -120,7 +59,7 @@ class TorchRefFp8Gemm(Fp8GemmBackend):
                 f"weight must be a 2-D float8_e4m3fn tensor [N, K], got shape {tuple(weight.shape)} "
                 f"of dtype {weight.dtype}"
             )
-        expected = _scale_grid(*weight.shape, self.spec.block_shape)
+        expected = scale_grid(*weight.shape, self.spec.block_shape)
         if tuple(weight_scale_inv.shape) != expected or weight_scale_inv.dtype != torch.float32:
             raise ValueError(
                 f"weight_scale_inv of a {tuple(weight.shape)} weight in {self.spec.block_shape} blocks must "

@@ -16,16 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from plugserve.core.interfaces import MoEBackend, MoECapabilities, RouterConfig
-from plugserve.plugins.gemm.torch_ref import (
-    FP8_DTYPE,
-    dequantize_block_fp8,
-    per_token_group_quant_fp8,
-)
+from plugserve.core.layers.quant import FP8_DTYPE, ceil_div, dequantize_block_fp8, per_token_group_quant_fp8
 from plugserve.registry import hookimpl
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _keep_top_groups(
@@ -195,8 +187,8 @@ class TorchRefMoE(MoEBackend):
             if w13_scale_inv is None or w2_scale_inv is None:
                 raise ValueError("fp8_block experts need w13_scale_inv and w2_scale_inv")
             bn, bk = spec.block_shape
-            w13_grid = (e, _ceil_div(2 * i, bn), _ceil_div(h, bk))
-            w2_grid = (e, _ceil_div(h, bn), _ceil_div(i, bk))
+            w13_grid = (e, ceil_div(2 * i, bn), ceil_div(h, bk))
+            w2_grid = (e, ceil_div(h, bn), ceil_div(i, bk))
             _check_tensor("w13_scale_inv", w13_scale_inv, w13_grid, torch.float32)
             _check_tensor("w2_scale_inv", w2_scale_inv, w2_grid, torch.float32)
         elif w13_scale_inv is not None or w2_scale_inv is not None:

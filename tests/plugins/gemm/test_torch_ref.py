@@ -9,13 +9,8 @@ import torch
 from plugserve.core.forward_batch import Phase
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import GemmSpec
-from plugserve.plugins.gemm.torch_ref import (
-    TorchRefFp8Gemm,
-    block_fp8_matmul,
-    dequantize_block_fp8,
-    per_token_group_quant_fp8,
-    quantize_block_fp8,
-)
+from plugserve.core.layers.quant import dequantize_block_fp8, per_token_group_quant_fp8, quantize_block_fp8
+from plugserve.plugins.gemm.torch_ref import TorchRefFp8Gemm, block_fp8_matmul
 from plugserve.registry import Registry
 
 E4M3 = torch.float8_e4m3fn

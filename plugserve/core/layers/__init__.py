@@ -1,0 +1,1 @@
+"""Model building blocks: linear (incl. block-FP8), RMSNorm, rotary embedding, quantization utilities."""

@@ -1,0 +1,177 @@
+"""Weights into a DeepseekForCausalLM: Hugging Face safetensors (one file or sharded), DeepSeek's
+published block-FP8 format, quantize-on-load, or random weights at a preset's shapes (`dummy`).
+
+Every tensor the model needs must be in the checkpoint and every checkpoint tensor must be used
+(decoder layers beyond --num-layers, and the NextN layer when it is not kept, are skipped); each
+violation is an error naming the tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from plugserve.core.config import ModelConfig, preset_config
+from plugserve.core.layers.linear import Linear, WeightLoadError
+from plugserve.core.layers.quant import FP8_DTYPE, FP8_MAX
+from plugserve.core.models.deepseek import DeepseekForCausalLM, ModelBackends
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+INDEX_FILE = "model.safetensors.index.json"
+SCALE_SUFFIX = "_scale_inv"
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class SafetensorsCheckpoint:
+    """Tensors of a model directory, read lazily: `model.safetensors.index.json` when present (sharded),
+    else every `*.safetensors` file in it."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = Path(model_dir)
+        index = self.model_dir / INDEX_FILE
+        if index.is_file():
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            self._files = {name: self.model_dir / file for name, file in weight_map.items()}
+            absent = sorted({str(f) for f in self._files.values() if not f.is_file()})
+            if absent:
+                raise WeightLoadError(f"{index} lists shards that do not exist: {', '.join(absent)}")
+        else:
+            paths = sorted(self.model_dir.glob("*.safetensors"))
+            if not paths:
+                raise WeightLoadError(f"{self.model_dir} has no *.safetensors files and no {INDEX_FILE}")
+            self._files = {}
+            for path in paths:
+                with safe_open(path, "pt") as f:
+                    self._files |= dict.fromkeys(f.keys(), path)
+        self._open: dict[Path, object] = {}
+
+    def names(self) -> set[str]:
+        return set(self._files)
+
+    def get(self, name: str) -> torch.Tensor:
+        path = self._files[name]
+        if path not in self._open:
+            self._open[path] = safe_open(path, "pt")
+        return self._open[path].get_tensor(name)  # type: ignore[attr-defined]
+
+
+def load_checkpoint(model: DeepseekForCausalLM, checkpoint: SafetensorsCheckpoint, checkpoint_layers: int) -> None:
+    """Fill `model` from `checkpoint`, whose config has `checkpoint_layers` decoder layers."""
+    expected = model.checkpoint_tensors(checkpoint_layers)
+    available = checkpoint.names()
+    missing = sorted(name for name in expected if name not in available)
+    if missing:
+        raise WeightLoadError(f"{checkpoint.model_dir}: {len(missing)} tensors the model needs are missing: "
+                              + _some(missing))
+    kept_layers = set(range(model.config.num_hidden_layers))
+    if model.nextn is not None:
+        kept_layers.add(checkpoint_layers)
+    used = set()
+    for name, target in tqdm(expected.items(), desc="loading weights", unit="tensor", disable=None):
+        scale_name = name + SCALE_SUFFIX
+        scale = checkpoint.get(scale_name) if scale_name in available else None
+        target.load(name, checkpoint.get(name), scale)
+        used.update((name, scale_name))
+    unexpected = sorted(
+        name for name in available - used
+        if not ((m := _LAYER.match(name)) and int(m.group(1)) not in kept_layers) and not name.endswith("inv_freq")
+    )
+    if unexpected:
+        raise WeightLoadError(f"{checkpoint.model_dir}: {len(unexpected)} tensors the model does not have: "
+                              + _some(unexpected))
+
+
+def init_dummy_weights(model: DeepseekForCausalLM, seed: int = 0, std: float = 0.02) -> None:
+    """Random weights with the model's real shapes: N(0, std) for float tensors (norm weights stay 1,
+    the router bias 0), and for block-FP8 layers e4m3 values with scales that dequantize to N(0, std)."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    fp8_spread = FP8_MAX / 4  # keeps e4m3 values well inside the +-448 range
+
+    def fill(param: torch.Tensor, scale: float) -> None:
+        # Chunked so that a 7168 x 18432 weight never needs a float32 copy of itself.
+        for rows in param.data.split(max(1, 2**24 // max(1, param.shape[-1]))):
+            values = torch.randn(rows.shape, generator=generator) * scale
+            rows.copy_(values.clamp(-FP8_MAX, FP8_MAX) if rows.dtype == FP8_DTYPE else values)
+
+    for module in model.modules():
+        if isinstance(module, Linear):
+            if module.fp8_block is None:
+                fill(module.weight, std)
+            else:
+                fill(module.weight, fp8_spread)
+                module.weight_scale_inv.data.fill_(std / fp8_spread)
+    fill(model.embed_tokens, std)
+    fill(model.lm_head, std)
+    for layer in model.layers:
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None:
+            fill(gate, std)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """--dtype: auto (bfloat16 on a GPU, float32 on the CPU), bfloat16, float16 or float32."""
+    choices = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in choices:
+        raise ValueError(f"--dtype {dtype!r} is not supported (choose from auto, {', '.join(choices)})")
+    return choices[dtype]
+
+
+def read_config(model_path: str | None, model_preset: str | None, quantization: str | None = None,
+                num_layers: int | None = None) -> tuple[ModelConfig, int]:
+    """The model's config (from --model-path, else --model-preset) and its checkpoint's layer count."""
+    if model_path is not None:
+        config = ModelConfig.from_pretrained(model_path)
+    elif model_preset is not None:
+        config = preset_config(model_preset)
+    else:
+        raise ValueError("give --model-path or --model-preset")
+    checkpoint_layers = config.num_hidden_layers
+    if quantization not in (None, "fp8"):
+        raise ValueError(f"--quantization {quantization!r} is not supported (choose from fp8)")
+    if quantization == "fp8" and config.fp8_block is None:
+        config = config.quantized_fp8()
+    if num_layers is not None:
+        config = config.with_layers(num_layers)
+    return config, checkpoint_layers
+
+
+def load_model(
+    config: ModelConfig,
+    backends: ModelBackends,
+    *,
+    model_path: str | None,
+    checkpoint_layers: int,
+    load_format: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+) -> DeepseekForCausalLM:
+    """Build the model, fill its weights, and pack them for `backends`."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"--load-format {load_format!r} is not supported (choose from {', '.join(LOAD_FORMATS)})")
+    dummy = load_format == "dummy" or model_path is None
+    checkpoint = None if dummy else SafetensorsCheckpoint(model_path)  # type: ignore[arg-type]
+    with_nextn = (
+        checkpoint is not None
+        and config.num_nextn_predict_layers > 0
+        and f"model.layers.{checkpoint_layers}.eh_proj.weight" in checkpoint.names()
+    )
+    model = DeepseekForCausalLM(config, dtype, device, with_nextn=with_nextn)
+    if checkpoint is None:
+        init_dummy_weights(model, seed)
+    else:
+        load_checkpoint(model, checkpoint, checkpoint_layers)
+    model.finalize(backends)
+    return model
+
+
+def _some(names: list[str], limit: int = 8) -> str:
+    more = f" (and {len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more

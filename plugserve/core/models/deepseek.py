@@ -1,0 +1,409 @@
+"""DeepSeek-V2 / V3: MLA attention in its three forms, DeepSeekMoE, and the NextN (MTP) layer.
+
+Every attention, block-FP8 GEMM and MoE call goes through the backends the registry selected
+(`ModelBackends`). Checkpoint tensors keep their Hugging Face names; `checkpoint_tensors()` says,
+for each, its shape and where it goes (q_a_proj and kv_a_proj_with_mqa fill one fused GEMM;
+gate_proj and up_proj one; experts are stacked for the MoE backend; kv_b_proj is also split into
+W_UK / W_UV for the absorbed path at `finalize`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plugserve.core.config import ModelConfig
+from plugserve.core.dispatch import AttnForwardMethod
+from plugserve.core.forward_batch import ForwardBatch, ForwardMode
+from plugserve.core.interfaces import AttentionBackend, Fp8GemmBackend, MoEBackend
+from plugserve.core.layers.linear import Linear, WeightLoadError
+from plugserve.core.layers.norm import RMSNorm
+from plugserve.core.layers.rotary import RotaryEmbedding
+
+
+@dataclass
+class ModelBackends:
+    """The selected backend instances of one model. `gemm` is None for unquantized models."""
+
+    attention_prefill: AttentionBackend
+    attention_decode: AttentionBackend
+    moe: MoEBackend | None
+    gemm: Fp8GemmBackend | None
+
+    def attention_for(self, mode: ForwardMode) -> AttentionBackend:
+        return self.attention_prefill if mode is ForwardMode.EXTEND else self.attention_decode
+
+
+@dataclass(frozen=True)
+class CheckpointTensor:
+    """One tensor the checkpoint must hold: its shape and how to load it. `load(name, tensor, scale_inv)`
+    gets the `{name}_scale_inv` tensor too when the checkpoint stores the weight as block-FP8."""
+
+    shape: tuple[int, ...]
+    load: Callable[[str, torch.Tensor, torch.Tensor | None], None]
+
+
+def _copy_into(param: torch.Tensor) -> Callable[[str, torch.Tensor, torch.Tensor | None], None]:
+    def load(name: str, tensor: torch.Tensor, scale_inv: torch.Tensor | None) -> None:
+        if scale_inv is not None or tensor.dtype == torch.float8_e4m3fn:
+            raise WeightLoadError(f"{name}: expected an unquantized tensor, got {tensor.dtype}")
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise WeightLoadError(f"{name}: shape {tuple(tensor.shape)} does not match the model's "
+                                  f"{tuple(param.shape)}")
+        param.data.copy_(tensor)
+
+    return load
+
+
+def _linear_tensors(prefix: str, linear: Linear, names: list[str]) -> dict[str, CheckpointTensor]:
+    """Checkpoint names of the shards of `linear`, in order."""
+    return {
+        f"{prefix}.{name}.weight": CheckpointTensor(
+            (rows, linear.in_features),
+            lambda n, t, s, shard=shard: linear.load_shard(shard, n, t, s),
+        )
+        for shard, (name, rows) in enumerate(zip(names, linear.output_sizes, strict=True))
+    }
+
+
+class Parameters:
+    """Creates the model's tensors on one device and dtype."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.config, self.dtype, self.device = config, dtype, torch.device(device)
+
+    def linear(self, in_features: int, *output_sizes: int) -> Linear:
+        return Linear(in_features, output_sizes, self.dtype, self.device, self.config.fp8_block)
+
+    def norm(self, size: int, eps: float | None = None) -> RMSNorm:
+        return RMSNorm(size, self.config.rms_norm_eps if eps is None else eps, self.dtype, self.device)
+
+
+class DenseMLP(nn.Module):
+    """silu(x W_gate^T) * (x W_up^T), then W_down; gate and up run as one GEMM."""
+
+    def __init__(self, p: Parameters, intermediate_size: int) -> None:
+        super().__init__()
+        hidden = p.config.hidden_size
+        self.gate_up_proj = p.linear(hidden, intermediate_size, intermediate_size)
+        self.down_proj = p.linear(intermediate_size, hidden)
+
+    def checkpoint_tensors(self, prefix: str) -> dict[str, CheckpointTensor]:
+        return {
+            **_linear_tensors(prefix, self.gate_up_proj, ["gate_proj", "up_proj"]),
+            **_linear_tensors(prefix, self.down_proj, ["down_proj"]),
+        }
+
+    def finalize(self, gemm: Fp8GemmBackend | None) -> None:
+        self.gate_up_proj.finalize(gemm)
+        self.down_proj.finalize(gemm)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DeepseekMoE(nn.Module):
+    """Router + routed experts (through the MoE backend) + shared experts."""
+
+    def __init__(self, p: Parameters) -> None:
+        super().__init__()
+        c = p.config
+        experts, hidden, inter = c.n_routed_experts or 0, c.hidden_size, c.moe_intermediate_size
+        self.routed_scaling_factor = c.routed_scaling_factor
+        self.gate = nn.Parameter(torch.empty(experts, hidden, dtype=p.dtype, device=p.device), requires_grad=False)
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.zeros(experts, dtype=torch.float32, device=p.device), requires_grad=False)
+            if c.topk_method == "noaux_tc" else None
+        )
+        # Loaded per expert, then stacked into w13 [E, 2I, H] / w2 [E, H, I] for the backend at finalize.
+        self.experts = nn.ModuleList(DenseMLP(p, inter) for _ in range(experts))
+        self.shared_experts = DenseMLP(p, inter * c.n_shared_experts) if c.n_shared_experts else None
+        self._moe: MoEBackend | None = None
+        self._packed: object = None
+
+    def checkpoint_tensors(self, prefix: str) -> dict[str, CheckpointTensor]:
+        tensors = {f"{prefix}.gate.weight": CheckpointTensor(tuple(self.gate.shape), _copy_into(self.gate))}
+        if self.e_score_correction_bias is not None:
+            bias = self.e_score_correction_bias
+            tensors[f"{prefix}.gate.e_score_correction_bias"] = CheckpointTensor(tuple(bias.shape), _copy_into(bias))
+        for e, expert in enumerate(self.experts):
+            tensors |= expert.checkpoint_tensors(f"{prefix}.experts.{e}")
+        if self.shared_experts is not None:
+            tensors |= self.shared_experts.checkpoint_tensors(f"{prefix}.shared_experts")
+        return tensors
+
+    def finalize(self, moe: MoEBackend, gemm: Fp8GemmBackend | None) -> None:
+        """Stack the experts into the MoE backend's packed form and drop the per-expert copies."""
+        for expert in self.experts:
+            expert.finalize(gemm=None)
+        gate_up = [e.gate_up_proj for e in self.experts]
+        down = [e.down_proj for e in self.experts]
+        w13, w2 = torch.stack([g.weight.data for g in gate_up]), torch.stack([d.weight.data for d in down])
+        scales = (None, None)
+        if gate_up[0].fp8_block is not None:
+            scales = (torch.stack([g.weight_scale_inv.data for g in gate_up]),
+                      torch.stack([d.weight_scale_inv.data for d in down]))
+        self._moe = moe
+        self._packed = moe.prepare(w13, w2, *scales)
+        self.experts = nn.ModuleList()
+        if self.shared_experts is not None:
+            self.shared_experts.finalize(gemm)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        if self._moe is None:
+            raise RuntimeError("DeepseekMoE used before finalize()")
+        router_logits = F.linear(x.float(), self.gate.float())
+        weights, ids = self._moe.route(router_logits, self.e_score_correction_bias)
+        out = self._moe.forward(x, self._packed, ids, weights, self.routed_scaling_factor)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class MLAAttention(nn.Module):
+    """Multi-head latent attention. Per token: q (through the q LoRA when q_lora_rank is set), a
+    compressed latent c_kv [R] and a shared rope key [P]; only latent + rope key are cached.
+
+    MHA (prefill): K/V de-compressed from latents by kv_b_proj, ragged causal attention.
+    MHA_CHUNKED_KV: the cached prefix de-compressed chunk by chunk, merged by log-sum-exp.
+    MLA (decode, verify, short-prefix extend): W_UK absorbed into q, MQA over the latent cache,
+    W_UV applied to the latent-space output.
+    """
+
+    def __init__(self, p: Parameters, layer_id: int) -> None:
+        super().__init__()
+        c = p.config
+        self.layer_id = layer_id
+        self.num_heads, self.kv_lora_rank, self.rope_dim = c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim
+        self.nope_dim, self.v_dim, self.q_lora_rank = c.qk_nope_head_dim, c.v_head_dim, c.q_lora_rank
+        q_out, kv_a_out = c.num_attention_heads * c.qk_head_dim, c.kv_lora_rank + c.qk_rope_head_dim
+        if c.q_lora_rank is not None:
+            # q_a_proj and kv_a_proj_with_mqa read the same input: one GEMM.
+            self.fused_qkv_a_proj = p.linear(c.hidden_size, c.q_lora_rank, kv_a_out)
+            self.q_a_layernorm = p.norm(c.q_lora_rank, eps=1e-6)
+            self.q_b_proj = p.linear(c.q_lora_rank, q_out)
+        else:
+            self.q_proj = p.linear(c.hidden_size, q_out)
+            self.kv_a_proj_with_mqa = p.linear(c.hidden_size, kv_a_out)
+        self.kv_a_layernorm = p.norm(c.kv_lora_rank, eps=1e-6)
+        self.kv_b_proj = p.linear(c.kv_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim))
+        self.o_proj = p.linear(c.num_attention_heads * c.v_head_dim, c.hidden_size)
+        self.rotary = RotaryEmbedding(c.qk_rope_head_dim, c.rope_theta, c.rope_scaling, p.device)
+        self.w_kc: torch.Tensor  # [H, nope, R], set at finalize
+        self.w_vc: torch.Tensor  # [H, R, v]
+
+    def checkpoint_tensors(self, prefix: str) -> dict[str, CheckpointTensor]:
+        if self.q_lora_rank is not None:
+            tensors = _linear_tensors(prefix, self.fused_qkv_a_proj, ["q_a_proj", "kv_a_proj_with_mqa"])
+            tensors |= _linear_tensors(prefix, self.q_b_proj, ["q_b_proj"])
+            w = self.q_a_layernorm.weight
+            tensors[f"{prefix}.q_a_layernorm.weight"] = CheckpointTensor(tuple(w.shape), _copy_into(w))
+        else:
+            tensors = _linear_tensors(prefix, self.q_proj, ["q_proj"])
+            tensors |= _linear_tensors(prefix, self.kv_a_proj_with_mqa, ["kv_a_proj_with_mqa"])
+        w = self.kv_a_layernorm.weight
+        tensors[f"{prefix}.kv_a_layernorm.weight"] = CheckpointTensor(tuple(w.shape), _copy_into(w))
+        tensors |= _linear_tensors(prefix, self.kv_b_proj, ["kv_b_proj"])
+        tensors |= _linear_tensors(prefix, self.o_proj, ["o_proj"])
+        return tensors
+
+    def finalize(self, gemm: Fp8GemmBackend | None) -> None:
+        for layer in self.children():
+            if isinstance(layer, Linear):
+                layer.finalize(gemm)
+        w_kv = self.kv_b_proj.dequantized_weight().view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        self.w_kc = w_kv[:, : self.nope_dim].contiguous()
+        self.w_vc = w_kv[:, self.nope_dim :].transpose(1, 2).contiguous()
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend
+    ) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        t, h = x.shape[0], self.num_heads
+        if self.q_lora_rank is not None:
+            q_a, kv_a = self.fused_qkv_a_proj(x).split([self.q_lora_rank, self.kv_lora_rank + self.rope_dim], -1)
+            q = self.q_b_proj(self.q_a_layernorm(q_a))
+        else:
+            q, kv_a = self.q_proj(x), self.kv_a_proj_with_mqa(x)
+        q_nope, q_rope = q.view(t, h, -1).split([self.nope_dim, self.rope_dim], dim=-1)
+        latent, k_rope = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        q_rope, k_rope = self.rotary(positions, q_rope, k_rope)
+        attn.set_kv(self.layer_id, batch.out_cache_loc, latent, k_rope)
+
+        method = batch.attn_method or AttnForwardMethod.MLA
+        if method is AttnForwardMethod.MLA:
+            q_absorbed = torch.bmm(q_nope.transpose(0, 1), self.w_kc).transpose(0, 1)  # [T, H, R]
+            out_latent = attn.forward_mla(q_absorbed, q_rope, self.layer_id)  # [T, H, R]
+            out = torch.bmm(out_latent.transpose(0, 1), self.w_vc).transpose(0, 1)  # [T, H, v]
+        else:
+            out = self._mha(torch.cat([q_nope, q_rope], dim=-1), latent, k_rope, batch, attn)
+        return self.o_proj(out.reshape(t, h * self.v_dim))
+
+    def _mha(self, q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, batch: ForwardBatch,
+             attn: AttentionBackend) -> torch.Tensor:
+        pool = batch.kv_pool
+        if batch.sequence_slots is not None:  # one shot over prefix + new tokens, read back from the pool
+            rows = pool.gather(self.layer_id, batch.sequence_slots)
+            latent, k_rope = rows[:, : self.kv_lora_rank].to(q.dtype), rows[:, self.kv_lora_rank :].to(q.dtype)
+        out, lse = attn.forward_mha(q, *self._decompress(latent, k_rope))
+        for i, chunk in enumerate(batch.prefix_chunks):
+            rows = pool.gather(self.layer_id, chunk.slots).to(q.dtype)
+            k, v = self._decompress(rows[:, : self.kv_lora_rank], rows[:, self.kv_lora_rank :])
+            chunk_out, chunk_lse = attn.forward_mha(q, k, v, prefix_chunk=i)
+            out, lse = attn.merge_attn_states(out, lse, chunk_out, chunk_lse)
+        return out
+
+    def _decompress(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """latent [n, R], k_rope [n, P] -> k [n, H, nope + P], v [n, H, v] through kv_b_proj."""
+        n, h = latent.shape[0], self.num_heads
+        k_nope, v = self.kv_b_proj(latent).view(n, h, -1).split([self.nope_dim, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_rope[:, None, :].expand(n, h, self.rope_dim)], dim=-1)
+        return k, v
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, p: Parameters, layer_id: int) -> None:
+        super().__init__()
+        self.input_layernorm = p.norm(p.config.hidden_size)
+        self.self_attn = MLAAttention(p, layer_id)
+        self.post_attention_layernorm = p.norm(p.config.hidden_size)
+        self.mlp: DenseMLP | DeepseekMoE = (
+            DeepseekMoE(p) if p.config.is_moe_layer(layer_id) else DenseMLP(p, p.config.intermediate_size)
+        )
+
+    def checkpoint_tensors(self, prefix: str) -> dict[str, CheckpointTensor]:
+        tensors = self.self_attn.checkpoint_tensors(f"{prefix}.self_attn")
+        tensors |= self.mlp.checkpoint_tensors(f"{prefix}.mlp")
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            w = getattr(self, name).weight
+            tensors[f"{prefix}.{name}.weight"] = CheckpointTensor(tuple(w.shape), _copy_into(w))
+        return tensors
+
+    def finalize(self, backends: ModelBackends) -> None:
+        self.self_attn.finalize(backends.gemm)
+        if isinstance(self.mlp, DeepseekMoE):
+            if backends.moe is None:
+                raise ValueError("a DeepSeekMoE layer needs an MoE backend")
+            self.mlp.finalize(backends.moe, backends.gemm)
+        else:
+            self.mlp.finalize(backends.gemm)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch,
+                attn: AttentionBackend) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), batch, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class NextNLayer(nn.Module):
+    """DeepSeek-V3's multi-token-prediction layer: from the main model's last hidden state at position
+    i and the embedding of token i + 1, a full decoder layer predicts token i + 2. Checkpoint prefix:
+    `model.layers.{num_hidden_layers}`. The embedding and head are the main model's (the checkpoint
+    repeats them; the copies are checked for shape and dropped)."""
+
+    def __init__(self, p: Parameters, layer_id: int) -> None:
+        super().__init__()
+        hidden = p.config.hidden_size
+        self.enorm, self.hnorm = p.norm(hidden), p.norm(hidden)
+        self.eh_proj = p.linear(2 * hidden, hidden)
+        self.layer = DecoderLayer(p, layer_id)
+        self.final_norm = p.norm(hidden)
+
+    def checkpoint_tensors(self, prefix: str, vocab_size: int) -> dict[str, CheckpointTensor]:
+        tensors = self.layer.checkpoint_tensors(prefix) | _linear_tensors(prefix, self.eh_proj, ["eh_proj"])
+        for name, norm in (("enorm", self.enorm), ("hnorm", self.hnorm), ("shared_head.norm", self.final_norm)):
+            tensors[f"{prefix}.{name}.weight"] = CheckpointTensor(tuple(norm.weight.shape), _copy_into(norm.weight))
+        shared = (vocab_size, self.enorm.weight.shape[0])
+        for name in ("embed_tokens.weight", "shared_head.head.weight"):
+            tensors[f"{prefix}.{name}"] = CheckpointTensor(shared, lambda n, t, s: None)
+        return tensors
+
+    def forward(self, positions: torch.Tensor, embeddings: torch.Tensor, hidden: torch.Tensor,
+                batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        """embeddings [T, hidden] of the next tokens, hidden [T, hidden] of the main model -> [T, hidden],
+        normed for the shared lm head."""
+        x = self.eh_proj(torch.cat([self.enorm(embeddings), self.hnorm(hidden)], dim=-1))
+        return self.final_norm(self.layer(positions, x, batch, attn))
+
+
+class DeepseekForCausalLM(nn.Module):
+    """The decoder stack plus lm head. KV-pool layer ids: decoder layers 0..L-1, then the NextN layer."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                 with_nextn: bool = False) -> None:
+        super().__init__()
+        p = Parameters(config, dtype, device)
+        self.config = config
+        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype,
+                                                     device=device), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(p, i) for i in range(config.num_hidden_layers))
+        self.norm = p.norm(config.hidden_size)
+        self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
+                                    requires_grad=False)
+        self.nextn = NextNLayer(p, config.num_hidden_layers) if with_nextn else None
+        self.backends: ModelBackends | None = None
+
+    @property
+    def num_kv_layers(self) -> int:
+        return len(self.layers) + (self.nextn is not None)
+
+    def checkpoint_tensors(self, checkpoint_layers: int | None = None) -> dict[str, CheckpointTensor]:
+        """Every tensor the checkpoint must provide, by its Hugging Face name. `checkpoint_layers`: the
+        checkpoint's decoder-layer count (its NextN layer follows them), when the model keeps fewer."""
+        tensors = {
+            "model.embed_tokens.weight": CheckpointTensor(tuple(self.embed_tokens.shape),
+                                                          _copy_into(self.embed_tokens)),
+            "model.norm.weight": CheckpointTensor(tuple(self.norm.weight.shape), _copy_into(self.norm.weight)),
+        }
+        if not self.config.tie_word_embeddings:
+            tensors["lm_head.weight"] = CheckpointTensor(tuple(self.lm_head.shape), _copy_into(self.lm_head))
+        for i, layer in enumerate(self.layers):
+            tensors |= layer.checkpoint_tensors(f"model.layers.{i}")
+        if self.nextn is not None:
+            mtp_index = checkpoint_layers if checkpoint_layers is not None else self.config.num_hidden_layers
+            tensors |= self.nextn.checkpoint_tensors(f"model.layers.{mtp_index}", self.config.vocab_size)
+        return tensors
+
+    def finalize(self, backends: ModelBackends) -> None:
+        """After loading: pack weights for the backends (FP8 GEMM layouts, stacked experts, W_UK / W_UV)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head = self.embed_tokens
+        for layer in self.layers:
+            layer.finalize(backends)
+        if self.nextn is not None:
+            self.nextn.layer.finalize(backends)
+            self.nextn.eh_proj.finalize(backends.gemm)
+        self.backends = backends
+
+    def _attention(self, batch: ForwardBatch) -> AttentionBackend:
+        if self.backends is None:
+            raise RuntimeError("model used before finalize()")
+        attn = self.backends.attention_for(batch.mode)
+        attn.plan(batch)
+        return attn
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """input_ids [T] int64 (the batch's new tokens) -> final hidden states [T, hidden], normed."""
+        attn = self._attention(batch)
+        x = F.embedding(input_ids, self.embed_tokens)
+        for layer in self.layers:
+            x = layer(batch.positions, x, batch, attn)
+        return self.norm(x)
+
+    def forward_nextn(self, next_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The MTP layer: next_ids [T] (token i + 1 for each position i of `batch`), hidden [T, hidden]
+        from `forward` -> [T, hidden] for `compute_logits` (predicting token i + 2)."""
+        if self.nextn is None:
+            raise RuntimeError("the model was built without its NextN layer")
+        attn = self._attention(batch)
+        return self.nextn(batch.positions, F.embedding(next_ids, self.embed_tokens), hidden, batch, attn)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden] -> logits [n, vocab] float32."""
+        return F.linear(hidden, self.lm_head).float()

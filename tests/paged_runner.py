@@ -1,0 +1,74 @@
+"""Runs a DeepseekForCausalLM request by request through the paged KV cache, the way the scheduler will."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from plugserve.core.config import ModelConfig
+from plugserve.core.dispatch import prepare_attention
+from plugserve.core.forward_batch import ForwardBatch, ForwardMode
+from plugserve.core.kv_cache import MLAKVPool, PageAllocator, pages_needed
+from plugserve.core.loader import load_model, read_config
+from plugserve.core.models.deepseek import DeepseekForCausalLM, ModelBackends
+from plugserve.plugins.attention.torch_ref import TorchRefAttention
+from plugserve.plugins.gemm.torch_ref import TorchRefFp8Gemm
+from plugserve.plugins.moe.torch_ref import TorchRefMoE
+
+
+@dataclass
+class Request:
+    tokens: list[int] = field(default_factory=list)  # every token whose KV is cached
+    pages: list[int] = field(default_factory=list)
+
+
+class PagedRunner:
+    def __init__(self, model: DeepseekForCausalLM, page_size: int = 4, num_pages: int = 256) -> None:
+        config = model.config
+        dtype, device = model.embed_tokens.dtype, model.embed_tokens.device
+        self.model, self.page_size, self.device = model, page_size, device
+        self.pool = MLAKVPool(model.num_kv_layers, num_pages, page_size, config.kv_lora_rank, config.qk_rope_head_dim,
+                              dtype, device)
+        self.allocator = PageAllocator(num_pages)
+        # Scramble page order, so that requests' pages are neither contiguous nor increasing.
+        self.allocator.alloc(num_pages)
+        self.allocator.free(torch.randperm(num_pages, generator=torch.Generator().manual_seed(0)).tolist())
+
+    @torch.no_grad()
+    def step(self, mode: ForwardMode, requests: list[Request], new_tokens: list[list[int]], **dispatch) -> torch.Tensor:
+        """Append `new_tokens[i]` to `requests[i]`, run one forward, return logits [sum(new), vocab] float32."""
+        for request, new in zip(requests, new_tokens, strict=True):
+            total = len(request.tokens) + len(new)
+            request.pages += self.allocator.alloc(pages_needed(total, self.page_size) - len(request.pages))
+        max_pages = max(len(r.pages) for r in requests)
+        block_table = torch.zeros(len(requests), max_pages, dtype=torch.int32)
+        for row, request in enumerate(requests):
+            block_table[row, : len(request.pages)] = torch.tensor(request.pages)
+        seq_lens = [len(r.tokens) + len(n) for r, n in zip(requests, new_tokens, strict=True)]
+        batch = ForwardBatch.build(mode, seq_lens, [len(n) for n in new_tokens], block_table.to(self.device), self.pool)
+        prepare_attention(batch, **dispatch)
+        ids = torch.tensor([t for n in new_tokens for t in n], dtype=torch.int64, device=self.device)
+        logits = self.model.compute_logits(self.model(ids, batch))
+        for request, new in zip(requests, new_tokens, strict=True):
+            request.tokens += new
+        self.last_batch = batch
+        return logits
+
+
+def reference_backends(config: ModelConfig, dtype: torch.dtype, device: str = "cpu") -> ModelBackends:
+    """The torch reference backend of every kind, built for `config`."""
+    dev = torch.device(device)
+    return ModelBackends(
+        attention_prefill=TorchRefAttention(config.attention_spec(dtype), dev),
+        attention_decode=TorchRefAttention(config.attention_spec(dtype), dev),
+        moe=TorchRefMoE(config.moe_spec(dtype), dev),
+        gemm=TorchRefFp8Gemm(config.gemm_spec(dtype), dev) if config.fp8_block else None,
+    )
+
+
+def load_reference_model(model_dir, dtype: torch.dtype = torch.float32, **read) -> DeepseekForCausalLM:
+    """read_config + load_model from `model_dir` on the CPU with the reference backends."""
+    config, checkpoint_layers = read_config(str(model_dir), None, **read)
+    return load_model(config, reference_backends(config, dtype), model_path=str(model_dir),
+                      checkpoint_layers=checkpoint_layers, load_format="auto", dtype=dtype, device=torch.device("cpu"))
