@@ -62,13 +62,15 @@ def reference_backends(config: ModelConfig, dtype: torch.dtype, device: str = "c
     return ModelBackends(
         attention_prefill=TorchRefAttention(config.attention_spec(dtype), dev),
         attention_decode=TorchRefAttention(config.attention_spec(dtype), dev),
-        moe=TorchRefMoE(config.moe_spec(dtype), dev),
+        moe=TorchRefMoE(config.moe_spec(dtype), dev) if config.n_routed_experts else None,
         gemm=TorchRefFp8Gemm(config.gemm_spec(dtype), dev) if config.fp8_block else None,
     )
 
 
-def load_reference_model(model_dir, dtype: torch.dtype = torch.float32, **read) -> DeepseekForCausalLM:
-    """read_config + load_model from `model_dir` on the CPU with the reference backends."""
+def load_reference_model(model_dir, dtype: torch.dtype = torch.float32, load_format: str = "auto",
+                         **read) -> DeepseekForCausalLM:
+    """read_config(**read) + load_model from `model_dir` on the CPU with the reference backends."""
     config, checkpoint_layers = read_config(str(model_dir), None, **read)
     return load_model(config, reference_backends(config, dtype), model_path=str(model_dir),
-                      checkpoint_layers=checkpoint_layers, load_format="auto", dtype=dtype, device=torch.device("cpu"))
+                      checkpoint_layers=checkpoint_layers, load_format=load_format, dtype=dtype,
+                      device=torch.device("cpu"))

@@ -22,6 +22,9 @@ from plugserve.core.layers.quant import FP8_DTYPE, FP8_MAX
 from plugserve.core.models.deepseek import DeepseekForCausalLM, ModelBackends
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+# With no --model-path or --model-preset: the "tiny" preset's random weights with the tokenizer that ships
+# in plugserve/assets/embedded_model (their vocabularies and special-token ids agree).
+EMBEDDED_MODEL_PRESET = "tiny"
 INDEX_FILE = "model.safetensors.index.json"
 SCALE_SUFFIX = "_scale_inv"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -71,6 +74,8 @@ def load_checkpoint(model: DeepseekForCausalLM, checkpoint: SafetensorsCheckpoin
     kept_layers = set(range(model.config.num_hidden_layers))
     if model.nextn is not None:
         kept_layers.add(checkpoint_layers)
+    # Layers the checkpoint has but the model leaves out (--num-layers, an unused NextN layer).
+    skipped_layers = set(range(checkpoint_layers + model.config.num_nextn_predict_layers)) - kept_layers
     used = set()
     for name, target in tqdm(expected.items(), desc="loading weights", unit="tensor", disable=None):
         scale_name = name + SCALE_SUFFIX
@@ -79,7 +84,7 @@ def load_checkpoint(model: DeepseekForCausalLM, checkpoint: SafetensorsCheckpoin
         used.update((name, scale_name))
     unexpected = sorted(
         name for name in available - used
-        if not ((m := _LAYER.match(name)) and int(m.group(1)) not in kept_layers) and not name.endswith("inv_freq")
+        if not ((m := _LAYER.match(name)) and int(m.group(1)) in skipped_layers) and not name.endswith("inv_freq")
     )
     if unexpected:
         raise WeightLoadError(f"{checkpoint.model_dir}: {len(unexpected)} tensors the model does not have: "
@@ -92,11 +97,18 @@ def init_dummy_weights(model: DeepseekForCausalLM, seed: int = 0, std: float = 0
     generator = torch.Generator(device="cpu").manual_seed(seed)
     fp8_spread = FP8_MAX / 4  # keeps e4m3 values well inside the +-448 range
 
+    chunk = 2**24  # elements drawn at once: one reused float32 buffer, not a copy of each weight
+    buffer = torch.empty(chunk)
+
     def fill(param: torch.Tensor, scale: float) -> None:
-        # Chunked so that a 7168 x 18432 weight never needs a float32 copy of itself.
-        for rows in param.data.split(max(1, 2**24 // max(1, param.shape[-1]))):
-            values = torch.randn(rows.shape, generator=generator) * scale
-            rows.copy_(values.clamp(-FP8_MAX, FP8_MAX) if rows.dtype == FP8_DTYPE else values)
+        flat = param.data.view(-1)
+        for start in range(0, flat.numel(), chunk):
+            n = min(chunk, flat.numel() - start)
+            values = buffer[:n]
+            torch.randn(n, generator=generator, out=values).mul_(scale)
+            if flat.dtype == FP8_DTYPE:
+                values.clamp_(-FP8_MAX, FP8_MAX)
+            flat[start : start + n].copy_(values)
 
     for module in model.modules():
         if isinstance(module, Linear):
@@ -125,13 +137,12 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def read_config(model_path: str | None, model_preset: str | None, quantization: str | None = None,
                 num_layers: int | None = None) -> tuple[ModelConfig, int]:
-    """The model's config (from --model-path, else --model-preset) and its checkpoint's layer count."""
+    """The model's config (from --model-path, else --model-preset, else the embedded default model) and
+    its checkpoint's layer count."""
     if model_path is not None:
         config = ModelConfig.from_pretrained(model_path)
-    elif model_preset is not None:
-        config = preset_config(model_preset)
     else:
-        raise ValueError("give --model-path or --model-preset")
+        config = preset_config(model_preset or EMBEDDED_MODEL_PRESET)
     checkpoint_layers = config.num_hidden_layers
     if quantization not in (None, "fp8"):
         raise ValueError(f"--quantization {quantization!r} is not supported (choose from fp8)")

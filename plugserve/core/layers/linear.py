@@ -65,6 +65,8 @@ class Linear(nn.Module):
             raise WeightLoadError(f"{name}: shape {tuple(weight.shape)} does not match the model's "
                                   f"{(rows, self.in_features)}")
         is_fp8 = weight.dtype == FP8_DTYPE
+        if scale_inv is not None and not is_fp8:
+            raise WeightLoadError(f"{name} is {weight.dtype} but the checkpoint also has {name}_scale_inv")
         if is_fp8:
             if self.fp8_block is None:
                 raise WeightLoadError(f"{name} is float8_e4m3fn but the model's config has no FP8 quantization_config")
