@@ -22,6 +22,7 @@ from plugserve.core.forward_batch import ForwardMode, Phase
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import KINDS, Kind
 from plugserve.registry import BATCH_BUCKETS, Registry, SelectionError, get_registry
+from plugserve.server.launch import add_server_args, server_args_from
 
 # (mode, prefix lengths, new-token lengths) that show each branch of the MLA dispatch rule.
 DISPATCH_EXAMPLES: list[tuple[ForwardMode, list[int], list[int]]] = [
@@ -158,7 +159,18 @@ def build_parser() -> argparse.ArgumentParser:
                           help="also say why auto picks each backend, and show the MLA dispatch rule")
     backends.add_argument("--device", default=None, help="torch device to describe (default: cuda if present)")
     backends.set_defaults(run=backends_command)
+    serve = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                                description="Serve a DeepSeek-V2/V3 model over an OpenAI-compatible HTTP API.")
+    add_server_args(serve)
+    serve.set_defaults(run=lambda args: serve_command(args, serve))
     return parser
+
+
+def serve_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from plugserve.server.launch import serve
+
+    serve(server_args_from(args, parser))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,189 @@
+"""Engine: plugserve in-process. The server, the benchmarks and the tests drive it.
+
+    engine = Engine(ServerArgs(model_path=...))
+    engine.generate("The capital of France is", SamplingParams(max_new_tokens=16, temperature=0))
+
+A background thread owns the scheduler; callers submit requests and receive `RequestOutput`
+increments through a callback (`stream`, `stream_async` and `generate` are built on it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+
+from plugserve.core.metrics import Metrics
+from plugserve.core.model_runner import ModelRunner
+from plugserve.core.radix_cache import RadixCache
+from plugserve.core.request import FinishReason, Request, RequestOutput, TokenLogprob
+from plugserve.core.sampling import SamplingParams, make_generator
+from plugserve.core.scheduler import Scheduler
+from plugserve.core.server_args import ServerArgs
+from plugserve.core.tokenizer import EMBEDDED_MODEL_DIR, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | Sequence[int]
+
+
+@dataclass
+class GenerateResult:
+    """A finished request, accumulated from its increments."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    matched_stop: str | int | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+
+    def add(self, output: RequestOutput) -> None:
+        self.text += output.text
+        self.token_ids += output.token_ids
+        self.logprobs += output.logprobs
+        self.finish_reason, self.matched_stop = output.finish_reason, output.matched_stop
+        self.prompt_tokens, self.completion_tokens = output.prompt_tokens, output.completion_tokens
+        self.cached_tokens, self.error = output.cached_tokens, output.error
+
+
+class Engine:
+    def __init__(self, args: ServerArgs | None = None) -> None:
+        self.args = args = args or ServerArgs()
+        self.runner = ModelRunner(args)
+        self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path or EMBEDDED_MODEL_DIR)
+        config = self.runner.config
+        eos = set(config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.metrics = Metrics()
+        self.radix = RadixCache(self.runner.allocator, self.runner.page_size, enabled=not args.disable_radix_cache)
+        self.scheduler = Scheduler(self.runner, self.radix, self.tokenizer, self.metrics)
+        self.model_name = args.served_model_name or args.model_path or args.model_preset or "plugserve-embedded"
+        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="plugserve-scheduler", daemon=True)
+        self._thread.start()
+
+    # -- the scheduler thread ------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stopped:
+            while not self._inbox.empty():
+                self._inbox.get()()
+            if self.scheduler.has_work:
+                self.scheduler.step()
+            else:
+                self._wake.wait(0.05)
+                self._wake.clear()
+        self.scheduler.shutdown()
+
+    def _call_in_loop(self, command: Callable[[], None]) -> None:
+        self._inbox.put(command)
+        self._wake.set()
+
+    # -- requests ------------------------------------------------------------------------------------
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt (text gets the tokenizer's special tokens, e.g. BOS). Raises ValueError
+        for an empty prompt, ids outside the vocabulary, or a prompt the context or KV pool cannot hold."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.runner.config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(ids) >= self.runner.context_length:
+            raise ValueError(f"the prompt has {len(ids)} tokens, over this model's context length of "
+                             f"{self.runner.context_length} (prompt and output together)")
+        if len(ids) + 1 > self.runner.max_total_tokens:
+            raise ValueError(f"the prompt has {len(ids)} tokens, more than the KV cache holds "
+                             f"({self.runner.max_total_tokens})")
+        return ids
+
+    def submit(self, prompt: Prompt, params: SamplingParams, on_output: Callable[[RequestOutput], None],
+               rid: str | None = None) -> str:
+        """Queue one request (n must be 1 here: `generate` and the server expand n). Returns its id."""
+        params.validate()
+        ids = self.tokenize(prompt)
+        rid = rid or uuid.uuid4().hex
+        request = Request(rid, ids, params, on_output, self.eos_token_ids,
+                          make_generator(params.seed, self.runner.device))
+        self._call_in_loop(lambda: self.scheduler.add(request))
+        return rid
+
+    def abort(self, rid: str) -> None:
+        self._call_in_loop(lambda: self.scheduler.abort(rid))
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        outputs: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+        self.submit(prompt, params or SamplingParams(), outputs.put)
+        while True:
+            output = outputs.get()
+            yield output
+            if output.finished:
+                return
+
+    async def stream_async(self, prompt: Prompt, params: SamplingParams, rid: str | None = None
+                           ) -> AsyncIterator[RequestOutput]:
+        """As `stream`, for asyncio callers. Closing the iterator early aborts the request."""
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        rid = self.submit(prompt, params, lambda o: loop.call_soon_threadsafe(outputs.put_nowait, o), rid)
+        finished = False
+        try:
+            while not finished:
+                output = await outputs.get()
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None
+                 ) -> list[GenerateResult]:
+        """Run prompts to completion, n samples each: len(prompts) * n results, prompt-major."""
+        params = params or SamplingParams()
+        params.validate()
+        single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
+        batch = [prompts] if single else list(prompts)
+        results = [GenerateResult() for _ in range(len(batch) * params.n)]
+        done = threading.Semaphore(0)
+
+        def collect(result: GenerateResult) -> Callable[[RequestOutput], None]:
+            def on_output(output: RequestOutput) -> None:
+                result.add(output)
+                if output.finished:
+                    done.release()
+            return on_output
+
+        for result, (prompt, sample_params) in zip(results, itertools.product(batch, self.expand(params)),
+                                                   strict=True):
+            self.submit(prompt, sample_params, collect(result))
+        for _ in results:
+            done.acquire()
+        return results
+
+    @staticmethod
+    def expand(params: SamplingParams) -> list[SamplingParams]:
+        """n samples as n requests with n = 1; seeded ones get seeds seed, seed + 1, ..."""
+        return [replace(params, n=1, seed=None if params.seed is None else params.seed + i) for i in range(params.n)]
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopped
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join()

@@ -1,0 +1,68 @@
+"""Prometheus metrics of one engine (its own registry, so that several engines in one process, as in
+the tests, do not collide): request counts, token throughput, TTFT / ITL / end-to-end latency, queue
+sizes, KV usage and the prefix-cache hit rate."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from plugserve.core.forward_batch import ForwardMode
+
+if TYPE_CHECKING:
+    from plugserve.core.request import Request
+    from plugserve.core.scheduler import Scheduler
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("plugserve_requests", "Finished requests", ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("plugserve_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.generation_tokens = Counter("plugserve_generation_tokens", "Tokens generated", registry=r)
+        self.cached_prompt_tokens = Counter("plugserve_cached_prompt_tokens",
+                                            "Prompt tokens served from the prefix cache", registry=r)
+        self.retractions = Counter("plugserve_retractions", "Requests retracted when the KV pool ran out", registry=r)
+        self.running = Gauge("plugserve_num_running_requests", "Requests running", registry=r)
+        self.waiting = Gauge("plugserve_num_waiting_requests", "Requests waiting", registry=r)
+        self.kv_usage = Gauge("plugserve_kv_cache_usage", "Fraction of KV pages in use or cached", registry=r)
+        self.cache_hit_rate = Gauge("plugserve_cache_hit_rate", "Prefix-cache hit rate over prompt tokens",
+                                    registry=r)
+        self.throughput = Gauge("plugserve_gen_throughput", "Generated tokens per second (last batches)", registry=r)
+        self.ttft = Histogram("plugserve_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
+                              registry=r)
+        self.itl = Histogram("plugserve_inter_token_latency_seconds", "Inter-token latency", buckets=LATENCY_BUCKETS,
+                             registry=r)
+        self.e2e = Histogram("plugserve_e2e_request_latency_seconds", "End-to-end request latency",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self._window_start = time.perf_counter()
+        self._window_tokens = 0
+
+    def observe_batch(self, mode: ForwardMode, num_tokens: int, scheduler: Scheduler) -> None:
+        if mode is ForwardMode.EXTEND:
+            self.prompt_tokens.inc(num_tokens)
+        else:
+            self.generation_tokens.inc(num_tokens)
+            self._window_tokens += num_tokens
+        now = time.perf_counter()
+        if now - self._window_start >= 1.0:
+            self.throughput.set(self._window_tokens / (now - self._window_start))
+            self._window_start, self._window_tokens = now, 0
+        self.running.set(scheduler.num_running)
+        self.waiting.set(len(scheduler.waiting))
+        allocator = scheduler.runner.allocator
+        self.kv_usage.set(1 - allocator.num_free / allocator.num_pages)
+        self.cache_hit_rate.set(scheduler.radix.hit_rate)
+
+    def observe_finish(self, request: Request) -> None:
+        self.requests.labels(str(request.finish_reason)).inc()
+        self.cached_prompt_tokens.inc(request.cached_tokens)
+        self.e2e.observe(time.perf_counter() - request.arrival_time)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

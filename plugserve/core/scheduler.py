@@ -1,0 +1,404 @@
+"""Continuous batching: prefill (EXTEND) batches with chunked prefill and prefix reuse, DECODE batches
+of every running request, retraction when the KV pool runs dry, and overlap of the CPU's scheduling
+with the device's forward.
+
+One thread owns a Scheduler. `step()` plans one batch, runs it and processes what came out. With
+overlap on, the forward of batch i runs on a worker thread while this thread processes batch i-1's
+tokens and plans batch i+1, whose decode inputs are batch i's sampled tokens still on the device.
+Requests batch i finishes ride along in batch i+1 once more; that extra token is dropped, so the
+outputs are the same with and without overlap.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from plugserve.core.forward_batch import ForwardBatch, ForwardMode
+from plugserve.core.kv_cache import pages_needed
+from plugserve.core.metrics import Metrics
+from plugserve.core.model_runner import ModelRunner
+from plugserve.core.radix_cache import RadixCache
+from plugserve.core.request import PENDING, FinishReason, Request, RequestOutput, TokenLogprob
+from plugserve.core.sampling import SampleOutput, sample
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledBatch:
+    mode: ForwardMode
+    requests: list[Request]
+    extend_lens: list[int]  # new tokens per request
+    sampled: list[bool]  # whether each request gets a token from this forward (False mid chunked prefill)
+    forward_batch: ForwardBatch
+    input_ids: torch.Tensor  # [T] int64 on the device
+    sample_rows: torch.Tensor  # [sum(sampled)] rows of the new tokens whose logits are sampled
+    # Overlap: (input row, sampled row of the batch in flight) for inputs that batch is still producing
+    resolve: list[tuple[int, int]]
+
+
+@dataclass
+class BatchResult:
+    token_ids: torch.Tensor  # [sum(sampled)] int64, on the device
+    sample: SampleOutput
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, radix: RadixCache, tokenizer, metrics: Metrics | None = None) -> None:
+        args = runner.args
+        self.runner, self.radix, self.tokenizer, self.metrics = runner, radix, tokenizer, metrics
+        self.page_size = runner.page_size
+        self.max_running = args.max_running_requests or (256 if runner.device.type == "cuda" else 64)
+        self.chunk_size = args.chunked_prefill_size if args.chunked_prefill_size > 0 else None
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.chunked: Request | None = None  # mid chunked prefill: first in the next prefill batch
+        self.overlap = not args.disable_overlap_schedule
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="plugserve-forward") if self.overlap else None
+        self._in_flight: tuple[ScheduledBatch, Future[BatchResult]] | None = None
+
+    # -- requests ------------------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def abort(self, rid: str) -> None:
+        for request in [*self.waiting, *self.running, *([self.chunked] if self.chunked else [])]:
+            if request.rid == rid and not request.finished:
+                self._finish(request, FinishReason.ABORT)
+        self._drop_finished()
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked or self._in_flight)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running) + (self.chunked is not None)
+
+    # -- the loop ------------------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """Plan, run and process one batch (with overlap: launch one, process the previous one)."""
+        if not self.overlap:
+            batch = self._schedule()
+            if batch is not None:
+                future: Future[BatchResult] = Future()
+                try:
+                    future.set_result(self._run(batch, None))
+                except Exception as exc:  # one failing batch must not stop the server
+                    future.set_exception(exc)
+                self._finish_batch(batch, future)
+            return
+        previous = self._in_flight
+        # Planned before the batch in flight is processed: its tokens are PENDING inputs here.
+        batch = self._schedule()
+        if batch is not None:
+            prior = previous[1] if previous is not None else None
+            self._in_flight = (batch, self._executor.submit(self._run, batch, prior))  # type: ignore[union-attr]
+        else:
+            self._in_flight = None
+        if previous is not None:
+            self._finish_batch(*previous)
+
+    def _finish_batch(self, batch: ScheduledBatch, future: Future[BatchResult]) -> None:
+        try:
+            result = future.result()
+        except Exception as exc:
+            logger.exception("a %s batch of %d requests failed", batch.mode.name, len(batch.requests))
+            self.fail_batch(batch.requests, f"{type(exc).__name__}: {exc}")
+            return
+        self._process(batch, result)
+
+    def shutdown(self) -> None:
+        if self._in_flight is not None:
+            self._finish_batch(*self._in_flight)
+            self._in_flight = None
+        if self._executor is not None:
+            self._executor.shutdown()
+
+    # -- planning ------------------------------------------------------------------------------------
+
+    def _schedule(self) -> ScheduledBatch | None:
+        self._drop_finished()
+        return self._schedule_extend() or self._schedule_decode()
+
+    def _pages_available(self) -> int:
+        return self.runner.allocator.num_free + self.radix.evictable_pages
+
+    def _schedule_extend(self) -> ScheduledBatch | None:
+        budget = self.chunk_size if self.chunk_size is not None else 1 << 62
+        candidates = ([self.chunked] if self.chunked else []) + list(self.waiting)
+        requests: list[Request] = []
+        lens: list[int] = []
+        for request in candidates:
+            if request is not self.chunked and len(self.running) + len(requests) >= self.max_running:
+                break
+            fresh = request.cached_len == 0 and not request.pages
+            if fresh:
+                self._reuse_prefix(request)
+            # Pages it may take: free and evictable ones, less one per running request for its next decode step.
+            spare = self._pages_available() - len(self.running) - len(requests)
+            room = (len(request.pages) + spare) * self.page_size - request.cached_len
+            n = min(request.seq_len - request.cached_len, budget, room)
+            if n <= 0:
+                if fresh:  # a waiting request holds no KV: give the matched prefix back
+                    self._release(request)
+                    request.cached_len = 0
+                break
+            request.pages += self.radix.alloc(pages_needed(request.cached_len + n, self.page_size) - len(request.pages))
+            requests.append(request)
+            lens.append(n)
+            budget -= n
+            if budget <= 0:
+                break
+        if not requests:
+            return None
+        self.chunked = None
+        sampled = []
+        for request, n in zip(requests, lens, strict=True):
+            if request in self.waiting:
+                self.waiting.remove(request)
+            done = request.cached_len + n == request.seq_len
+            sampled.append(done)
+            if done:
+                self.running.append(request)
+            else:
+                self.chunked = request
+        ids = [t for r, n in zip(requests, lens, strict=True) for t in r.all_ids[r.cached_len : r.cached_len + n]]
+        return self._build(ForwardMode.EXTEND, requests, lens, sampled, torch.tensor(ids, dtype=torch.int64))
+
+    def _reuse_prefix(self, request: Request) -> None:
+        # At least one token is left to compute: its logits give the next token.
+        match = self.radix.match_prefix(request.all_ids[: request.seq_len - 1])
+        if match.num_tokens:
+            self.radix.lock(match.node)
+            request.prefix_node = match.node
+            request.pages = list(match.pages)
+            request.cached_len = match.num_tokens
+        if not request.output_ids:
+            request.cached_tokens = match.num_tokens
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        if not self.running:
+            return None
+        # Every running request needs a slot for its last token; retract the newest until they all fit.
+        while True:
+            need = sum(pages_needed(r.seq_len, self.page_size) - len(r.pages) for r in self.running)
+            if need <= self._pages_available() or len(self.running) == 1:
+                break
+            self._retract(max(self.running, key=lambda r: r.arrival_time))
+        for request in list(self.running):
+            missing = pages_needed(request.seq_len, self.page_size) - len(request.pages)
+            if missing > self._pages_available():  # alone and still too long for the whole pool
+                logger.warning("request %s needs more KV than the pool holds: stopping it", request.rid)
+                self._finish(request, FinishReason.LENGTH)
+                continue
+            request.pages += self.radix.alloc(missing)
+        self._drop_finished()
+        if not self.running:
+            return None
+        requests = list(self.running)
+        last = torch.tensor([r.all_ids[-1] for r in requests], dtype=torch.int64)
+        return self._build(ForwardMode.DECODE, requests, [1] * len(requests), [True] * len(requests), last)
+
+    def _retract(self, request: Request) -> None:
+        """Give a running request's KV back (its full pages stay in the prefix cache) and queue it first:
+        it resumes later by prefilling prompt + output so far."""
+        logger.info("KV pool full: retracting request %s (%d tokens)", request.rid, request.seq_len)
+        self.running.remove(request)
+        self._release(request)
+        request.cached_len = 0
+        self.waiting.appendleft(request)
+        if self.metrics:
+            self.metrics.retractions.inc()
+
+    def _build(self, mode: ForwardMode, requests: list[Request], lens: list[int], sampled: list[bool],
+               input_ids: torch.Tensor) -> ScheduledBatch:
+        device = self.runner.device
+        max_pages = max(len(r.pages) for r in requests)
+        block_table = torch.zeros(len(requests), max_pages, dtype=torch.int32)
+        for row, request in enumerate(requests):
+            block_table[row, : len(request.pages)] = torch.tensor(request.pages, dtype=torch.int32)
+        seq_lens = [r.cached_len + n for r, n in zip(requests, lens, strict=True)]
+        batch = ForwardBatch.build(mode, seq_lens, lens, block_table.to(device), self.runner.pool)
+        self.runner.prepare(batch)
+        ends = torch.tensor(lens).cumsum(0) - 1
+        rows = ends[torch.tensor(sampled, dtype=torch.bool)]
+        # Inputs still being sampled by the batch in flight: the last token of a decoding request.
+        resolve = [(int(ends[i]), r.pending_row) for i, r in enumerate(requests) if r.all_ids[-1] == PENDING]
+        sample_row = 0
+        for request, n, is_sampled in zip(requests, lens, sampled, strict=True):
+            request.cached_len += n  # the KV of these tokens exists once the forward has run
+            if is_sampled:
+                request.output_ids.append(PENDING)
+                request.pending_row = sample_row
+                sample_row += 1
+        return ScheduledBatch(mode, requests, lens, sampled, batch, input_ids.to(device), rows.to(device), resolve)
+
+    # -- running -------------------------------------------------------------------------------------
+
+    def _run(self, batch: ScheduledBatch, prior: Future[BatchResult] | None) -> BatchResult:
+        input_ids = batch.input_ids
+        if batch.resolve:
+            assert prior is not None, "PENDING inputs without a batch in flight"
+            rows, sources = zip(*batch.resolve, strict=True)
+            input_ids = input_ids.clone()
+            input_ids[torch.tensor(rows, device=input_ids.device)] = prior.result().token_ids[
+                torch.tensor(sources, device=input_ids.device)]
+        logits = self.runner.forward(input_ids, batch.forward_batch, batch.sample_rows)
+        requests = [r for r, s in zip(batch.requests, batch.sampled, strict=True) if s]
+        if not requests:  # a prefill chunk in the middle of a prompt: nothing to sample
+            empty = torch.zeros(0, dtype=torch.int64, device=logits.device)
+            return BatchResult(empty, SampleOutput(empty, None, None, None))
+        # Penalties see the tokens known when the batch was planned (with overlap, not the one in flight).
+        sampled = sample(
+            logits,
+            [r.params for r in requests],
+            [r.prompt_ids for r in requests],
+            [r.output_ids[: r.num_resolved] for r in requests],
+            [r.generator for r in requests],
+        )
+        return BatchResult(sampled.token_ids, sampled)
+
+    # -- results -------------------------------------------------------------------------------------
+
+    def _process(self, batch: ScheduledBatch, result: BatchResult) -> None:
+        tokens = result.token_ids.tolist()
+        sample = result.sample
+        logprobs = sample.logprobs.tolist() if sample.logprobs is not None else None
+        top_ids = sample.top_logprob_ids.tolist() if sample.top_logprob_ids is not None else None
+        top_values = sample.top_logprob_values.tolist() if sample.top_logprob_values is not None else None
+        row = 0
+        for request, was_sampled in zip(batch.requests, batch.sampled, strict=True):
+            if was_sampled:
+                if not request.finished:  # finished by an earlier batch: this extra token is dropped
+                    self._append(request, tokens[row], logprobs, top_ids, top_values, row)
+                row += 1
+            if not request.finished:
+                self._cache_prefix(request)
+        if self.metrics:
+            self.metrics.observe_batch(batch.mode, sum(batch.extend_lens), self)
+        self._drop_finished()
+
+    def _append(self, request: Request, token: int, logprobs, top_ids, top_values, row: int) -> None:
+        """Put a sampled token in place of the request's first PENDING one and check the stop rules."""
+        params = request.params
+        index = request.num_resolved
+        request.output_ids[index] = token
+        if params.logprobs and logprobs is not None:
+            k = params.top_logprobs
+            top = tuple(zip(top_ids[row][:k], top_values[row][:k], strict=True)) if k and top_ids else ()
+            request.logprobs.append(TokenLogprob(token, logprobs[row], top))
+        if (not params.ignore_eos and token in request.eos_token_ids) or token in params.stop_token_ids:
+            request.finish_reason, request.matched_stop = FinishReason.STOP, token
+        elif index + 1 >= params.max_new_tokens or request.known_len >= self.runner.context_length:
+            request.finish_reason = FinishReason.LENGTH
+        self._emit(request)
+
+    def _emit(self, request: Request) -> None:
+        """Report new text: decoded output minus a trailing partial character or partial stop string."""
+        params = request.params
+        ids = request.output_ids[: request.num_resolved]
+        if request.finish_reason is FinishReason.STOP and isinstance(request.matched_stop, int):
+            ids = ids[:-1]  # the stop token itself is not text
+        text = self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+        for stop in params.stop:
+            at = text.find(stop, max(0, request.sent_text_len - len(stop)))
+            if at != -1 and not request.finished:
+                text, request.finish_reason, request.matched_stop = text[:at], FinishReason.STOP, stop
+        safe = len(text)
+        if not request.finished:
+            if text.endswith("\ufffd"):
+                safe = len(text.rstrip("\ufffd"))
+            for stop in params.stop:  # hold back what may become a stop string
+                for keep in range(min(len(stop) - 1, safe), 0, -1):
+                    if stop.startswith(text[safe - keep : safe]):
+                        safe -= keep
+                        break
+        now = time.perf_counter()
+        if request.first_token_time is None:
+            request.first_token_time = now
+            if self.metrics:
+                self.metrics.ttft.observe(now - request.arrival_time)
+        elif self.metrics and request.last_token_time is not None:
+            self.metrics.itl.observe(now - request.last_token_time)
+        request.last_token_time = now
+        new_text = text[request.sent_text_len : safe]
+        request.sent_text_len = max(request.sent_text_len, safe)
+        request.text = text
+        new_tokens = request.output_ids[request.sent_tokens : request.num_resolved]
+        new_logprobs = request.logprobs[request.sent_tokens :]
+        request.sent_tokens = request.num_resolved
+        if request.finished:
+            del request.output_ids[request.num_resolved :]  # tokens a later batch in flight is sampling
+            self._release(request)
+            if self.metrics:
+                self.metrics.observe_finish(request)
+        request.on_output(self._output(request, new_text, new_tokens, new_logprobs))
+
+    def _output(self, request: Request, text: str, token_ids: list[int], logprobs: list[TokenLogprob],
+                error: str | None = None) -> RequestOutput:
+        return RequestOutput(
+            rid=request.rid, text=text, token_ids=token_ids, logprobs=logprobs, finished=request.finished,
+            finish_reason=request.finish_reason, matched_stop=request.matched_stop,
+            prompt_tokens=len(request.prompt_ids), completion_tokens=request.num_resolved,
+            cached_tokens=request.cached_tokens, error=error,
+        )
+
+    def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
+        """End a request outside normal sampling (abort, error, no room) and tell its owner."""
+        request.finish_reason = reason
+        self._release(request)
+        if self.metrics:
+            self.metrics.observe_finish(request)
+        request.on_output(self._output(request, "", [], [], error))
+
+    def fail_batch(self, batch_requests: Sequence[Request], error: str) -> None:
+        for request in batch_requests:
+            if not request.finished:
+                self._finish(request, FinishReason.ERROR, error)
+        self._drop_finished()
+
+    # -- KV ownership --------------------------------------------------------------------------------
+
+    def _cache_prefix(self, request: Request) -> int:
+        """Hand the request's computed full pages to the prefix cache (so concurrent requests share them)
+        and hold the cached path locked while the request still runs. Returns the pages now cached."""
+        if not self.radix.enabled:
+            return 0
+        # Only tokens known here: a PENDING one has no id to key the cache with yet.
+        full_pages = min(request.cached_len, request.known_len) // self.page_size
+        if full_pages == 0:
+            return 0
+        match = self.radix.insert(request.all_ids[: full_pages * self.page_size], request.pages[:full_pages])
+        request.pages[:full_pages] = match.pages
+        self.radix.lock(match.node)
+        if request.prefix_node is not None:
+            self.radix.unlock(request.prefix_node)
+        request.prefix_node = match.node
+        return full_pages
+
+    def _release(self, request: Request) -> None:
+        """Give back a request's KV: full pages to the prefix cache, the rest to the allocator."""
+        if not request.pages:
+            return
+        cached = self._cache_prefix(request)
+        self.runner.allocator.free(request.pages[cached:])
+        if request.prefix_node is not None:
+            self.radix.unlock(request.prefix_node)
+            request.prefix_node = None
+        request.pages = []
+
+    def _drop_finished(self) -> None:
+        self.running = [r for r in self.running if not r.finished]
+        self.waiting = deque(r for r in self.waiting if not r.finished)
+        if self.chunked is not None and self.chunked.finished:
+            self.chunked = None

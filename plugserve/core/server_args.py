@@ -1,0 +1,111 @@
+"""ServerArgs: every launch flag, validated, named as SGLang names them where it has one.
+
+The CLI (`plugserve serve`) and the Engine take the same object; an invalid value is a clear error
+naming the flag (`--max-running-requests must be >= 1`). Flags whose effect lands with the GPU
+performance work (CUDA graphs, torch.compile) are validated here and reported in the log when they
+cannot take effect.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from plugserve.core.config import PRESETS
+from plugserve.core.loader import LOAD_FORMATS
+
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class ServerArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # model
+    model_path: str | None = None
+    model_preset: str | None = None
+    tokenizer_path: str | None = None
+    load_format: str = "auto"
+    quantization: Literal["fp8"] | None = None
+    num_layers: int | None = Field(None, ge=1)
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    device: str = "auto"
+    context_length: int | None = Field(None, ge=2)
+    # HTTP
+    host: str = "127.0.0.1"
+    port: int = Field(30000, ge=0, le=65535)
+    api_key: str | None = None
+    served_model_name: str | None = None
+    # parallelism (tensor parallelism lands with its own issue)
+    tp_size: int = Field(1, ge=1)
+    # backends
+    attention_backend: str = "auto"
+    prefill_attention_backend: str | None = None
+    decode_attention_backend: str | None = None
+    fp8_gemm_backend: str = "auto"
+    moe_runner_backend: str = "auto"
+    # memory and scheduling
+    page_size: int | None = Field(None, ge=1)
+    kv_cache_dtype: str = "auto"
+    chunked_prefill_size: int = Field(8192, ge=-1)
+    chunked_prefix_cache_threshold: int = Field(8192, ge=0)
+    max_running_requests: int | None = Field(None, ge=1)
+    max_total_tokens: int | None = Field(None, ge=1)
+    mem_fraction_static: float | None = Field(None, gt=0, lt=1)
+    disable_radix_cache: bool = False
+    disable_overlap_schedule: bool = False
+    # GPU performance switches
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = Field(None, ge=1)
+    enable_torch_compile: bool = False
+    torch_compile_max_bs: int = Field(32, ge=1)
+    # misc
+    log_level: str = "info"
+    seed: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _check_choices(self) -> ServerArgs:
+        choices = {
+            "model_preset": (self.model_preset, (None, *PRESETS)),
+            "load_format": (self.load_format, LOAD_FORMATS),
+            "kv_cache_dtype": (self.kv_cache_dtype, KV_CACHE_DTYPES),
+            "log_level": (self.log_level, LOG_LEVELS),
+        }
+        for field, (value, allowed) in choices.items():
+            if value not in allowed:
+                names = ", ".join(str(a) for a in allowed if a is not None)
+                raise ValueError(f"{flag(field)} {value!r} is not one of: {names}")
+        if self.tp_size != 1:
+            raise ValueError(f"{flag('tp_size')} {self.tp_size}: tensor parallelism has not landed yet, only 1 runs")
+        if self.chunked_prefill_size == 0:
+            raise ValueError(f"{flag('chunked_prefill_size')} must be positive, or -1 to disable chunking")
+        if self.model_path is not None and self.model_preset is not None:
+            raise ValueError(f"give {flag('model_path')} or {flag('model_preset')}, not both")
+        if self.load_format == "safetensors" and self.model_path is None:
+            raise ValueError(f"{flag('load_format')} safetensors needs {flag('model_path')}")
+        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
+            raise ValueError(f"{flag('device')} {self.device!r} is not one of: auto, cpu, cuda, cuda:N")
+        return self
+
+    @property
+    def prefill_attention(self) -> str:
+        return self.prefill_attention_backend or self.attention_backend
+
+    @property
+    def decode_attention(self) -> str:
+        return self.decode_attention_backend or self.attention_backend
+
+
+def flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def describe_validation_error(error: ValidationError) -> str:
+    """One line per problem, each naming the flag, from pydantic's error."""
+    lines = []
+    for e in error.errors():
+        field = ".".join(str(part) for part in e["loc"])
+        message = e["msg"].removeprefix("Value error, ")
+        lines.append(f"{flag(field)}: {message}" if field else message)
+    return "; ".join(lines)

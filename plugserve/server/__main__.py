@@ -1,0 +1,3 @@
+from plugserve.server.launch import main
+
+main()

@@ -1,0 +1,383 @@
+"""The FastAPI app: OpenAI-compatible completions and chat completions (streamed as server-sent events),
+plugserve's native /generate, and /v1/models, /health, /server_info, /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from plugserve.core.engine import Engine, GenerateResult
+from plugserve.core.request import FinishReason, RequestOutput, TokenLogprob
+from plugserve.core.sampling import SamplingParams
+from plugserve.registry import get_registry
+from plugserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    error_body,
+    new_id,
+    now,
+    usage,
+)
+
+# OpenAI's names for SamplingParams fields, for error messages.
+OPENAI_NAMES = {"max_new_tokens": "max_tokens", "top_logprobs": "logprobs"}
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status = message, param, status
+
+
+Job = tuple[int, list[int], SamplingParams]  # choice index, prompt ids, one sample's params
+
+
+def create_app(engine: Engine) -> FastAPI:
+    app = FastAPI(title="plugserve", version="0.1.0")
+    app.state.engine = engine
+
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next):
+        key = engine.args.api_key
+        if key and request.url.path != "/health" and request.headers.get("authorization") != f"Bearer {key}":
+            return JSONResponse(error_body("invalid or missing API key", "authentication_error", code=401), 401)
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+        problems, param = [], None
+        for e in exc.errors():
+            if e["type"] == "json_invalid":
+                problems.append(f"the request body is not valid JSON ({e.get('ctx', {}).get('error', e['msg'])})")
+                continue
+            where = ".".join(str(p) for p in e["loc"] if p != "body")
+            param = param or where or None
+            problems.append(f"{where}: {e['msg']}" if where else e["msg"])
+        return JSONResponse(error_body("; ".join(problems), param=param, code=400), 400)
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(_: Request, exc: BadRequest) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status < 500 else "internal_error"
+        return JSONResponse(error_body(exc.message, kind, exc.param, exc.status), exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(exc.detail), code=exc.status_code), exc.status_code)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.alive:
+            return JSONResponse(error_body("the scheduler thread has stopped", "internal_error", code=503), 503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": now(),
+                                             "owned_by": "plugserve", "max_model_len": engine.runner.context_length}]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/server_info")
+    async def server_info() -> dict[str, Any]:
+        runner = engine.runner
+        return {
+            "args": engine.args.model_dump(),
+            "model": dataclasses.asdict(runner.config),
+            "hardware": dataclasses.asdict(runner.hardware),
+            "dtype": str(runner.dtype).removeprefix("torch."),
+            "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),
+            "page_size": runner.page_size,
+            "max_total_tokens": runner.max_total_tokens,
+            "context_length": runner.context_length,
+            "backends": [dataclasses.asdict(c) for c in runner.chosen],
+            "broken_plugins": [dataclasses.asdict(b) for b in get_registry().broken],
+        }
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest) -> Response:
+        if body.echo:
+            raise BadRequest("echo is not supported", "echo")
+        prompts = _prompt_list(body.prompt)
+        top = body.logprobs or 0
+        jobs = _jobs(engine, [_tokenize(engine, p) for p in prompts], body, body.max_tokens, body.logprobs is not None,
+                     top)
+        rid, model = new_id("cmpl"), body.model or engine.model_name
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _sse(_completion_chunks(engine, jobs, rid, model, include_usage))
+        results = await _run_all(engine, jobs)
+        choices = [{"index": i, "text": r.text, "logprobs": _completion_logprobs(engine, r.logprobs) if top or
+                    body.logprobs is not None else None, "finish_reason": _reason(r)} for i, r in enumerate(results)]
+        return JSONResponse({"id": rid, "object": "text_completion", "created": now(), "model": model,
+                             "choices": choices, "usage": _usage(results, len(prompts), body.n).model_dump()})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest) -> Response:
+        messages = [{"role": m.role, "content": _content(m.content)} for m in body.messages]
+        try:
+            ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=False)
+        except Exception as exc:  # the template's own checks (roles, ordering) speak to the client
+            raise BadRequest(f"the chat template rejected the messages: {exc}", "messages") from None
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        jobs = _jobs(engine, [_tokenize(engine, list(ids))], body, max_tokens, body.logprobs, body.top_logprobs or 0)
+        rid, model = new_id("chatcmpl"), body.model or engine.model_name
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _sse(_chat_chunks(engine, jobs, rid, model, include_usage))
+        results = await _run_all(engine, jobs)
+        choices = [{"index": i, "message": {"role": "assistant", "content": r.text},
+                    "logprobs": _chat_logprobs(engine, r.logprobs) if body.logprobs else None,
+                    "finish_reason": _reason(r)} for i, r in enumerate(results)]
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": now(), "model": model,
+                             "choices": choices, "usage": _usage(results, 1, body.n).model_dump()})
+
+    @app.post("/generate")
+    async def generate(body: GenerateRequest) -> Response:
+        if (body.text is None) == (body.input_ids is None):
+            raise BadRequest("give exactly one of text and input_ids", "text")
+        try:
+            params = SamplingParams(**body.sampling_params)
+        except TypeError as exc:
+            raise BadRequest(f"sampling_params: {exc}", "sampling_params") from None
+        ids = _tokenize(engine, body.text if body.text is not None else body.input_ids)  # type: ignore[arg-type]
+        _validate(params, len(ids), engine)
+        if params.n != 1:
+            raise BadRequest("/generate takes n = 1; send several requests", "sampling_params.n")
+        rid = body.rid or new_id("gen")
+        if body.stream:
+            return _sse(_generate_chunks(engine, ids, params, rid))
+        result = (await _run_all(engine, [(0, ids, params)]))[0]
+        return JSONResponse(_generate_body(rid, result))
+
+    return app
+
+
+# -- request preparation -----------------------------------------------------------------------------
+
+
+def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise BadRequest("prompt is empty", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [prompt]  # type: ignore[list-item]
+    return list(prompt)  # type: ignore[arg-type]
+
+
+def _content(content: str | list | None) -> str:
+    if content is None:
+        return ""
+    return content if isinstance(content, str) else "".join(part.text for part in content)
+
+
+def _tokenize(engine: Engine, prompt: str | Sequence[int]) -> list[int]:
+    try:
+        return engine.tokenize(prompt)
+    except ValueError as exc:
+        raise BadRequest(str(exc), "prompt") from None
+
+
+def _validate(params: SamplingParams, prompt_len: int, engine: Engine) -> None:
+    try:
+        params.validate()
+    except ValueError as exc:
+        field = str(exc).split(" ", 1)[0]
+        name = OPENAI_NAMES.get(field, field)
+        raise BadRequest(str(exc).replace(field, name, 1), name) from None
+    context = engine.runner.context_length
+    if prompt_len + params.max_new_tokens > context:
+        raise BadRequest(f"this model's context length is {context} tokens; the prompt has {prompt_len} and "
+                         f"max_tokens asks for {params.max_new_tokens} more", "max_tokens")
+
+
+def _jobs(engine: Engine, prompts: list[list[int]], body, max_tokens: int | None, logprobs: bool,
+          top_logprobs: int) -> list[Job]:
+    jobs: list[Job] = []
+    for ids in prompts:
+        budget = max_tokens if max_tokens is not None else engine.runner.context_length - len(ids)
+        params = body.sampling_params(budget, logprobs, top_logprobs)
+        _validate(params, len(ids), engine)
+        jobs += [(len(jobs) + i, ids, p) for i, p in enumerate(Engine.expand(params))]
+    return jobs
+
+
+# -- running -----------------------------------------------------------------------------------------
+
+
+async def _merged(engine: Engine, jobs: list[Job]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several requests as they come. Closing it (a client gone) aborts them all."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
+
+    async def pump(index: int, ids: list[int], params: SamplingParams) -> None:
+        stream = engine.stream_async(ids, params)
+        try:
+            async for output in stream:
+                await queue.put((index, output))
+        finally:
+            await stream.aclose()
+            await queue.put((index, None))
+
+    tasks = [asyncio.create_task(pump(*job)) for job in jobs]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, output = await queue.get()
+            if output is None:
+                remaining -= 1
+            else:
+                yield index, output
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _run_all(engine: Engine, jobs: list[Job]) -> list[GenerateResult]:
+    results = [GenerateResult() for _ in jobs]
+    async for index, output in _merged(engine, jobs):
+        results[index].add(output)
+    failed = [r.error for r in results if r.finish_reason is FinishReason.ERROR]
+    if failed:
+        raise BadRequest(f"generation failed: {failed[0]}", status=500)
+    return results
+
+
+def _reason(result: GenerateResult | RequestOutput) -> str | None:
+    return None if result.finish_reason is None else str(result.finish_reason)
+
+
+def _usage(results: Sequence[GenerateResult], num_prompts: int, n: int):
+    # Each prompt is counted once, whatever n is.
+    prompt = sum(r.prompt_tokens for r in results[::n])
+    cached = sum(r.cached_tokens for r in results[::n])
+    return usage(prompt, sum(r.completion_tokens for r in results), cached)
+
+
+def _token_text(engine: Engine, token_id: int) -> str:
+    return engine.tokenizer.decode([token_id])
+
+
+def _completion_logprobs(engine: Engine, logprobs: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+    tokens = [_token_text(engine, lp.token_id) for lp in logprobs]
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": [{_token_text(engine, t): v for t, v in lp.top} for lp in logprobs],
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(engine: Engine, logprobs: list[TokenLogprob]) -> dict[str, Any]:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = _token_text(engine, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top]}
+                        for lp in logprobs]}
+
+
+# -- streaming ---------------------------------------------------------------------------------------
+
+
+def _sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    async def events() -> AsyncIterator[str]:
+        async for chunk in chunks:
+            yield f"data: {json.dumps(chunk)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _error_chunk(output: RequestOutput) -> dict[str, Any]:
+    return error_body(f"generation failed: {output.error}", "internal_error", code=500)
+
+
+async def _completion_chunks(engine: Engine, jobs: list[Job], rid: str, model: str, include_usage: bool
+                             ) -> AsyncIterator[dict[str, Any]]:
+    totals: dict[int, RequestOutput] = {}
+    offsets = [0] * len(jobs)
+    async for index, output in _merged(engine, jobs):
+        if output.finish_reason is FinishReason.ERROR:
+            yield _error_chunk(output)
+            return
+        totals[index] = output
+        wants = jobs[index][2].logprobs
+        logprobs = _completion_logprobs(engine, output.logprobs, offsets[index]) if wants else None
+        offsets[index] += len(output.text)
+        if output.text or output.finished:
+            yield {"id": rid, "object": "text_completion", "created": now(), "model": model,
+                   "choices": [{"index": index, "text": output.text, "logprobs": logprobs,
+                                "finish_reason": _reason(output)}]}
+    if include_usage:
+        yield _usage_chunk(rid, "text_completion", model, jobs, totals)
+
+
+async def _chat_chunks(engine: Engine, jobs: list[Job], rid: str, model: str, include_usage: bool
+                       ) -> AsyncIterator[dict[str, Any]]:
+    def chunk(index: int, delta: dict[str, Any], finish: str | None, logprobs=None) -> dict[str, Any]:
+        return {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": model,
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+
+    for index, *_ in jobs:
+        yield chunk(index, {"role": "assistant", "content": ""}, None)
+    totals: dict[int, RequestOutput] = {}
+    async for index, output in _merged(engine, jobs):
+        if output.finish_reason is FinishReason.ERROR:
+            yield _error_chunk(output)
+            return
+        totals[index] = output
+        logprobs = _chat_logprobs(engine, output.logprobs) if jobs[index][2].logprobs else None
+        if output.text or output.finished:
+            yield chunk(index, {"content": output.text} if output.text else {}, _reason(output), logprobs)
+    if include_usage:
+        yield _usage_chunk(rid, "chat.completion.chunk", model, jobs, totals)
+
+
+def _usage_chunk(rid: str, kind: str, model: str, jobs: list[Job], totals: dict[int, RequestOutput]
+                 ) -> dict[str, Any]:
+    n = jobs[0][2].n if jobs else 1
+    outputs = [totals[i] for i in sorted(totals)]
+    info = usage(sum(o.prompt_tokens for o in outputs[::max(n, 1)]),
+                 sum(o.completion_tokens for o in outputs), sum(o.cached_tokens for o in outputs[::max(n, 1)]))
+    return {"id": rid, "object": kind, "created": now(), "model": model, "choices": [], "usage": info.model_dump()}
+
+
+def _generate_body(rid: str, result: GenerateResult | RequestOutput, text: str | None = None,
+                   ids: list[int] | None = None) -> dict[str, Any]:
+    return {
+        "text": result.text if text is None else text,
+        "output_ids": result.token_ids if ids is None else ids,
+        "meta_info": {"id": rid, "prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+                      "cached_tokens": result.cached_tokens, "finish_reason": _reason(result),
+                      "matched_stop": result.matched_stop},
+    }
+
+
+async def _generate_chunks(engine: Engine, ids: list[int], params: SamplingParams, rid: str
+                           ) -> AsyncIterator[dict[str, Any]]:
+    """SGLang's /generate stream: every event carries the text and ids so far."""
+    total = GenerateResult()
+    async for _, output in _merged(engine, [(0, ids, params)]):
+        if output.finish_reason is FinishReason.ERROR:
+            yield _error_chunk(output)
+            return
+        total.add(output)
+        yield _generate_body(rid, output, total.text, total.token_ids)

@@ -1,0 +1,108 @@
+"""`plugserve serve`: flags -> ServerArgs -> Engine -> uvicorn. Flags are generated from ServerArgs, so
+the two never drift; a bad value is a usage error naming the flag and the valid choices."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import types
+import typing
+from collections.abc import Sequence
+
+from pydantic import ValidationError
+
+from plugserve.core.server_args import ServerArgs, describe_validation_error, flag
+
+HELP = {
+    "model_path": "Hugging Face model directory (config.json, safetensors, tokenizer); default: the embedded model",
+    "model_preset": "build a preset's shapes with random weights instead of reading a checkpoint",
+    "tokenizer_path": "tokenizer directory (default: the model directory, or the embedded tokenizer)",
+    "load_format": "auto / safetensors read --model-path; dummy draws random weights",
+    "quantization": "fp8: quantize a bf16 checkpoint to DeepSeek's 128x128 block-FP8 on load",
+    "num_layers": "keep only the first N decoder layers (to fit a big model on one GPU for benchmarks)",
+    "dtype": "activation and weight dtype (auto: bfloat16 on a GPU, float32 on the CPU)",
+    "device": "auto, cpu, cuda or cuda:N",
+    "context_length": "cap the context below the model's max_position_embeddings",
+    "api_key": "require 'Authorization: Bearer KEY' on every endpoint but /health",
+    "served_model_name": "the model id /v1/models reports",
+    "tp_size": "tensor-parallel size (1 until parallelism lands)",
+    "attention_backend": "attention backend for both phases (auto, or a name from `plugserve backends`)",
+    "prefill_attention_backend": "attention backend for prefill (default: --attention-backend)",
+    "decode_attention_backend": "attention backend for decode / verify (default: --attention-backend)",
+    "fp8_gemm_backend": "block-FP8 GEMM backend",
+    "moe_runner_backend": "MoE backend",
+    "page_size": "tokens per KV page (default: what the decode backend needs, else 1)",
+    "kv_cache_dtype": "KV cache dtype (auto: the model dtype)",
+    "chunked_prefill_size": "most prompt tokens in one prefill batch; -1 disables chunking",
+    "chunked_prefix_cache_threshold": "cached-prefix tokens from which prefill de-compresses the prefix (MHA)",
+    "max_running_requests": "most requests decoding at once",
+    "max_total_tokens": "KV pool size in tokens (overrides --mem-fraction-static)",
+    "mem_fraction_static": "fraction of GPU memory for weights and KV pool",
+    "disable_radix_cache": "do not reuse cached prompt prefixes",
+    "disable_overlap_schedule": "schedule only while the device is idle (no CPU/GPU overlap)",
+    "disable_cuda_graph": "do not capture decode in CUDA graphs",
+    "cuda_graph_max_bs": "largest decode batch captured in a CUDA graph",
+    "enable_torch_compile": "compile the decode forward with torch.compile",
+    "torch_compile_max_bs": "largest batch size compiled",
+    "log_level": "logging level",
+    "seed": "random seed (unseeded sampling, dummy weights)",
+}
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    for name, field in ServerArgs.model_fields.items():
+        kind = _base_type(field.annotation)
+        help_text = HELP.get(name, "")
+        if kind is bool:
+            parser.add_argument(flag(name), action="store_true", help=help_text)
+            continue
+        choices = typing.get_args(kind) if typing.get_origin(kind) is typing.Literal else None
+        parser.add_argument(flag(name), type=_parser_for(kind), choices=choices, default=field.default,
+                            metavar=None if choices else name.upper(), help=help_text)
+
+
+def _base_type(annotation):
+    """int | None -> int; Literal[...] | None -> Literal[...]."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        return next(a for a in typing.get_args(annotation) if a is not type(None))
+    return annotation
+
+
+def _parser_for(kind):
+    if typing.get_origin(kind) is typing.Literal:
+        return str
+    return kind if kind in (int, float) else str
+
+
+def server_args_from(namespace: argparse.Namespace, parser: argparse.ArgumentParser) -> ServerArgs:
+    values = {name: getattr(namespace, name) for name in ServerArgs.model_fields}
+    try:
+        return ServerArgs(**values)
+    except ValidationError as exc:
+        parser.error(describe_validation_error(exc))
+
+
+def serve(args: ServerArgs) -> None:
+    import uvicorn
+
+    from plugserve.core.engine import Engine
+    from plugserve.registry import SelectionError
+    from plugserve.server.app import create_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        engine = Engine(args)
+    except (SelectionError, ValueError) as exc:
+        raise SystemExit(f"plugserve serve: {exc}") from None
+    try:
+        uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.shutdown()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="plugserve serve", description="Serve a DeepSeek-V2/V3 model over an "
+                                     "OpenAI-compatible HTTP API.")
+    add_server_args(parser)
+    namespace = parser.parse_args(argv)
+    serve(server_args_from(namespace, parser))

@@ -1,0 +1,124 @@
+"""The engine on the embedded tiny model: batching, chunked prefill, overlap, retraction, abort."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from plugserve.core.engine import Engine
+from plugserve.core.request import FinishReason
+from plugserve.core.sampling import SamplingParams
+from plugserve.core.server_args import ServerArgs
+
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):", "import numpy as np\n" * 20]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = Engine(ServerArgs())
+    yield engine
+    engine.shutdown()
+
+
+def _texts(engine: Engine, prompts=PROMPTS, params=GREEDY) -> list[str]:
+    return [r.text for r in engine.generate(prompts, params)]
+
+
+@pytest.fixture(scope="module")
+def solo(engine) -> list[str]:
+    """Each prompt run on its own."""
+    return [_texts(engine, [p])[0] for p in PROMPTS]
+
+
+def test_batched_equals_solo(engine, solo):
+    assert _texts(engine) == solo
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ServerArgs(disable_overlap_schedule=True),
+        ServerArgs(chunked_prefill_size=16),  # the long prompt is prefilled in several chunks
+        ServerArgs(disable_radix_cache=True, page_size=4),
+        ServerArgs(max_total_tokens=200, max_running_requests=3),  # waiting and retraction
+    ],
+    ids=["no-overlap", "chunked-prefill", "no-radix-page4", "tiny-pool"],
+)
+def test_scheduling_variants_give_the_same_greedy_outputs(args, solo):
+    engine = Engine(args)
+    try:
+        results = engine.generate(PROMPTS, GREEDY)
+        assert [r.text for r in results] == solo
+        assert all(r.completion_tokens == GREEDY.max_new_tokens for r in results)
+    finally:
+        engine.shutdown()
+
+
+def test_far_too_small_kv_pool_loses_no_request():
+    engine = Engine(ServerArgs(max_total_tokens=48))
+    try:
+        params = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+        results = engine.generate([f"request number {i}: tell me" for i in range(12)], params)
+        assert [r.finish_reason for r in results] == [FinishReason.LENGTH] * 12
+        assert all(r.completion_tokens == 24 for r in results)
+        assert engine.metrics.retractions._value.get() > 0
+        # Every page is back: free or held by the prefix cache.
+        assert engine.runner.allocator.num_free + engine.radix.cached_pages == engine.runner.allocator.num_pages
+    finally:
+        engine.shutdown()
+
+
+def test_prefix_cache_reuses_a_shared_prompt(engine):
+    prefix = "You are a helpful assistant. " * 8
+    first = engine.generate(prefix + "What is 2 + 2?", GREEDY)[0]
+    second = engine.generate(prefix + "Name a colour.", GREEDY)[0]
+    assert second.cached_tokens >= len(engine.tokenize(prefix)) - 1
+    assert second.cached_tokens > first.cached_tokens
+
+
+def test_stop_strings_stop_tokens_and_eos(engine, solo):
+    text = solo[0]
+    stop = text[5:8]
+    result = engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=12, temperature=0, stop=[stop]))[0]
+    assert result.finish_reason is FinishReason.STOP and result.matched_stop == stop
+    assert result.text == text[: text.find(stop)]
+    tokens = engine.generate(PROMPTS[0], GREEDY)[0].token_ids
+    by_id = engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=12, temperature=0,
+                                                       stop_token_ids=[tokens[3]]))[0]
+    assert by_id.token_ids == tokens[: tokens.index(tokens[3]) + 1] and by_id.matched_stop == tokens[3]
+
+
+def test_streaming_increments_add_up(engine, solo):
+    outputs = list(engine.stream(PROMPTS[1], GREEDY))
+    assert "".join(o.text for o in outputs) == solo[1]
+    assert outputs[-1].finished and sum(len(o.token_ids) for o in outputs) == GREEDY.max_new_tokens
+
+
+def test_seeded_sampling_is_reproducible_and_n_expands(engine):
+    params = SamplingParams(max_new_tokens=10, temperature=1.0, seed=7, n=3)
+    first, second = engine.generate(PROMPTS[0], params), engine.generate(PROMPTS[0], params)
+    assert [r.token_ids for r in first] == [r.token_ids for r in second]
+    assert len({tuple(r.token_ids) for r in first}) > 1  # seeds 7, 8, 9 differ
+
+
+def test_abort_frees_the_request(engine):
+    done = threading.Event()
+    outputs = []
+
+    def on_output(output):
+        outputs.append(output)
+        if output.finished:
+            done.set()
+
+    rid = engine.submit(PROMPTS[0], SamplingParams(max_new_tokens=2000, ignore_eos=True), on_output)
+    engine.abort(rid)
+    assert done.wait(30)
+    assert outputs[-1].finish_reason is FinishReason.ABORT
+
+
+@pytest.mark.parametrize("prompt", [[], [10**9], "x " * 9000])
+def test_bad_prompts_are_refused(engine, prompt):
+    with pytest.raises(ValueError):
+        engine.tokenize(prompt)

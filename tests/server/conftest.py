@@ -1,0 +1,61 @@
+"""A real plugserve server on a loopback port, run by uvicorn in a background thread."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import uvicorn
+
+from plugserve.core.engine import Engine
+from plugserve.core.server_args import ServerArgs
+from plugserve.server.app import create_app
+
+API_KEY = "sk-plugserve-test"
+
+
+@dataclass
+class RunningServer:
+    engine: Engine
+    base_url: str
+
+    def metric(self, name: str, labels: str = "") -> float:
+        text = httpx.get(f"{self.base_url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
+        for line in text.splitlines():
+            if line.startswith(name + labels + " "):
+                return float(line.split()[-1])
+        return 0.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args: ServerArgs) -> Iterator[RunningServer]:
+    engine = Engine(args)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started:
+        assert time.time() < deadline, "the server did not start"
+        time.sleep(0.05)
+    try:
+        yield RunningServer(engine, f"http://127.0.0.1:{port}")
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[RunningServer]:
+    yield from start_server(ServerArgs(api_key=API_KEY, max_running_requests=64))

@@ -1,0 +1,184 @@
+"""The OpenAI-compatible API over real HTTP, driven by the `openai` client."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import httpx
+import openai
+import pytest
+
+from plugserve.core.sampling import SamplingParams
+from tests.server.conftest import API_KEY, RunningServer
+
+PROMPT = "The quick brown fox"
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]
+
+
+@pytest.fixture(scope="module")
+def client(server: RunningServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY)
+
+
+def _engine_text(server: RunningServer, prompt, max_tokens: int) -> str:
+    return server.engine.generate(prompt, SamplingParams(max_new_tokens=max_tokens, temperature=0))[0].text
+
+
+def test_models_lists_the_served_model(client, server):
+    [model] = client.models.list().data
+    assert model.id == server.engine.model_name
+
+
+def test_completions_streamed_or_not_match_engine_generate(client, server):
+    expected = _engine_text(server, PROMPT, 16)
+    response = client.completions.create(model="m", prompt=PROMPT, max_tokens=16, temperature=0)
+    assert response.choices[0].text == expected
+    assert response.usage.completion_tokens == 16 or response.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model="m", prompt=PROMPT, max_tokens=16, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    assert chunks[-1].usage.total_tokens == response.usage.total_tokens
+
+
+def test_chat_streamed_or_not_match_engine_generate(client, server):
+    ids = server.engine.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True,
+                                                      return_dict=False)
+    expected = _engine_text(server, list(ids), 16)
+    response = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=16, temperature=0)
+    assert response.choices[0].message.content == expected
+    assert response.usage.prompt_tokens == len(ids)
+    stream = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=16, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected
+
+
+def test_n_and_logprobs(client):
+    response = client.completions.create(model="m", prompt=PROMPT, max_tokens=5, temperature=1.0, n=3, seed=11,
+                                         logprobs=2)
+    assert [c.index for c in response.choices] == [0, 1, 2]
+    for choice in response.choices:
+        assert len(choice.logprobs.token_logprobs) == len(choice.logprobs.tokens) > 0
+        assert all(len(top) <= 2 for top in choice.logprobs.top_logprobs)
+    chat = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True,
+                                          top_logprobs=3)
+    first = chat.choices[0].logprobs.content[0]
+    assert first.logprob == max(t.logprob for t in first.top_logprobs)  # greedy picks the most likely
+
+
+def test_64_concurrent_streams_each_equal_its_solo_run(server):
+    rng = random.Random(0)
+    words = ["red", "fox", "jumps", "over", "lazy", "dog", "7"]
+    jobs = [(" ".join(rng.choice(words) for _ in range(rng.randint(1, 40))), rng.randint(1, 24)) for _ in range(64)]
+    solo = [_engine_text(server, prompt, max_tokens) for prompt, max_tokens in jobs]
+    aclient = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0)
+
+    async def one(prompt: str, max_tokens: int) -> str:
+        stream = await aclient.completions.create(model="m", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                                  stream=True)
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def run_all():
+        return await asyncio.gather(*(one(p, m) for p, m in jobs))
+
+    assert asyncio.run(run_all()) == solo
+
+
+def test_shared_prefix_hits_the_radix_cache_and_matches_a_cold_run(client, server):
+    prefix = "In a hole in the ground there lived a hobbit. " * 12
+    before = server.metric("plugserve_cached_prompt_tokens_total")
+    client.completions.create(model="m", prompt=prefix + "Not a nasty, dirty, wet hole.", max_tokens=1,
+                              temperature=0)
+    warm = client.completions.create(model="m", prompt=prefix + "It had a perfectly round door.", max_tokens=6,
+                                     temperature=0, logprobs=5)
+    cached = warm.usage.prompt_tokens_details.cached_tokens
+    assert cached >= len(server.engine.tokenize(prefix)) - 1
+    assert server.metric("plugserve_cached_prompt_tokens_total") - before >= cached
+    assert server.metric("plugserve_cache_hit_rate") > 0
+    # The cold run: the same request on an engine without a prefix cache.
+    from plugserve.core.engine import Engine
+    from plugserve.core.server_args import ServerArgs
+
+    cold_engine = Engine(ServerArgs(disable_radix_cache=True))
+    try:
+        cold = cold_engine.generate(prefix + "It had a perfectly round door.",
+                                    SamplingParams(max_new_tokens=6, temperature=0, logprobs=True, top_logprobs=5))[0]
+    finally:
+        cold_engine.shutdown()
+    assert warm.choices[0].text == cold.text
+    for warm_lp, cold_lp in zip(warm.choices[0].logprobs.token_logprobs, cold.logprobs, strict=True):
+        assert warm_lp == pytest.approx(cold_lp.logprob, abs=1e-4)
+
+
+BAD_REQUESTS = [
+    ("/v1/completions", "{not json", 400),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": "many"}, 400),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": -3}, 400),
+    ("/v1/completions", {"prompt": PROMPT, "temperature": -0.5}, 400),
+    ("/v1/completions", {"prompt": PROMPT, "top_p": 0}, 400),
+    ("/v1/completions", {"prompt": "token " * 9000}, 400),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 100000}, 400),
+    ("/v1/completions", {"prompt": []}, 400),
+    ("/v1/completions", {"max_tokens": 3}, 400),
+    ("/v1/chat/completions", {"messages": []}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400),
+    ("/generate", {"text": "hi", "sampling_params": {"bogus": 1}}, 400),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status"), BAD_REQUESTS)
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, client, path, body, status):
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    content = body if isinstance(body, str) else None
+    response = httpx.post(f"{server.base_url}{path}", content=content, json=None if content else body,
+                          headers=headers, timeout=60)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+    assert client.completions.create(model="m", prompt=PROMPT, max_tokens=2).choices[0].text is not None
+
+
+def test_wrong_or_missing_api_key_is_401(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        response = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": PROMPT}, headers=headers)
+        assert response.status_code == 401
+        assert response.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
+def test_bad_requests_during_a_stream_do_not_disturb_it(server, client):
+    stream = client.completions.create(model="m", prompt=PROMPT, max_tokens=40, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    pieces = []
+    for i, chunk in enumerate(stream):
+        if i == 2:
+            for path, body, _ in BAD_REQUESTS[:4]:
+                httpx.post(f"{server.base_url}{path}", content=body if isinstance(body, str) else None,
+                           json=None if isinstance(body, str) else body,
+                           headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+        pieces.append(chunk.choices[0].text if chunk.choices else "")
+    expected = server.engine.generate(PROMPT, SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True))[0]
+    assert "".join(pieces) == expected.text
+
+
+def test_a_client_leaving_mid_stream_aborts_its_request(server):
+    before = server.metric("plugserve_requests_total", '{finish_reason="abort"}')
+    with httpx.stream("POST", f"{server.base_url}/v1/completions",
+                      json={"prompt": PROMPT, "max_tokens": 4000, "stream": True, "ignore_eos": True},
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as response:
+        for _ in zip(range(3), response.iter_lines(), strict=False):
+            pass
+    for _ in range(100):
+        if server.metric("plugserve_requests_total", '{finish_reason="abort"}') > before:
+            break
+        asyncio.run(asyncio.sleep(0.1))
+    assert server.metric("plugserve_requests_total", '{finish_reason="abort"}') == before + 1
+
+
+def test_native_generate_and_server_info(server):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = httpx.post(f"{server.base_url}/generate", headers=headers,
+                      json={"text": PROMPT, "sampling_params": {"max_new_tokens": 5, "temperature": 0}}).json()
+    assert body["text"] == _engine_text(server, PROMPT, 5) and len(body["output_ids"]) == 5
+    info = httpx.get(f"{server.base_url}/server_info", headers=headers).json()
+    assert {(b["kind"], b["phase"]) for b in info["backends"]} >= {("attention", "decode"), ("attention", "prefill")}
+    assert all(b["reason"] for b in info["backends"]) and info["page_size"] >= 1
