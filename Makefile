@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # The CPU build of torch lies on local disk on our machines; an unpinned torch would pull a CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install backends test lint clean
+.PHONY: install serve backends test lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,7 +16,11 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-# What is installed, what this machine can run, and what `auto` picks (the server lands with the model).
+# The OpenAI-compatible server on http://127.0.0.1:30000 (the embedded model unless ARGS names one).
+serve: install
+	$(VENV)/bin/plugserve serve $(ARGS)
+
+# What is installed, what this machine can run, and what `auto` picks.
 backends: install
 	$(VENV)/bin/plugserve backends --explain
 

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+from plugserve.core.server_args import ServerArgs
+from tests.live_server import API_KEY, RunningServer, start_server
 
 MakePlugin = Callable[[str, str, str], Path]
 
@@ -27,3 +30,8 @@ def make_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> MakePlugin:
         return tmp_path
 
     return make
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[RunningServer]:
+    yield from start_server(ServerArgs(api_key=API_KEY, max_running_requests=64))

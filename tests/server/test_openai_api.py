@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from plugserve.core.sampling import SamplingParams
-from tests.server.conftest import API_KEY, RunningServer
+from tests.live_server import API_KEY, RunningServer
 
 PROMPT = "The quick brown fox"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]

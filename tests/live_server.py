@@ -1,4 +1,4 @@
-"""A real plugserve server on a loopback port, run by uvicorn in a background thread."""
+"""A real plugserve server on a loopback port, run by uvicorn in a background thread (fixture: `server`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
-import pytest
 import uvicorn
 
 from plugserve.core.engine import Engine
@@ -54,8 +53,3 @@ def start_server(args: ServerArgs) -> Iterator[RunningServer]:
         server.should_exit = True
         thread.join(10)
         engine.shutdown()
-
-
-@pytest.fixture(scope="session")
-def server() -> Iterator[RunningServer]:
-    yield from start_server(ServerArgs(api_key=API_KEY, max_running_requests=64))

@@ -1,0 +1,115 @@
+"""Static-batch latency: one prefill of `batch_size` prompts of `input_len` random tokens, then
+`output_len` decode steps, through plugserve's own scheduler and model runner (no HTTP, no overlap).
+Prints SGLang's bench_one_batch format; --result-filename appends one JSON line per run.
+
+    python benchmarks/bench_one_batch.py --model-preset deepseek-v3 --num-layers 4 --load-format dummy \\
+        --batch-size 1 8 32 --input-len 256 --output-len 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+
+import torch
+
+from plugserve.core.model_runner import ModelRunner
+from plugserve.core.radix_cache import RadixCache
+from plugserve.core.request import Request
+from plugserve.core.sampling import SamplingParams
+from plugserve.core.scheduler import Scheduler
+from plugserve.server.launch import add_server_args, server_args_from
+
+
+class _NoText:
+    """Random token ids need no detokenization: the benchmark times the model, not the tokenizer."""
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+
+def _sync(runner: ModelRunner) -> None:
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+
+
+def run_once(runner: ModelRunner, batch_size: int, input_len: int, output_len: int, seed: int,
+             verbose: bool) -> dict[str, float]:
+    radix = RadixCache(runner.allocator, runner.page_size, enabled=False)
+    scheduler = Scheduler(runner, radix, _NoText())
+    generator = torch.Generator().manual_seed(seed)
+    vocab = runner.config.vocab_size
+    params = SamplingParams(max_new_tokens=output_len, temperature=0, ignore_eos=True)
+    for i in range(batch_size):
+        ids = torch.randint(0, vocab, (input_len,), generator=generator).tolist()
+        scheduler.add(Request(f"bench-{i}", ids, params, lambda _: None))
+    _sync(runner)
+    start = time.perf_counter()
+    scheduler.step()
+    _sync(runner)
+    prefill = time.perf_counter() - start
+    if scheduler.waiting or scheduler.chunked:
+        raise SystemExit("the batch did not fit one prefill: raise --chunked-prefill-size or --max-total-tokens")
+    print(f"Prefill. latency: {prefill:.5f} s, throughput: {batch_size * input_len / prefill:9.2f} token/s")
+    decode = []
+    for step in range(output_len - 1):
+        begin = time.perf_counter()
+        scheduler.step()
+        _sync(runner)
+        decode.append(time.perf_counter() - begin)
+        if verbose and (step < 5 or step == output_len - 2):
+            print(f"Decode.  latency: {decode[-1]:.5f} s, throughput: {batch_size / decode[-1]:9.2f} token/s")
+    total = time.perf_counter() - start
+    result = {"batch_size": batch_size, "input_len": input_len, "output_len": output_len,
+              "prefill_latency": prefill, "prefill_throughput": batch_size * input_len / prefill,
+              "total_latency": total, "overall_throughput": batch_size * (input_len + output_len) / total}
+    if decode:
+        median = statistics.median(decode)
+        print(f"Decode.  median latency: {median:.5f} s, median throughput: {batch_size / median:9.2f} token/s")
+        result |= {"median_decode_latency": median, "median_decode_throughput": batch_size / median}
+    print(f"Total. latency: {total:.3f} s, throughput: {result['overall_throughput']:9.2f} token/s")
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_server_args(parser)
+    parser.add_argument("--batch-size", type=int, nargs="+", default=[1])
+    parser.add_argument("--input-len", type=int, nargs="+", default=[1024])
+    parser.add_argument("--output-len", type=int, nargs="+", default=[16])
+    parser.add_argument("--result-filename", default=None, help="append one JSON line per run")
+    parser.add_argument("--run-name", default="", help="a label stored in the JSON lines")
+    namespace = parser.parse_args(argv)
+    namespace.disable_overlap_schedule = True  # a static batch: time each step by itself
+    namespace.disable_radix_cache = True
+    biggest = max(namespace.batch_size) * (max(namespace.input_len) + max(namespace.output_len))
+    namespace.chunked_prefill_size = -1
+    namespace.max_running_requests = max(namespace.max_running_requests or 0, max(namespace.batch_size))
+    if namespace.max_total_tokens is None and namespace.mem_fraction_static is None:
+        namespace.max_total_tokens = biggest + 64
+    args = server_args_from(namespace, parser)
+    runner = ModelRunner(args)
+    print(f"max_total_num_tokens={runner.max_total_tokens}")
+    for c in runner.chosen:
+        print(f"{c.kind} {c.phase}: {c.name} ({c.reason})")
+    print("Warmup ...")
+    run_once(runner, max(namespace.batch_size), min(namespace.input_len), 4, args.seed, verbose=False)
+    print("\nBenchmark ...")
+    for batch_size in namespace.batch_size:
+        for input_len in namespace.input_len:
+            for output_len in namespace.output_len:
+                print(f"\n# batch size {batch_size}, input {input_len}, output {output_len}")
+                result = run_once(runner, batch_size, input_len, output_len, args.seed, verbose=True)
+                if namespace.result_filename:
+                    result |= {"run_name": namespace.run_name, "device": runner.hardware.name,
+                               "backends": {f"{c.kind}:{c.phase}": c.name for c in runner.chosen}}
+                    with open(namespace.result_filename, "a") as f:
+                        f.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

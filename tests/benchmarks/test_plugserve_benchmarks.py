@@ -1,0 +1,38 @@
+"""The benchmarks against plugserve itself: bench_one_batch on the CPU, bench_serving over HTTP."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from benchmarks import bench_one_batch, bench_serving
+from tests.live_server import API_KEY
+
+
+def test_bench_one_batch_prints_sglang_format_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "one_batch.jsonl"
+    bench_one_batch.main(["--batch-size", "1", "3", "--input-len", "32", "--output-len", "6",
+                          "--result-filename", str(out)])
+    printed = capsys.readouterr().out
+    assert printed.count("Prefill. latency:") == 3  # warm-up + two runs
+    assert re.search(r"Decode\.  median latency: [\d.]+ s, median throughput: +[\d.]+ token/s", printed)
+    assert re.search(r"Total\. latency: [\d.]+ s, throughput: +[\d.]+ token/s", printed)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["batch_size"] for r in rows] == [1, 3]
+    assert all(r["prefill_throughput"] > 0 and r["median_decode_latency"] > 0 for r in rows)
+
+
+def test_bench_serving_against_the_running_server(server, tmp_path, capsys):
+    out = tmp_path / "serving.jsonl"
+    code = bench_serving.main(["--base-url", server.base_url, "--api-key", API_KEY, "--num-prompts", "12",
+                               "--random-input-len", "48", "--random-output-len", "8", "--random-range-ratio", "0.5",
+                               "--max-concurrency", "4", "--output-file", str(out), "--disable-tqdm"])
+    assert code in (None, 0)
+    printed = capsys.readouterr().out
+    for label in ("Successful requests:", "Request throughput (req/s):", "Output token throughput (tok/s):",
+                  "Mean TTFT (ms):", "P99 ITL (ms):", "Median TPOT (ms):", "Concurrency:"):
+        assert label in printed
+    [row] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["completed"] == 12 and row["failed"] == 0
+    # ignore_eos makes every request generate exactly its max_tokens
+    assert row["output_lens"] == row["max_tokens"]
