@@ -61,6 +61,7 @@ class Engine:
         self.runner = ModelRunner(args)
         self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path or EMBEDDED_MODEL_DIR)
         config = self.runner.config
+        self.runner.sample_vocab = min(config.vocab_size, len(self.tokenizer))
         eos = set(config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)

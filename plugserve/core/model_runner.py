@@ -54,6 +54,9 @@ class ModelRunner:
         self.model = load_model(self.config, backends, model_path=args.model_path,
                                 checkpoint_layers=checkpoint_layers, load_format=args.load_format, dtype=self.dtype,
                                 device=self.device, seed=args.seed)
+        # Ids the tokenizer can turn into text (set by the engine): checkpoints pad their vocabulary, and the
+        # embedded tokenizer is smaller than a dummy preset's. Nothing beyond it is ever sampled.
+        self.sample_vocab = self.config.vocab_size
         self.prefill_runs_mla = AttnForwardMethod.MLA in backends.attention_prefill.capabilities.methods
         self.max_total_tokens = self._kv_tokens()
         num_pages = self.max_total_tokens // self.page_size
@@ -164,6 +167,6 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, sample_rows: torch.Tensor) -> torch.Tensor:
-        """input_ids [T] int64 -> logits [len(sample_rows), vocab] float32 at the token rows to sample."""
+        """input_ids [T] int64 -> logits [len(sample_rows), sample_vocab] float32 at the token rows to sample."""
         hidden = self.model(input_ids, batch)
-        return self.model.compute_logits(hidden[sample_rows])
+        return self.model.compute_logits(hidden[sample_rows])[:, : self.sample_vocab]
