@@ -42,3 +42,26 @@ def test_unknown_kind_is_a_usage_error_naming_the_choices(capsys):
         assert exit_.code == 2
     err = capsys.readouterr().err
     assert "--kind: invalid choice: 'conv'" in err and all(k in err for k in ("attention", "gemm", "moe"))
+
+
+def test_serve_rejects_a_bad_flag_value_naming_the_flag(capsys):
+    for argv, expected in [
+        (["--max-running-requests", "0"], "--max-running-requests"),
+        (["--kv-cache-dtype", "int8"], "--kv-cache-dtype 'int8' is not one of: auto, bfloat16"),
+        (["--tp-size", "2"], "--tp-size 2: tensor parallelism has not landed yet"),
+        (["--dtype", "fp64"], "--dtype: invalid choice: 'fp64'"),
+    ]:
+        try:
+            main(["serve", *argv])
+        except SystemExit as exit_:
+            assert exit_.code == 2
+        assert expected in capsys.readouterr().err
+
+
+def test_serve_with_an_unusable_backend_lists_the_usable_ones():
+    import pytest
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--decode-attention-backend", "flashmla_missing"])
+    message = str(exit_.value)
+    assert "--decode-attention-backend" in message and "registered: torch_ref" in message
