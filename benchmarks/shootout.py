@@ -1,0 +1,334 @@
+"""The backend shootout: every usable backend of a kind on one shape grid, in one process, on one device,
+side by side with the device's own ceilings measured in the same run.
+
+    python benchmarks/shootout.py --kinds attention gemm moe --output-dir benchmarks/results/<gpu>/shootout
+
+For each case and backend: time (CUDA events after warm-up, median of --reps), achieved GB/s and
+TFLOP/s, and the fraction of the limit, where limit = max(bytes / measured copy GB/s, flops / measured
+dense TFLOP/s of the dtype). Writes shootout.json, shootout.md, one PNG per kind, and the selection
+table `auto` reads (`<device_key>.json`, to copy into plugserve/tables/), ranking backends per kind,
+phase and batch bucket by measured time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from plugserve.core.dispatch import prepare_attention
+from plugserve.core.forward_batch import ForwardMode, Phase
+from plugserve.core.hardware import Hardware
+from plugserve.core.interfaces import AttentionSpec, GemmSpec, MoESpec, RouterConfig
+from plugserve.core.layers.quant import quantize_block_fp8
+from plugserve.registry import BATCH_BUCKETS, get_registry
+from plugserve.testing.batches import random_batch
+
+V3_GEMM_SHAPES = [(2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (36864, 7168), (7168, 18432)]
+V3_ROUTER = RouterConfig(256, 8, "sigmoid", "noaux_tc", 8, 4, True)
+V2_LITE_ROUTER = RouterConfig(64, 6, "softmax", "greedy", 1, 1, False)
+
+
+@dataclass
+class Case:
+    kind: str
+    phase: str
+    shape: str
+    batch: int  # tokens (attention decode: requests), for the selection table's buckets
+    bytes: float
+    flops: float
+    flop_dtype: str  # which measured TFLOP/s ceiling applies: "bf16" or "fp8"
+
+
+@dataclass
+class Row:
+    kind: str
+    phase: str
+    shape: str
+    backend: str
+    us: float
+    gbps: float
+    tflops: float
+    fraction_of_limit: float
+    batch: int
+
+
+# -- timing ------------------------------------------------------------------------------------------
+
+
+def timed(fn: Callable[[], object], device: torch.device, warmup: int, reps: int) -> float:
+    """Median seconds of fn() after warm-up (CUDA events on a GPU)."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3)
+        else:
+            begin = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - begin)
+    return statistics.median(samples)
+
+
+def measure_ceilings(device: torch.device, quick: bool) -> dict[str, float]:
+    """Copy GB/s (read + write), dense bf16 and fp8 TFLOP/s, measured here and now."""
+    n_bytes = (2 << 30) if not quick else (64 << 20)
+    src = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    copy_s = timed(lambda: dst.copy_(src), device, 3, 10)
+    size = 8192 if not quick else 512
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    bf16_s = timed(lambda: a @ b, device, 3, 10)
+    ceilings = {"copy_gbps": 2 * n_bytes / copy_s / 1e9, "bf16_tflops": 2 * size**3 / bf16_s / 1e12}
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
+        one = torch.ones((), device=device)
+        fp8_s = timed(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), device, 3, 10)
+        ceilings["fp8_tflops"] = 2 * size**3 / fp8_s / 1e12
+    else:
+        ceilings["fp8_tflops"] = ceilings["bf16_tflops"]
+    return ceilings
+
+
+# -- cases -------------------------------------------------------------------------------------------
+
+
+def attention_decode_cases(quick: bool) -> list[tuple[int, int]]:
+    return [(1, 64), (4, 256)] if quick else [(b, kv) for b in (1, 8, 32, 64, 128) for kv in (512, 2048, 8192, 32768)]
+
+
+def attention_extend_cases(quick: bool) -> list[tuple[int, int]]:
+    return [(64, 0), (64, 128)] if quick else [(t, p) for t in (512, 4096, 16384) for p in (0, 4096)]
+
+
+def run_attention(backends: list, device: torch.device, dtype: torch.dtype, heads: int, args, emit) -> None:
+    registry, hardware = get_registry(), Hardware.detect(device)
+    for phase, cases in ((Phase.DECODE, attention_decode_cases(args.quick)), (Phase.PREFILL,
+                         attention_extend_cases(args.quick))):
+        spec = AttentionSpec(num_heads=heads, dtype=dtype, page_size=args.page_size)
+        for first, second in cases:
+            if phase is Phase.DECODE:
+                batch_size, kv = first, second
+                mode, seq_lens, extend_lens = ForwardMode.DECODE, [kv] * batch_size, [1] * batch_size
+                kv_bytes = batch_size * kv * (spec.kv_lora_rank + spec.qk_rope_head_dim) * 2
+                flops = 2 * batch_size * heads * kv * (spec.kv_lora_rank * 2 + spec.qk_rope_head_dim)
+                case = Case("attention", phase.value, f"decode b{batch_size} kv{kv}", batch_size, kv_bytes, flops,
+                            "bf16")
+            else:
+                tokens, prefix = first, second
+                per_request = min(tokens, 4096)
+                n = max(1, tokens // per_request)
+                mode, seq_lens, extend_lens = ForwardMode.EXTEND, [prefix + per_request] * n, [per_request] * n
+                visible = n * sum(prefix + i + 1 for i in range(per_request))
+                flops = 2 * heads * visible * (spec.qk_head_dim + spec.v_head_dim)
+                io = n * (prefix + per_request) * heads * (spec.qk_head_dim + spec.v_head_dim) * 2
+                case = Case("attention", phase.value, f"extend t{tokens} prefix{prefix}", tokens, io, flops, "bf16")
+            for entry in backends:
+                if not registry.usability(entry.cls, phase, hardware, spec):
+                    continue
+                batch = random_batch(mode, seq_lens, extend_lens, spec, device, num_layers=1)
+                backend = entry.cls(spec, device)
+                t = batch.num_tokens
+                if phase is Phase.DECODE:
+                    q_nope = torch.randn(t, heads, spec.kv_lora_rank, device=device, dtype=dtype)
+                    q_rope = torch.randn(t, heads, spec.qk_rope_head_dim, device=device, dtype=dtype)
+                    backend.plan(batch)
+                    run = partial(backend.forward_mla, q_nope, q_rope, 0)
+                else:
+                    # One-shot MHA over the (de-compressed) prefix and the new tokens.
+                    prepare_attention(batch, chunked_prefix_cache_threshold=1, prefix_chunk_capacity=1 << 30)
+                    kv_tokens = sum(seq_lens)
+                    q = torch.randn(t, heads, spec.qk_head_dim, device=device, dtype=dtype)
+                    k = torch.randn(kv_tokens, heads, spec.qk_head_dim, device=device, dtype=dtype)
+                    v = torch.randn(kv_tokens, heads, spec.v_head_dim, device=device, dtype=dtype)
+                    backend.plan(batch)
+                    run = partial(backend.forward_mha, q, k, v)
+                emit(case, entry.name, timed(run, device, args.warmup, args.reps_for(entry.name)))
+
+
+def run_gemm(backends: list, device: torch.device, dtype: torch.dtype, args, emit) -> None:
+    registry, hardware = get_registry(), Hardware.detect(device)
+    spec = GemmSpec(dtype=dtype)
+    shapes = [(256, 512)] if args.quick else V3_GEMM_SHAPES
+    ms = [1, 8] if args.quick else [1, 8, 64, 256, 1024, 4096]
+    for n, k in shapes:
+        w_q, scale = quantize_block_fp8(torch.randn(n, k, device=device) / k**0.5, (128, 128))
+        for m in ms:
+            case = Case("gemm", (Phase.DECODE if m <= 256 else Phase.PREFILL).value, f"m{m} n{n} k{k}", m,
+                        n * k + m * k * 2 + m * n * 2, 2 * m * n * k, "fp8")
+            x = torch.randn(m, k, device=device, dtype=dtype)
+            for entry in backends:
+                if not registry.usability(entry.cls, Phase.DECODE, hardware, spec):
+                    continue
+                backend = entry.cls(spec, device)
+                packed = backend.prepare(w_q, scale)
+                emit(case, entry.name, timed(partial(backend.apply, x, packed), device, args.warmup,
+                                             args.reps_for(entry.name)))
+
+
+def run_moe(backends: list, device: torch.device, dtype: torch.dtype, args, emit) -> None:
+    registry, hardware = get_registry(), Hardware.detect(device)
+    configs = [(RouterConfig(16, 4, "sigmoid", "noaux_tc", 4, 2, True), 256, 128)] if args.quick else [
+        (V3_ROUTER, 7168, 256),  # V3's experts as one GPU of TP8 holds them
+        (V2_LITE_ROUTER, 2048, 1408),
+    ]
+    for router, hidden, inter in configs:
+        spec = MoESpec(hidden, inter, dtype, torch.float8_e4m3fn, router=router)
+        e = router.num_experts
+        w13, s13 = zip(*(quantize_block_fp8(torch.randn(2 * inter, hidden, device=device) / hidden**0.5)
+                         for _ in range(e)), strict=True)
+        w2, s2 = zip(*(quantize_block_fp8(torch.randn(hidden, inter, device=device) / inter**0.5)
+                       for _ in range(e)), strict=True)
+        weights = (torch.stack(w13), torch.stack(w2), torch.stack(s13), torch.stack(s2))
+        for tokens in ([1, 8] if args.quick else [1, 8, 64, 512, 4096]):
+            x = torch.randn(tokens, hidden, device=device, dtype=dtype)
+            logits = torch.randn(tokens, e, device=device)
+            bias = torch.randn(e, device=device) * 0.1 if router.topk_method == "noaux_tc" else None
+            for entry in backends:
+                if not registry.usability(entry.cls, Phase.DECODE, hardware, spec):
+                    continue
+                backend = entry.cls(spec, device)
+                topk_weights, topk_ids = backend.route(logits, bias)
+                active = int(topk_ids.unique().numel())
+                # Bytes: the activated experts' e4m3 weights (3 matrices each) and the activations in and out.
+                weight_bytes = active * 3 * hidden * inter
+                flops = 2 * tokens * router.top_k * 3 * hidden * inter
+                case = Case("moe", (Phase.DECODE if tokens <= 512 else Phase.PREFILL).value,
+                            f"t{tokens} e{e}top{router.top_k} h{hidden} i{inter}", tokens,
+                            weight_bytes + tokens * hidden * 4, flops, "fp8")
+                packed = backend.prepare(*weights)
+                run = partial(backend.forward, x, packed, topk_ids, topk_weights, router_scaling(router))
+                emit(case, entry.name, timed(run, device, args.warmup, args.reps_for(entry.name)))
+
+
+def router_scaling(router: RouterConfig) -> float:
+    return 2.5 if router.topk_method == "noaux_tc" else 1.0
+
+
+# -- outputs -----------------------------------------------------------------------------------------
+
+
+def selection_table(rows: list[Row], hardware: Hardware, command: str) -> dict:
+    """Per kind and phase, for each batch bucket, backend names ordered by their summed time over the
+    cases falling in that bucket (only backends measured on every such case compete)."""
+    rankings: dict[str, dict[str, list[dict]]] = {}
+    for kind in sorted({r.kind for r in rows}):
+        for phase in sorted({r.phase for r in rows if r.kind == kind}):
+            buckets = []
+            low = 0
+            for edge in BATCH_BUCKETS:
+                in_bucket = [r for r in rows if r.kind == kind and r.phase == phase and low < r.batch <= edge]
+                low = edge
+                if not in_bucket:
+                    continue
+                shapes = {r.shape for r in in_bucket}
+                totals: dict[str, float] = {}
+                for name in {r.backend for r in in_bucket}:
+                    mine = [r for r in in_bucket if r.backend == name]
+                    if {r.shape for r in mine} == shapes:
+                        totals[name] = sum(r.us for r in mine)
+                buckets.append({"max_batch_size": edge, "order": sorted(totals, key=totals.get)})
+            if buckets:
+                rankings.setdefault(kind, {})[phase] = buckets
+    return {"device_name": hardware.name, "source": command, "rankings": rankings}
+
+
+def write_outputs(rows: list[Row], ceilings: dict[str, float], hardware: Hardware, out: Path, command: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "shootout.json").write_text(json.dumps({"device": hardware.name, "command": command,
+                                                   "ceilings": ceilings, "rows": [asdict(r) for r in rows]}, indent=1))
+    lines = [f"# Shootout on {hardware.name}", "", f"`{command}`", "",
+             "Ceilings measured in the same run: " + ", ".join(f"{k} {v:.1f}" for k, v in ceilings.items()), "",
+             "| kind | phase | shape | backend | time (us) | GB/s | TFLOP/s | fraction of limit |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r.kind} | {r.phase} | {r.shape} | {r.backend} | {r.us:.1f} | {r.gbps:.0f} | {r.tflops:.1f} | "
+              f"{r.fraction_of_limit:.2f} |" for r in rows]
+    (out / "shootout.md").write_text("\n".join(lines) + "\n")
+    (out / f"{hardware.device_key}.json").write_text(json.dumps(selection_table(rows, hardware, command), indent=1))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no PNG plots", file=sys.stderr)
+        return
+    for kind in sorted({r.kind for r in rows}):
+        mine = [r for r in rows if r.kind == kind]
+        shapes = list(dict.fromkeys(r.shape for r in mine))
+        fig, ax = plt.subplots(figsize=(max(8, len(shapes) * 0.45), 5))
+        for name in sorted({r.backend for r in mine}):
+            by_shape = {r.shape: r.fraction_of_limit for r in mine if r.backend == name}
+            ax.plot(range(len(shapes)), [by_shape.get(s, float("nan")) for s in shapes], marker="o", label=name)
+        ax.set_xticks(range(len(shapes)), shapes, rotation=70, fontsize=7)
+        ax.set_ylabel("fraction of the measured limit")
+        ax.set_title(f"{kind} on {hardware.name}")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / f"{kind}.png", dpi=110)
+        plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    kinds = ["attention", "gemm", "moe"]
+    parser.add_argument("--kinds", nargs="+", default=kinds, choices=kinds)
+    parser.add_argument("--backends", nargs="*", default=None, help="KIND:NAME to include (default: every usable one)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--heads", type=int, default=128, help="attention heads (DeepSeek-V3 on one GPU: 128)")
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--reference-reps", type=int, default=3, help="repetitions for the slow torch_ref backends")
+    parser.add_argument("--quick", action="store_true", help="tiny grid (to check the script, e.g. on the CPU)")
+    parser.add_argument("--output-dir", type=Path, required=True)
+    args = parser.parse_args(argv)
+    args.reps_for = lambda name: args.reference_reps if name == "torch_ref" else args.reps
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    hardware = Hardware.detect(device)
+    registry = get_registry()
+    wanted = {tuple(b.split(":", 1)) for b in args.backends} if args.backends else None
+    ceilings = measure_ceilings(device, args.quick)
+    print(f"{hardware.describe()}: " + ", ".join(f"{k} {v:.1f}" for k, v in ceilings.items()))
+    rows: list[Row] = []
+
+    def emit(case: Case, backend: str, seconds: float) -> None:
+        tflops_ceiling = ceilings["fp8_tflops" if case.flop_dtype == "fp8" else "bf16_tflops"]
+        limit = max(case.bytes / (ceilings["copy_gbps"] * 1e9), case.flops / (tflops_ceiling * 1e12))
+        row = Row(case.kind, case.phase, case.shape, backend, seconds * 1e6, case.bytes / seconds / 1e9,
+                  case.flops / seconds / 1e12, limit / seconds, case.batch)
+        rows.append(row)
+        print(f"{row.kind:9} {row.shape:32} {row.backend:12} {row.us:10.1f} us {row.gbps:8.0f} GB/s "
+              f"{row.tflops:7.1f} TFLOP/s {row.fraction_of_limit:6.2f} of limit", flush=True)
+
+    for kind in args.kinds:
+        entries = [e for name, e in sorted(registry.backends[kind].items()) if wanted is None or (kind, name) in wanted]
+        entries = [e for e in entries if registry.availability(e.cls, hardware)]
+        if kind == "attention":
+            run_attention(entries, device, dtype, args.heads, args, emit)
+        elif kind == "gemm":
+            run_gemm(entries, device, dtype, args, emit)
+        else:
+            run_moe(entries, device, dtype, args, emit)
+    command = "python benchmarks/shootout.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    write_outputs(rows, ceilings, hardware, args.output_dir, command)
+
+
+if __name__ == "__main__":
+    main()
