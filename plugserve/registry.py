@@ -46,6 +46,9 @@ BUILTIN_PLUGINS = (
     "plugserve.plugins.attention.torch_ref",
     "plugserve.plugins.gemm.torch_ref",
     "plugserve.plugins.moe.torch_ref",
+    "plugserve.plugins.attention.triton",
+    "plugserve.plugins.gemm.triton",
+    "plugserve.plugins.moe.triton",
 )
 # Upper edges of the batch-size (token count) buckets that selection tables and --explain use.
 BATCH_BUCKETS = (1, 8, 64, 512, 4096)

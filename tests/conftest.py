@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
+# Triton fixes, when first imported, whether its kernels are interpreted: the CPU suite runs them interpreted.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path

@@ -8,7 +8,8 @@ from plugserve.registry import SelectionTable
 
 def test_quick_shootout_writes_results_and_a_selection_table_auto_can_read(tmp_path):
     shootout.main(["--quick", "--device", "cpu", "--dtype", "float32", "--heads", "4", "--page-size", "16",
-                   "--warmup", "1", "--reps", "2", "--reference-reps", "1", "--output-dir", str(tmp_path)])
+                   "--warmup", "1", "--reps", "2", "--reference-reps", "1", "--output-dir", str(tmp_path),
+                   "--backends", "attention:torch_ref", "gemm:torch_ref", "moe:torch_ref"])
     data = json.loads((tmp_path / "shootout.json").read_text())
     assert {"copy_gbps", "bf16_tflops", "fp8_tflops"} <= set(data["ceilings"])
     kinds = {row["kind"] for row in data["rows"]}

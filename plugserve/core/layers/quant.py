@@ -32,7 +32,8 @@ def _quantize_blocks(x: torch.Tensor, block_shape: tuple[int, int]) -> tuple[tor
     padded = torch.nn.functional.pad(x.float(), (0, gc * bc - cols, 0, gr * br - rows))
     blocks = padded.view(gr, br, gc, bc)
     amax = blocks.abs().amax(dim=(1, 3), keepdim=True)
-    scales = amax.clamp(min=SCALE_EPS) / FP8_MAX
+    # Divide by a tensor: CUDA turns "tensor / python float" into a multiply by the reciprocal, one bit off.
+    scales = amax.clamp(min=SCALE_EPS) / amax.new_tensor(FP8_MAX)
     x_q = (blocks / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return x_q.view(gr * br, gc * bc)[:rows, :cols].contiguous(), scales.view(gr, gc)
 

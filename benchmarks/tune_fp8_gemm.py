@@ -1,0 +1,179 @@
+"""Tune the "triton" block-FP8 GEMM's launch configs on this GPU and write one JSON file per weight
+shape, `N={N},K={K},device_name={GPU},dtype=fp8_w8a8,block_shape=[128, 128].json`, mapping each
+batch size M to its fastest config; the backend loads them from plugserve/plugins/gemm/configs/.
+
+Each config is timed with triton.testing.do_bench (warm-up first, L2 flushed before every timed
+run, median), on random e4m3 operands; the winner of every M is checked against the torch reference.
+Needs a CUDA GPU of sm89 or newer; refuses to run elsewhere.
+
+    python benchmarks/tune_fp8_gemm.py --quick                     # V3's shapes, ~5 min on an H100
+    python benchmarks/tune_fp8_gemm.py                             # the full space (hours)
+    python benchmarks/tune_fp8_gemm.py --shapes 2112,7168 --batch-sizes 1 64 4096 --output-dir /tmp/cfg
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from plugserve.core.layers.quant import quantize_block_fp8
+from plugserve.plugins.gemm.triton import CONFIG_DIR, CONFIG_KEYS, Config, config_file_name, default_config
+
+BLOCK_SHAPE = (128, 128)
+# DeepSeek-V3's block-FP8 linear layers on one GPU (no tensor parallelism): (N, K) of the weight.
+V3_SHAPES: dict[tuple[int, int], str] = {
+    (2112, 7168): "fused q_a + kv_a projection (q_lora 1536 + kv_lora 512 + rope 64)",
+    (24576, 1536): "q_b_proj (128 heads x 192)",
+    (32768, 512): "kv_b_proj (128 heads x (128 nope + 128 v)), the MHA prefill path",
+    (7168, 16384): "o_proj (128 heads x 128 -> hidden)",
+    (36864, 7168): "dense MLP gate_up of layers 0-2 (2 x 18432)",
+    (7168, 18432): "dense MLP down of layers 0-2",
+    (4096, 7168): "shared expert gate_up (2 x 2048)",
+    (7168, 2048): "shared expert down",
+}
+BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+# Values per CONFIG_KEYS entry; BLOCK_SIZE_K is always the scale group, 128.
+FULL_SPACE: dict[str, tuple[int, ...]] = {
+    "BLOCK_SIZE_M": (16, 32, 64, 128),
+    "BLOCK_SIZE_N": (32, 64, 128, 256),
+    "GROUP_SIZE_M": (1, 8, 16, 32),
+    "num_warps": (4, 8),
+    "num_stages": (2, 3, 4, 5),
+}
+QUICK_SPACE: dict[str, tuple[int, ...]] = {
+    "BLOCK_SIZE_M": (16, 32, 64, 128),
+    "BLOCK_SIZE_N": (64, 128),
+    "GROUP_SIZE_M": (1, 8),
+    "num_warps": (4, 8),
+    "num_stages": (3, 4),
+}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def candidates(m: int, space: dict[str, tuple[int, ...]], smem_bytes: int) -> list[Config]:
+    """The configs of `space` worth timing at batch size m: no M tile taller than m needs (beyond
+    the smallest, 16), grouped ordering only with several M tiles, and pipelined stages of
+    e4m3 A and B tiles that fit `smem_bytes` of shared memory."""
+    block_k = BLOCK_SHAPE[1]
+    tallest = max(16, 1 << (m - 1).bit_length())
+    configs = []
+    grid = itertools.product(space["BLOCK_SIZE_M"], space["BLOCK_SIZE_N"], space["GROUP_SIZE_M"],
+                             space["num_warps"], space["num_stages"])
+    for bm, bn, group, warps, stages in grid:
+        if bm > tallest or (group > 1 and -(-m // bm) == 1) or stages * (bm + bn) * block_k > smem_bytes:
+            continue
+        configs.append(dict(zip(CONFIG_KEYS, (bm, bn, block_k, group, warps, stages), strict=True)))
+    return configs
+
+
+def write_configs(best: dict[int, Config], n: int, k: int, device_name: str, output_dir: Path) -> Path:
+    """{M: config} -> `config_file_name(n, k, device_name)` in output_dir, keys in increasing M."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    path = output_dir / config_file_name(n, k, device_name, BLOCK_SHAPE)
+    path.write_text(json.dumps({str(m): best[m] for m in sorted(best)}, indent=4) + "\n")
+    return path
+
+
+def _check_device() -> torch.device:
+    """The CUDA device to tune on; SystemExit with the reason when there is none fit for it."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("tune_fp8_gemm.py: TRITON_INTERPRET=1 is set; timings need compiled kernels: unset it")
+    if not torch.cuda.is_available():
+        raise SystemExit("tune_fp8_gemm.py times kernels on a CUDA GPU and none is visible here (this is a CPU "
+                         "machine?): run it on the GPU the configs are for")
+    capability = torch.cuda.get_device_capability()
+    if capability < (8, 9):
+        raise SystemExit(f"tune_fp8_gemm.py: the fp8 GEMM needs sm89 or newer; this GPU is "
+                         f"sm{capability[0]}{capability[1]}")
+    return torch.device("cuda")
+
+
+def tune_shape(
+    n: int, k: int, batch_sizes: Sequence[int], space: dict[str, tuple[int, ...]], dtype: torch.dtype,
+    warmup_ms: int, rep_ms: int, device: torch.device,
+) -> dict[int, Config]:
+    """The fastest config per M for an [N, K] weight, each checked against the torch reference."""
+    import triton.testing
+
+    from plugserve.plugins.gemm import triton_kernels
+    from plugserve.plugins.gemm.torch_ref import block_fp8_matmul
+    from plugserve.testing.tolerances import assert_close
+
+    smem = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    w_q, w_s = quantize_block_fp8(torch.randn(n, k, device=device) / k**0.5, BLOCK_SHAPE)
+    x = torch.randn(max(batch_sizes), k, device=device, dtype=dtype)
+    x_q, x_s = triton_kernels.per_token_group_quant_fp8(x, BLOCK_SHAPE[1], column_major_scales=True)
+    reference = block_fp8_matmul(x_q, x_s, w_q, w_s, BLOCK_SHAPE, dtype)
+    best: dict[int, Config] = {}
+    for m in batch_sizes:
+        a_q, a_s = x_q[:m], x_s[:m]  # the first m rows; column-major scales, as the backend passes them
+        timings: list[tuple[float, Config]] = []
+        skipped = 0
+        for config in candidates(m, space, smem):
+            run = functools.partial(triton_kernels.w8a8_block_fp8_matmul, a_q, a_s, w_q, w_s, BLOCK_SHAPE, dtype,
+                                    config)
+            try:
+                timings.append((triton.testing.do_bench(run, warmup=warmup_ms, rep=rep_ms, return_mode="median"),
+                                config))
+            except Exception as exc:  # a config the compiler rejects (out of registers or shared memory)
+                skipped += 1
+                print(f"    skipped {config}: {type(exc).__name__}: {exc}".splitlines()[0])
+        if not timings:
+            raise SystemExit(f"no config ran for N={n} K={k} M={m}")
+        ms, config = min(timings, key=lambda t: t[0])
+        assert_close(triton_kernels.w8a8_block_fp8_matmul(a_q, a_s, w_q, w_s, BLOCK_SHAPE, dtype, config),
+                     reference[:m], dtype, f"N={n} K={k} M={m} with {config}")
+        fallback = default_config(m, BLOCK_SHAPE)
+        default_ms = next((t for t, c in timings if c == fallback), None)
+        vs_default = f", default config {default_ms * 1e3:8.1f} us" if default_ms is not None else ""
+        print(f"  M={m:5d}: {ms * 1e3:8.1f} us, {2 * m * n * k / ms / 1e9:7.1f} TFLOP/s "
+              f"({len(timings)} configs, {skipped} skipped{vs_default}) {config}")
+        best[m] = config
+    return best
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", metavar="N,K", default=None,
+                        help="weight shapes to tune (default: DeepSeek-V3's, see V3_SHAPES)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=list(BATCH_SIZES), metavar="M")
+    parser.add_argument("--quick", action="store_true",
+                        help="a reduced space (BLOCK_SIZE_N 64/128, GROUP_SIZE_M 1/8, 3-4 stages) and shorter timing")
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="activation and output dtype")
+    parser.add_argument("--output-dir", type=Path, default=CONFIG_DIR)
+    args = parser.parse_args(argv)
+    try:
+        shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else list(V3_SHAPES)
+    except ValueError:
+        parser.error(f"--shapes takes N,K pairs such as 2112,7168, got {args.shapes}")
+    if any(len(shape) != 2 for shape in shapes) or min(args.batch_sizes) < 1:
+        parser.error("--shapes takes N,K pairs and --batch-sizes positive integers")
+    device = _check_device()
+    torch.manual_seed(0)
+    device_name = torch.cuda.get_device_name(device).replace(" ", "_")
+    space = QUICK_SPACE if args.quick else FULL_SPACE
+    warmup_ms, rep_ms = (5, 20) if args.quick else (10, 50)
+    batch_sizes = sorted(set(args.batch_sizes))
+    print(f"Tuning {len(shapes)} shapes x {len(batch_sizes)} batch sizes on {device_name} "
+          f"({'quick' if args.quick else 'full'} space) into {args.output_dir}")
+    start = time.perf_counter()
+    for n, k in shapes:
+        print(f"N={n} K={k}: {V3_SHAPES.get((n, k), 'custom shape')}")
+        shape_start = time.perf_counter()
+        best = tune_shape(n, k, batch_sizes, space, DTYPES[args.dtype], warmup_ms, rep_ms, device)
+        path = write_configs(best, n, k, device_name, args.output_dir)
+        print(f"  wrote {path} ({time.perf_counter() - shape_start:.0f} s)")
+    print(f"Tuning took {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

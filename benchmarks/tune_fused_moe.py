@@ -1,0 +1,196 @@
+"""Tune the `triton` MoE backend's grouped-GEMM launch configurations on this GPU and write them to
+plugserve/plugins/moe/configs (the format is described in that package's docstring).
+
+Shapes (N: the expert intermediate size one GPU holds; w13 [E, 2N, H], w2 [E, H, N]):
+  v3       DeepSeek-V3/R1: E=256, top-8, H=7168, N=2048/TP (TP 8: N=256), block-FP8 w8a8, 128 x 128 blocks
+  v2-lite  DeepSeek-V2-Lite: E=64, top-6, H=2048, N=1408/TP (TP 1: N=1408), bfloat16 experts
+
+For each token count M the BLOCK_SIZE_M candidates are tried in turn; for each, every tile candidate
+of the w13 pass (with its fused SiLU-and-mul) and of the w2 pass (with its weighted epilogue) is timed
+on its own, and the BLOCK_SIZE_M with the fastest w13 + w2 is kept. Routing is the backend's router
+on random logits. The default search takes hours; --quick (a small space, six token counts) about
+five minutes on an H100 for both models.
+
+    python benchmarks/tune_fused_moe.py --quick
+    python benchmarks/tune_fused_moe.py --model v3 --tp 8 --batch-sizes 1 64 512 --output-dir /tmp/configs
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from plugserve.core.hardware import Hardware
+from plugserve.core.interfaces import MoESpec, RouterConfig
+from plugserve.core.layers.quant import FP8_DTYPE
+from plugserve.plugins.moe import configs
+from plugserve.plugins.moe.configs import GemmConfig, MoEConfig
+from plugserve.testing.cases import V2_LITE_ROUTER, V3_ROUTER
+
+BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096)
+QUICK_BATCH_SIZES = (1, 16, 64, 256, 1024, 4096)
+BLOCK_SHAPE = (128, 128)
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Model:
+    hidden: int
+    intermediate: int  # before tensor parallelism
+    default_tp: int
+    router: RouterConfig
+    default_dtype: str  # "fp8_w8a8" or an activation dtype
+
+
+MODELS = {
+    "v3": Model(7168, 2048, 8, V3_ROUTER, "fp8_w8a8"),
+    "v2-lite": Model(2048, 1408, 1, V2_LITE_ROUTER, "bfloat16"),
+}
+
+
+def search_space(fp8: bool, dtype: torch.dtype, quick: bool) -> tuple[tuple[int, ...], list[GemmConfig]]:
+    """(BLOCK_SIZE_M candidates, tile candidates of one pass). FP8: BLOCK_SIZE_K divides the 128 block."""
+    if quick:
+        block_k = (128,) if fp8 else (32,) if dtype == torch.float32 else (64,)
+        axes = [(64, 128), block_k, (1, 16), (4,), (3, 4)]
+    else:
+        block_k = (64, 128) if fp8 else (32, 64) if dtype == torch.float32 else (32, 64, 128)
+        axes = [(32, 64, 128, 256), block_k, (1, 16, 32, 64), (4, 8), (2, 3, 4, 5)]
+    return (16, 32, 64, 128), [GemmConfig(*values) for values in itertools.product(*axes)]
+
+
+def time_ms(fn: Callable[[], None], quick: bool) -> float:
+    """Median milliseconds of fn, or inf when the configuration does not compile or launch here."""
+    import triton.testing
+
+    try:
+        return triton.testing.do_bench(fn, warmup=5 if quick else 25, rep=20 if quick else 100, return_mode="median")
+    except Exception as exc:  # out of shared memory or registers: not a candidate on this GPU
+        print(f"      skipped: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", flush=True)
+        return float("inf")
+
+
+def fastest(run: Callable[..., None], tiles: list[GemmConfig], quick: bool) -> tuple[float, GemmConfig]:
+    """(milliseconds, tile) of the fastest tile for the pass that run(config=tile) launches."""
+    return min(((time_ms(functools.partial(run, config=tile), quick), tile) for tile in tiles), key=lambda c: c[0])
+
+
+@dataclass(frozen=True)
+class Experts:
+    """One model's experts on the GPU, random (timing does not depend on the values)."""
+
+    spec: MoESpec
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_scale_inv: torch.Tensor | None
+    w2_scale_inv: torch.Tensor | None
+
+    @classmethod
+    def random(cls, spec: MoESpec, device: torch.device) -> Experts:
+        e, h, n, dtype = spec.num_experts, spec.hidden_size, spec.intermediate_size, spec.dtype
+        g = torch.Generator(device).manual_seed(0)
+        w13 = torch.randn(e, 2 * n, h, device=device, generator=g, dtype=dtype) / h**0.5
+        w2 = torch.randn(e, h, n, device=device, generator=g, dtype=dtype) / n**0.5
+        if not spec.is_fp8:
+            return cls(spec, w13, w2, None, None)
+        # e4m3 values over their range, scales near 1 / 448.
+        bn, bk = spec.block_shape
+        s13 = torch.rand(e, -(-2 * n // bn), -(-h // bk), device=device, generator=g) / 448 + 1e-4
+        s2 = torch.rand(e, -(-h // bn), -(-n // bk), device=device, generator=g) / 448 + 1e-4
+        return cls(spec, (w13 * 64).to(FP8_DTYPE), (w2 * 64).to(FP8_DTYPE), s13, s2)
+
+
+def tune_batch(experts: Experts, num_tokens: int, block_ms: tuple[int, ...], tiles: list[GemmConfig],
+               quick: bool) -> tuple[MoEConfig, float, float]:
+    """(best configuration, its w13 + w2 milliseconds, the default configuration's) for M = num_tokens."""
+    from plugserve.plugins.moe import triton_kernels as kernels
+    from plugserve.plugins.moe.triton import TritonMoE
+
+    spec, device = experts.spec, experts.w13.device
+    e, k, h, n, fp8 = spec.num_experts, spec.top_k, spec.hidden_size, spec.intermediate_size, spec.is_fp8
+    x = torch.randn(num_tokens, h, device=device, dtype=spec.dtype)
+    bias = torch.randn(e, device=device) * 0.1 if spec.router.topk_method == "noaux_tc" else None
+    topk_weights, topk_ids = TritonMoE(spec, device).route(torch.randn(num_tokens, e, device=device), bias)
+    a, a_scale = kernels.per_token_group_quant(x, spec.block_shape[1]) if fp8 else (x, None)
+    h_buf = torch.empty(num_tokens * k, n, device=device, dtype=torch.float32 if fp8 else spec.dtype)
+    y = torch.empty(num_tokens * k, h, device=device, dtype=spec.dtype)
+    w13_pass = functools.partial(kernels.grouped_gemm, a, a_scale, experts.w13, experts.w13_scale_inv, h_buf,
+                                 a_row_div=k, silu_mul=True, block_shape=spec.block_shape)
+    w2_pass = functools.partial(kernels.grouped_gemm, w=experts.w2, w_scale=experts.w2_scale_inv, out=y, a_row_div=1,
+                                silu_mul=False, topk_weights=topk_weights, routed_scaling_factor=2.5,
+                                block_shape=spec.block_shape)
+
+    def passes(block_m: int, w13_tiles: list[GemmConfig], w2_tiles: list[GemmConfig]) -> tuple[float, MoEConfig]:
+        alignment = kernels.moe_align_block_size(topk_ids, e, block_m)
+        t13, tile13 = fastest(functools.partial(w13_pass, alignment=alignment), w13_tiles, quick)
+        w13_pass(alignment=alignment, config=tile13)  # the w2 pass's input
+        h_in, h_scale = kernels.per_token_group_quant(h_buf, spec.block_shape[1]) if fp8 else (h_buf, None)
+        t2, tile2 = fastest(functools.partial(w2_pass, h_in, h_scale, alignment=alignment), w2_tiles, quick)
+        return t13 + t2, MoEConfig(block_m, tile13, tile2)
+
+    choices = []
+    for block_m in block_ms:
+        choices.append(passes(block_m, tiles, tiles))
+        print(f"  M={num_tokens} BLOCK_SIZE_M={block_m}: {choices[-1][0] * 1e3:.1f} us", flush=True)
+    total, best = min(choices, key=lambda c: c[0])
+    default = configs.default_config(num_tokens, k, e, fp8, spec.dtype, "cuda")
+    return best, total, passes(default.block_m, [default.w13], [default.w2])[0]
+
+
+def tune_model(name: str, model: Model, tp: int, dtype_name: str, batch_sizes: tuple[int, ...], quick: bool,
+               out_dir: Path) -> Path:
+    """Tune every token count of one model and write its configuration file; returns its path."""
+    device = torch.device("cuda")
+    hardware = Hardware.detect(device)
+    fp8 = dtype_name == "fp8_w8a8"
+    dtype = torch.bfloat16 if fp8 else DTYPES[dtype_name]
+    spec = MoESpec(model.hidden, model.intermediate // tp, dtype, FP8_DTYPE if fp8 else None, BLOCK_SHAPE,
+                   model.router)
+    print(f"{name}: E={spec.num_experts} top-{spec.top_k} H={spec.hidden_size} N={spec.intermediate_size} "
+          f"(TP {tp}) {dtype_name} on {hardware.describe()}", flush=True)
+    experts = Experts.random(spec, device)
+    block_ms, tiles = search_space(fp8, dtype, quick)
+    best: dict[int, MoEConfig] = {}
+    for m in batch_sizes:
+        start = time.perf_counter()
+        best[m], total, untuned = tune_batch(experts, m, block_ms, tiles, quick)
+        print(f"M={m}: best {total * 1e3:.1f} us (default configuration {untuned * 1e3:.1f} us): "
+              f"{best[m].to_json()} [{time.perf_counter() - start:.0f} s]", flush=True)
+    path = out_dir / configs.config_file_name(spec.num_experts, spec.intermediate_size, hardware.device_key, dtype,
+                                              BLOCK_SHAPE if fp8 else None)
+    configs.write_config_file(path, best)
+    print(f"wrote {path}", flush=True)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["v3", "v2-lite"])
+    parser.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: v3 8, v2-lite 1)")
+    parser.add_argument("--dtype", choices=["fp8_w8a8", *DTYPES], default=None,
+                        help="expert format (default: v3 fp8_w8a8, v2-lite bfloat16)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=None, help="token counts M to tune")
+    parser.add_argument("--quick", action="store_true", help="a small search over six token counts (~5 min)")
+    parser.add_argument("--output-dir", type=Path, default=configs.CONFIG_DIR)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("tune_fused_moe.py times Triton kernels on a CUDA GPU and none is visible here; on the CPU they "
+                 "run only in Triton's interpreter, whose timings mean nothing. Run it on the GPU machine.")
+    batch_sizes = tuple(args.batch_sizes or (QUICK_BATCH_SIZES if args.quick else BATCH_SIZES))
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    for name in args.model:
+        model = MODELS[name]
+        tune_model(name, model, args.tp or model.default_tp, args.dtype or model.default_dtype, batch_sizes,
+                   args.quick, args.output_dir)
+
+
+if __name__ == "__main__":
+    main()

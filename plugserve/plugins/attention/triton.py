@@ -1,0 +1,159 @@
+"""The Triton attention backend: every method (absorbed MLA, MHA, chunked-prefix MHA) in Triton kernels.
+
+    forward_mla   split-KV absorbed MLA over the paged latent cache, one query token per row: serves
+                  DECODE, TARGET_VERIFY, DRAFT_EXTEND and EXTEND with a cached prefix alike
+    forward_mha   flash attention over packed (varlen) requests, returning the log-sum-exp
+    merge_attn_states, set_kv   one fused kernel each
+
+The kernels live in `triton_kernels`, imported when the first backend is built, never at module
+import: this module must import without triton, and `triton.jit` reads TRITON_INTERPRET when the
+kernels are defined. On the CPU the kernels run only in Triton's interpreter (TRITON_INTERPRET=1),
+which is slow and meant for tests; the torch reference keeps the higher priority there.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+from typing import ClassVar
+
+import torch
+
+from plugserve.core.dispatch import AttnForwardMethod
+from plugserve.core.forward_batch import ForwardBatch
+from plugserve.core.hardware import Hardware
+from plugserve.core.interfaces import OK, AttentionBackend, AttentionCapabilities, AttentionSpec, Availability
+from plugserve.registry import hookimpl
+
+
+def _cumsum_with_zero(lens: torch.Tensor) -> torch.Tensor:
+    """[B] lengths -> [B+1] int32 exclusive prefix sum, on the lengths' device (no host sync)."""
+    cu = torch.zeros(lens.shape[0] + 1, dtype=torch.int32, device=lens.device)
+    cu[1:] = torch.cumsum(lens, 0)
+    return cu
+
+
+class TritonAttention(AttentionBackend):
+    """MLA attention in Triton kernels: CUDA, or the CPU under TRITON_INTERPRET=1 (tests only).
+
+    Activations fp16 / bf16 / fp32, the KV cache in the activation dtype, any head count, head dims
+    and page size. Accumulation is float32; fp32 dots are exact (no TF32), and slow: fp32 is for accuracy checks."""
+
+    name: ClassVar[str] = "triton"
+    capabilities: ClassVar[AttentionCapabilities] = AttentionCapabilities(
+        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+        devices=frozenset({"cuda", "cpu"}),
+        min_capability=(8, 0),  # bf16 tl.dot needs Ampere or newer
+    )
+    priority: ClassVar[dict[str, int]] = {"cuda": 50, "cpu": -1}  # on the CPU (interpreter) the reference wins
+
+    def __init__(self, spec: AttentionSpec, device: torch.device) -> None:
+        super().__init__(spec, device)
+        from plugserve.plugins.attention import triton_kernels  # lazily: see the module docstring
+
+        self._kernels: ModuleType = triton_kernels
+        self._multiprocessors = Hardware.detect(device).multiprocessors
+
+    @classmethod
+    def availability(cls, hardware: Hardware) -> Availability:
+        available = super().availability(hardware)
+        if not available:
+            return available
+        # Checked before importing triton: an import without TRITON_INTERPRET defines Triton's own
+        # library functions (tl.max, ...) for the GPU, which later interpreted kernels cannot call.
+        if hardware.device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            return Availability.no("triton kernels run on the CPU only under TRITON_INTERPRET=1 (slow; for tests)")
+        try:
+            import triton  # noqa: F401  (the probe: is the package importable here?)
+        except ImportError as exc:
+            return Availability.no(f"triton is not installed ({exc})")
+        return OK
+
+    def plan(self, batch: ForwardBatch) -> None:
+        """Per-token rows for forward_mla and the varlen offsets for forward_mha, shared by all layers.
+
+        MLA: token_req [T] int32 (each token's block-table row), token_kv_len [T] int32 = position + 1
+        (bottom-right causality: new token i of a request sees keys 0..prefix + i), and the KV split
+        count. MHA: cu_q [B+1] int32 over extend_lens and, for the causal call, cu_kv [B+1] int32 over
+        seq_lens (MHA, or a batch prepare_attention never saw) or extend_lens (MHA_CHUNKED_KV)."""
+        super().plan(batch)
+        device = batch.block_table.device
+        num_tokens = batch.num_tokens
+        self._token_req = torch.repeat_interleave(
+            torch.arange(batch.batch_size, dtype=torch.int32, device=device), batch.extend_lens,
+            output_size=num_tokens,
+        )
+        self._token_kv_len = (batch.positions + 1).to(torch.int32)
+        self._num_splits = self._kernels.mla_num_splits(
+            max(batch.seq_lens_cpu, default=0), num_tokens, self.spec.num_heads, self.spec.kv_lora_rank,
+            self._multiprocessors,
+        )
+        self._max_q_len = max(batch.extend_lens_cpu, default=0)
+        if batch.attn_method is AttnForwardMethod.MHA_CHUNKED_KV:
+            self._causal_kv_lens, self._cu_causal_kv = batch.extend_lens_cpu, batch.cu_extend_lens
+        else:
+            self._causal_kv_lens, self._cu_causal_kv = batch.seq_lens_cpu, _cumsum_with_zero(batch.seq_lens)
+
+    def set_kv(self, layer_id: int, slots: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor) -> None:
+        """latent [n, R], k_rope [n, P] -> pool rows `slots` [n] int64 of layer `layer_id`, in one launch."""
+        self._kernels.set_kv(self.batch.kv_pool.buffer(layer_id), slots, latent, k_rope)
+
+    def forward_mla(self, q_nope: torch.Tensor, q_rope: torch.Tensor, layer_id: int) -> torch.Tensor:
+        """q_nope [T, H, R], q_rope [T, H, P] of the pool's dtype -> [T, H, R] in that dtype."""
+        batch = self.batch
+        pool = batch.kv_pool
+        expected = (batch.num_tokens, self.spec.num_heads)
+        if q_nope.shape != (*expected, pool.kv_lora_rank) or q_rope.shape != (*expected, pool.qk_rope_head_dim):
+            raise ValueError(
+                f"forward_mla expects q_nope [T={expected[0]}, H={expected[1]}, R={pool.kv_lora_rank}] and "
+                f"q_rope [T, H, P={pool.qk_rope_head_dim}], got {tuple(q_nope.shape)} and {tuple(q_rope.shape)}"
+            )
+        if q_nope.dtype != pool.dtype or q_rope.dtype != pool.dtype:
+            raise ValueError(f"forward_mla needs q in the KV cache dtype {pool.dtype}, got {q_nope.dtype} and "
+                             f"{q_rope.dtype}")
+        return self._kernels.mla_attention(
+            q_nope, q_rope, pool.buffer(layer_id), batch.block_table, self._token_req, self._token_kv_len,
+            pool.page_size, self.spec.softmax_scale, self._num_splits,
+        )
+
+    def forward_mha(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_chunk: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ragged MHA: q [T, H, Dqk]; k [Tk, H, Dqk], v [Tk, H, Dv] of q's dtype -> out [T, H, Dv] in
+        q's dtype, lse [T, H] float32. Tk is sum(seq_lens) (MHA), sum(extend_lens) (MHA_CHUNKED_KV,
+        causal part) or the chunk's total (prefix_chunk i, non-causal)."""
+        batch = self.batch
+        if prefix_chunk is not None:
+            if not 0 <= prefix_chunk < len(batch.prefix_chunks):
+                raise ValueError(f"prefix_chunk {prefix_chunk} out of range: the batch has "
+                                 f"{len(batch.prefix_chunks)} prefix chunks")
+            chunk = batch.prefix_chunks[prefix_chunk]
+            kv_lens, cu_kv, causal = chunk.lens_cpu, chunk.cu_lens, False
+        elif batch.attn_method is AttnForwardMethod.MLA:
+            raise ValueError("forward_mha called on a batch planned for absorbed MLA (batch.attn_method is MLA)")
+        else:
+            kv_lens, cu_kv, causal = self._causal_kv_lens, self._cu_causal_kv, True
+        heads = self.spec.num_heads
+        if q.shape[:2] != (batch.num_tokens, heads):
+            raise ValueError(f"forward_mha: q must be [T={batch.num_tokens}, H={heads}, Dqk], got {tuple(q.shape)}")
+        total = sum(kv_lens)
+        if k.shape[:2] != (total, heads) or v.shape[:2] != (total, heads) or k.shape[2] != q.shape[2]:
+            raise ValueError(f"forward_mha: k must be [{total}, {heads}, {q.shape[2]}] and v [{total}, {heads}, Dv] "
+                             f"(key lengths {kv_lens}), got k {tuple(k.shape)} and v {tuple(v.shape)}")
+        return self._kernels.mha_varlen(
+            q, k, v, batch.cu_extend_lens, cu_kv, self._max_q_len, self.spec.softmax_scale, causal
+        )
+
+    def merge_attn_states(
+        self, out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """out_* [T, H, D], lse_* [T, H] float32 -> merged (out [T, H, D] in out_a's dtype, lse [T, H])."""
+        if out_a.shape != out_b.shape or lse_a.shape != lse_b.shape or lse_a.shape != out_a.shape[:2]:
+            raise ValueError(f"cannot merge out {tuple(out_a.shape)} / lse {tuple(lse_a.shape)} with out "
+                             f"{tuple(out_b.shape)} / lse {tuple(lse_b.shape)}")
+        return self._kernels.merge_attn_states(out_a, lse_a, out_b, lse_b)
+
+
+@hookimpl
+def plugserve_backends() -> list[type[AttentionBackend]]:
+    return [TritonAttention]

@@ -1,0 +1,168 @@
+"""The "triton" block-FP8 GEMM backend: a Triton per-token-group quantizer and a w8a8 GEMM whose
+K loop applies the activation and weight block scales to a float32 accumulator, one 128-wide K
+block at a time (DeepSeek-V3's recipe).
+
+Kernel launch configs are tuned per weight shape and GPU (benchmarks/tune_fp8_gemm.py) into
+`configs/N={N},K={K},device_name={device},dtype=fp8_w8a8,block_shape=[128, 128].json` (or the
+folder $PLUGSERVE_GEMM_CONFIG_DIR names), mapping batch sizes M to configs; a call takes the entry
+of the nearest M, or `default_config` when the shape has no file for this GPU.
+
+The kernels (plugserve.plugins.gemm.triton_kernels) are imported on first use, not with the
+plugin: triton reads TRITON_INTERPRET when it defines them. fp8 `tl.dot` needs sm89 (Ada) or
+newer; on the CPU the backend runs only in Triton's interpreter (TRITON_INTERPRET=1), for tests.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+
+from plugserve.core.hardware import Hardware
+from plugserve.core.interfaces import OK, Availability, Fp8GemmBackend, GemmCapabilities, GemmSpec
+from plugserve.core.layers.quant import FP8_DTYPE, scale_grid
+from plugserve.registry import hookimpl
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+# Where the backend looks for tuned configs instead of CONFIG_DIR (the tuning script's --output-dir).
+CONFIG_DIR_ENV = "PLUGSERVE_GEMM_CONFIG_DIR"
+CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
+# A launch config: CONFIG_KEYS -> int.
+Config = dict[str, int]
+
+
+def config_file_name(n: int, k: int, device_name: str, block_shape: tuple[int, int] = (128, 128)) -> str:
+    """`N=2112,K=7168,device_name=NVIDIA_H100_80GB_HBM3,dtype=fp8_w8a8,block_shape=[128, 128].json`.
+    device_name: torch.cuda.get_device_name() with spaces as underscores (Hardware.device_key)."""
+    return f"N={n},K={k},device_name={device_name},dtype=fp8_w8a8,block_shape=[{block_shape[0]}, {block_shape[1]}].json"
+
+
+@functools.cache
+def load_configs(
+    n: int, k: int, device_name: str, block_shape: tuple[int, int], config_dir: Path
+) -> dict[int, Config] | None:
+    """The tuned configs of an [N, K] weight on `device_name`, by M in increasing order, or None when
+    there is no file. Raises ValueError naming the file when it is malformed. Cached: do not mutate."""
+    path = config_dir / config_file_name(n, k, device_name, block_shape)
+    if not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+        configs = {int(m): {key: int(entry[key]) for key in CONFIG_KEYS} for m, entry in raw.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{path}: expected {{M: {{{', '.join(CONFIG_KEYS)}}}}}: {exc!r}") from exc
+    wrong_k = sorted(m for m, config in configs.items() if config["BLOCK_SIZE_K"] != block_shape[1])
+    if not configs or wrong_k:
+        raise ValueError(f"{path}: needs at least one entry, each with BLOCK_SIZE_K {block_shape[1]} "
+                         f"(wrong for M {wrong_k})")
+    return dict(sorted(configs.items()))
+
+
+def default_config(m: int, block_shape: tuple[int, int] = (128, 128)) -> Config:
+    """Untuned fallback, from a short tuning run of V3's shapes on an H100: 16-row tiles for
+    decode-sized batches (weight-bandwidth bound: many narrow N tiles), 64 x 128 tiles with grouped
+    ordering for prefill."""
+    if m <= 16:
+        bm, bn, group, warps, stages = 16, 64, 1, 4, 4
+    elif m <= 64:
+        bm, bn, group, warps, stages = 32, 64, 8, 4, 3
+    else:
+        bm, bn, group, warps, stages = 64, 128, 8, 4, 3
+    return dict(zip(CONFIG_KEYS, (bm, bn, block_shape[1], group, warps, stages), strict=True))
+
+
+def pick_config(m: int, configs: dict[int, Config] | None, block_shape: tuple[int, int] = (128, 128)) -> Config:
+    """The config of the nearest tuned M (ties go to the smaller M), or `default_config(m)`."""
+    if not configs:
+        return default_config(m, block_shape)
+    return configs[min(configs, key=lambda tuned: (abs(tuned - m), tuned))]
+
+
+@dataclass(frozen=True)
+class TritonFp8Weight:
+    """weight [N, K] float8_e4m3fn and weight_scale_inv [ceil(N/bn), ceil(K/bk)] float32, both
+    contiguous on the backend's device, and the tuned configs of this shape (None: defaults)."""
+
+    weight: torch.Tensor
+    weight_scale_inv: torch.Tensor
+    configs: dict[int, Config] | None
+
+
+class TritonFp8Gemm(Fp8GemmBackend):
+    name: ClassVar[str] = "triton"
+    capabilities: ClassVar[GemmCapabilities] = GemmCapabilities(
+        dtypes=frozenset({torch.bfloat16, torch.float16, torch.float32}),
+        devices=frozenset({"cuda", "cpu"}),
+        min_capability=(8, 9),  # float8e4nv tl.dot: Ada / Hopper tensor cores
+        block_shapes=frozenset({(128, 128)}),
+    )
+    priority: ClassVar[dict[str, int]] = {"cuda": 50, "cpu": -1}  # on the CPU (interpreter) the reference wins
+
+    def __init__(self, spec: GemmSpec, device: torch.device) -> None:
+        super().__init__(spec, device)
+        self.device_name = Hardware.detect(device).device_key if device.type == "cuda" else "cpu"
+        self.config_dir = Path(os.environ.get(CONFIG_DIR_ENV, CONFIG_DIR))
+
+    @classmethod
+    def availability(cls, hardware: Hardware) -> Availability:
+        base = super().availability(hardware)
+        if not base:
+            return base
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return Availability.no("triton is not installed (pip install triton)")
+        if not hardware.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            return Availability.no("on the CPU its Triton kernels run only in the interpreter: set TRITON_INTERPRET=1 "
+                                   "before starting (slow, for tests)")
+        return OK
+
+    def prepare(self, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> TritonFp8Weight:
+        """weight [N, K] float8_e4m3fn, weight_scale_inv [ceil(N/bn), ceil(K/bk)] float32, made
+        contiguous on this backend's device; looks up the tuned configs of [N, K] on this GPU once."""
+        if weight.dim() != 2 or weight.dtype != FP8_DTYPE:
+            raise ValueError(f"weight must be a 2-D float8_e4m3fn tensor [N, K], got shape {tuple(weight.shape)} "
+                             f"of dtype {weight.dtype}")
+        expected = scale_grid(*weight.shape, self.spec.block_shape)
+        if tuple(weight_scale_inv.shape) != expected or weight_scale_inv.dtype != torch.float32:
+            raise ValueError(f"weight_scale_inv of a {tuple(weight.shape)} weight in {self.spec.block_shape} blocks "
+                             f"must be float32 of shape {expected}, got {weight_scale_inv.dtype} of shape "
+                             f"{tuple(weight_scale_inv.shape)}")
+        n, k = weight.shape
+        return TritonFp8Weight(
+            weight.to(self.device).contiguous(),
+            weight_scale_inv.to(self.device).contiguous(),
+            load_configs(n, k, self.device_name, self.spec.block_shape, self.config_dir),
+        )
+
+    def apply(self, x: torch.Tensor, packed: TritonFp8Weight) -> torch.Tensor:
+        """x [M, K] of spec.dtype -> [M, N] of spec.dtype. Quantizes x with column-major scales (the
+        GEMM reads one K block's M scales at a time), then runs the GEMM with the config for M."""
+        from plugserve.plugins.gemm import triton_kernels
+
+        k = packed.weight.shape[1]
+        if x.dim() != 2 or x.shape[1] != k or x.dtype != self.spec.dtype:
+            raise ValueError(f"x must be [M, {k}] of dtype {self.spec.dtype}, "
+                             f"got shape {tuple(x.shape)} of dtype {x.dtype}")
+        block = self.spec.block_shape
+        x_q, x_scales = triton_kernels.per_token_group_quant_fp8(x, block[1], column_major_scales=True)
+        config = pick_config(x.shape[0], packed.configs, block)
+        return triton_kernels.w8a8_block_fp8_matmul(
+            x_q, x_scales, packed.weight, packed.weight_scale_inv, block, self.spec.dtype, config
+        )
+
+    def quantize_activation(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [M, K] -> (x_q [M, K] float8_e4m3fn, scales [M, ceil(K/bk)] float32 row-major)."""
+        from plugserve.plugins.gemm import triton_kernels
+
+        return triton_kernels.per_token_group_quant_fp8(x, self.spec.block_shape[1])
+
+
+@hookimpl
+def plugserve_backends() -> list[type[Fp8GemmBackend]]:
+    return [TritonFp8Gemm]

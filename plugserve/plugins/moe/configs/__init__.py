@@ -1,0 +1,127 @@
+"""Launch configurations of the `triton` MoE backend's grouped GEMM: tuned JSON files in this folder
+(written by benchmarks/tune_fused_moe.py), else a built-in default.
+
+One file per (E, N, device, dtype):
+``E={E},N={N},device_name={device},dtype={dtype}.json``, and for block-FP8 experts
+``E={E},N={N},device_name={device},dtype=fp8_w8a8,block_shape=[128, 128].json``, where N is the expert
+intermediate size I as one GPU holds it (w13 [E, 2N, H], w2 [E, H, N]; DeepSeek-V3 with 8-way tensor
+parallelism: N = 2048 / 8 = 256), device is `Hardware.device_key` ("NVIDIA_H100_80GB_HBM3") and dtype
+the activation dtype ("bfloat16", "float16", "float32") of unquantized experts.
+
+A file maps token counts M (T, not T * k) to a configuration; a batch uses the entry of the nearest M:
+  {"64": {"BLOCK_SIZE_M": 32,
+          "w13": {"BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1, "num_warps": 4, "num_stages": 3},
+          "w2": {...}}, ...}
+BLOCK_SIZE_M is shared by both passes (the pairs are padded to it once); each pass has its own tile.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+CONFIG_DIR = Path(__file__).parent
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile of one grouped-GEMM pass (w13 or w2): BLOCK_SIZE_N x BLOCK_SIZE_K per step, GROUP_SIZE_M
+    M-blocks per sweep over N, and Triton's num_warps / num_stages."""
+
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+    def to_json(self) -> dict[str, int]:
+        return {"BLOCK_SIZE_N": self.block_n, "BLOCK_SIZE_K": self.block_k, "GROUP_SIZE_M": self.group_m,
+                "num_warps": self.num_warps, "num_stages": self.num_stages}
+
+    @classmethod
+    def from_json(cls, entry: dict[str, int]) -> GemmConfig:
+        return cls(entry["BLOCK_SIZE_N"], entry["BLOCK_SIZE_K"], entry["GROUP_SIZE_M"], entry["num_warps"],
+                   entry["num_stages"])
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """BLOCK_SIZE_M (the padding of each expert's run of pairs) and the tile of each pass."""
+
+    block_m: int
+    w13: GemmConfig
+    w2: GemmConfig
+
+    def to_json(self) -> dict[str, object]:
+        return {"BLOCK_SIZE_M": self.block_m, "w13": self.w13.to_json(), "w2": self.w2.to_json()}
+
+    @classmethod
+    def from_json(cls, entry: dict) -> MoEConfig:
+        return cls(entry["BLOCK_SIZE_M"], GemmConfig.from_json(entry["w13"]), GemmConfig.from_json(entry["w2"]))
+
+
+def config_file_name(
+    num_experts: int, intermediate: int, device_key: str, dtype: torch.dtype, block_shape: tuple[int, int] | None
+) -> str:
+    """block_shape: that of block-FP8 experts (w8a8), None for unquantized ones of `dtype`."""
+    if block_shape is not None:
+        kind = f"dtype=fp8_w8a8,block_shape=[{block_shape[0]}, {block_shape[1]}]"
+    else:
+        kind = f"dtype={str(dtype).removeprefix('torch.')}"
+    return f"E={num_experts},N={intermediate},device_name={device_key},{kind}.json"
+
+
+def write_config_file(path: Path, configs: dict[int, MoEConfig]) -> None:
+    """configs: {token count M: configuration}, written in increasing M."""
+    path.write_text(json.dumps({str(m): configs[m].to_json() for m in sorted(configs)}, indent=2) + "\n")
+
+
+@functools.cache
+def load_config_file(path: Path) -> dict[int, MoEConfig] | None:
+    """{M: configuration} of a tuned file, None when there is none."""
+    if not path.is_file():
+        return None
+    return {int(m): MoEConfig.from_json(entry) for m, entry in json.loads(path.read_text()).items()}
+
+
+def default_config(num_tokens: int, top_k: int, num_experts: int, fp8: bool, dtype: torch.dtype,
+                   device_type: str) -> MoEConfig:
+    """Untuned: a BLOCK_SIZE_M near the pairs an expert gets (T * k / E), tiles that fit the shared
+    memory of any sm80+ GPU (3 stages; 2 for float32). On the CPU (Triton's interpreter), few large
+    programs, since each costs Python time."""
+    if device_type == "cpu":
+        tile = GemmConfig(block_n=128, block_k=128, group_m=1, num_warps=4, num_stages=1)
+        return MoEConfig(16, tile, tile)
+    pairs_per_expert = num_tokens * top_k / num_experts
+    block_m = 16 if pairs_per_expert <= 16 else 32 if pairs_per_expert <= 64 else 64
+    block_k = 128 if fp8 else 32 if dtype == torch.float32 else 64
+    stages = 2 if dtype == torch.float32 and not fp8 else 3
+    group_m = 1 if block_m == 16 else 16
+    return MoEConfig(
+        block_m,
+        GemmConfig(block_n=64, block_k=block_k, group_m=group_m, num_warps=4, num_stages=stages),
+        GemmConfig(block_n=128 if block_m > 16 else 64, block_k=block_k, group_m=group_m, num_warps=4,
+                   num_stages=stages),
+    )
+
+
+def get_config(
+    num_tokens: int,
+    top_k: int,
+    num_experts: int,
+    intermediate: int,
+    dtype: torch.dtype,
+    block_shape: tuple[int, int] | None,
+    device_type: str,
+    device_key: str,
+) -> MoEConfig:
+    """The tuned entry of the nearest token count for these experts on this device, else the default.
+    block_shape: that of block-FP8 experts, None for unquantized ones."""
+    tuned = load_config_file(CONFIG_DIR / config_file_name(num_experts, intermediate, device_key, dtype, block_shape))
+    if tuned:
+        return tuned[min(tuned, key=lambda m: abs(m - num_tokens))]
+    return default_config(num_tokens, top_k, num_experts, block_shape is not None, dtype, device_type)

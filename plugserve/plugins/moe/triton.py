@@ -1,0 +1,240 @@
+"""The `triton` MoE backend: DeepSeek's router and the routed experts as Triton kernels, in the
+activation dtype (bf16 / fp16 / fp32 experts) or block-FP8 w8a8 (e4m3 experts in 128 x 128 blocks,
+activations quantized per 1 x 128 token group).
+
+- `route`: one fused kernel for every router variant (greedy, group_limited_greedy, noaux_tc; softmax
+  or sigmoid scores), one program per token.
+- `forward`: moe_align_block_size (pairs sorted by expert, padded to BLOCK_SIZE_M), a grouped GEMM
+  over w13 with SiLU-and-mul in its epilogue, a grouped GEMM over w2 multiplying by the top-k weight
+  times routed_scaling_factor in its epilogue, and a top-k sum (see `triton_kernels`). Launch
+  configurations come from tuned files in `configs/` (benchmarks/tune_fused_moe.py) or a default.
+- Shared-expert fusion: `prepare(..., shared_w13=, shared_w2=)` appends the shared expert(s) as
+  extra experts that every token uses, so that `forward` returns routed + shared in the same GEMMs.
+
+The kernels live in `triton_kernels`, imported on first use: loading this plugin does not import
+Triton. On the CPU the kernels run only in Triton's interpreter (TRITON_INTERPRET=1), for tests.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from plugserve.core.forward_batch import Phase
+from plugserve.core.hardware import Hardware
+from plugserve.core.interfaces import OK, Availability, MoEBackend, MoECapabilities, MoESpec
+from plugserve.core.layers.quant import FP8_DTYPE, ceil_div
+from plugserve.plugins.moe.configs import MoEConfig, get_config
+from plugserve.registry import hookimpl
+
+# FP8 tensor cores (tl.dot on float8e4nv) need Ada / Hopper or newer.
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+@dataclass(frozen=True)
+class TritonMoECapabilities(MoECapabilities):
+    """MoECapabilities plus the rule that block-FP8 experts need an sm89+ GPU. `check` has no
+    hardware argument: it asks about the current CUDA device, when there is one (on the CPU, Triton's
+    interpreter runs FP8 anywhere)."""
+
+    fp8_min_capability: tuple[int, int] = FP8_MIN_CAPABILITY
+
+    def check(self, spec: MoESpec, phase: Phase) -> Availability:
+        fits = super().check(spec, phase)
+        if not fits or not spec.is_fp8 or not torch.cuda.is_available():
+            return fits
+        hardware = Hardware.detect("cuda")
+        if hardware.capability is not None and hardware.capability < self.fp8_min_capability:
+            major, minor = self.fp8_min_capability
+            return Availability.no(f"fp8_block experts need FP8 tensor cores (sm{major}{minor} or newer), "
+                                   f"this GPU is {hardware.arch}")
+        return OK
+
+
+@dataclass(frozen=True)
+class TritonMoEWeights:
+    """w13 [E + S, 2I, H], w2 [E + S, H, I] (S fused shared experts after the E routed ones), of the
+    activation dtype or float8_e4m3fn with block scales [E + S, ceil(2I/bn), ceil(H/bk)] and
+    [E + S, ceil(H/bn), ceil(I/bk)] float32."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_scale_inv: torch.Tensor | None
+    w2_scale_inv: torch.Tensor | None
+    num_shared: int
+
+
+def _check_tensor(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    if tuple(t.shape) != shape or t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype} of shape {shape}, got {t.dtype} of shape {tuple(t.shape)}")
+
+
+class TritonMoE(MoEBackend):
+    """Routed experts (and optionally the shared ones) as Triton kernels; see the module docstring."""
+
+    name: ClassVar[str] = "triton"
+    capabilities: ClassVar[TritonMoECapabilities] = TritonMoECapabilities(
+        dtypes=frozenset({torch.bfloat16, torch.float16, torch.float32}),
+        devices=frozenset({"cuda", "cpu"}),
+    )
+    priority: ClassVar[dict[str, int]] = {"cuda": 50, "cpu": -1}  # on the CPU (interpreter) the reference wins
+
+    def __init__(self, spec: MoESpec, device: torch.device) -> None:
+        super().__init__(spec, device)
+        self._hardware = Hardware.detect(device)
+
+    @classmethod
+    def availability(cls, hardware: Hardware) -> Availability:
+        available = super().availability(hardware)
+        if not available:
+            return available
+        try:
+            import triton  # noqa: F401
+        except ImportError as exc:
+            return Availability.no(f"triton is not installed ({exc}); pip install triton")
+        if hardware.device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            return Availability.no("on the CPU its Triton kernels run only in Triton's interpreter: set "
+                                   "TRITON_INTERPRET=1 before starting (slow; meant for tests)")
+        return OK
+
+    def route(
+        self, router_logits: torch.Tensor, correction_bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """router_logits [T, E] float32 (correction_bias [E], noaux_tc only) -> (topk_weights [T, k]
+        float32, topk_ids [T, k] int32), best expert first, without routed_scaling_factor."""
+        from plugserve.plugins.moe import triton_kernels
+
+        router = self.spec.router
+        if router_logits.dim() != 2 or router_logits.shape[1] != router.num_experts:
+            raise ValueError(f"router_logits must be [T, {router.num_experts}], got {tuple(router_logits.shape)}")
+        if router.topk_method != "greedy" and router.num_experts % router.n_group:
+            raise ValueError(f"{router.topk_method} needs num_experts ({router.num_experts}) divisible by n_group "
+                             f"({router.n_group})")
+        if (correction_bias is not None) != (router.topk_method == "noaux_tc"):
+            given = "given" if correction_bias is not None else "None"
+            raise ValueError(f"correction_bias [E] is needed by noaux_tc and only by it (topk_method "
+                             f"{router.topk_method}, correction_bias {given})")
+        if correction_bias is not None and tuple(correction_bias.shape) != (router.num_experts,):
+            raise ValueError(f"correction_bias must have shape ({router.num_experts},), "
+                             f"got {tuple(correction_bias.shape)}")
+        return triton_kernels.grouped_topk(router_logits, correction_bias, router)
+
+    def prepare(
+        self,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        w13_scale_inv: torch.Tensor | None = None,
+        w2_scale_inv: torch.Tensor | None = None,
+        *,
+        shared_w13: torch.Tensor | None = None,
+        shared_w2: torch.Tensor | None = None,
+        shared_w13_scale_inv: torch.Tensor | None = None,
+        shared_w2_scale_inv: torch.Tensor | None = None,
+    ) -> TritonMoEWeights:
+        """w13 [E, 2I, H], w2 [E, H, I] of spec.dtype, or float8_e4m3fn with block scales
+        [E, ceil(2I/bn), ceil(H/bk)] and [E, ceil(H/bn), ceil(I/bk)] float32.
+
+        Shared-expert fusion: shared_w13 [2SI, H] (gate rows, then up rows) and shared_w2 [H, SI], the
+        shared MLP of intermediate size S * I (DeepSeek's n_shared_experts = S), in the experts' format
+        (FP8: with scales [ceil(2SI/bn), ceil(H/bk)] and [ceil(H/bn), ceil(SI/bk)]; S > 1 needs I a
+        multiple of bn). They become S experts E .. E+S-1 (slices of I) that `forward` gives every token,
+        so that its result is routed + shared MLP."""
+        spec = self.spec
+        e, h, i = spec.num_experts, spec.hidden_size, spec.intermediate_size
+        weight_dtype = FP8_DTYPE if spec.is_fp8 else spec.dtype
+        _check_tensor("w13", w13, (e, 2 * i, h), weight_dtype)
+        _check_tensor("w2", w2, (e, h, i), weight_dtype)
+        bn, bk = spec.block_shape
+        if spec.is_fp8:
+            if w13_scale_inv is None or w2_scale_inv is None:
+                raise ValueError("fp8_block experts need w13_scale_inv and w2_scale_inv")
+            _check_tensor("w13_scale_inv", w13_scale_inv, (e, ceil_div(2 * i, bn), ceil_div(h, bk)), torch.float32)
+            _check_tensor("w2_scale_inv", w2_scale_inv, (e, ceil_div(h, bn), ceil_div(i, bk)), torch.float32)
+        elif w13_scale_inv is not None or w2_scale_inv is not None:
+            raise ValueError(f"unquantized experts ({spec.dtype}) take no w13_scale_inv / w2_scale_inv")
+        if shared_w13 is None and shared_w2 is None:
+            return TritonMoEWeights(w13.contiguous(), w2.contiguous(), w13_scale_inv, w2_scale_inv, 0)
+        if shared_w13 is None or shared_w2 is None:
+            raise ValueError("shared-expert fusion needs both shared_w13 and shared_w2")
+
+        s = shared_w2.shape[-1] // i
+        _check_tensor("shared_w13", shared_w13, (2 * s * i, h), weight_dtype)
+        _check_tensor("shared_w2", shared_w2, (h, s * i), weight_dtype)
+        gate_up = shared_w13.view(2, s, i, h).transpose(0, 1).reshape(s, 2 * i, h)
+        down = shared_w2.view(h, s, i).transpose(0, 1)
+        w13, w2 = torch.cat([w13, gate_up]), torch.cat([w2, down])
+        if spec.is_fp8:
+            if shared_w13_scale_inv is None or shared_w2_scale_inv is None:
+                raise ValueError("fp8_block shared experts need shared_w13_scale_inv and shared_w2_scale_inv")
+            if s > 1 and i % bn:
+                raise ValueError(f"{s} fused FP8 shared experts need the intermediate size ({i}) to be a "
+                                 f"multiple of the weight block ({bn})")
+            _check_tensor("shared_w13_scale_inv", shared_w13_scale_inv,
+                          (ceil_div(2 * s * i, bn), ceil_div(h, bk)), torch.float32)
+            _check_tensor("shared_w2_scale_inv", shared_w2_scale_inv,
+                          (ceil_div(h, bn), ceil_div(s * i, bk)), torch.float32)
+            if s == 1:  # laid out as one expert already
+                gate_up_scale, down_scale = shared_w13_scale_inv[None], shared_w2_scale_inv[None]
+            else:  # every slice of I rows or columns is a whole number of scale blocks
+                hb, kb = shared_w2_scale_inv.shape[0], ceil_div(h, bk)
+                gate_up_scale = shared_w13_scale_inv.view(2, s, -1, kb).transpose(0, 1).reshape(s, -1, kb)
+                down_scale = shared_w2_scale_inv.view(hb, s, -1).transpose(0, 1)
+            w13_scale_inv = torch.cat([w13_scale_inv, gate_up_scale])
+            w2_scale_inv = torch.cat([w2_scale_inv, down_scale])
+        elif shared_w13_scale_inv is not None or shared_w2_scale_inv is not None:
+            raise ValueError(f"unquantized shared experts ({spec.dtype}) take no scales")
+        return TritonMoEWeights(
+            w13.contiguous(), w2.contiguous(),
+            None if w13_scale_inv is None else w13_scale_inv.contiguous(),
+            None if w2_scale_inv is None else w2_scale_inv.contiguous(), s,
+        )
+
+    def config(self, num_tokens: int) -> MoEConfig:
+        """The launch configuration for a batch of `num_tokens` tokens (tuned file or default), looked
+        up under the routed experts' E and top-k also when shared experts are fused."""
+        spec = self.spec
+        return get_config(num_tokens, spec.top_k, spec.num_experts, spec.intermediate_size, spec.dtype,
+                          spec.block_shape if spec.is_fp8 else None, self._hardware.device_type,
+                          self._hardware.device_key)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        packed: TritonMoEWeights,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        routed_scaling_factor: float,
+    ) -> torch.Tensor:
+        """x [T, H] of spec.dtype, topk_ids [T, k] int32, topk_weights [T, k] float32 -> [T, H]:
+        routed_scaling_factor * sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]), plus the shared
+        MLP when `prepare` fused it. Ids outside [0, E) (-1: another rank's expert) contribute nothing.
+
+        Fused shared experts: each token also gets experts E .. E+S-1 with weight
+        1 / routed_scaling_factor, which the w2 epilogue's factor routed_scaling_factor cancels."""
+        from plugserve.plugins.moe import triton_kernels
+
+        spec = self.spec
+        if x.dim() != 2 or x.shape[1] != spec.hidden_size or x.dtype != spec.dtype:
+            raise ValueError(f"x must be [T, {spec.hidden_size}] of dtype {spec.dtype}, "
+                             f"got shape {tuple(x.shape)} of dtype {x.dtype}")
+        if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+            raise ValueError(f"topk_ids and topk_weights must both be [{x.shape[0]}, k], "
+                             f"got {tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
+        if packed.num_shared:
+            num_tokens, s = x.shape[0], packed.num_shared
+            shared_ids = torch.arange(spec.num_experts, spec.num_experts + s, dtype=torch.int32, device=x.device)
+            topk_ids = torch.cat([topk_ids.to(torch.int32), shared_ids.expand(num_tokens, s)], dim=1)
+            shared_weights = torch.full((num_tokens, s), 1.0 / routed_scaling_factor, device=x.device)
+            topk_weights = torch.cat([topk_weights.float(), shared_weights], dim=1)
+        return triton_kernels.fused_experts(
+            x, packed.w13, packed.w2, packed.w13_scale_inv, packed.w2_scale_inv, topk_ids, topk_weights,
+            routed_scaling_factor, self.config(x.shape[0]), spec.block_shape,
+        )
+
+
+@hookimpl
+def plugserve_backends() -> list[type[MoEBackend]]:
+    return [TritonMoE]

@@ -1,0 +1,500 @@
+"""Triton kernels of the `triton` MoE backend and their launchers. Imported lazily (by
+`plugserve.plugins.moe.triton`), so that merely loading the plugin never imports Triton; with
+TRITON_INTERPRET=1 set before this import the kernels run on the CPU in Triton's interpreter.
+
+Notation: T tokens, k experts per token (top-k), P = T * k token-expert pairs (pair p = t * k + j is
+slot j of token t), E experts, H hidden size, I expert intermediate size.
+
+Pipeline of `fused_experts`:
+  1. `moe_align_block_size`: pairs sorted by expert, each expert's run padded to a multiple of
+     BLOCK_M, so that every M-block of the grouped GEMM belongs to one expert.
+  2. block-FP8 only: `per_token_group_quant` of x [T, H] (1 x 128 groups).
+  3. w13 pass of `_fused_moe_gemm_kernel`: h[p] = silu(x[t] @ W_gate^T) * (x[t] @ W_up^T), [P, I]
+     (SiLU-and-mul fused into the epilogue: each program holds the gate and the up tile).
+  4. block-FP8 only: `per_token_group_quant` of h.
+  5. w2 pass: y[p] = weight[p] * routed_scaling_factor * (h[p] @ W2^T), [P, H].
+  6. `_topk_sum_kernel`: out[t] = sum_j y[t * k + j], [T, H].
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from plugserve.core.interfaces import RouterConfig
+from plugserve.core.layers.quant import FP8_DTYPE, FP8_MAX, SCALE_EPS
+from plugserve.plugins.moe.configs import GemmConfig, MoEConfig
+
+# Triton's interpreter (triton 3.9) computes tl.dot on bfloat16 operands wrongly and rounds
+# float32 -> float8 casts wrongly (no carry into the exponent): under it, bfloat16 tiles are widened
+# to float32 before tl.dot, and quantized activations are cast to float8 by torch.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# `_grouped_topk_kernel`'s GROUPING: how experts are grouped before the top-k.
+NO_GROUPS, GROUP_BY_MAX, GROUP_BY_TOP2_SUM = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+
+_ALIGN_CHUNK = 256  # pairs per program of the alignment kernels
+_ALIGN_SUB = 32  # pairs compared at once when ranking pairs within a chunk
+_ALIGN_BLOCKS = 256  # M-blocks labelled at once by the scan kernel
+_QUANT_GROUPS = 8  # 1 x group_size groups per program of the activation quantizer
+_SUM_BLOCK_H = 1024  # hidden columns per program of the top-k sum
+
+
+# ----------------------------------------------------------------------------------------------------
+# Router
+
+
+@triton.jit
+def _grouped_topk_kernel(
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_logits,
+    NUM_GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr, GROUPS_PAD: tl.constexpr, GROUP_PAD: tl.constexpr,
+    TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, TOPK_PAD: tl.constexpr,
+    SOFTMAX: tl.constexpr, GROUPING: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_TO_ZERO: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+):
+    """One token per program. Experts are laid out [group, expert in group] (one group: greedy)."""
+    token = tl.program_id(0).to(tl.int64)
+    group = tl.arange(0, GROUPS_PAD)
+    expert = group[:, None] * GROUP_SIZE + tl.arange(0, GROUP_PAD)[None, :]
+    valid = (group[:, None] < NUM_GROUPS) & (tl.arange(0, GROUP_PAD)[None, :] < GROUP_SIZE)
+    logits = tl.load(logits_ptr + token * stride_logits + expert, mask=valid, other=float("-inf")).to(tl.float32)
+    if SOFTMAX:
+        shifted = tl.exp(logits - tl.max(tl.max(logits, 1), 0))
+        scores = shifted / tl.sum(tl.sum(shifted, 1), 0)
+    else:
+        scores = tl.sigmoid(logits)
+    choice = scores
+    if HAS_BIAS:  # noaux_tc: the bias decides which experts are chosen, not their weights
+        choice = scores + tl.load(bias_ptr + expert, mask=valid, other=0.0).to(tl.float32)
+    choice = tl.where(valid, choice, float("-inf"))
+
+    if GROUPING != NO_GROUPS:
+        top1 = tl.max(choice, 1)
+        if GROUPING == GROUP_BY_MAX:
+            group_score = top1
+        else:  # the sum of the two best experts of each group
+            column = tl.arange(0, GROUP_PAD)[None, :]
+            first = tl.min(tl.where(choice == top1[:, None], column, GROUP_PAD), 1)
+            group_score = top1 + tl.max(tl.where(column == first[:, None], float("-inf"), choice), 1)
+        group_score = tl.where(group < NUM_GROUPS, group_score, float("-inf"))
+        keep = group < 0
+        for _ in tl.static_range(TOPK_GROUP):
+            best = tl.min(tl.where(group_score == tl.max(group_score, 0), group, GROUPS_PAD), 0)
+            keep = keep | (group == best)
+            group_score = tl.where(group == best, float("-inf"), group_score)
+        dropped = 0.0 if MASK_TO_ZERO else float("-inf")
+        choice = tl.where(keep[:, None] & valid, choice, tl.where(valid, dropped, float("-inf")))
+
+    slot = tl.arange(0, TOPK_PAD)
+    topk_weights = tl.zeros([TOPK_PAD], dtype=tl.float32)
+    topk_ids = tl.zeros([TOPK_PAD], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(tl.max(choice, 1), 0)
+        pick = tl.min(tl.min(tl.where(choice == best, expert, GROUPS_PAD * GROUP_PAD), 1), 0)
+        weight = tl.sum(tl.sum(tl.where(expert == pick, scores, 0.0), 1), 0)
+        topk_weights = tl.where(slot == j, weight, topk_weights)
+        topk_ids = tl.where(slot == j, pick, topk_ids)
+        choice = tl.where(expert == pick, float("-inf"), choice)
+    if RENORMALIZE:
+        topk_weights = topk_weights / (tl.sum(topk_weights, 0) + 1e-20)
+    tl.store(weights_ptr + token * TOP_K + slot, topk_weights, mask=slot < TOP_K)
+    tl.store(ids_ptr + token * TOP_K + slot, topk_ids, mask=slot < TOP_K)
+
+
+def grouped_topk(
+    router_logits: torch.Tensor, correction_bias: torch.Tensor | None, router: RouterConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's gate, as `torch_ref.select_experts`: router_logits [T, E] float32 (correction_bias [E],
+    noaux_tc only) -> (topk_weights [T, k] float32, topk_ids [T, k] int32), best expert first.
+
+    greedy: top-k of all scores; group_limited_greedy: top-k within the `topk_group` groups of the
+    highest max score (other experts scored 0); noaux_tc: sigmoid scores plus the bias, groups ranked by
+    the sum of their best two, other experts excluded, weights the unbiased scores."""
+    num_tokens, num_experts = router_logits.shape
+    grouped = router.topk_method != "greedy"
+    num_groups = router.n_group if grouped else 1
+    group_size = num_experts // num_groups
+    logits = router_logits.contiguous()
+    weights = torch.empty(num_tokens, router.top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(num_tokens, router.top_k, dtype=torch.int32, device=logits.device)
+    if num_tokens == 0:
+        return weights, ids
+    grouping = {"greedy": NO_GROUPS, "group_limited_greedy": GROUP_BY_MAX, "noaux_tc": GROUP_BY_TOP2_SUM}
+    padded = triton.next_power_of_2(num_groups) * triton.next_power_of_2(group_size)
+    _grouped_topk_kernel[(num_tokens,)](
+        logits, correction_bias.contiguous() if correction_bias is not None else None, weights, ids, logits.stride(0),
+        NUM_GROUPS=num_groups, GROUP_SIZE=group_size, GROUPS_PAD=triton.next_power_of_2(num_groups),
+        GROUP_PAD=triton.next_power_of_2(group_size), TOPK_GROUP=router.topk_group if grouped else 1,
+        TOP_K=router.top_k, TOPK_PAD=triton.next_power_of_2(router.top_k),
+        SOFTMAX=router.scoring_func == "softmax", GROUPING=grouping[router.topk_method],
+        HAS_BIAS=correction_bias is not None, MASK_TO_ZERO=router.topk_method == "group_limited_greedy",
+        RENORMALIZE=router.norm_topk_prob, num_warps=4 if padded > 256 else 1,
+    )
+    return weights, ids
+
+
+# ----------------------------------------------------------------------------------------------------
+# moe_align_block_size
+
+
+@dataclass(frozen=True)
+class BlockAlignment:
+    """Token-expert pairs sorted by expert, each expert's run padded to a multiple of `block_m`.
+
+    sorted_ids [num_blocks * block_m] int32: pair indices p = t * k + j, ascending within each expert,
+    `num_pairs` in padding slots; expert_ids [num_blocks] int32: the expert of each M-block, -1 past
+    the used blocks; num_padded [1] int32: used slots (a multiple of block_m), on the device so that
+    nothing waits for the host. num_blocks is the worst case, sized without reading the ids."""
+
+    sorted_ids: torch.Tensor
+    expert_ids: torch.Tensor
+    num_padded: torch.Tensor
+    block_m: int
+    num_pairs: int
+
+    @property
+    def num_blocks(self) -> int:
+        return self.expert_ids.numel()
+
+
+@triton.jit
+def _align_count_kernel(
+    ids_ptr, rank_ptr, counts_ptr, num_pairs,
+    NUM_EXPERTS: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
+):
+    """Per chunk of pairs: each pair's rank among the chunk's earlier pairs of its expert, and the
+    chunk's count per expert (written by the expert's last pair) into counts [chunks, E]."""
+    chunk = tl.program_id(0)
+    pair = chunk * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + pair, mask=pair < num_pairs, other=-1)
+    valid = (pair < num_pairs) & (ids >= 0) & (ids < NUM_EXPERTS)  # other ids are dropped
+    ids = tl.where(valid, ids, -1)
+    before = tl.zeros([CHUNK], dtype=tl.int32)
+    after = tl.zeros([CHUNK], dtype=tl.int32)
+    for start in tl.static_range(0, CHUNK, SUB):
+        other = chunk * CHUNK + start + tl.arange(0, SUB)
+        other_ids = tl.load(ids_ptr + other, mask=other < num_pairs, other=-1)
+        same = (ids[:, None] == other_ids[None, :]) & valid[:, None]
+        before += tl.sum((same & (other[None, :] < pair[:, None])).to(tl.int32), 1)
+        after += tl.sum((same & (other[None, :] > pair[:, None])).to(tl.int32), 1)
+    tl.store(rank_ptr + pair, before, mask=valid)
+    tl.store(counts_ptr + chunk * NUM_EXPERTS + ids, before + 1, mask=valid & (after == 0))
+
+
+@triton.jit
+def _align_scan_kernel(
+    counts_ptr, offsets_ptr, starts_ptr, expert_ids_ptr, num_padded_ptr, num_chunks, num_blocks,
+    NUM_EXPERTS: tl.constexpr, EXPERTS_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCKS: tl.constexpr,
+):
+    """One program: offsets [chunks, E], each chunk's offset within each expert's run (the counts
+    [chunks, E] of the chunks before it; a separate buffer, since threads holding copies of one element
+    are not synchronized between a load and a store); each expert's run starts after the padded runs
+    of the experts before it; every M-block gets its expert."""
+    expert = tl.arange(0, EXPERTS_PAD)
+    real = expert < NUM_EXPERTS
+    total = tl.zeros([EXPERTS_PAD], dtype=tl.int32)
+    for chunk in range(num_chunks):
+        tl.store(offsets_ptr + chunk * NUM_EXPERTS + expert, total, mask=real)
+        total += tl.load(counts_ptr + chunk * NUM_EXPERTS + expert, mask=real, other=0)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    tl.store(starts_ptr + expert, ends - padded, mask=real)
+    used = tl.sum(padded, 0)
+    tl.store(num_padded_ptr, used)
+    for first in range(0, num_blocks, BLOCKS):
+        block = first + tl.arange(0, BLOCKS)
+        # The block's expert is the first whose run ends after the block's start.
+        owner = tl.sum((ends[None, :] <= block[:, None] * BLOCK_M).to(tl.int32), 1)
+        tl.store(expert_ids_ptr + block, tl.where(block * BLOCK_M < used, owner, -1), mask=block < num_blocks)
+
+
+@triton.jit
+def _align_scatter_kernel(
+    ids_ptr, rank_ptr, offsets_ptr, starts_ptr, sorted_ptr, num_pairs,
+    NUM_EXPERTS: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """Each pair to its slot: its expert's start + its chunk's offset in that run + its rank."""
+    chunk = tl.program_id(0)
+    pair = chunk * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + pair, mask=pair < num_pairs, other=-1)
+    valid = (pair < num_pairs) & (ids >= 0) & (ids < NUM_EXPERTS)
+    slot = (
+        tl.load(starts_ptr + ids, mask=valid, other=0)
+        + tl.load(offsets_ptr + chunk * NUM_EXPERTS + ids, mask=valid, other=0)
+        + tl.load(rank_ptr + pair, mask=valid, other=0)
+    )
+    tl.store(sorted_ptr + slot, pair, mask=valid)
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> BlockAlignment:
+    """topk_ids [T, k] integer -> the pairs sorted by expert in runs padded to multiples of block_m.
+    Ids outside [0, E) (-1: an expert another rank holds) are left out."""
+    ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
+    num_pairs, device = ids.numel(), ids.device
+    max_padded = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    num_blocks = triton.cdiv(max_padded, block_m)
+    sorted_ids = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    num_padded = torch.zeros(1, dtype=torch.int32, device=device)
+    alignment = BlockAlignment(sorted_ids, expert_ids, num_padded, block_m, num_pairs)
+    if num_pairs == 0:
+        return alignment
+    num_chunks = triton.cdiv(num_pairs, _ALIGN_CHUNK)
+    ranks = torch.empty(num_pairs, dtype=torch.int32, device=device)
+    counts = torch.zeros(num_chunks, num_experts, dtype=torch.int32, device=device)
+    offsets = torch.empty(num_chunks, num_experts, dtype=torch.int32, device=device)
+    starts = torch.empty(num_experts, dtype=torch.int32, device=device)
+    _align_count_kernel[(num_chunks,)](
+        ids, ranks, counts, num_pairs, NUM_EXPERTS=num_experts, CHUNK=_ALIGN_CHUNK, SUB=_ALIGN_SUB, num_warps=4
+    )
+    _align_scan_kernel[(1,)](
+        counts, offsets, starts, expert_ids, num_padded, num_chunks, num_blocks, NUM_EXPERTS=num_experts,
+        EXPERTS_PAD=triton.next_power_of_2(num_experts), BLOCK_M=block_m, BLOCKS=_ALIGN_BLOCKS, num_warps=4,
+    )
+    _align_scatter_kernel[(num_chunks,)](
+        ids, ranks, offsets, starts, sorted_ids, num_pairs, NUM_EXPERTS=num_experts, CHUNK=_ALIGN_CHUNK, num_warps=4
+    )
+    return alignment
+
+
+# ----------------------------------------------------------------------------------------------------
+# Per-token-group FP8 quantization of activations
+
+
+@triton.jit
+def _group_quant_kernel(
+    x_ptr, q_ptr, scale_ptr, cols, num_groups, stride_x, stride_q, stride_scale,
+    GROUP: tl.constexpr, GROUPS: tl.constexpr, FP8_MAX: tl.constexpr, EPS: tl.constexpr,
+):
+    """GROUPS 1 x GROUP groups of one row: scale = max(amax, EPS) / FP8_MAX, q = clamp(x / scale),
+    with correctly rounded divisions, as the reference quantizer computes them."""
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    col = group[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    mask = col < cols
+    x = tl.load(x_ptr + row * stride_x + col, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 1), EPS), FP8_MAX)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -FP8_MAX), FP8_MAX)
+    tl.store(q_ptr + row * stride_q + col, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + row * stride_scale + group, scale, mask=group < num_groups)
+
+
+def per_token_group_quant(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float -> (x_q [M, K] float8_e4m3fn, scales [M, ceil(K/group_size)] float32), bit for
+    bit `quant.per_token_group_quant_fp8` (both divide with correct rounding: a reciprocal multiply, one
+    ulp off for about half the scales, flips the fp8 rounding of ties, frequent in 16-bit inputs)."""
+    x = x.contiguous()
+    rows, cols = x.shape
+    num_groups = triton.cdiv(cols, group_size)
+    q = torch.empty(rows, cols, dtype=torch.float32 if INTERPRET else FP8_DTYPE, device=x.device)
+    scales = torch.empty(rows, num_groups, dtype=torch.float32, device=x.device)
+    if rows:
+        groups = min(_QUANT_GROUPS, triton.next_power_of_2(num_groups))
+        _group_quant_kernel[(rows, triton.cdiv(num_groups, groups))](
+            x, q, scales, cols, num_groups, x.stride(0), q.stride(0), scales.stride(0),
+            GROUP=group_size, GROUPS=groups, FP8_MAX=FP8_MAX, EPS=SCALE_EPS,
+        )
+    return q.to(FP8_DTYPE), scales
+
+
+# ----------------------------------------------------------------------------------------------------
+# Grouped GEMM over the expert-sorted pairs
+
+
+@triton.jit
+def _mma(acc, a, b, a_scale, b_scale, FP8: tl.constexpr, DOT_FP32: tl.constexpr):
+    """acc [BM, BN] float32 + a [BM, BK] @ b [BK, BN]; FP8: the product scaled per row and column."""
+    if DOT_FP32:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if FP8:
+        acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _fused_moe_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr,
+    sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    N, K, num_pairs, padded_rows, routed_scaling_factor,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
+    A_ROW_DIV: tl.constexpr, SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE_M: tl.constexpr,
+):
+    """C[p, n] for the pairs p of one M-block (one expert e) and BLOCK_N columns:
+    acc = A[p // A_ROW_DIV] @ B[e]^T (B [E, N or 2N, K]), float32 accumulation;
+    SILU_MUL: B holds 2N rows (gate, then up) and C = silu(acc_gate) * acc_up;
+    MUL_WEIGHT: C *= topk_weights[p] * routed_scaling_factor.
+    FP8: A and B float8 with A scales per row and 1 x GROUP_K group, B scales per GROUP_N x GROUP_K
+    block, applied per K-tile (BLOCK_K divides GROUP_K)."""
+    pid = tl.program_id(0)
+    # Programs sweep GROUP_SIZE_M M-blocks per column of N-blocks, so weight tiles are reused in L2.
+    num_pid_m = tl.cdiv(padded_rows, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_SIZE_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_SIZE_M
+    rows_of_group = min(num_pid_m - first_m, GROUP_SIZE_M)
+    pid_m = first_m + (pid % per_group) % rows_of_group
+    pid_n = (pid % per_group) // rows_of_group
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+
+    pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_mask = pair < num_pairs
+    a_row = (pair // A_ROW_DIV).to(tl.int64)
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+
+    a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SILU_MUL:
+        up_ptrs = b_ptrs + N * stride_bn
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if FP8:
+        a_scale_ptrs = a_scale_ptr + a_row * stride_asm
+        b_scale_ptrs = b_scale_ptr + expert * stride_bse + (offs_n // GROUP_N) * stride_bsn
+        if SILU_MUL:
+            up_scale_ptrs = b_scale_ptr + expert * stride_bse + ((offs_n + N) // GROUP_N) * stride_bsn
+
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if FP8:
+            k_group = k0 // GROUP_K
+            a_scale = tl.load(a_scale_ptrs + k_group * stride_ask, mask=row_mask, other=0.0)
+            b_scale = tl.load(b_scale_ptrs + k_group * stride_bsk, mask=n_mask, other=0.0)
+        else:
+            a_scale = 1.0  # unused
+            b_scale = 1.0
+        acc = _mma(acc, a, b, a_scale, b_scale, FP8, DOT_FP32)
+        if SILU_MUL:
+            up = tl.load(up_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            up_scale = tl.load(up_scale_ptrs + k_group * stride_bsk, mask=n_mask, other=0.0) if FP8 else 1.0
+            acc_up = _mma(acc_up, a, up, a_scale, up_scale, FP8, DOT_FP32)
+            up_ptrs += BLOCK_K * stride_bk
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    if SILU_MUL:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    if MUL_WEIGHT:
+        weight = tl.load(topk_weights_ptr + pair, mask=row_mask, other=0.0)
+        acc = acc * (weight * routed_scaling_factor)[:, None]
+    c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+
+
+def grouped_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    w: torch.Tensor,
+    w_scale: torch.Tensor | None,
+    out: torch.Tensor,
+    alignment: BlockAlignment,
+    config: GemmConfig,
+    *,
+    a_row_div: int,
+    silu_mul: bool,
+    topk_weights: torch.Tensor | None = None,
+    routed_scaling_factor: float = 1.0,
+    block_shape: tuple[int, int] = (128, 128),
+) -> None:
+    """One pass of the grouped GEMM into out [P, N] (see `_fused_moe_gemm_kernel`).
+
+    a [rows, K] (row of pair p: p // a_row_div) of the activation dtype, or float8 with a_scale
+    [rows, ceil(K/bk)]; w [E, N or 2N (silu_mul), K] of a's dtype, or float8 with w_scale
+    [E, ceil(w.shape[1]/bn), ceil(K/bk)]; topk_weights [P] float32 to multiply by (times
+    routed_scaling_factor)."""
+    fp8 = w_scale is not None
+    if fp8 and block_shape[1] % config.block_k:
+        raise ValueError(f"BLOCK_SIZE_K {config.block_k} must divide the FP8 block's K size {block_shape[1]}")
+    n, k = out.shape[1], a.shape[1]
+    grid = (alignment.num_blocks * triton.cdiv(n, config.block_n),)
+    _fused_moe_gemm_kernel[grid](
+        a, w, out, a_scale, w_scale, topk_weights,
+        alignment.sorted_ids, alignment.expert_ids, alignment.num_padded,
+        n, k, alignment.num_pairs, alignment.num_blocks * alignment.block_m, routed_scaling_factor,
+        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
+        a_scale.stride(0) if fp8 else 0, a_scale.stride(1) if fp8 else 0,
+        w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0, w_scale.stride(2) if fp8 else 0,
+        A_ROW_DIV=a_row_div, SILU_MUL=silu_mul, MUL_WEIGHT=topk_weights is not None,
+        FP8=fp8, GROUP_N=block_shape[0], GROUP_K=block_shape[1], DOT_FP32=INTERPRET and a.dtype == torch.bfloat16,
+        BLOCK_M=alignment.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_SIZE_M=config.group_m,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Top-k reduction and the whole routed-experts forward
+
+
+@triton.jit
+def _topk_sum_kernel(
+    y_ptr, ids_ptr, out_ptr, H, num_experts, stride_y, stride_out,
+    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """out[t] = sum over the k slots of token t with an expert id in [0, E) of y[t * k + j], in float32."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        expert = tl.zeros([BLOCK_H], dtype=tl.int32) + tl.load(ids_ptr + token * TOP_K + j)
+        used = (expert >= 0) & (expert < num_experts)
+        acc += tl.load(y_ptr + (token * TOP_K + j) * stride_y + cols, mask=(cols < H) & used, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < H)
+
+
+def fused_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale_inv: torch.Tensor | None,
+    w2_scale_inv: torch.Tensor | None,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    routed_scaling_factor: float,
+    config: MoEConfig,
+    block_shape: tuple[int, int] = (128, 128),
+) -> torch.Tensor:
+    """x [T, H]; w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I] in x's dtype, or float8_e4m3fn
+    with block scales [E, ceil(2I/bn), ceil(H/bk)] / [E, ceil(H/bn), ceil(I/bk)]; topk_ids [T, k] int
+    (ids outside [0, E) contribute nothing), topk_weights [T, k] float32. Returns [T, H] of x's dtype:
+    routed_scaling_factor * sum_j topk_weights[t, j] * W2 (silu(W_gate x) * (W_up x)) of expert
+    topk_ids[t, j]. With FP8 weights x and h are quantized per 1 x bk token group before their GEMMs."""
+    num_tokens, hidden = x.shape
+    num_experts, intermediate, top_k = w13.shape[0], w2.shape[2], topk_ids.shape[1]
+    out = torch.empty_like(x)
+    if num_tokens == 0:
+        return out
+    fp8 = w13_scale_inv is not None
+    ids = topk_ids.to(torch.int32).contiguous()
+    alignment = moe_align_block_size(ids, num_experts, config.block_m)
+    num_pairs = alignment.num_pairs
+
+    a, a_scale = per_token_group_quant(x, block_shape[1]) if fp8 else (x.contiguous(), None)
+    # FP8: h stays float32 until it is quantized, as the reference quantizes the float32 product.
+    h = torch.empty(num_pairs, intermediate, dtype=torch.float32 if fp8 else x.dtype, device=x.device)
+    grouped_gemm(a, a_scale, w13, w13_scale_inv, h, alignment, config.w13, a_row_div=top_k, silu_mul=True,
+                 block_shape=block_shape)
+    h, h_scale = per_token_group_quant(h, block_shape[1]) if fp8 else (h, None)
+    y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    grouped_gemm(h, h_scale, w2, w2_scale_inv, y, alignment, config.w2, a_row_div=1, silu_mul=False,
+                 topk_weights=topk_weights.float().contiguous(), routed_scaling_factor=routed_scaling_factor,
+                 block_shape=block_shape)
+    block_h = min(_SUM_BLOCK_H, triton.next_power_of_2(hidden))
+    _topk_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
+        y, ids, out, hidden, num_experts, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK_H=block_h
+    )
+    return out

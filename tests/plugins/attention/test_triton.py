@@ -1,0 +1,266 @@
+"""The Triton attention backend against the torch reference, on the CPU through Triton's interpreter.
+
+`triton.jit` decides when a function is defined whether it is interpreted, and that includes Triton's
+own standard library (tl.max, tl.sum, ...), defined when triton is first imported. Any earlier test
+may import triton without TRITON_INTERPRET, so the kernel tests run in a child pytest of this file
+started with TRITON_INTERPRET=1 (`test_kernels_in_the_interpreter`); in the parent they are skipped.
+Shapes are small: the interpreter runs every program in Python. Only fp16 and fp32: the interpreter's
+tl.dot mishandles bf16, which the conformance kit checks on the GPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from plugserve.core.dispatch import AttnForwardMethod, prepare_attention
+from plugserve.core.forward_batch import ForwardBatch, ForwardMode
+from plugserve.core.hardware import Hardware
+from plugserve.core.interfaces import AttentionSpec
+from plugserve.plugins.attention.torch_ref import TorchRefAttention, merge_attn_states, ragged_attention
+from plugserve.plugins.attention.triton import TritonAttention
+from plugserve.testing.batches import random_batch
+from plugserve.testing.tolerances import assert_close, assert_lse_close
+
+CHILD = "PLUGSERVE_TRITON_INTERPRETER_CHILD"
+IN_CHILD = os.environ.get(CHILD) == "1"
+interpreted = pytest.mark.skipif(not IN_CHILD, reason="runs in the TRITON_INTERPRET=1 child of "
+                                                      "test_kernels_in_the_interpreter")
+CPU = torch.device("cpu")
+DTYPES = [torch.float16, torch.float32]
+LAYER = 1
+# Not a multiple of the 16-head block, so the last head block is masked; R and P powers of two but
+# small, and MHA head dims off powers of two (40 = 32 + 8 tail, 24 padded to 32).
+HEADS, R, P, NOPE, V = 20, 64, 32, 8, 24
+
+
+@pytest.mark.skipif(IN_CHILD, reason="this is the child")
+def test_kernels_in_the_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", CHILD: "1"}
+    root = Path(__file__).parents[3]
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).relative_to(root))],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def kernels() -> ModuleType:
+    return importlib.import_module("plugserve.plugins.attention.triton_kernels")
+
+
+def spec_of(dtype: torch.dtype, page_size: int = 1, heads: int = HEADS) -> AttentionSpec:
+    return AttentionSpec(num_heads=heads, kv_lora_rank=R, qk_nope_head_dim=NOPE, qk_rope_head_dim=P, v_head_dim=V,
+                         dtype=dtype, page_size=page_size)
+
+
+def backends(spec: AttentionSpec, batch: ForwardBatch) -> tuple[TritonAttention, TorchRefAttention]:
+    triton_backend, reference = TritonAttention(spec, CPU), TorchRefAttention(spec, CPU)
+    triton_backend.plan(batch)
+    reference.plan(batch)
+    return triton_backend, reference
+
+
+def test_availability_on_the_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = Hardware.detect(CPU)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert TritonAttention.availability(cpu)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    available = TritonAttention.availability(cpu)
+    assert not available and "TRITON_INTERPRET=1" in available.reason
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_set_kv_casts_into_shuffled_slots(dtype: torch.dtype) -> None:
+    spec = spec_of(torch.float16, page_size=16)
+    batch = random_batch(ForwardMode.EXTEND, [40, 9], [30, 9], spec, CPU)
+    # Views of one projection output, as the model hands them over: strided rows.
+    kv_a = torch.randn(batch.num_tokens, R + P, dtype=dtype)
+    latent, k_rope = kv_a.split([R, P], dim=-1)
+    expected = batch.kv_pool.buffer(LAYER).clone()
+    expected[batch.out_cache_loc] = kv_a.to(torch.float16)
+    other_layer = batch.kv_pool.buffer(0).clone()
+    backend, _ = backends(spec, batch)
+    backend.set_kv(LAYER, batch.out_cache_loc, latent, k_rope)
+    assert torch.equal(batch.kv_pool.buffer(LAYER), expected)
+    assert torch.equal(batch.kv_pool.buffer(0), other_layer)
+
+
+MLA_CASES = {
+    "decode": (ForwardMode.DECODE, [1, 70, 130, 33], [1, 1, 1, 1]),
+    "target_verify": (ForwardMode.TARGET_VERIFY, [5, 80], [4, 4]),
+    "draft_extend": (ForwardMode.DRAFT_EXTEND, [12, 66], [3, 1]),
+    "extend_prefix": (ForwardMode.EXTEND, [20, 90], [7, 13]),
+}
+
+
+def mla_inputs(spec: AttentionSpec, batch: ForwardBatch, backend: TritonAttention) -> tuple[torch.Tensor, torch.Tensor]:
+    """Writes the new tokens' KV and returns q_nope [T, H, R], q_rope [T, H, P] as strided views, laid
+    out as the model's W_UK product (head-major) and q split give them."""
+    t, dtype = batch.num_tokens, spec.dtype
+    latent, k_rope = torch.randn(t, R, dtype=dtype), torch.randn(t, P, dtype=dtype)
+    backend.set_kv(LAYER, batch.out_cache_loc, latent, k_rope)
+    q_nope = torch.randn(HEADS, t, R, dtype=dtype).transpose(0, 1)
+    q_rope = torch.randn(t, HEADS, NOPE + P, dtype=dtype)[..., NOPE:]
+    return q_nope, q_rope
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("page", [1, 16, 64])
+@pytest.mark.parametrize("case", list(MLA_CASES))
+def test_forward_mla(case: str, page: int, dtype: torch.dtype) -> None:
+    mode, seq_lens, extend_lens = MLA_CASES[case]
+    spec = spec_of(dtype, page)
+    batch = random_batch(mode, seq_lens, extend_lens, spec, CPU)
+    backend, reference = backends(spec, batch)
+    q_nope, q_rope = mla_inputs(spec, batch, backend)
+    out = backend.forward_mla(q_nope, q_rope, LAYER)
+    assert out.dtype == dtype
+    assert_close(out, reference.forward_mla(q_nope, q_rope, LAYER), dtype, f"forward_mla {case} page {page}")
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_split_kv_matches_one_split(kernels: ModuleType, dtype: torch.dtype) -> None:
+    # 64-key blocks on the CPU: 300 keys make 5 non-empty splits; 16 splits leave most of them empty,
+    # and the 1-key request leaves every split but the first empty.
+    spec = spec_of(dtype, page_size=16)
+    batch = random_batch(ForwardMode.TARGET_VERIFY, [1, 300, 129], [1, 3, 2], spec, CPU)
+    backend, reference = backends(spec, batch)
+    q_nope, q_rope = mla_inputs(spec, batch, backend)
+    expected = reference.forward_mla(q_nope, q_rope, LAYER)
+    for splits in (2, 5, 16):
+        out = kernels.mla_attention(q_nope, q_rope, batch.kv_pool.buffer(LAYER), batch.block_table,
+                                    backend._token_req, backend._token_kv_len, 16, spec.softmax_scale, splits)
+        assert_close(out, expected, dtype, f"forward_mla with {splits} KV splits")
+
+
+@interpreted
+def test_split_heuristic(kernels: ModuleType) -> None:
+    h100 = 132
+    assert kernels.mla_block_h(128, 512) == 64 and kernels.mla_block_h(20, 512) == 32
+    assert kernels.mla_num_splits(32768, 1, 128, 512, h100) == 64  # batch 1, 2 head blocks: fill 2 waves
+    assert kernels.mla_num_splits(32768, 512, 128, 512, h100) == 1  # enough programs without splitting
+    assert kernels.mla_num_splits(600, 1, 128, 512, h100) == 3  # never below 256 keys a split
+    assert kernels.mla_num_splits(1 << 20, 1, 16, 512, h100) == 64  # capped
+
+
+@interpreted
+def test_launch_falls_back_to_a_config_that_fits(kernels: ModuleType) -> None:
+    from triton.runtime.errors import OutOfResources
+
+    tried: list[int] = []
+
+    class SmallSharedMemoryKernel:
+        """Refuses, as Triton does before launching, every config with BLOCK > 16."""
+
+        def __getitem__(self, grid: tuple[int, ...]):
+            def launch(*args: object, BLOCK: int) -> None:
+                tried.append(BLOCK)
+                if BLOCK > 16:
+                    raise OutOfResources(2 * BLOCK, 32, "shared memory")
+
+            return launch
+
+    configs = [{"BLOCK": 64}, {"BLOCK": 32}, {"BLOCK": 16}]
+    kernels._launch_first_fitting(SmallSharedMemoryKernel(), (1,), (), configs, ("test", 1))
+    kernels._launch_first_fitting(SmallSharedMemoryKernel(), (1,), (), configs, ("test", 1))
+    assert tried == [64, 32, 16, 16]  # the second launch goes straight to the config that fit
+    with pytest.raises(OutOfResources):
+        kernels._launch_first_fitting(SmallSharedMemoryKernel(), (1,), (), configs[:2], ("test", 2))
+
+
+MHA_CASES = {
+    "causal": (AttnForwardMethod.MHA, [0, 0, 0], [1, 9, 40], 1 << 30),
+    "one_shot_prefix": (AttnForwardMethod.MHA, [40, 0, 65], [10, 5, 1], 1 << 30),
+    "chunked_prefix": (AttnForwardMethod.MHA_CHUNKED_KV, [100, 0, 37], [5, 9, 3], 32),
+}
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dims", [(40, 24), (192, 128)], ids=["qk40-v24", "qk192-v128"])
+@pytest.mark.parametrize("case", list(MHA_CASES))
+def test_forward_mha(case: str, dims: tuple[int, int], dtype: torch.dtype) -> None:
+    """Every forward_mha call of the case against the reference; for chunked prefixes also the merged
+    result against one causal pass over whole sequences."""
+    method, prefix_lens, extend_lens, capacity = MHA_CASES[case]
+    qk, v_dim = dims
+    heads = 3
+    spec = AttentionSpec(num_heads=heads, kv_lora_rank=R, qk_nope_head_dim=qk - P, qk_rope_head_dim=P,
+                         v_head_dim=v_dim, dtype=dtype)
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+    batch = random_batch(ForwardMode.EXTEND, seq_lens, extend_lens, spec, CPU, num_layers=1)
+    prepare_attention(batch, chunked_prefix_cache_threshold=1, prefix_chunk_capacity=capacity)
+    assert batch.attn_method is method
+    backend, reference = backends(spec, batch)
+    # Whole sequences of keys / values per request; each call takes its slice.
+    keys = [torch.randn(s, heads, qk, dtype=dtype) for s in seq_lens]
+    values = [torch.randn(s, heads, v_dim, dtype=dtype) for s in seq_lens]
+    q = torch.randn(batch.num_tokens, heads, qk, dtype=dtype)
+
+    def call(kv_slices: list[slice], chunk: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        k = torch.cat([kb[s] for kb, s in zip(keys, kv_slices, strict=True)])
+        v = torch.cat([vb[s] for vb, s in zip(values, kv_slices, strict=True)])
+        out, lse = backend.forward_mha(q, k, v, prefix_chunk=chunk)
+        ref_out, ref_lse = reference.forward_mha(q, k, v, prefix_chunk=chunk)
+        assert_close(out, ref_out, dtype, f"{case} chunk {chunk} out")
+        assert_lse_close(lse, ref_lse, dtype, f"{case} chunk {chunk} lse")
+        return out, lse
+
+    if method is AttnForwardMethod.MHA:
+        call([slice(None)] * len(seq_lens), None)
+        return
+    out, lse = call([slice(p, None) for p in prefix_lens], None)
+    assert len(batch.prefix_chunks) > 1
+    for i, chunk in enumerate(batch.prefix_chunks):
+        chunk_slices = [slice(s, s + n) for s, n in zip(chunk.starts_cpu, chunk.lens_cpu, strict=True)]
+        out, lse = backend.merge_attn_states(out, lse, *call(chunk_slices, i))
+    whole_out, whole_lse = ragged_attention(q, torch.cat(keys), torch.cat(values), extend_lens, seq_lens,
+                                            spec.softmax_scale, causal=True)
+    assert_close(out, whole_out, dtype, f"{case} merged over all chunks")
+    assert_lse_close(lse, whole_lse, dtype, f"{case} merged lse")
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_mha_queries_without_keys(kernels: ModuleType, dtype: torch.dtype) -> None:
+    # Causal with fewer keys than queries (first rows see nothing) and a request with no keys at all.
+    q_lens, kv_lens = [5, 3], [2, 0]
+    q = torch.randn(8, 2, 40, dtype=dtype)
+    k, v = torch.randn(2, 2, 40, dtype=dtype), torch.randn(2, 2, 24, dtype=dtype)
+    cu_q, cu_kv = torch.tensor([0, 5, 8], dtype=torch.int32), torch.tensor([0, 2, 2], dtype=torch.int32)
+    for causal in (True, False):
+        out, lse = kernels.mha_varlen(q, k, v, cu_q, cu_kv, 5, 0.2, causal)
+        ref_out, ref_lse = ragged_attention(q, k, v, q_lens, kv_lens, 0.2, causal)
+        assert_close(out, ref_out, dtype, f"causal={causal} out")
+        assert_lse_close(lse, ref_lse, dtype, f"causal={causal} lse")
+        assert torch.all(out[5:] == 0) and torch.all(torch.isneginf(lse[5:]))
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_merge_attn_states_with_empty_sides(dtype: torch.dtype) -> None:
+    t, heads, d = 9, HEADS, V
+    out_a, out_b = torch.randn(t, heads, d, dtype=dtype), torch.randn(t, heads, d, dtype=dtype)
+    lse_a, lse_b = torch.randn(t, heads) * 3, torch.randn(t, heads) * 3
+    lse_a[0], lse_b[1] = float("-inf"), float("-inf")
+    lse_a[2], lse_b[2] = float("-inf"), float("-inf")
+    out_a[0], out_b[1] = float("nan"), float("nan")  # an empty side's out is unspecified
+    backend = TritonAttention(spec_of(dtype), CPU)
+    out, lse = backend.merge_attn_states(out_a, lse_a, out_b, lse_b)
+    ref_out, ref_lse = merge_attn_states(out_a, lse_a, out_b, lse_b)
+    assert out.dtype == dtype
+    assert_close(out, ref_out, dtype, "merge out")
+    assert_lse_close(lse, ref_lse, dtype, "merge lse")
+    assert torch.all(out[2] == 0) and torch.all(torch.isneginf(lse[2]))

@@ -1,0 +1,319 @@
+"""The `triton` MoE backend against the torch reference: moe_align_block_size's invariants, the fused
+router, the activation quantizer, the routed experts (fp32 / fp16 / bf16 and block-FP8 weights),
+dropped expert ids, shared-expert fusion, configuration files, and the availability rules.
+
+Without a GPU the kernels run in Triton's interpreter. `triton.jit` decides when a function is defined
+whether it is interpreted, Triton's own library (tl.sigmoid, tl.cumsum, ...) included, which is defined
+when triton is first imported, possibly by an earlier test. So unless TRITON_INTERPRET=1 was set
+before this process started, the kernel tests run in a child pytest of this file started with it
+(`test_kernels_in_the_interpreter`) and are skipped here.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from plugserve.core.forward_batch import Phase
+from plugserve.core.hardware import Hardware
+from plugserve.core.interfaces import MoESpec, RouterConfig
+from plugserve.core.layers.quant import per_token_group_quant_fp8, quantize_block_fp8
+from plugserve.plugins.moe import configs
+from plugserve.plugins.moe.configs import GemmConfig, MoEConfig
+from plugserve.plugins.moe.torch_ref import fused_experts_reference, select_experts
+from plugserve.plugins.moe.triton import TritonMoE
+from plugserve.testing.cases import V2_LITE_ROUTER, V2_ROUTER, V3_ROUTER
+from plugserve.testing.tolerances import assert_close
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+KERNELS_HERE = ON_GPU or os.environ.get("TRITON_INTERPRET") == "1"
+SMALL_V3 = RouterConfig(16, 4, "sigmoid", "noaux_tc", n_group=4, topk_group=2, norm_topk_prob=True)
+RSF = 2.5  # routed_scaling_factor
+REPO = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """The kernel module, where its kernels can run in this process."""
+    if not KERNELS_HERE:
+        pytest.skip("runs in the TRITON_INTERPRET=1 child of test_kernels_in_the_interpreter")
+    from plugserve.plugins.moe import triton_kernels
+
+    return triton_kernels
+
+
+@pytest.mark.skipif(KERNELS_HERE, reason="the kernel tests run in this process")
+def test_kernels_in_the_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], cwd=REPO,
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-2000:]
+
+
+def _quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    quantized = [quantize_block_fp8(expert) for expert in w]
+    return torch.stack([q for q, _ in quantized]), torch.stack([s for _, s in quantized])
+
+
+def _experts(e: int, h: int, i: int, dtype: torch.dtype, fp8: bool, seed: int = 0):
+    """(w13, w2, w13_scale_inv, w2_scale_inv) on DEVICE, FP8-quantized or in `dtype`."""
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(e, 2 * i, h, generator=g) / h**0.5
+    w2 = torch.randn(e, h, i, generator=g) / i**0.5
+    if fp8:
+        (w13, s13), (w2, s2) = _quantize_experts(w13), _quantize_experts(w2)
+        return w13.to(DEVICE), w2.to(DEVICE), s13.to(DEVICE), s2.to(DEVICE)
+    return w13.to(DEVICE, dtype), w2.to(DEVICE, dtype), None, None
+
+
+def _routing(t: int, router: RouterConfig, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(t, router.num_experts, generator=g)
+    bias = torch.randn(router.num_experts, generator=g) * 0.1 if router.topk_method == "noaux_tc" else None
+    weights, ids = select_experts(logits, router, bias)
+    return weights.to(DEVICE), ids.to(DEVICE)
+
+
+# ----------------------------------------------------------------------------------------------------
+# moe_align_block_size
+
+
+@pytest.mark.parametrize(("t", "k", "e", "block_m"), [(1, 4, 16, 16), (37, 4, 16, 16), (300, 8, 64, 32)])
+def test_align_block_size_invariants(kernels, t: int, k: int, e: int, block_m: int) -> None:
+    g = torch.Generator().manual_seed(t)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).int()
+    ids[0, 0] = -1  # dropped (another rank's expert)
+    if t > 1:
+        ids[1, :] = 3  # duplicates are fine for the alignment
+    a = kernels.moe_align_block_size(ids.to(DEVICE), e, block_m)
+    sorted_ids, expert_ids, used = a.sorted_ids.cpu(), a.expert_ids.cpu(), int(a.num_padded)
+    flat, num_pairs = ids.flatten(), t * k
+
+    counts = torch.bincount(flat[flat >= 0].long(), minlength=e)
+    assert used == int(((counts + block_m - 1) // block_m * block_m).sum())
+    assert torch.all(sorted_ids[used:] == num_pairs), "slots past the used ones must be padding"
+    assert torch.all(expert_ids[used // block_m:] == -1)
+    real = sorted_ids[:used][sorted_ids[:used] < num_pairs]
+    assert torch.equal(real.sort().values, (flat >= 0).nonzero().flatten().int()), "each kept pair exactly once"
+
+    blocks = sorted_ids[:used].view(-1, block_m)
+    assert torch.all(expert_ids[: used // block_m].diff() >= 0), "experts in increasing order"
+    for block, expert in zip(blocks, expert_ids[: used // block_m].tolist(), strict=True):
+        pairs = block[block < num_pairs]
+        assert len(pairs) > 0 and torch.all(flat[pairs.long()] == expert), "one expert per block"
+        assert torch.all(pairs.diff() > 0) and torch.all(block[: len(pairs)] == pairs), "ascending, padding last"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Router
+
+
+@pytest.mark.parametrize("t", [1, 33])
+@pytest.mark.parametrize(
+    "router",
+    [V3_ROUTER, V2_ROUTER, V2_LITE_ROUTER, SMALL_V3,
+     RouterConfig(64, 6, "softmax", "greedy", 1, 1, norm_topk_prob=True),
+     RouterConfig(32, 4, "sigmoid", "noaux_tc", 4, 2, norm_topk_prob=False)],
+    ids=lambda r: f"e{r.num_experts}top{r.top_k}-{r.topk_method}-{r.scoring_func}-norm{int(r.norm_topk_prob)}",
+)
+def test_route_matches_reference(kernels, router: RouterConfig, t: int) -> None:
+    backend = TritonMoE(MoESpec(dtype=torch.float16, router=router), DEVICE)
+    logits = torch.randn(t, router.num_experts, device=DEVICE)
+    bias = torch.randn(router.num_experts, device=DEVICE) * 0.1 if router.topk_method == "noaux_tc" else None
+    weights, ids = backend.route(logits, bias)
+    ref_weights, ref_ids = select_experts(logits, router, bias)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32 and ids.shape == (t, router.top_k)
+    ids_sorted, order = ids.long().sort(dim=1)
+    ref_sorted, ref_order = ref_ids.long().sort(dim=1)
+    assert torch.equal(ids_sorted, ref_sorted)
+    torch.testing.assert_close(weights.gather(1, order), ref_weights.gather(1, ref_order), rtol=1e-5, atol=1e-6)
+    assert torch.all(weights[:, :-1] >= weights[:, 1:]) or router.topk_method == "noaux_tc", "best first"
+
+
+def test_route_rejects_misused_bias(kernels) -> None:
+    backend = TritonMoE(MoESpec(dtype=torch.float16, router=V2_LITE_ROUTER), DEVICE)
+    with pytest.raises(ValueError, match="correction_bias"):
+        backend.route(torch.randn(2, 64, device=DEVICE), torch.zeros(64, device=DEVICE))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Activation quantization
+
+
+def test_per_token_group_quant_is_bit_exact(kernels) -> None:
+    x = torch.randn(5, 320) * torch.logspace(-4, 3, 5).unsqueeze(1)  # K not a multiple of 128
+    x[2] = 0.0  # all-zero groups: scale floored at SCALE_EPS
+    q, scales = kernels.per_token_group_quant(x.to(DEVICE), 128)
+    ref_q, ref_scales = per_token_group_quant_fp8(x, 128)
+    assert q.dtype == torch.float8_e4m3fn and scales.shape == (5, 3)
+    assert torch.equal(q.cpu().view(torch.uint8), ref_q.view(torch.uint8))
+    assert torch.equal(scales.cpu(), ref_scales)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Routed experts
+
+# Multi-tile: several K steps per 128-wide scale block, several N tiles, partial last tiles.
+SMALL_TILES = MoEConfig(32, GemmConfig(32, 32, 2, 4, 2), GemmConfig(64, 64, 1, 4, 2))
+
+
+@pytest.mark.parametrize(
+    ("t", "dtype", "fp8", "config"),
+    [
+        (1, torch.float32, False, None),
+        (37, torch.float32, False, SMALL_TILES),
+        (37, torch.float16, False, None),
+        (1, torch.float16, True, None),
+        (37, torch.float16, True, SMALL_TILES),
+        (37, torch.float32, True, None),
+        (9, torch.bfloat16, False, None),
+        (9, torch.bfloat16, True, None),
+    ],
+    ids=lambda p: str(p).removeprefix("torch.") if not isinstance(p, MoEConfig) else "small_tiles",
+)
+def test_fused_experts_match_reference(kernels, t: int, dtype: torch.dtype, fp8: bool, config) -> None:
+    h, i = 256, 192  # T = 37 fills no 16- or 32-row block exactly; I not a multiple of 128
+    spec = MoESpec(h, i, dtype, torch.float8_e4m3fn if fp8 else None, router=SMALL_V3)
+    backend = TritonMoE(spec, DEVICE)
+    w13, w2, s13, s2 = _experts(SMALL_V3.num_experts, h, i, dtype, fp8)
+    packed = backend.prepare(w13, w2, s13, s2)
+    weights, ids = _routing(t, SMALL_V3)
+    x = torch.randn(t, h, device=DEVICE).to(dtype)
+    if config is None:
+        out = backend.forward(x, packed, ids, weights, RSF)
+    else:
+        out = kernels.fused_experts(x, packed.w13, packed.w2, s13, s2, ids, weights, RSF, config)
+    expected = fused_experts_reference(x, w13, w2, ids, weights, RSF, s13, s2)
+    assert out.dtype == dtype
+    assert_close(out, expected, dtype, f"triton MoE t={t} {dtype} fp8={fp8}")
+
+
+def test_dropped_ids_contribute_nothing(kernels) -> None:
+    h, i, t = 128, 64, 6
+    backend = TritonMoE(MoESpec(h, i, torch.float32, None, router=SMALL_V3), DEVICE)
+    w13, w2, _, _ = _experts(16, h, i, torch.float32, False)
+    weights, ids = _routing(t, SMALL_V3)
+    dropped = ids.clone()
+    dropped[::2, 1] = -1
+    x = torch.randn(t, h, device=DEVICE)
+    out = backend.forward(x, backend.prepare(w13, w2), dropped, weights, RSF)
+    kept = torch.where(dropped >= 0, weights, 0.0)
+    assert_close(out, fused_experts_reference(x, w13, w2, ids, kept, RSF), torch.float32, "dropped ids")
+
+
+def test_empty_batch(kernels) -> None:
+    backend = TritonMoE(MoESpec(128, 64, torch.float16, None, router=SMALL_V3), DEVICE)
+    w13, w2, _, _ = _experts(16, 128, 64, torch.float16, False)
+    ids = torch.empty(0, 4, dtype=torch.int32, device=DEVICE)
+    out = backend.forward(torch.empty(0, 128, device=DEVICE, dtype=torch.float16), backend.prepare(w13, w2), ids,
+                          torch.empty(0, 4, device=DEVICE), RSF)
+    assert out.shape == (0, 128)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Shared-expert fusion
+
+
+def _shared_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    gate, up = (x.float() @ w13.float().T).chunk(2, dim=-1)
+    return (F.silu(gate) * up) @ w2.float().T
+
+
+@pytest.mark.parametrize(("fp8", "num_shared"), [(False, 2), (True, 1), (True, 2)])
+def test_shared_expert_fusion_adds_the_shared_mlp(kernels, fp8: bool, num_shared: int) -> None:
+    h, i, t, dtype = 256, 128, 11, torch.float32
+    spec = MoESpec(h, i, dtype, torch.float8_e4m3fn if fp8 else None, router=SMALL_V3)
+    backend = TritonMoE(spec, DEVICE)
+    w13, w2, s13, s2 = _experts(16, h, i, dtype, fp8)
+    g = torch.Generator().manual_seed(5)
+    shared_w13 = torch.randn(2 * num_shared * i, h, generator=g) / h**0.5
+    shared_w2 = torch.randn(h, num_shared * i, generator=g) / (num_shared * i) ** 0.5
+    shared_scales: dict[str, torch.Tensor] = {}
+    if fp8:
+        (shared_w13, s13_shared), (shared_w2, s2_shared) = quantize_block_fp8(shared_w13), quantize_block_fp8(shared_w2)
+        shared_scales = {"shared_w13_scale_inv": s13_shared.to(DEVICE), "shared_w2_scale_inv": s2_shared.to(DEVICE)}
+    shared_w13, shared_w2 = shared_w13.to(DEVICE, w13.dtype), shared_w2.to(DEVICE, w2.dtype)
+    packed = backend.prepare(w13, w2, s13, s2, shared_w13=shared_w13, shared_w2=shared_w2, **shared_scales)
+    assert packed.num_shared == num_shared and packed.w13.shape[0] == 16 + num_shared
+    weights, ids = _routing(t, SMALL_V3)
+    x = torch.randn(t, h, device=DEVICE)
+    out = backend.forward(x, packed, ids, weights, RSF)
+
+    routed = fused_experts_reference(x, w13, w2, ids, weights, RSF, s13, s2)
+    if fp8:  # the shared MLP as the block-FP8 reference computes it: one expert, weight 1
+        ones = torch.ones(t, 1, device=DEVICE)
+        shared = fused_experts_reference(x, shared_w13[None], shared_w2[None], torch.zeros_like(ids[:, :1]), ones,
+                                         1.0, shared_scales["shared_w13_scale_inv"][None],
+                                         shared_scales["shared_w2_scale_inv"][None])
+    else:
+        shared = _shared_mlp(x, shared_w13, shared_w2)
+    assert_close(out, routed + shared, dtype, f"routed + {num_shared} shared (fp8={fp8})")
+
+
+def test_shared_fusion_rejects_mismatched_shapes(kernels) -> None:
+    backend = TritonMoE(MoESpec(128, 64, torch.float32, None, router=SMALL_V3), DEVICE)
+    w13, w2, _, _ = _experts(16, 128, 64, torch.float32, False)
+    with pytest.raises(ValueError, match="shared_w13"):
+        backend.prepare(w13, w2, shared_w13=torch.zeros(100, 128, device=DEVICE), shared_w2=torch.zeros(128, 64))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Configurations, capabilities, availability, the tuner
+
+
+def test_config_files_round_trip_and_nearest_m(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    name = configs.config_file_name(256, 256, "NVIDIA_H100_80GB_HBM3", torch.bfloat16, (128, 128))
+    assert name == "E=256,N=256,device_name=NVIDIA_H100_80GB_HBM3,dtype=fp8_w8a8,block_shape=[128, 128].json"
+    unquantized = configs.config_file_name(64, 1408, "cpu", torch.bfloat16, None)
+    assert unquantized == "E=64,N=1408,device_name=cpu,dtype=bfloat16.json"
+    small = MoEConfig(16, GemmConfig(64, 128, 1, 4, 3), GemmConfig(128, 128, 1, 4, 4))
+    large = MoEConfig(64, GemmConfig(128, 128, 16, 8, 3), GemmConfig(256, 128, 32, 8, 4))
+    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
+    configs.write_config_file(tmp_path / configs.config_file_name(16, 32, "dev", torch.float16, None),
+                              {1: small, 512: large})
+    assert configs.get_config(200, 4, 16, 32, torch.float16, None, "cuda", "dev") == small
+    assert configs.get_config(300, 4, 16, 32, torch.float16, None, "cuda", "dev") == large
+    untuned = configs.get_config(300, 4, 16, 32, torch.float32, None, "cuda", "dev")
+    assert untuned == configs.default_config(300, 4, 16, False, torch.float32, "cuda")
+
+
+def test_capabilities_and_priority() -> None:
+    caps = TritonMoE.capabilities
+    assert caps.dtypes == {torch.bfloat16, torch.float16, torch.float32}
+    assert caps.check(MoESpec(), Phase.DECODE)  # V3: block-FP8, noaux_tc (an sm89+ GPU, or the CPU)
+    assert caps.check(MoESpec(weight_dtype=None, router=V2_ROUTER), Phase.PREFILL)
+    assert not caps.check(MoESpec(block_shape=(64, 64)), Phase.DECODE)
+    assert TritonMoE.priority_on(Hardware("cuda", "H100", (9, 0), 0, 132)) == 50
+    assert TritonMoE.priority_on(Hardware.detect("cpu")) == -1  # below the reference: auto keeps torch_ref there
+
+
+def test_fp8_needs_sm89(monkeypatch: pytest.MonkeyPatch) -> None:
+    ampere = Hardware("cuda", "NVIDIA A100-SXM4-80GB", (8, 0), 80 << 30, 108)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(Hardware, "detect", classmethod(lambda cls, device=None: ampere))
+    refused = TritonMoE.capabilities.check(MoESpec(), Phase.DECODE)
+    assert not refused and "sm89" in refused.reason and "sm80" in refused.reason
+    assert TritonMoE.capabilities.check(MoESpec(weight_dtype=None), Phase.DECODE)
+
+
+def test_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    refused = TritonMoE.availability(Hardware.detect("cpu"))
+    assert not refused and "TRITON_INTERPRET=1" in refused.reason
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert TritonMoE.availability(Hardware.detect("cpu"))
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the refusal on a machine without a GPU")
+def test_tuner_refuses_the_cpu() -> None:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "tune_fused_moe.py"), "--quick"],
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode != 0 and "GPU" in result.stderr
