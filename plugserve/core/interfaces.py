@@ -60,6 +60,12 @@ def _member(value: Any, allowed: frozenset | None, what: str) -> Availability:
     return Availability.no(f"{what} {value} is not supported (supports {', '.join(map(str, sorted(allowed)))})")
 
 
+def check_tensor(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Backends' argument check: ValueError naming the tensor, the expected and the actual shape and dtype."""
+    if tuple(t.shape) != shape or t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype} of shape {shape}, got {t.dtype} of shape {tuple(t.shape)}")
+
+
 # ----------------------------------------------------------------------------------------------------
 # Capability records
 
@@ -332,6 +338,16 @@ class AttentionBackend(Backend):
     def set_kv(self, layer_id: int, slots: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor) -> None:
         """Write new tokens' latent [n, R] and rope key [n, P] at pool slots [n] int64. Override to fuse."""
         self.batch.kv_pool.write(layer_id, slots, latent, k_rope)
+
+    def check_mla_inputs(self, q_nope: torch.Tensor, q_rope: torch.Tensor) -> None:
+        """ValueError unless q_nope is [T, H, R] and q_rope [T, H, P] for the planned batch."""
+        pool = self.batch.kv_pool
+        expected = (self.batch.num_tokens, self.spec.num_heads)
+        if q_nope.shape != (*expected, pool.kv_lora_rank) or q_rope.shape != (*expected, pool.qk_rope_head_dim):
+            raise ValueError(
+                f"forward_mla expects q_nope [T={expected[0]}, H={expected[1]}, R={pool.kv_lora_rank}] and "
+                f"q_rope [T, H, P={pool.qk_rope_head_dim}], got {tuple(q_nope.shape)} and {tuple(q_rope.shape)}"
+            )
 
     def forward_mla(self, q_nope: torch.Tensor, q_rope: torch.Tensor, layer_id: int) -> torch.Tensor:
         """Absorbed MLA: q_nope [T, H, R] (already multiplied by W_UK), q_rope [T, H, P] attend, as MQA,

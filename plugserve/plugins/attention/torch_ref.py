@@ -202,12 +202,7 @@ class TorchRefAttention(AttentionBackend):
         positions 0..seq_len-1 of each request's paged cache (the new tokens included)."""
         batch = self.batch
         pool = batch.kv_pool
-        expected = (batch.num_tokens, self.spec.num_heads)
-        if q_nope.shape != (*expected, pool.kv_lora_rank) or q_rope.shape != (*expected, pool.qk_rope_head_dim):
-            raise ValueError(
-                f"forward_mla expects q_nope [T={expected[0]}, H={expected[1]}, R={pool.kv_lora_rank}] and "
-                f"q_rope [T, H, P={pool.qk_rope_head_dim}], got {tuple(q_nope.shape)} and {tuple(q_rope.shape)}"
-            )
+        self.check_mla_inputs(q_nope, q_rope)
         rows = pool.gather(layer_id, self._kv_slots)  # [sum(seq_lens), R + P]
         latent, k_rope = rows[:, : pool.kv_lora_rank], rows[:, pool.kv_lora_rank :]
         out, _ = mla_attention_reference(

@@ -102,12 +102,7 @@ class TritonAttention(AttentionBackend):
         """q_nope [T, H, R], q_rope [T, H, P] of the pool's dtype -> [T, H, R] in that dtype."""
         batch = self.batch
         pool = batch.kv_pool
-        expected = (batch.num_tokens, self.spec.num_heads)
-        if q_nope.shape != (*expected, pool.kv_lora_rank) or q_rope.shape != (*expected, pool.qk_rope_head_dim):
-            raise ValueError(
-                f"forward_mla expects q_nope [T={expected[0]}, H={expected[1]}, R={pool.kv_lora_rank}] and "
-                f"q_rope [T, H, P={pool.qk_rope_head_dim}], got {tuple(q_nope.shape)} and {tuple(q_rope.shape)}"
-            )
+        self.check_mla_inputs(q_nope, q_rope)
         if q_nope.dtype != pool.dtype or q_rope.dtype != pool.dtype:
             raise ValueError(f"forward_mla needs q in the KV cache dtype {pool.dtype}, got {q_nope.dtype} and "
                              f"{q_rope.dtype}")

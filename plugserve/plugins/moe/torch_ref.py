@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from plugserve.core.interfaces import MoEBackend, MoECapabilities, RouterConfig
+from plugserve.core.interfaces import MoEBackend, MoECapabilities, RouterConfig, check_tensor
 from plugserve.core.layers.quant import FP8_DTYPE, ceil_div, dequantize_block_fp8, per_token_group_quant_fp8
 from plugserve.registry import hookimpl
 
@@ -150,11 +150,6 @@ class TorchRefMoEWeights:
     w2_scale_inv: torch.Tensor | None
 
 
-def _check_tensor(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-    if tuple(t.shape) != shape or t.dtype != dtype:
-        raise ValueError(f"{name} must be {dtype} of shape {shape}, got {t.dtype} of shape {tuple(t.shape)}")
-
-
 class TorchRefMoE(MoEBackend):
     name: ClassVar[str] = "torch_ref"
     capabilities: ClassVar[MoECapabilities] = MoECapabilities(
@@ -181,16 +176,16 @@ class TorchRefMoE(MoEBackend):
         spec = self.spec
         e, h, i = spec.num_experts, spec.hidden_size, spec.intermediate_size
         weight_dtype = FP8_DTYPE if spec.is_fp8 else spec.dtype
-        _check_tensor("w13", w13, (e, 2 * i, h), weight_dtype)
-        _check_tensor("w2", w2, (e, h, i), weight_dtype)
+        check_tensor("w13", w13, (e, 2 * i, h), weight_dtype)
+        check_tensor("w2", w2, (e, h, i), weight_dtype)
         if spec.is_fp8:
             if w13_scale_inv is None or w2_scale_inv is None:
                 raise ValueError("fp8_block experts need w13_scale_inv and w2_scale_inv")
             bn, bk = spec.block_shape
             w13_grid = (e, ceil_div(2 * i, bn), ceil_div(h, bk))
             w2_grid = (e, ceil_div(h, bn), ceil_div(i, bk))
-            _check_tensor("w13_scale_inv", w13_scale_inv, w13_grid, torch.float32)
-            _check_tensor("w2_scale_inv", w2_scale_inv, w2_grid, torch.float32)
+            check_tensor("w13_scale_inv", w13_scale_inv, w13_grid, torch.float32)
+            check_tensor("w2_scale_inv", w2_scale_inv, w2_grid, torch.float32)
         elif w13_scale_inv is not None or w2_scale_inv is not None:
             raise ValueError(f"unquantized experts ({spec.dtype}) take no w13_scale_inv / w2_scale_inv")
         return TorchRefMoEWeights(w13, w2, w13_scale_inv, w2_scale_inv)

@@ -25,7 +25,7 @@ import torch
 
 from plugserve.core.forward_batch import Phase
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import OK, Availability, MoEBackend, MoECapabilities, MoESpec
+from plugserve.core.interfaces import OK, Availability, MoEBackend, MoECapabilities, MoESpec, check_tensor
 from plugserve.core.layers.quant import FP8_DTYPE, ceil_div
 from plugserve.plugins.moe.configs import MoEConfig, get_config
 from plugserve.registry import hookimpl
@@ -65,11 +65,6 @@ class TritonMoEWeights:
     w13_scale_inv: torch.Tensor | None
     w2_scale_inv: torch.Tensor | None
     num_shared: int
-
-
-def _check_tensor(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-    if tuple(t.shape) != shape or t.dtype != dtype:
-        raise ValueError(f"{name} must be {dtype} of shape {shape}, got {t.dtype} of shape {tuple(t.shape)}")
 
 
 class TritonMoE(MoEBackend):
@@ -145,14 +140,14 @@ class TritonMoE(MoEBackend):
         spec = self.spec
         e, h, i = spec.num_experts, spec.hidden_size, spec.intermediate_size
         weight_dtype = FP8_DTYPE if spec.is_fp8 else spec.dtype
-        _check_tensor("w13", w13, (e, 2 * i, h), weight_dtype)
-        _check_tensor("w2", w2, (e, h, i), weight_dtype)
+        check_tensor("w13", w13, (e, 2 * i, h), weight_dtype)
+        check_tensor("w2", w2, (e, h, i), weight_dtype)
         bn, bk = spec.block_shape
         if spec.is_fp8:
             if w13_scale_inv is None or w2_scale_inv is None:
                 raise ValueError("fp8_block experts need w13_scale_inv and w2_scale_inv")
-            _check_tensor("w13_scale_inv", w13_scale_inv, (e, ceil_div(2 * i, bn), ceil_div(h, bk)), torch.float32)
-            _check_tensor("w2_scale_inv", w2_scale_inv, (e, ceil_div(h, bn), ceil_div(i, bk)), torch.float32)
+            check_tensor("w13_scale_inv", w13_scale_inv, (e, ceil_div(2 * i, bn), ceil_div(h, bk)), torch.float32)
+            check_tensor("w2_scale_inv", w2_scale_inv, (e, ceil_div(h, bn), ceil_div(i, bk)), torch.float32)
         elif w13_scale_inv is not None or w2_scale_inv is not None:
             raise ValueError(f"unquantized experts ({spec.dtype}) take no w13_scale_inv / w2_scale_inv")
         if shared_w13 is None and shared_w2 is None:
@@ -161,8 +156,8 @@ class TritonMoE(MoEBackend):
             raise ValueError("shared-expert fusion needs both shared_w13 and shared_w2")
 
         s = shared_w2.shape[-1] // i
-        _check_tensor("shared_w13", shared_w13, (2 * s * i, h), weight_dtype)
-        _check_tensor("shared_w2", shared_w2, (h, s * i), weight_dtype)
+        check_tensor("shared_w13", shared_w13, (2 * s * i, h), weight_dtype)
+        check_tensor("shared_w2", shared_w2, (h, s * i), weight_dtype)
         gate_up = shared_w13.view(2, s, i, h).transpose(0, 1).reshape(s, 2 * i, h)
         down = shared_w2.view(h, s, i).transpose(0, 1)
         w13, w2 = torch.cat([w13, gate_up]), torch.cat([w2, down])
@@ -172,9 +167,9 @@ class TritonMoE(MoEBackend):
             if s > 1 and i % bn:
                 raise ValueError(f"{s} fused FP8 shared experts need the intermediate size ({i}) to be a "
                                  f"multiple of the weight block ({bn})")
-            _check_tensor("shared_w13_scale_inv", shared_w13_scale_inv,
+            check_tensor("shared_w13_scale_inv", shared_w13_scale_inv,
                           (ceil_div(2 * s * i, bn), ceil_div(h, bk)), torch.float32)
-            _check_tensor("shared_w2_scale_inv", shared_w2_scale_inv,
+            check_tensor("shared_w2_scale_inv", shared_w2_scale_inv,
                           (ceil_div(h, bn), ceil_div(s * i, bk)), torch.float32)
             if s == 1:  # laid out as one expert already
                 gate_up_scale, down_scale = shared_w13_scale_inv[None], shared_w2_scale_inv[None]
