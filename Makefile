@@ -24,12 +24,14 @@ serve: install
 backends: install
 	$(VENV)/bin/plugserve backends --explain
 
-# The unit tests, then the conformance kit over every registered backend (the Triton ones interpreted on
-# the CPU, in fp16/fp32: the interpreter's bf16 tl.dot is wrong; bf16 is checked on the GPU).
+# The unit tests, then the conformance kit over every registered backend usable here (on the CPU the Triton
+# ones skip, saying why), then over the Triton ones interpreted, in fp16/fp32 (the interpreter's bf16
+# tl.dot is wrong; bf16 is checked on the GPU). TRITON_INTERPRET is set explicitly each time because
+# tests/conftest.py defaults it to 1 and pytest loads that file for --pyargs runs from the repo root too.
 TRITON_BACKENDS := --plugserve-backend attention:triton --plugserve-backend gemm:triton --plugserve-backend moe:triton
 test: install
 	$(PY) -m pytest -q tests
-	$(PY) -m pytest -q -p no:cacheprovider --pyargs plugserve.testing
+	TRITON_INTERPRET=0 $(PY) -m pytest -q -p no:cacheprovider --pyargs plugserve.testing
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider --pyargs plugserve.testing $(TRITON_BACKENDS) \
 		--plugserve-device cpu --plugserve-dtypes float16,float32
 
