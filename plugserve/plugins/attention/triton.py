@@ -13,7 +13,6 @@ which is slow and meant for tests; the torch reference keeps the higher priority
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 from typing import ClassVar
 
@@ -22,7 +21,8 @@ import torch
 from plugserve.core.dispatch import AttnForwardMethod
 from plugserve.core.forward_batch import ForwardBatch
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import OK, AttentionBackend, AttentionCapabilities, AttentionSpec, Availability
+from plugserve.core.interfaces import AttentionBackend, AttentionCapabilities, AttentionSpec, Availability
+from plugserve.plugins.triton_support import triton_availability
 from plugserve.registry import hookimpl
 
 
@@ -57,17 +57,7 @@ class TritonAttention(AttentionBackend):
     @classmethod
     def availability(cls, hardware: Hardware) -> Availability:
         available = super().availability(hardware)
-        if not available:
-            return available
-        # Checked before importing triton: an import without TRITON_INTERPRET defines Triton's own
-        # library functions (tl.max, ...) for the GPU, which later interpreted kernels cannot call.
-        if hardware.device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-            return Availability.no("triton kernels run on the CPU only under TRITON_INTERPRET=1 (slow; for tests)")
-        try:
-            import triton  # noqa: F401  (the probe: is the package importable here?)
-        except ImportError as exc:
-            return Availability.no(f"triton is not installed ({exc})")
-        return OK
+        return triton_availability(hardware) if available else available
 
     def plan(self, batch: ForwardBatch) -> None:
         """Per-token rows for forward_mla and the varlen offsets for forward_mha, shared by all layers.

@@ -24,8 +24,9 @@ from typing import ClassVar
 import torch
 
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import OK, Availability, Fp8GemmBackend, GemmCapabilities, GemmSpec
+from plugserve.core.interfaces import Availability, Fp8GemmBackend, GemmCapabilities, GemmSpec
 from plugserve.core.layers.quant import FP8_DTYPE, scale_grid
+from plugserve.plugins.triton_support import triton_availability
 from plugserve.registry import hookimpl
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -110,17 +111,8 @@ class TritonFp8Gemm(Fp8GemmBackend):
 
     @classmethod
     def availability(cls, hardware: Hardware) -> Availability:
-        base = super().availability(hardware)
-        if not base:
-            return base
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            return Availability.no("triton is not installed (pip install triton)")
-        if not hardware.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-            return Availability.no("on the CPU its Triton kernels run only in the interpreter: set TRITON_INTERPRET=1 "
-                                   "before starting (slow, for tests)")
-        return OK
+        available = super().availability(hardware)
+        return triton_availability(hardware) if available else available
 
     def prepare(self, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> TritonFp8Weight:
         """weight [N, K] float8_e4m3fn, weight_scale_inv [ceil(N/bn), ceil(K/bk)] float32, made

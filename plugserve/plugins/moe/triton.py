@@ -17,7 +17,6 @@ Triton. On the CPU the kernels run only in Triton's interpreter (TRITON_INTERPRE
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -28,6 +27,7 @@ from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import OK, Availability, MoEBackend, MoECapabilities, MoESpec, check_tensor
 from plugserve.core.layers.quant import FP8_DTYPE, ceil_div
 from plugserve.plugins.moe.configs import MoEConfig, get_config
+from plugserve.plugins.triton_support import triton_availability
 from plugserve.registry import hookimpl
 
 # FP8 tensor cores (tl.dot on float8e4nv) need Ada / Hopper or newer.
@@ -84,16 +84,7 @@ class TritonMoE(MoEBackend):
     @classmethod
     def availability(cls, hardware: Hardware) -> Availability:
         available = super().availability(hardware)
-        if not available:
-            return available
-        try:
-            import triton  # noqa: F401
-        except ImportError as exc:
-            return Availability.no(f"triton is not installed ({exc}); pip install triton")
-        if hardware.device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-            return Availability.no("on the CPU its Triton kernels run only in Triton's interpreter: set "
-                                   "TRITON_INTERPRET=1 before starting (slow; meant for tests)")
-        return OK
+        return triton_availability(hardware) if available else available
 
     def route(
         self, router_logits: torch.Tensor, correction_bias: torch.Tensor | None
