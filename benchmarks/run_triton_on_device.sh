@@ -7,18 +7,18 @@
 #   fonttools kiwisolver pillow pyparsing python-dateutil six
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .carry/wheels/*.whl .carry/mpl/*.whl 2>&1 | tail -2
-export PYTHONPATH=/tmp/site:$PWD
+export PYTHONPATH=/tmp/site:$PWD TRITON_INTERPRET=0  # compiled kernels, whatever a conftest defaults to
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
 for stage in "$@"; do
   case $stage in
     kit)
       for kind in attention gemm moe; do
-        python3 -m pytest -q -p plugserve.testing.plugin -p no:cacheprovider --pyargs plugserve.testing \
+        timeout 200 python3 -m pytest -q -p plugserve.testing.plugin -p no:cacheprovider --pyargs plugserve.testing \
           --plugserve-backend $kind:triton --plugserve-shapes full --plugserve-report $OUT/conformance-triton-$kind.json \
           2>&1 | tail -25 | tee $OUT/conformance-triton-$kind.txt
       done ;;
     shootout)
-      python3 benchmarks/shootout.py --output-dir $OUT/shootout 2>&1 | tee $OUT/shootout.log ;;
+      timeout 400 python3 benchmarks/shootout.py --output-dir $OUT/shootout 2>&1 | tee $OUT/shootout.log ;;
     tune)
       python3 benchmarks/tune_fp8_gemm.py --quick --output-dir $OUT/gemm_configs 2>&1 | tail -20 | tee $OUT/tune_gemm.log
       python3 benchmarks/tune_fused_moe.py --quick --output-dir $OUT/moe_configs 2>&1 | tail -20 | tee $OUT/tune_moe.log ;;

@@ -13,6 +13,8 @@ phase and batch bucket by measured time.
 from __future__ import annotations
 
 import argparse
+import importlib
+import itertools
 import json
 import statistics
 import sys
@@ -59,29 +61,56 @@ class Row:
     tflops: float
     fraction_of_limit: float
     batch: int
+    timing: str  # "graph", "events" or "wall": see timed()
+    library_us: float | None = None  # the backend's library called directly on the same inputs (no wrapper)
+
+    @property
+    def wrapper_overhead(self) -> float | None:
+        """What plugserve's wrapper adds over calling the library directly, as a fraction of the latter."""
+        return None if self.library_us is None else self.us / self.library_us - 1
 
 
 # -- timing ------------------------------------------------------------------------------------------
 
 
-def timed(fn: Callable[[], object], device: torch.device, warmup: int, reps: int) -> float:
-    """Median seconds of fn() after warm-up (CUDA events on a GPU)."""
+def timed(fn: Callable[[], object], device: torch.device, warmup: int, reps: int) -> tuple[float, str]:
+    """Median seconds of fn() after warm-up, and how it was timed: "graph" (CUDA-graph replay, so host
+    launch overhead is excluded alike for every backend), else "events" (CUDA events around eager calls:
+    fn syncs with the host or cannot be captured) or "wall" on the CPU."""
     for _ in range(warmup):
         fn()
-    samples = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) / 1e3)
-        else:
+    if device.type != "cuda":
+        samples = []
+        for _ in range(reps):
             begin = time.perf_counter()
             fn()
             samples.append(time.perf_counter() - begin)
-    return statistics.median(samples)
+        return statistics.median(samples), "wall"
+    graph = _capture(fn)
+    run = graph.replay if graph is not None else fn
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(samples), "graph" if graph is not None else "events"
+
+
+def _capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph | None:
+    """fn captured in a CUDA graph, or None when it cannot be (a host sync, a CPU tensor op...)."""
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+        graph.replay()
+        torch.cuda.synchronize()
+    except Exception:  # any capture failure means: time it eagerly
+        torch.cuda.synchronize()
+        return None
+    return graph
 
 
 def measure_ceilings(device: torch.device, quick: bool) -> dict[str, float]:
@@ -89,16 +118,16 @@ def measure_ceilings(device: torch.device, quick: bool) -> dict[str, float]:
     n_bytes = (2 << 30) if not quick else (64 << 20)
     src = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
-    copy_s = timed(lambda: dst.copy_(src), device, 3, 10)
+    copy_s, _ = timed(lambda: dst.copy_(src), device, 3, 10)
     size = 8192 if not quick else 512
     a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
     b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
-    bf16_s = timed(lambda: a @ b, device, 3, 10)
+    bf16_s, _ = timed(lambda: a @ b, device, 3, 10)
     ceilings = {"copy_gbps": 2 * n_bytes / copy_s / 1e9, "bf16_tflops": 2 * size**3 / bf16_s / 1e12}
     if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
         a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
         one = torch.ones((), device=device)
-        fp8_s = timed(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), device, 3, 10)
+        fp8_s, _ = timed(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), device, 3, 10)
         ceilings["fp8_tflops"] = 2 * size**3 / fp8_s / 1e12
     else:
         ceilings["fp8_tflops"] = ceilings["bf16_tflops"]
@@ -114,6 +143,19 @@ def attention_decode_cases(quick: bool) -> list[tuple[int, int]]:
 
 def attention_extend_cases(quick: bool) -> list[tuple[int, int]]:
     return [(64, 0), (64, 128)] if quick else [(t, p) for t in (512, 4096, 16384) for p in (0, 4096)]
+
+
+def library_call(backend: str, function: str) -> Callable[..., Callable[[], object]] | None:
+    """`function` of benchmarks/library_calls/<backend>.py: it sets up and returns a call of the backend's
+    library made directly, without plugserve (None when there is none, or its library is missing)."""
+    package = f"{__package__}.library_calls" if __package__ else "library_calls"  # as a module, or as a script
+    try:
+        module = importlib.import_module(f"{package}.{backend}")
+    except ImportError as exc:
+        if getattr(exc, "name", None) != f"{package}.{backend}":  # not merely "no library call for it"
+            print(f"library_calls.{backend}: {exc}", file=sys.stderr)
+        return None
+    return getattr(module, function, None)
 
 
 def run_attention(backends: list, device: torch.device, dtype: torch.dtype, heads: int, args, emit) -> None:
@@ -149,6 +191,9 @@ def run_attention(backends: list, device: torch.device, dtype: torch.dtype, head
                     q_rope = torch.randn(t, heads, spec.qk_rope_head_dim, device=device, dtype=dtype)
                     backend.plan(batch)
                     run = partial(backend.forward_mla, q_nope, q_rope, 0)
+                    direct = library_call(entry.name, "mla_decode")
+                    library = direct and partial(direct, q_nope, q_rope, batch.kv_pool.buffer(0), batch.block_table,
+                                                 batch.seq_lens, spec.page_size, spec.softmax_scale)
                 else:
                     # One-shot MHA over the (de-compressed) prefix and the new tokens.
                     prepare_attention(batch, chunked_prefix_cache_threshold=1, prefix_chunk_capacity=1 << 30)
@@ -158,7 +203,12 @@ def run_attention(backends: list, device: torch.device, dtype: torch.dtype, head
                     v = torch.randn(kv_tokens, heads, spec.v_head_dim, device=device, dtype=dtype)
                     backend.plan(batch)
                     run = partial(backend.forward_mha, q, k, v)
-                emit(case, entry.name, timed(run, device, args.warmup, args.reps_for(entry.name)))
+                    direct = library_call(entry.name, "mha_prefill")
+                    cu_kv = torch.tensor([0, *itertools.accumulate(seq_lens)], dtype=torch.int32, device=device)
+                    library = direct and partial(direct, q, k, v, batch.cu_extend_lens, cu_kv, max(extend_lens),
+                                                 max(seq_lens), spec.softmax_scale, True)
+                emit(case, entry.name, *timed(run, device, args.warmup, args.reps_for(entry.name)),
+                     library=time_library(library, device, args))
 
 
 def run_gemm(backends: list, device: torch.device, dtype: torch.dtype, args, emit) -> None:
@@ -177,8 +227,10 @@ def run_gemm(backends: list, device: torch.device, dtype: torch.dtype, args, emi
                     continue
                 backend = entry.cls(spec, device)
                 packed = backend.prepare(w_q, scale)
-                emit(case, entry.name, timed(partial(backend.apply, x, packed), device, args.warmup,
-                                             args.reps_for(entry.name)))
+                direct = library_call(entry.name, "gemm")
+                emit(case, entry.name, *timed(partial(backend.apply, x, packed), device, args.warmup,
+                                              args.reps_for(entry.name)),
+                     library=time_library(direct and partial(direct, x, w_q, scale), device, args))
 
 
 def run_moe(backends: list, device: torch.device, dtype: torch.dtype, args, emit) -> None:
@@ -213,7 +265,19 @@ def run_moe(backends: list, device: torch.device, dtype: torch.dtype, args, emit
                             weight_bytes + tokens * hidden * 4, flops, "fp8")
                 packed = backend.prepare(*weights)
                 run = partial(backend.forward, x, packed, topk_ids, topk_weights, router_scaling(router))
-                emit(case, entry.name, timed(run, device, args.warmup, args.reps_for(entry.name)))
+                emit(case, entry.name, *timed(run, device, args.warmup, args.reps_for(entry.name)))
+
+
+def time_library(setup: Callable[[], Callable[[], object]] | None, device: torch.device, args) -> float | None:
+    """Seconds of the library called directly, timed as the backend was (None without a library call)."""
+    if setup is None:
+        return None
+    try:
+        seconds, _ = timed(setup(), device, args.warmup, args.reps)
+    except Exception as exc:  # a broken direct call must not end the shootout: report it and go on
+        print(f"library call failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
+    return seconds
 
 
 def router_scaling(router: RouterConfig) -> float:
@@ -251,13 +315,17 @@ def selection_table(rows: list[Row], hardware: Hardware, command: str) -> dict:
 def write_outputs(rows: list[Row], ceilings: dict[str, float], hardware: Hardware, out: Path, command: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "shootout.json").write_text(json.dumps({"device": hardware.name, "command": command,
-                                                   "ceilings": ceilings, "rows": [asdict(r) for r in rows]}, indent=1))
+                                                   "ceilings": ceilings,
+                                                   "rows": [asdict(r) | {"wrapper_overhead": r.wrapper_overhead}
+                                                            for r in rows]}, indent=1))
     lines = [f"# Shootout on {hardware.name}", "", f"`{command}`", "",
              "Ceilings measured in the same run: " + ", ".join(f"{k} {v:.1f}" for k, v in ceilings.items()), "",
-             "| kind | phase | shape | backend | time (us) | GB/s | TFLOP/s | fraction of limit |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| kind | phase | shape | backend | time (us) | GB/s | TFLOP/s | fraction of limit | library direct (us) "
+             "| wrapper overhead |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r.kind} | {r.phase} | {r.shape} | {r.backend} | {r.us:.1f} | {r.gbps:.0f} | {r.tflops:.1f} | "
-              f"{r.fraction_of_limit:.2f} |" for r in rows]
+              f"{r.fraction_of_limit:.2f} | " + ("" if r.library_us is None else f"{r.library_us:.1f}") + " | "
+              + ("" if r.wrapper_overhead is None else f"{r.wrapper_overhead:+.1%}") + " |" for r in rows]
     (out / "shootout.md").write_text("\n".join(lines) + "\n")
     (out / f"{hardware.device_key}.json").write_text(json.dumps(selection_table(rows, hardware, command), indent=1))
     try:
@@ -308,15 +376,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"{hardware.describe()}: " + ", ".join(f"{k} {v:.1f}" for k, v in ceilings.items()))
     rows: list[Row] = []
 
-    def emit(case: Case, backend: str, seconds: float) -> None:
+    def emit(case: Case, backend: str, seconds: float, timing: str, library: float | None = None) -> None:
         tflops_ceiling = ceilings["fp8_tflops" if case.flop_dtype == "fp8" else "bf16_tflops"]
         limit = max(case.bytes / (ceilings["copy_gbps"] * 1e9), case.flops / (tflops_ceiling * 1e12))
         row = Row(case.kind, case.phase, case.shape, backend, seconds * 1e6, case.bytes / seconds / 1e9,
-                  case.flops / seconds / 1e12, limit / seconds, case.batch)
+                  case.flops / seconds / 1e12, limit / seconds, case.batch, timing,
+                  None if library is None else library * 1e6)
         rows.append(row)
         print(f"{row.kind:9} {row.shape:32} {row.backend:12} {row.us:10.1f} us {row.gbps:8.0f} GB/s "
-              f"{row.tflops:7.1f} TFLOP/s {row.fraction_of_limit:6.2f} of limit", flush=True)
+              f"{row.tflops:7.1f} TFLOP/s {row.fraction_of_limit:6.2f} of limit ({timing})"
+              + ("" if row.library_us is None else f" library {row.library_us:.1f} us, wrapper "
+                 f"{row.wrapper_overhead:+.1%}"), flush=True)
 
+    command = "python benchmarks/shootout.py " + " ".join(argv if argv is not None else sys.argv[1:])
     for kind in args.kinds:
         entries = [e for name, e in sorted(registry.backends[kind].items()) if wanted is None or (kind, name) in wanted]
         entries = [e for e in entries if registry.availability(e.cls, hardware)]
@@ -326,8 +398,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             run_gemm(entries, device, dtype, args, emit)
         else:
             run_moe(entries, device, dtype, args, emit)
-    command = "python benchmarks/shootout.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    write_outputs(rows, ceilings, hardware, args.output_dir, command)
+        write_outputs(rows, ceilings, hardware, args.output_dir, command)  # after each kind: partial runs keep theirs
 
 
 if __name__ == "__main__":

@@ -5,24 +5,29 @@ plugin modules are registered by module name; third-party ones through setuptool
 the group "plugserve". A plugin that raises on import or in its hook is recorded as broken and
 skipped. `select` picks a backend per kind, phase and batch size: the requested name if usable,
 else the measured ranking stored for this device (plugserve/tables/<device>.json), else the
-highest declared priority for this GPU architecture.
+highest declared priority for this GPU architecture. `build` constructs the first of those that
+passes its start-up self-check, falling back to the next and saying why.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 import importlib
 import inspect
 import json
+import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pluggy
+import torch
 from pydantic import BaseModel
 
 from plugserve.core.forward_batch import Phase
@@ -36,6 +41,8 @@ from plugserve.core.interfaces import (
     Backend,
     Kind,
 )
+
+logger = logging.getLogger(__name__)
 
 PROJECT = "plugserve"
 ENTRY_POINT_GROUP = "plugserve"
@@ -229,7 +236,7 @@ class Registry:
 
     # -- selection -----------------------------------------------------------------------------------
 
-    def select(
+    def candidates(
         self,
         kind: Kind,
         phase: Phase,
@@ -237,9 +244,11 @@ class Registry:
         hardware: Hardware,
         requested: str = "auto",
         spec: object | None = None,
-    ) -> Selection:
-        """The backend for `kind` in `phase` at `batch_size` tokens, and why. Raises SelectionError
-        when `requested` is unknown or unusable, or when no backend is usable."""
+    ) -> list[Selection]:
+        """The usable backends for `kind` in `phase` at `batch_size` tokens, in the order `auto` tries
+        them (the device's measured table, then priority), each with why; only the requested one when
+        `requested` is a name. Raises SelectionError when `requested` is unknown or unusable, or when no
+        backend is usable."""
         statuses = self.statuses(kind, phase, hardware, spec)
         usable = {s.entry.name: s.entry for s in statuses if s.availability}
         if requested != "auto":
@@ -250,25 +259,73 @@ class Registry:
                     f"{kind} backend {requested!r} cannot run {phase.value} here: {reason}. "
                     + _describe_choices(statuses)
                 )
-            return Selection(kind, phase, entry.cls, "requested")
+            return [Selection(kind, phase, entry.cls, "requested")]
         if not usable:
             raise SelectionError(f"no {kind} backend can run {phase.value} here. " + _describe_choices(statuses))
+        ranked: list[Selection] = []
         loaded = load_selection_table(hardware)
         if loaded is not None:
             table, path = loaded
-            for name in table.order(kind, phase, batch_size):
-                if name in usable:
-                    return Selection(
-                        kind, phase, usable[name].cls,
-                        f"fastest usable backend measured on {table.device_name} for {phase.value} at "
-                        f"batch size {batch_size} ({path.name})",
-                    )
-        best = max(usable.values(), key=lambda e: (e.cls.priority_on(hardware), e.name))
-        return Selection(
-            kind, phase, best.cls,
-            f"highest priority on {hardware.arch} ({best.cls.priority_on(hardware)}) among usable: "
-            + ", ".join(sorted(usable)),
-        )
+            ranked += [
+                Selection(kind, phase, usable[name].cls,
+                          f"fastest usable backend measured on {table.device_name} for {phase.value} at "
+                          f"batch size {batch_size} ({path.name})")
+                for name in table.order(kind, phase, batch_size) if name in usable
+            ]
+        measured = {s.backend.name for s in ranked}
+        by_priority = sorted(usable.values(), key=lambda e: (e.cls.priority_on(hardware), e.name), reverse=True)
+        ranked += [
+            Selection(kind, phase, e.cls, f"highest priority on {hardware.arch} ({e.cls.priority_on(hardware)}) "
+                                          f"among usable: {', '.join(sorted(usable))}")
+            for e in by_priority if e.name not in measured
+        ]
+        return ranked
+
+    def select(
+        self,
+        kind: Kind,
+        phase: Phase,
+        batch_size: int,
+        hardware: Hardware,
+        requested: str = "auto",
+        spec: object | None = None,
+    ) -> Selection:
+        """The first of `candidates`: what `auto` (or the request) picks before any self-check."""
+        return self.candidates(kind, phase, batch_size, hardware, requested, spec)[0]
+
+    def build(
+        self,
+        kind: Kind,
+        phase: Phase,
+        batch_size: int,
+        device: torch.device,
+        spec: object,
+        requested: str = "auto",
+        fit_spec: Callable[[type[Backend], Any], Any] = lambda cls, spec: spec,
+    ) -> tuple[Backend, Selection]:
+        """Construct the first candidate whose start-up self-check passes (plugserve.testing.self_check),
+        and return it with its selection; the reason names every candidate that failed before it, and
+        why. Each candidate is built with `fit_spec(cls, spec)` (a decode backend may force the page
+        size). A requested backend that fails raises SelectionError: there is nothing to fall back to."""
+        from plugserve.testing.self_check import self_check
+
+        hardware = Hardware.detect(device)
+        failures: list[str] = []
+        for selection in self.candidates(kind, phase, batch_size, hardware, requested, spec):
+            cls = selection.backend
+            try:
+                backend = cls(fit_spec(cls, spec), device)  # type: ignore[call-arg]
+                self_check(backend, phase)
+            except Exception as exc:
+                failures.append(f"{cls.name}: self-check failed: {type(exc).__name__}: {str(exc).strip()[:300]}")
+                logger.warning("%s %s backend %s failed its self-check: %s", kind, phase.value, cls.name, exc)
+                continue
+            if failures:
+                selection = dataclasses.replace(selection, reason=f"{selection.reason}; fell back from "
+                                                + "; ".join(failures))
+            return backend, selection
+        raise SelectionError(f"no {kind} backend passed its start-up self-check for {phase.value}: "
+                             + "; ".join(failures))
 
 
 def _describe_choices(statuses: list[BackendStatus]) -> str:

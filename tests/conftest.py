@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 # Triton fixes, when first imported, whether its kernels are interpreted: the CPU suite runs them interpreted.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# pytest also loads this file for kit runs from the repo root (`--pyargs plugserve.testing`): on a GPU
+# machine the kernels must compile, so the default applies only where no GPU is visible.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import textwrap
 from collections.abc import Callable, Iterator

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -176,3 +177,38 @@ def test_availability_is_asked_once_and_an_exception_becomes_a_reason():
     assert registry.availability(Probe, H100) == first and len(calls) == 1
     assert first == Availability.no("availability check raised OSError: libcuda.so.1: cannot open shared object file")
     assert OK and not first
+
+
+SMALL = AttentionSpec(num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+                      dtype=torch.float32)
+
+
+def _off_by_a_bit(name: str, priority: int) -> type[TorchRefAttention]:
+    """Runs, but its absorbed MLA output is 1% too large: only the self-check can tell."""
+    base = _backend(name, {"cpu": priority})
+
+    def forward_mla(self, q_nope, q_rope, layer_id):
+        return TorchRefAttention.forward_mla(self, q_nope, q_rope, layer_id) * 1.01
+
+    return type(name, (base,), {"forward_mla": forward_mla})
+
+
+def test_build_falls_back_past_a_backend_failing_its_self_check_and_says_so():
+    registry = _registry(_off_by_a_bit("wrong", 10), _backend("right", {"cpu": 5}))
+    backend, selection = registry.build("attention", Phase.DECODE, 1, torch.device("cpu"), SMALL)
+    assert backend.name == "right" and isinstance(backend, TorchRefAttention)
+    assert "fell back from wrong: self-check failed: AssertionError" in selection.reason
+
+
+def test_build_of_a_requested_backend_failing_its_self_check_raises():
+    registry = _registry(_off_by_a_bit("wrong", 10), _backend("right", {"cpu": 5}))
+    with pytest.raises(SelectionError, match=r"no attention backend passed its start-up self-check.*wrong"):
+        registry.build("attention", Phase.DECODE, 1, torch.device("cpu"), SMALL, requested="wrong")
+
+
+def test_build_gives_each_candidate_the_spec_it_fits():
+    forced = _backend("paged64", {"cpu": 10}, page_sizes=frozenset({64}))
+    registry = _registry(forced)
+    backend, _ = registry.build("attention", Phase.DECODE, 1, torch.device("cpu"), SMALL,
+                                fit_spec=lambda cls, spec: dataclasses.replace(spec, page_size=64))
+    assert backend.spec.page_size == 64

@@ -3,20 +3,23 @@ one forward (plus picking the rows to sample) for the scheduler."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from plugserve.core.dispatch import AttnForwardMethod, prepare_attention
 from plugserve.core.forward_batch import ForwardBatch, Phase
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import AttentionCapabilities
+from plugserve.core.interfaces import AttentionSpec
 from plugserve.core.kv_cache import MLAKVPool, PageAllocator
 from plugserve.core.loader import load_model, read_config, resolve_dtype
 from plugserve.core.models.deepseek import ModelBackends
 from plugserve.core.server_args import ServerArgs, flag
-from plugserve.registry import Selection, SelectionError, get_registry
+from plugserve.registry import SelectionError, get_registry
 
 logger = logging.getLogger(__name__)
 
@@ -72,48 +75,45 @@ class ModelRunner:
     def kv_dtype(self) -> torch.dtype:
         return self.dtype if self.args.kv_cache_dtype == "auto" else KV_DTYPES[self.args.kv_cache_dtype]
 
-    def _select(self, kind: str, phase: Phase, requested: str, flag_name: str, spec: object, batch_size: int
-                ) -> Selection:
+    def _build(self, kind: str, phase: Phase, requested: str, flag_name: str, spec: Any, batch_size: int,
+               fit_spec: Callable[[type, Any], Any] | None = None) -> Any:
+        """The registry's first candidate that passes its start-up self-check, logged with why."""
         try:
-            selection = get_registry().select(kind, phase, batch_size, self.hardware, requested, spec)  # type: ignore[arg-type]
+            backend, selection = get_registry().build(kind, phase, batch_size, self.device, spec, requested,  # type: ignore[arg-type]
+                                                      **({"fit_spec": fit_spec} if fit_spec else {}))
         except SelectionError as exc:
             raise SelectionError(f"{flag_name}: {exc}") from None
-        logger.info("%s %s backend: %s (%s)", kind, phase.value, selection.backend.name, selection.reason)
-        self.chosen.append(ChosenBackend(kind, phase.value, selection.backend.name, selection.reason))
-        return selection
+        logger.info("%s %s backend: %s (%s)", kind, phase.value, backend.name, selection.reason)
+        self.chosen.append(ChosenBackend(kind, phase.value, backend.name, selection.reason))
+        return backend
 
     def _create_backends(self) -> tuple[ModelBackends, int]:
-        args, config, device = self.args, self.config, self.device
+        args, config = self.args, self.config
         max_batch = args.max_running_requests or 1
         decode_flag = flag("decode_attention_backend") if args.decode_attention_backend else flag("attention_backend")
         prefill_flag = (flag("prefill_attention_backend") if args.prefill_attention_backend
                         else flag("attention_backend"))
-        decode = self._select("attention", Phase.DECODE, args.decode_attention,  decode_flag,
-                              config.attention_spec(self.dtype, args.page_size, self.kv_dtype), max_batch).backend
-        caps: AttentionCapabilities = decode.capabilities  # type: ignore[assignment]
-        forced = caps.forced_page_size()
-        if args.page_size is not None and forced is not None and forced != args.page_size:
-            raise SelectionError(f"{flag('page_size')} {args.page_size}: the decode attention backend "
-                                 f"{decode.name} needs page size {forced}")
-        page_size = args.page_size or forced or 1
-        spec = config.attention_spec(self.dtype, page_size, self.kv_dtype)
+
+        def with_page_size(cls: type, spec: AttentionSpec) -> AttentionSpec:
+            # --page-size, else the one the decode backend forces, else 1 (usability checked the flag).
+            forced = cls.capabilities.forced_page_size()
+            return dataclasses.replace(spec, page_size=args.page_size or forced or 1)
+
+        decode = self._build("attention", Phase.DECODE, args.decode_attention, decode_flag,
+                             config.attention_spec(self.dtype, args.page_size, self.kv_dtype), max_batch,
+                             with_page_size)
+        spec = decode.spec
         prefill_tokens = args.chunked_prefill_size if args.chunked_prefill_size > 0 else 8192
-        prefill = self._select("attention", Phase.PREFILL, args.prefill_attention, prefill_flag, spec,
-                               prefill_tokens).backend
+        prefill = self._build("attention", Phase.PREFILL, args.prefill_attention, prefill_flag, spec, prefill_tokens)
         moe = gemm = None
         if config.n_routed_experts:
-            moe = self._select("moe", Phase.DECODE, args.moe_runner_backend, flag("moe_runner_backend"),
-                               config.moe_spec(self.dtype), max_batch).backend(config.moe_spec(self.dtype), device)
+            moe = self._build("moe", Phase.DECODE, args.moe_runner_backend, flag("moe_runner_backend"),
+                              config.moe_spec(self.dtype), max_batch)
         if config.fp8_block:
-            gemm = self._select("gemm", Phase.DECODE, args.fp8_gemm_backend, flag("fp8_gemm_backend"),
-                                config.gemm_spec(self.dtype), max_batch).backend(config.gemm_spec(self.dtype), device)
-        backends = ModelBackends(
-            attention_prefill=prefill(spec, device),  # type: ignore[call-arg]
-            attention_decode=decode(spec, device),  # type: ignore[call-arg]
-            moe=moe,  # type: ignore[arg-type]
-            gemm=gemm,  # type: ignore[arg-type]
-        )
-        return backends, page_size
+            gemm = self._build("gemm", Phase.DECODE, args.fp8_gemm_backend, flag("fp8_gemm_backend"),
+                               config.gemm_spec(self.dtype), max_batch)
+        backends = ModelBackends(attention_prefill=prefill, attention_decode=decode, moe=moe, gemm=gemm)
+        return backends, spec.page_size
 
     def _warn_about_inert_flags(self) -> None:
         args = self.args

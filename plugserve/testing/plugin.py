@@ -64,8 +64,10 @@ class _Report:
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.when == "call" or report.outcome != "passed":
             reason = report.longrepr[2] if report.skipped and isinstance(report.longrepr, tuple) else None
+            # A failure's last line (the assertion or exception) says why, without the traceback.
+            error = report.longreprtext.strip().splitlines()[-1] if report.failed and report.longreprtext else None
             self.results.append({"test": report.nodeid, "outcome": report.outcome, "when": report.when,
-                                 "seconds": round(report.duration, 4), "skip_reason": reason})
+                                 "seconds": round(report.duration, 4), "skip_reason": reason, "error": error})
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         device = _device(session.config)

@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from benchmarks import shootout
 from plugserve.core.forward_batch import Phase
 from plugserve.core.hardware import Hardware
@@ -22,7 +24,7 @@ def test_quick_shootout_writes_results_and_a_selection_table_auto_can_read(tmp_p
 
 
 def test_selection_table_ranks_by_summed_time_over_the_bucket():
-    rows = [shootout.Row("gemm", "decode", s, b, us, 0, 0, 0, batch)
+    rows = [shootout.Row("gemm", "decode", s, b, us, 0, 0, 0, batch, "graph")
             for s, b, us, batch in [("m1", "a", 10, 1), ("m1", "b", 5, 1), ("m8", "a", 1, 8), ("m8", "b", 30, 8),
                                     ("m4", "a", 2, 4)]]
     table = shootout.selection_table(rows, Hardware.detect("cpu"), "cmd")
@@ -30,3 +32,10 @@ def test_selection_table_ranks_by_summed_time_over_the_bucket():
     assert buckets[0] == {"max_batch_size": 1, "order": ["b", "a"]}
     # In (1, 8] only "a" ran every case (m4 and m8), so only it competes there.
     assert buckets[1] == {"max_batch_size": 8, "order": ["a"]}
+
+
+def test_wrapper_overhead_compares_with_the_library_called_directly():
+    row = shootout.Row("gemm", "decode", "m8", "x", 103.0, 0, 0, 0, 8, "graph", library_us=100.0)
+    assert row.wrapper_overhead == pytest.approx(0.03)
+    assert shootout.Row("gemm", "decode", "m8", "x", 1.0, 0, 0, 0, 8, "graph").wrapper_overhead is None
+    assert shootout.library_call("no_such_backend", "gemm") is None
