@@ -56,6 +56,14 @@ BUILTIN_PLUGINS = (
     "plugserve.plugins.attention.triton",
     "plugserve.plugins.gemm.triton",
     "plugserve.plugins.moe.triton",
+    "plugserve.plugins.attention.flashinfer_mla",
+    "plugserve.plugins.attention.fa3",
+    "plugserve.plugins.attention.cutlass_mla",
+    "plugserve.plugins.attention.flashmla",
+    "plugserve.plugins.gemm.torch_scaled_mm",
+    "plugserve.plugins.gemm.cutlass",
+    "plugserve.plugins.gemm.deepgemm",
+    "plugserve.plugins.moe.deepgemm",
 )
 # Upper edges of the batch-size (token count) buckets that selection tables and --explain use.
 BATCH_BUCKETS = (1, 8, 64, 512, 4096)

@@ -64,4 +64,4 @@ def test_serve_with_an_unusable_backend_lists_the_usable_ones():
     with pytest.raises(SystemExit) as exit_:
         main(["serve", "--decode-attention-backend", "flashmla_missing"])
     message = str(exit_.value)
-    assert "--decode-attention-backend" in message and "registered: torch_ref" in message
+    assert "--decode-attention-backend" in message and "registered: " in message and "torch_ref" in message

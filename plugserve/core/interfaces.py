@@ -339,8 +339,9 @@ class AttentionBackend(Backend):
         """Write new tokens' latent [n, R] and rope key [n, P] at pool slots [n] int64. Override to fuse."""
         self.batch.kv_pool.write(layer_id, slots, latent, k_rope)
 
-    def check_mla_inputs(self, q_nope: torch.Tensor, q_rope: torch.Tensor) -> None:
-        """ValueError unless q_nope is [T, H, R] and q_rope [T, H, P] for the planned batch."""
+    def check_mla_inputs(self, q_nope: torch.Tensor, q_rope: torch.Tensor, same_dtype_as_cache: bool = True) -> None:
+        """ValueError unless q_nope is [T, H, R] and q_rope [T, H, P] for the planned batch, and, when
+        `same_dtype_as_cache`, both in the KV cache's dtype (what kernels reading the cache need)."""
         pool = self.batch.kv_pool
         expected = (self.batch.num_tokens, self.spec.num_heads)
         if q_nope.shape != (*expected, pool.kv_lora_rank) or q_rope.shape != (*expected, pool.qk_rope_head_dim):
@@ -348,6 +349,9 @@ class AttentionBackend(Backend):
                 f"forward_mla expects q_nope [T={expected[0]}, H={expected[1]}, R={pool.kv_lora_rank}] and "
                 f"q_rope [T, H, P={pool.qk_rope_head_dim}], got {tuple(q_nope.shape)} and {tuple(q_rope.shape)}"
             )
+        if same_dtype_as_cache and (q_nope.dtype != pool.dtype or q_rope.dtype != pool.dtype):
+            raise ValueError(f"forward_mla needs q in the KV cache dtype {pool.dtype}, got {q_nope.dtype} and "
+                             f"{q_rope.dtype}")
 
     def forward_mla(self, q_nope: torch.Tensor, q_rope: torch.Tensor, layer_id: int) -> torch.Tensor:
         """Absorbed MLA: q_nope [T, H, R] (already multiplied by W_UK), q_rope [T, H, P] attend, as MQA,
@@ -380,6 +384,18 @@ class Fp8GemmBackend(Backend):
     capabilities: ClassVar[GemmCapabilities]
     spec: GemmSpec
 
+
+    def check_weight(self, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> None:
+        """ValueError unless weight is a 2-D float8_e4m3fn [N, K] and weight_scale_inv float32 of its block grid."""
+        if weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"weight must be a 2-D float8_e4m3fn tensor [N, K], got shape {tuple(weight.shape)} "
+                             f"of dtype {weight.dtype}")
+        bn, bk = self.spec.block_shape
+        expected = (math.ceil(weight.shape[0] / bn), math.ceil(weight.shape[1] / bk))
+        if tuple(weight_scale_inv.shape) != expected or weight_scale_inv.dtype != torch.float32:
+            raise ValueError(f"weight_scale_inv of a {tuple(weight.shape)} weight in {self.spec.block_shape} blocks "
+                             f"must be float32 of shape {expected}, got {weight_scale_inv.dtype} of shape "
+                             f"{tuple(weight_scale_inv.shape)}")
 
     @abstractmethod
     def prepare(self, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> Any:
@@ -422,6 +438,16 @@ class MoEBackend(Backend):
     ) -> Any:
         """Once at load: w13 [E, 2I, H] (rows [0, I) gate, [I, 2I) up), w2 [E, H, I], of spec.dtype or
         float8_e4m3fn with block scales [E, ceil(2I/bn), ceil(H/bk)] and [E, ceil(H/bn), ceil(I/bk)]."""
+
+    def check_forward_inputs(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        """ValueError unless x is [T, H] of spec.dtype and topk_ids / topk_weights are both [T, k]."""
+        spec = self.spec
+        if x.dim() != 2 or x.shape[1] != spec.hidden_size or x.dtype != spec.dtype:
+            raise ValueError(f"x must be [T, {spec.hidden_size}] of dtype {spec.dtype}, "
+                             f"got shape {tuple(x.shape)} of dtype {x.dtype}")
+        if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+            raise ValueError(f"topk_ids and topk_weights must both be [{x.shape[0]}, k], "
+                             f"got {tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
 
     @abstractmethod
     def forward(

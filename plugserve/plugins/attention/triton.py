@@ -93,9 +93,6 @@ class TritonAttention(AttentionBackend):
         batch = self.batch
         pool = batch.kv_pool
         self.check_mla_inputs(q_nope, q_rope)
-        if q_nope.dtype != pool.dtype or q_rope.dtype != pool.dtype:
-            raise ValueError(f"forward_mla needs q in the KV cache dtype {pool.dtype}, got {q_nope.dtype} and "
-                             f"{q_rope.dtype}")
         return self._kernels.mla_attention(
             q_nope, q_rope, pool.buffer(layer_id), batch.block_table, self._token_req, self._token_kv_len,
             pool.page_size, self.spec.softmax_scale, self._num_splits,

@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 
 from plugserve.core.interfaces import Fp8GemmBackend, GemmCapabilities
-from plugserve.core.layers.quant import FP8_DTYPE, dequantize_block_fp8, per_token_group_quant_fp8, scale_grid
+from plugserve.core.layers.quant import dequantize_block_fp8, per_token_group_quant_fp8
 from plugserve.registry import hookimpl
 
 
@@ -54,18 +54,7 @@ class TorchRefFp8Gemm(Fp8GemmBackend):
     def prepare(self, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> TorchRefFp8Weight:
         """weight [N, K] float8_e4m3fn, weight_scale_inv [ceil(N/bn), ceil(K/bk)] float32, kept as
         they are on this backend's device."""
-        if weight.dim() != 2 or weight.dtype != FP8_DTYPE:
-            raise ValueError(
-                f"weight must be a 2-D float8_e4m3fn tensor [N, K], got shape {tuple(weight.shape)} "
-                f"of dtype {weight.dtype}"
-            )
-        expected = scale_grid(*weight.shape, self.spec.block_shape)
-        if tuple(weight_scale_inv.shape) != expected or weight_scale_inv.dtype != torch.float32:
-            raise ValueError(
-                f"weight_scale_inv of a {tuple(weight.shape)} weight in {self.spec.block_shape} blocks must "
-                f"be float32 of shape {expected}, got {weight_scale_inv.dtype} of shape "
-                f"{tuple(weight_scale_inv.shape)}"
-            )
+        self.check_weight(weight, weight_scale_inv)
         return TorchRefFp8Weight(weight.to(self.device), weight_scale_inv.to(self.device))
 
     def apply(self, x: torch.Tensor, packed: TorchRefFp8Weight) -> torch.Tensor:

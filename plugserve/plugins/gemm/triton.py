@@ -25,7 +25,6 @@ import torch
 
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import Availability, Fp8GemmBackend, GemmCapabilities, GemmSpec
-from plugserve.core.layers.quant import FP8_DTYPE, scale_grid
 from plugserve.plugins.triton_support import triton_availability
 from plugserve.registry import hookimpl
 
@@ -117,14 +116,7 @@ class TritonFp8Gemm(Fp8GemmBackend):
     def prepare(self, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> TritonFp8Weight:
         """weight [N, K] float8_e4m3fn, weight_scale_inv [ceil(N/bn), ceil(K/bk)] float32, made
         contiguous on this backend's device; looks up the tuned configs of [N, K] on this GPU once."""
-        if weight.dim() != 2 or weight.dtype != FP8_DTYPE:
-            raise ValueError(f"weight must be a 2-D float8_e4m3fn tensor [N, K], got shape {tuple(weight.shape)} "
-                             f"of dtype {weight.dtype}")
-        expected = scale_grid(*weight.shape, self.spec.block_shape)
-        if tuple(weight_scale_inv.shape) != expected or weight_scale_inv.dtype != torch.float32:
-            raise ValueError(f"weight_scale_inv of a {tuple(weight.shape)} weight in {self.spec.block_shape} blocks "
-                             f"must be float32 of shape {expected}, got {weight_scale_inv.dtype} of shape "
-                             f"{tuple(weight_scale_inv.shape)}")
+        self.check_weight(weight, weight_scale_inv)
         n, k = weight.shape
         return TritonFp8Weight(
             weight.to(self.device).contiguous(),

@@ -199,9 +199,7 @@ class TorchRefMoE(MoEBackend):
         routed_scaling_factor: float,
     ) -> torch.Tensor:
         """x [T, H] of spec.dtype, topk_ids [T, k] int32, topk_weights [T, k] float32 -> [T, H]."""
-        if x.dim() != 2 or x.shape[1] != self.spec.hidden_size or x.dtype != self.spec.dtype:
-            raise ValueError(f"x must be [T, {self.spec.hidden_size}] of dtype {self.spec.dtype}, "
-                             f"got shape {tuple(x.shape)} of dtype {x.dtype}")
+        self.check_forward_inputs(x, topk_ids, topk_weights)
         return fused_experts_reference(
             x, packed.w13, packed.w2, topk_ids, topk_weights, routed_scaling_factor,
             packed.w13_scale_inv, packed.w2_scale_inv, self.spec.block_shape,

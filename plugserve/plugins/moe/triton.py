@@ -203,12 +203,7 @@ class TritonMoE(MoEBackend):
         from plugserve.plugins.moe import triton_kernels
 
         spec = self.spec
-        if x.dim() != 2 or x.shape[1] != spec.hidden_size or x.dtype != spec.dtype:
-            raise ValueError(f"x must be [T, {spec.hidden_size}] of dtype {spec.dtype}, "
-                             f"got shape {tuple(x.shape)} of dtype {x.dtype}")
-        if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
-            raise ValueError(f"topk_ids and topk_weights must both be [{x.shape[0]}, k], "
-                             f"got {tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
+        self.check_forward_inputs(x, topk_ids, topk_weights)
         if packed.num_shared:
             num_tokens, s = x.shape[0], packed.num_shared
             shared_ids = torch.arange(spec.num_experts, spec.num_experts + s, dtype=torch.int32, device=x.device)

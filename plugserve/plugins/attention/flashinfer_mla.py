@@ -1,0 +1,354 @@
+"""The "flashinfer_mla" attention backend (extra `flashinfer`): every MLA method through FlashInfer's
+planned wrappers, written against flashinfer-python 0.7.2.post1.
+
+    forward_mla        `BatchMLAPagedAttentionWrapper`: absorbed MLA over the paged latent pool for
+                       DECODE, TARGET_VERIFY, DRAFT_EXTEND and EXTEND with a cached prefix
+    forward_mha        `BatchPrefillWithRaggedKVCacheWrapper`: ragged MHA (qk 192 / v 128) with the
+                       log-sum-exp, causal over the new tokens, non-causal over each prefix chunk
+    merge_attn_states  `flashinfer.merge_state`
+
+Kernels: FlashInfer's "fa3" (Hopper) kernels on sm90, "fa2" on every other GPU from sm80 on (twice as
+slow as fa3 on Hopper). FlashInfer's Blackwell-native MLA kernels (trtllm-gen, cute-dsl, cutlass; xqa
+on sm120) all want one packed query [T, H, 576], which would cost a concatenation of q_nope and q_rope
+per layer; FA2 takes them apart, runs everywhere, and nothing here measured the trade-off on sm100.
+
+What the wrappers are given (read from the 0.7.2.post1 source):
+- MLA: CSR metadata, `MLAPlanMetadata.csr(qo_indptr, kv_indptr, kv_indices, kv_len_arr)`, all int32:
+  qo_indptr over extend_lens, kv_indptr over ceil(seq_len / page_size) pages, kv_indices the page ids
+  (block-table rows, request-major), kv_len_arr = seq_lens, the keys each request sees after this
+  forward. The kernel masks key j of new token i when j > kv_len - q_len + i: bottom-right causality,
+  so TARGET_VERIFY / EXTEND need nothing but causal=True (planned only when some request has more
+  than one new token; decode plans causal=False, the same mask for one token).
+  query_layout / kv_cache_layout "split": q = (q_nope [T, H, 512], q_rope [T, H, 64]) and
+  kv = (ckv [pages, page_size, 512], kpe [pages, page_size, 64]) as two strided views of the pool's
+  [slots, 576] buffer. The kernels read stride(0) and stride(1) of each and assume the last stride is
+  1 (FlashInfer itself splits a packed cache into exactly these views), so no copy is made.
+  Any page size (the kernels divide positions by it), fp16 / bf16 with q and cache in one dtype.
+- Ragged MHA: qo_indptr / kv_indptr int32, heads H for q and kv, head dims 192 / 128; run with
+  `return_lse=True, lse_base="ln"`: FlashInfer's kernels write base-2 log-sum-exps (log2 sum 2^(s log2 e))
+  and the wrapper multiplies them by ln 2 into plugserve's natural log; -inf (no visible key) stays -inf
+  and such rows get out = 0.
+- merge_state takes and returns base-2 log-sum-exps of contiguous tensors: `merge_natural_lse` converts
+  both ways (x log2 e in, x ln 2 out).
+
+Planning: plan() builds all metadata on the host from the batch's CPU lengths (kv_indices by one gather
+from the block table), so no device sync, and plans each wrapper once for all layers; forward_* only
+launch kernels. A 128 MiB float workspace per backend instance is shared by every wrapper (their runs
+are ordered on one stream). A ragged wrapper's plan writes its own pinned buffer and copies it to the
+GPU asynchronously; before that wrapper is planned again the copy must have run, which an event
+ensures (the host may be a forward ahead of the GPU). The MLA wrapper stages through PyTorch's pinned
+allocator itself. A CUDA graph captured after plan() replays that batch; FlashInfer's re-plannable
+graph mode needs buffers of a fixed batch size, for a graph runner plugserve does not have yet.
+
+JIT: FlashInfer compiles each kernel variant at its first plan (on an H200: MLA ~17 s, ragged fa3 for
+192 / 128 ~84 s) with nvcc from CUDA_HOME (or PATH), for the GPUs present or FLASHINFER_CUDA_ARCH_LIST
+("9.0a" for Hopper), and caches it under ~/.cache/flashinfer (FLASHINFER_WORKSPACE_BASE moves it);
+the flashinfer-jit-cache package ships prebuilt kernels.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import shutil
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, ClassVar
+
+import torch
+
+from plugserve.core.dispatch import AttnForwardMethod
+from plugserve.core.forward_batch import ForwardBatch, ForwardMode
+from plugserve.core.hardware import Hardware
+from plugserve.core.interfaces import OK, AttentionBackend, AttentionCapabilities, AttentionSpec, Availability
+from plugserve.core.kv_cache import MLAKVPool
+from plugserve.registry import hookimpl
+
+WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace
+LN2 = math.log(2.0)
+LOG2E = 1.0 / LN2
+FA3_MIN_CUDA = (12, 3)  # FlashInfer's sm90a kernels need CUDA 12.3 (`is_sm90a_supported`)
+INSTALL_HINT = "pip install flashinfer-python"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Host-side metadata and layouts (pure torch, tested on the CPU)
+
+
+def fa_kernel(capability: tuple[int, int], cuda_version: str | None) -> str:
+    """FlashInfer's backend name for both wrappers: "fa3" on sm90 with CUDA >= 12.3, else "fa2"."""
+    cuda = tuple(int(part) for part in cuda_version.split(".")[:2]) if cuda_version else (0, 0)
+    return "fa3" if capability[0] == 9 and cuda >= FA3_MIN_CUDA else "fa2"
+
+
+def exclusive_cumsum(lens: Sequence[int]) -> torch.Tensor:
+    """[B] lengths -> [B+1] int32 on the CPU: 0, l0, l0 + l1, ..."""
+    out = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    out[1:] = torch.tensor(list(lens), dtype=torch.int64).cumsum(0)
+    return out
+
+
+@dataclass(frozen=True)
+class PagedKVIndices:
+    """FlashInfer's CSR page lists: kv_indptr [B+1] int32 (CPU), kv_indices [sum(pages)] int32 page ids
+    (on the block table's device), kv_lens [B] int32 (CPU)."""
+
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_lens: torch.Tensor
+
+
+def paged_kv_indices(block_table: torch.Tensor, seq_lens: Sequence[int], page_size: int) -> PagedKVIndices:
+    """block_table [B, max_pages] int32 and per-request key counts -> the first ceil(seq_len / page_size)
+    page ids of every row, request-major, with their offsets and the key counts.
+
+    The gather positions are computed on the host and uploaded without waiting for the GPU."""
+    batch, width = block_table.shape
+    if len(seq_lens) != batch:
+        raise ValueError(f"{len(seq_lens)} sequence lengths for a block table of {batch} rows")
+    pages = torch.tensor([-(-s // page_size) for s in seq_lens], dtype=torch.int64)
+    if batch and int(pages.max()) > width:
+        raise ValueError(f"sequence lengths {list(seq_lens)} need up to {int(pages.max())} pages of "
+                         f"{page_size}, the block table has {width} columns")
+    kv_indptr = exclusive_cumsum(pages.tolist())
+    total = int(kv_indptr[-1])
+    rows = torch.repeat_interleave(torch.arange(batch), pages, output_size=total)
+    columns = torch.arange(total) - kv_indptr[:-1].long().repeat_interleave(pages, output_size=total)
+    flat = rows * width + columns
+    if block_table.is_cuda:
+        flat = flat.pin_memory()
+    kv_indices = block_table.reshape(-1)[flat.to(block_table.device, non_blocking=True)]
+    return PagedKVIndices(kv_indptr, kv_indices, torch.tensor(list(seq_lens), dtype=torch.int32))
+
+
+def paged_latent_views(pool: MLAKVPool, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer `layer_id` of the pool as (ckv [pages, page_size, R], kpe [pages, page_size, P]): strided
+    views of its [slots, R + P] buffer, last stride 1, no copy."""
+    paged = pool.paged(layer_id)
+    return paged[..., : pool.kv_lora_rank], paged[..., pool.kv_lora_rank :]
+
+
+def natural_to_base2(lse: torch.Tensor) -> torch.Tensor:
+    """Natural-log log-sum-exps -> FlashInfer's base 2 (a new float32 tensor; -inf stays -inf)."""
+    return (lse.float() * LOG2E).contiguous()
+
+
+def base2_to_natural_(lse: torch.Tensor) -> torch.Tensor:
+    """FlashInfer's base-2 log-sum-exps -> natural log, in place (float32)."""
+    return lse.mul_(LN2)
+
+
+MergeState = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def merge_natural_lse(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor, merge_state: MergeState
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge with a base-2 `merge_state(v_a, s_a, v_b, s_b) -> (v, s)` (FlashInfer's: contiguous
+    [T, H, D] / [T, H] float32 inputs) on plugserve's natural-log lse [T, H]. Returns out [T, H, D] in
+    out_a's dtype and lse [T, H] float32, natural log."""
+    out, lse = merge_state(out_a.contiguous(), natural_to_base2(lse_a), out_b.contiguous(), natural_to_base2(lse_b))
+    return out, base2_to_natural_(lse)
+
+
+def find_nvcc(environ: Mapping[str, str]) -> str | None:
+    """The nvcc FlashInfer's JIT would run (its `get_cuda_path`): $CUDA_HOME or $CUDA_PATH when set,
+    else nvcc on PATH, else /usr/local/cuda's. None when that file does not exist."""
+    home = environ.get("CUDA_HOME") or environ.get("CUDA_PATH")
+    if home:
+        candidates = [os.path.join(home, "bin", "nvcc")]
+    else:
+        candidates = [shutil.which("nvcc", path=environ.get("PATH")), "/usr/local/cuda/bin/nvcc"]
+    return next((c for c in candidates if c and os.path.isfile(c)), None)
+
+
+def _unit_stride(t: torch.Tensor) -> torch.Tensor:
+    # FlashInfer's kernels take the strides of every dimension but the last, which must be 1.
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+# ----------------------------------------------------------------------------------------------------
+# The backend
+
+
+@dataclass(frozen=True)
+class _RaggedCall:
+    """One planned ragged wrapper and the key rows its k / v must have."""
+
+    wrapper: Any
+    kv_lens: list[int]
+    what: str
+
+
+class FlashInferMLAAttention(AttentionBackend):
+    """MLA attention through FlashInfer: absorbed MLA, ragged MHA with lse, merge. CUDA sm80+, fp16 / bf16,
+    DeepSeek's dims (latent 512, rope 64, MHA qk 192 / v 128), any page size and head count."""
+
+    name: ClassVar[str] = "flashinfer_mla"
+    capabilities: ClassVar[AttentionCapabilities] = AttentionCapabilities(
+        dtypes=frozenset({torch.float16, torch.bfloat16}),
+        devices=frozenset({"cuda"}),
+        min_capability=(8, 0),  # FlashInfer's fa2 kernels: Ampere or newer
+        kv_lora_ranks=frozenset({512}),
+        qk_rope_head_dims=frozenset({64}),
+        mha_head_dims=frozenset({(192, 128)}),
+    )
+    # fa3 on Hopper is among the fastest (device README); elsewhere fa2, below Triton until measured.
+    priority: ClassVar[dict[str, int]] = {"sm90": 70, "default": 40}
+
+    def __init__(self, spec: AttentionSpec, device: torch.device) -> None:
+        super().__init__(spec, device)
+        import flashinfer  # the optional package: imported here, never at module import
+
+        self._flashinfer: ModuleType = flashinfer
+        self._kernel = fa_kernel(Hardware.detect(device).capability or (0, 0), torch.version.cuda)
+        self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._mla = flashinfer.BatchMLAPagedAttentionWrapper(self._workspace, backend=self._kernel)
+        self._ragged: list[Any] = []  # grown on demand: one per ragged call of a forward
+        self._ragged_uploaded: list[torch.cuda.Event | None] = []
+        self._mla_planned = False
+        self._mha_calls: list[_RaggedCall] = []
+        self._views_pool: MLAKVPool | None = None
+        self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @classmethod
+    def availability(cls, hardware: Hardware) -> Availability:
+        available = super().availability(hardware)
+        if not available:
+            return available
+        if importlib.util.find_spec("flashinfer") is None:
+            return Availability.no(f"flashinfer is not installed ({INSTALL_HINT})")
+        try:
+            import flashinfer
+        except Exception as exc:  # a broken install (CUDA / torch mismatch) raises more than ImportError
+            return Availability.no(f"flashinfer is installed but fails to import: {exc}")
+        if not hasattr(getattr(flashinfer, "mla", None), "MLAPlanMetadata"):
+            return Availability.no(f"flashinfer {getattr(flashinfer, '__version__', '?')} predates the planned MLA "
+                                   f"API (flashinfer.mla.MLAPlanMetadata); built against 0.7.2.post1: "
+                                   f"{INSTALL_HINT} -U")
+        if importlib.util.find_spec("flashinfer_jit_cache") is None and find_nvcc(os.environ) is None:
+            return Availability.no("flashinfer compiles its kernels at first use and finds no nvcc: set CUDA_HOME "
+                                   "to a CUDA toolkit, or pip install flashinfer-jit-cache")
+        return OK
+
+    def plan(self, batch: ForwardBatch) -> None:
+        """Plan the wrappers this batch's method uses, once for all layers: MLA for attn_method MLA (and
+        None outside EXTEND), ragged MHA for MHA / MHA_CHUNKED_KV (and None in EXTEND: causal over whole
+        sequences)."""
+        super().plan(batch)
+        self._mla_planned, self._mha_calls = False, []
+        if batch.num_tokens == 0:
+            return
+        method = batch.attn_method
+        if method is AttnForwardMethod.MLA or (method is None and batch.mode is not ForwardMode.EXTEND):
+            self._plan_mla(batch)
+        elif method is not None or batch.mode is ForwardMode.EXTEND:
+            self._plan_mha(batch)
+
+    def _plan_mla(self, batch: ForwardBatch) -> None:
+        pool, spec = batch.kv_pool, self.spec
+        if pool is not self._views_pool:
+            self._views = [paged_latent_views(pool, layer) for layer in range(pool.num_layers)]
+            self._views_pool = pool
+        pages = paged_kv_indices(batch.block_table, batch.seq_lens_cpu, pool.page_size)
+        metadata = self._flashinfer.mla.MLAPlanMetadata.csr(
+            qo_indptr=exclusive_cumsum(batch.extend_lens_cpu), kv_indptr=pages.kv_indptr,
+            kv_indices=pages.kv_indices, kv_len_arr=pages.kv_lens,
+        )
+        try:
+            self._mla.plan(
+                metadata=metadata, num_heads=spec.num_heads, head_dim_ckv=pool.kv_lora_rank,
+                head_dim_kpe=pool.qk_rope_head_dim, page_size=pool.page_size,
+                causal=max(batch.extend_lens_cpu) > 1, sm_scale=spec.softmax_scale,
+                q_data_type=spec.dtype, kv_data_type=pool.dtype, query_layout="split", kv_cache_layout="split",
+            )
+        except ValueError as exc:  # FlashInfer's refusals (work-item capacity, ...) are ValueErrors
+            raise ValueError(f"{self.name}: FlashInfer's {self._kernel} MLA kernel refuses a batch of "
+                             f"{batch.batch_size} requests, {batch.num_tokens} new tokens: {exc}") from exc
+        self._mla_planned = True
+
+    def _plan_mha(self, batch: ForwardBatch) -> None:
+        chunked = batch.attn_method is AttnForwardMethod.MHA_CHUNKED_KV
+        calls = [(batch.extend_lens_cpu if chunked else batch.seq_lens_cpu, True,
+                  "the new tokens (MHA_CHUNKED_KV: extend_lens)" if chunked else "whole sequences (seq_lens)")]
+        calls += [(chunk.lens_cpu, False, f"prefix chunk {i}") for i, chunk in enumerate(batch.prefix_chunks)]
+        qo_indptr = exclusive_cumsum(batch.extend_lens_cpu)
+        self._mha_calls = [
+            _RaggedCall(self._plan_ragged(i, qo_indptr, kv_lens, causal), kv_lens, what)
+            for i, (kv_lens, causal, what) in enumerate(calls)
+        ]
+        if batch.prefix_chunks:
+            self._flashinfer.cascade.get_cascade_module()  # merge_state's JIT build here, not in a forward
+
+    def _plan_ragged(self, index: int, qo_indptr: torch.Tensor, kv_lens: list[int], causal: bool) -> Any:
+        if index == len(self._ragged):
+            self._ragged.append(self._flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+                self._workspace, "NHD", backend=self._kernel))
+            self._ragged_uploaded.append(None)
+        uploaded = self._ragged_uploaded[index]
+        if uploaded is not None:
+            uploaded.synchronize()  # the last plan's copy out of this wrapper's pinned buffer has run
+        spec, wrapper = self.spec, self._ragged[index]
+        wrapper.plan(
+            qo_indptr=qo_indptr, kv_indptr=exclusive_cumsum(kv_lens), num_qo_heads=spec.num_heads,
+            num_kv_heads=spec.num_heads, head_dim_qk=spec.qk_head_dim, head_dim_vo=spec.v_head_dim,
+            causal=causal, sm_scale=spec.softmax_scale, q_data_type=spec.dtype, kv_data_type=spec.dtype,
+        )
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self._workspace.device))
+        self._ragged_uploaded[index] = event
+        return wrapper
+
+    def forward_mla(self, q_nope: torch.Tensor, q_rope: torch.Tensor, layer_id: int) -> torch.Tensor:
+        """q_nope [T, H, 512], q_rope [T, H, 64] in the pool's dtype (any strides with a unit last one)
+        -> [T, H, 512] in that dtype, with q_nope's strides."""
+        self.check_mla_inputs(q_nope, q_rope)
+        if not self._mla_planned:
+            if self.batch.num_tokens == 0:
+                return q_nope.new_empty(q_nope.shape)
+            raise ValueError(f"forward_mla called on a {self.batch.mode.name} batch planned for MHA "
+                             f"(attn_method {self.batch.attn_method})")
+        return self._mla.run(query=(_unit_stride(q_nope), _unit_stride(q_rope)), kv_cache=self._views[layer_id])
+
+    def forward_mha(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_chunk: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ragged MHA: q [T, H, 192]; k [Tk, H, 192], v [Tk, H, 128] of q's dtype (unit last stride) ->
+        out [T, H, 128] in q's dtype, lse [T, H] float32 natural log. Tk is sum(seq_lens) (MHA),
+        sum(extend_lens) (MHA_CHUNKED_KV, causal part) or the chunk's total (prefix_chunk i, non-causal)."""
+        batch = self.batch
+        if batch.attn_method is AttnForwardMethod.MLA:
+            raise ValueError("forward_mha called on a batch planned for absorbed MLA (batch.attn_method is MLA)")
+        index = 0 if prefix_chunk is None else prefix_chunk + 1
+        if prefix_chunk is not None and not 0 <= prefix_chunk < len(batch.prefix_chunks):
+            raise ValueError(f"prefix_chunk {prefix_chunk} out of range: the batch has "
+                             f"{len(batch.prefix_chunks)} prefix chunks")
+        if index >= len(self._mha_calls):
+            raise ValueError(f"forward_mha called on a {batch.mode.name} batch planned without MHA")
+        call, spec = self._mha_calls[index], self.spec
+        heads, qk, vo = spec.num_heads, spec.qk_head_dim, spec.v_head_dim
+        if q.shape != (batch.num_tokens, heads, qk):
+            raise ValueError(f"forward_mha: q must be [T={batch.num_tokens}, H={heads}, {qk}], got {tuple(q.shape)}")
+        total = sum(call.kv_lens)
+        if k.shape != (total, heads, qk) or v.shape != (total, heads, vo):
+            raise ValueError(f"forward_mha over {call.what}: k must be [{total}, {heads}, {qk}] and v "
+                             f"[{total}, {heads}, {vo}] (key lengths {call.kv_lens}), got k {tuple(k.shape)} and "
+                             f"v {tuple(v.shape)}")
+        return call.wrapper.run(_unit_stride(q), _unit_stride(k), _unit_stride(v), return_lse=True, lse_base="ln")
+
+    def merge_attn_states(
+        self, out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """out_* [T, H, D] fp16 / bf16, lse_* [T, H] float32 natural log -> merged (out in out_a's dtype,
+        lse). A side with lse -inf contributes nothing (its out must be finite: FlashInfer scales it by 0)."""
+        if out_a.shape != out_b.shape or lse_a.shape != lse_b.shape or lse_a.shape != out_a.shape[:2]:
+            raise ValueError(f"cannot merge out {tuple(out_a.shape)} / lse {tuple(lse_a.shape)} with out "
+                             f"{tuple(out_b.shape)} / lse {tuple(lse_b.shape)}")
+        return merge_natural_lse(out_a, lse_a, out_b, lse_b, self._flashinfer.merge_state)
+
+
+@hookimpl
+def plugserve_backends() -> list[type[AttentionBackend]]:
+    return [FlashInferMLAAttention]

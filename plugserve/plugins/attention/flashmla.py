@@ -1,0 +1,174 @@
+"""The FlashMLA attention backend: absorbed MLA over the paged latent cache with DeepSeek's FlashMLA kernels
+(`flash_mla.get_mla_metadata` + `flash_mla.flash_mla_with_kvcache`, dense bf16, sm90a).
+
+FlashMLA reads the pool as it is: `[num_slots, 576]` viewed as `[num_pages, 64, 1, 576]` (latent ++ rope key
+per token, one KV head), with our block table [B, max_pages] int32 and seq_lens [B] int32, so the KV pool must
+use pages of 64 tokens (declared; the model runner forces it when this is the decode backend). The query is
+q_nope ++ q_rope, [B, s_q, H, 576] with the same s_q for every request, masked bottom-right causally: row i of
+request b sees keys [0, seq_len_b - s_q + i]. A uniform batch (DECODE, TARGET_VERIFY) is a plain view of the
+packed tokens. A batch whose requests add different numbers of tokens (DRAFT_EXTEND, EXTEND) is left-padded
+to the longest, s_q = max(q_len): request b's tokens fill the last q_len_b of its s_q rows, so its token j
+lands in row s_q - q_len_b + j and sees keys [0, seq_len_b - q_len_b + j], exactly its own causal window; the
+zero padding rows read only keys of their own request (some see none) and are dropped. Output [B, s_q, H, 512].
+
+The tile-scheduler metadata is made once per forward: `plan` takes a fresh one from `get_mla_metadata`, and
+FlashMLA (as of 9241ae3) fills it on the device in the first `flash_mla_with_kvcache` call after it, which
+every later layer reuses. Capture a CUDA graph after `plan` and before any `forward_mla`, so that the graph
+holds that scheduling kernel and recomputes it from seq_lens on every replay.
+
+The package `flash_mla` has no working wheel on PyPI: build deepseek-ai/FlashMLA from source (`pip install
+-v .` in a checkout), or only its dense decode kernels with tools/build_flashmla.sh. It is imported in
+`availability` and `__init__`, never at module import.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import ClassVar
+
+import torch
+
+from plugserve.core.dispatch import AttnForwardMethod
+from plugserve.core.forward_batch import ForwardBatch, ForwardMode
+from plugserve.core.hardware import Hardware
+from plugserve.core.interfaces import OK, AttentionBackend, AttentionCapabilities, AttentionSpec, Availability
+from plugserve.registry import hookimpl
+
+PAGE_SIZE = 64  # FlashMLA's dense kernel reads pages of 64 tokens only
+PACKAGE = "flash_mla"
+INSTALL_HINT = ("build deepseek-ai/FlashMLA from source (`pip install -v .` in a checkout; the PyPI name flash-mla "
+                "is an empty placeholder), or only its dense decode: tools/build_flashmla.sh")
+
+
+def flashmla_availability() -> Availability:
+    """OK when `flash_mla` imports (its CUDA module included) and has the two functions this backend calls."""
+    try:
+        module = importlib.import_module(PACKAGE)
+    except ModuleNotFoundError as exc:
+        if exc.name != PACKAGE:  # a module flash_mla itself imports is missing: an installed but broken package
+            return Availability.no(f"{PACKAGE} is installed but does not import ({exc}); {INSTALL_HINT}")
+        return Availability.no(f"{PACKAGE} is not installed; {INSTALL_HINT}")
+    except (ImportError, OSError) as exc:  # e.g. its .so was built against another torch: undefined symbols
+        return Availability.no(f"{PACKAGE} is installed but its CUDA module does not load ({exc}); rebuild it "
+                               f"against this torch ({INSTALL_HINT})")
+    missing = [f for f in ("get_mla_metadata", "flash_mla_with_kvcache") if not hasattr(module, f)]
+    if missing:
+        return Availability.no(f"{PACKAGE} at {getattr(module, '__file__', '?')} lacks {', '.join(missing)}; "
+                               f"{INSTALL_HINT}")
+    return OK
+
+
+# ----------------------------------------------------------------------------------------------------
+# Layouts: plugserve's packed tokens and paged pool <-> FlashMLA's arguments (pure torch, tested on the CPU)
+
+
+def padded_query_rows(q_lens: torch.Tensor, num_tokens: int, s_q: int) -> torch.Tensor:
+    """Row of each packed token in the left-padded [B * s_q] query: token j of request b (which has q_lens[b]
+    tokens) -> b * s_q + s_q - q_lens[b] + j. q_lens [B] int on any device; returns [num_tokens] int64 there,
+    without a host sync (num_tokens = sum(q_lens) is passed in)."""
+    lens = q_lens.to(torch.int64)
+    owner = torch.repeat_interleave(torch.arange(lens.shape[0], device=lens.device), lens, output_size=num_tokens)
+    first_token = torch.cumsum(lens, 0) - lens  # [B] the packed index of each request's first token
+    offset = torch.arange(num_tokens, device=lens.device) - first_token[owner]  # j
+    return owner * s_q + (s_q - lens[owner]) + offset
+
+
+def flashmla_query(
+    q_nope: torch.Tensor, q_rope: torch.Tensor, batch_size: int, s_q: int, rows: torch.Tensor | None
+) -> torch.Tensor:
+    """q_nope [T, H, R], q_rope [T, H, P] -> FlashMLA's q [B, s_q, H, R + P], contiguous, in their dtype.
+
+    rows None: every request has s_q tokens (T = B * s_q), packed request-major, so this is their concatenation
+    viewed per request. Otherwise `padded_query_rows`: the tokens go to those rows of a zero [B * s_q] query."""
+    q = torch.cat([q_nope, q_rope], dim=-1)
+    if rows is not None:
+        q = q.new_zeros(batch_size * s_q, *q.shape[1:]).index_copy_(0, rows, q)
+    return q.view(batch_size, s_q, *q.shape[1:])
+
+
+def flashmla_output(out: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """FlashMLA's out [B, s_q, H, R] -> [T, H, R]: a view when rows is None, else the `rows` (padding dropped)."""
+    flat = out.reshape(-1, *out.shape[2:])
+    return flat if rows is None else flat.index_select(0, rows)
+
+
+def flashmla_kv_cache(buffer: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The pool buffer [num_slots, R + P] as FlashMLA's k_cache [num_pages, page_size, 1, R + P]: a view, so
+    slot page * page_size + offset is k_cache[page, offset, 0]."""
+    return buffer.view(-1, page_size, 1, buffer.shape[-1])
+
+
+# ----------------------------------------------------------------------------------------------------
+# The backend
+
+
+class FlashMLAAttention(AttentionBackend):
+    """Absorbed-MLA decode with FlashMLA: bf16 (activations and cache), kv_lora_rank 512, rope 64 (DeepSeek
+    V2/V3), any head count, pages of 64 tokens, Hopper (sm90a) only. DECODE, TARGET_VERIFY, DRAFT_EXTEND and
+    absorbed-MLA EXTEND batches, mixed query lengths left-padded. No MHA: it pairs with a prefill backend."""
+
+    name: ClassVar[str] = "flashmla"
+    capabilities: ClassVar[AttentionCapabilities] = AttentionCapabilities(
+        dtypes=frozenset({torch.bfloat16}),  # tools/build_flashmla.sh builds no fp16 kernels
+        devices=frozenset({"cuda"}),
+        min_capability=(9, 0),
+        max_capability=(9, 0),  # the dense kernel is sm90a code: "only supported on SM90a"
+        methods=frozenset({AttnForwardMethod.MLA}),
+        mla_modes=frozenset(
+            {ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND, ForwardMode.EXTEND}
+        ),
+        kv_lora_ranks=frozenset({512}),
+        qk_rope_head_dims=frozenset({64}),
+        page_sizes=frozenset({PAGE_SIZE}),
+    )
+    # Above Triton (50): the fastest MLA decode in the device README's H200 numbers. A shootout table overrides.
+    priority: ClassVar[dict[str, int]] = {"sm90": 70}
+
+    def __init__(self, spec: AttentionSpec, device: torch.device) -> None:
+        super().__init__(spec, device)
+        self._flash_mla: ModuleType = importlib.import_module(PACKAGE)
+
+    @classmethod
+    def availability(cls, hardware: Hardware) -> Availability:
+        """The GPU check, and whether flash_mla loads; both reasons when both fail (say on a CPU machine)."""
+        reasons = [a.reason for a in (super().availability(hardware), flashmla_availability()) if not a]
+        return Availability.no("; ".join(reasons)) if reasons else OK
+
+    def plan(self, batch: ForwardBatch) -> None:
+        """Query layout (s_q, padding rows or None) and a fresh scheduler metadata, shared by all layers."""
+        super().plan(batch)
+        page_size = batch.kv_pool.page_size
+        if page_size != PAGE_SIZE:
+            raise ValueError(f"flashmla reads pages of {PAGE_SIZE} tokens, the KV pool has pages of {page_size}")
+        q_lens = batch.extend_lens_cpu
+        self._s_q = max(q_lens, default=0)
+        uniform = all(n == self._s_q for n in q_lens)
+        self._rows = None if uniform else padded_query_rows(batch.extend_lens, batch.num_tokens, self._s_q)
+        self._block_table = batch.block_table.to(torch.int32).contiguous()  # a no-op for ForwardBatch's own
+        self._seq_lens = batch.seq_lens.to(torch.int32).contiguous()
+        if self._s_q > 0:
+            # 9241ae3 ignores the arguments and returns an empty (metadata, None) for the first call to fill;
+            # older releases compute the metadata here from them: (seq_lens, s_q * heads per KV head, KV heads).
+            self._metadata, self._num_splits = self._flash_mla.get_mla_metadata(
+                self._seq_lens, self._s_q * self.spec.num_heads, 1
+            )
+
+    def forward_mla(self, q_nope: torch.Tensor, q_rope: torch.Tensor, layer_id: int) -> torch.Tensor:
+        """q_nope [T, H, 512], q_rope [T, H, 64] bf16 -> [T, H, 512] bf16 over each request's cached tokens."""
+        batch = self.batch
+        pool = batch.kv_pool
+        self.check_mla_inputs(q_nope, q_rope)
+        if self._s_q == 0:  # no new tokens: FlashMLA cannot launch on an empty query
+            return q_nope.new_empty(q_nope.shape)
+        q = flashmla_query(q_nope, q_rope, batch.batch_size, self._s_q, self._rows)
+        out, _ = self._flash_mla.flash_mla_with_kvcache(
+            q, flashmla_kv_cache(pool.buffer(layer_id), PAGE_SIZE), self._block_table, self._seq_lens,
+            pool.kv_lora_rank, self._metadata, self._num_splits, softmax_scale=self.spec.softmax_scale, causal=True,
+        )
+        return flashmla_output(out, self._rows)
+
+
+@hookimpl
+def plugserve_backends() -> list[type[AttentionBackend]]:
+    return [FlashMLAAttention]
