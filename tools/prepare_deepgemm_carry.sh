@@ -28,17 +28,7 @@ pinned() { git -C "$deepgemm_git" ls-tree "$deepgemm_commit" "$1" | awk '{print 
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-# Every blob of the chosen trees must land in the archive (a partial mirror may lack objects): counted below.
-unpack() {  # unpack GIT_DIR COMMIT DEST PATH...
-    local git_dir=$1 commit=$2 dest=$3
-    shift 3
-    mkdir -p "$dest"
-    git -C "$git_dir" archive "$commit" -- "$@" | tar -x -C "$dest"
-    local want have
-    want=$(git -C "$git_dir" ls-tree -r "$commit" -- "$@" | awk '$2 == "blob"' | wc -l)
-    have=$(find "$dest" -type f | wc -l)
-    [ "$want" -eq "$have" ] || fail "$git_dir $commit: $have of $want files of $* unpacked"
-}
+source "$(dirname "$0")/git_unpack.sh"
 unpack "$deepgemm_git" "$deepgemm_commit" "$tmp/DeepGEMM" setup.py scripts csrc deep_gemm LICENSE
 unpack "$cutlass_git" "$cutlass_commit" "$tmp/DeepGEMM/third-party/cutlass" include LICENSE.txt
 unpack "$fmt_git" "$fmt_commit" "$tmp/DeepGEMM/third-party/fmt" include LICENSE

@@ -25,18 +25,7 @@ submodule=$(git -C "$flashmla_git" ls-tree "$flashmla_commit" csrc/cutlass | awk
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-# Every blob of the chosen trees must land in the archive. A partial mirror lacks some large objects; git archive
-# then prints "invalid object" for those outside the chosen paths too, harmlessly: the count below is the check.
-unpack() {  # unpack GIT_DIR COMMIT DEST PATH...
-    local git_dir=$1 commit=$2 dest=$3
-    shift 3
-    mkdir -p "$dest"
-    git -C "$git_dir" archive "$commit" -- "$@" | tar -x -C "$dest"
-    local want have
-    want=$(git -C "$git_dir" ls-tree -r "$commit" -- "$@" | awk '$2 == "blob"' | wc -l)
-    have=$(find "$dest" -type f | wc -l)
-    [ "$want" -eq "$have" ] || fail "$git_dir $commit: $have of $want files of $* unpacked"
-}
+source "$(dirname "$0")/git_unpack.sh"
 unpack "$flashmla_git" "$flashmla_commit" "$tmp/FlashMLA" csrc flash_mla LICENSE
 unpack "$cutlass_git" "$cutlass_commit" "$tmp/FlashMLA/csrc/cutlass" include tools/util/include LICENSE.txt
 printf 'deepseek-ai/FlashMLA %s\nNVIDIA/cutlass %s (include, tools/util/include)\n' \
