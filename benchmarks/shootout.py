@@ -204,9 +204,10 @@ def run_attention(backends: list, device: torch.device, dtype: torch.dtype, head
                     backend.plan(batch)
                     run = partial(backend.forward_mha, q, k, v)
                     direct = library_call(entry.name, "mha_prefill")
-                    cu_kv = torch.tensor([0, *itertools.accumulate(seq_lens)], dtype=torch.int32, device=device)
-                    library = direct and partial(direct, q, k, v, batch.cu_extend_lens, cu_kv, max(extend_lens),
-                                                 max(seq_lens), spec.softmax_scale, True)
+                    cu_kv = [0, *itertools.accumulate(seq_lens)]
+                    library = direct and partial(direct, q, k, v, batch.cu_extend_lens,
+                                                 torch.tensor(cu_kv, dtype=torch.int32, device=device),
+                                                 max(extend_lens), max(seq_lens), spec.softmax_scale, True)
                 emit(case, entry.name, *timed(run, device, args.warmup, args.reps_for(entry.name)),
                      library=time_library(library, device, args))
 

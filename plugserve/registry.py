@@ -309,7 +309,7 @@ class Registry:
         device: torch.device,
         spec: object,
         requested: str = "auto",
-        fit_spec: Callable[[type[Backend], Any], Any] = lambda cls, spec: spec,
+        fit_spec: Callable[[type[Backend], Any], Any] | None = None,
     ) -> tuple[Backend, Selection]:
         """Construct the first candidate whose start-up self-check passes (plugserve.testing.self_check),
         and return it with its selection; the reason names every candidate that failed before it, and
@@ -322,7 +322,7 @@ class Registry:
         for selection in self.candidates(kind, phase, batch_size, hardware, requested, spec):
             cls = selection.backend
             try:
-                backend = cls(fit_spec(cls, spec), device)  # type: ignore[call-arg]
+                backend = cls(fit_spec(cls, spec) if fit_spec else spec, device)  # type: ignore[call-arg]
                 self_check(backend, phase)
             except Exception as exc:
                 failures.append(f"{cls.name}: self-check failed: {type(exc).__name__}: {str(exc).strip()[:300]}")

@@ -80,7 +80,7 @@ class ModelRunner:
         """The registry's first candidate that passes its start-up self-check, logged with why."""
         try:
             backend, selection = get_registry().build(kind, phase, batch_size, self.device, spec, requested,  # type: ignore[arg-type]
-                                                      **({"fit_spec": fit_spec} if fit_spec else {}))
+                                                      fit_spec)
         except SelectionError as exc:
             raise SelectionError(f"{flag_name}: {exc}") from None
         logger.info("%s %s backend: %s (%s)", kind, phase.value, backend.name, selection.reason)
