@@ -19,7 +19,7 @@ import inspect
 import json
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -136,6 +136,13 @@ class SelectionTable(BaseModel):
             return []
         edges = [b.max_batch_size for b in buckets]
         return buckets[min(bisect.bisect_left(edges, batch_size), len(buckets) - 1)].order
+
+    def bucket_bounds(self, kind: Kind, phase: Phase, up_to: int) -> list[int]:
+        """Sizes at which the ranking may change, ascending: each bucket's max_batch_size below
+        `up_to`, then `up_to` (every size in (previous bound, bound] ranks like the bound)."""
+        buckets = self.rankings.get(kind, {}).get(phase.value, [])
+        bounds = {b.max_batch_size for b in buckets if b.max_batch_size < up_to}
+        return [*sorted(bounds), up_to]
 
 
 def tables_dir() -> Path:
@@ -310,24 +317,30 @@ class Registry:
         spec: object,
         requested: str = "auto",
         fit_spec: Callable[[type[Backend], Any], Any] | None = None,
+        built: Mapping[str, Backend] | None = None,
     ) -> tuple[Backend, Selection]:
         """Construct the first candidate whose start-up self-check passes (plugserve.testing.self_check),
         and return it with its selection; the reason names every candidate that failed before it, and
         why. Each candidate is built with `fit_spec(cls, spec)` (a decode backend may force the page
-        size). A requested backend that fails raises SelectionError: there is nothing to fall back to."""
+        size). A candidate named in `built` (instances passed before, e.g. for another batch size) is
+        returned as it is. A requested backend that fails raises SelectionError: there is nothing to fall
+        back to."""
         from plugserve.testing.self_check import self_check
 
         hardware = Hardware.detect(device)
         failures: list[str] = []
         for selection in self.candidates(kind, phase, batch_size, hardware, requested, spec):
             cls = selection.backend
-            try:
-                backend = cls(fit_spec(cls, spec) if fit_spec else spec, device)  # type: ignore[call-arg]
-                self_check(backend, phase)
-            except Exception as exc:
-                failures.append(f"{cls.name}: self-check failed: {type(exc).__name__}: {str(exc).strip()[:300]}")
-                logger.warning("%s %s backend %s failed its self-check: %s", kind, phase.value, cls.name, exc)
-                continue
+            if built is not None and cls.name in built:
+                backend = built[cls.name]
+            else:
+                try:
+                    backend = cls(fit_spec(cls, spec) if fit_spec else spec, device)  # type: ignore[call-arg]
+                    self_check(backend, phase)
+                except Exception as exc:
+                    failures.append(f"{cls.name}: self-check failed: {type(exc).__name__}: {str(exc).strip()[:300]}")
+                    logger.warning("%s %s backend %s failed its self-check: %s", kind, phase.value, cls.name, exc)
+                    continue
             if failures:
                 selection = dataclasses.replace(selection, reason=f"{selection.reason}; fell back from "
                                                 + "; ".join(failures))

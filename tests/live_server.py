@@ -39,6 +39,7 @@ def _free_port() -> int:
 
 def start_server(args: ServerArgs) -> Iterator[RunningServer]:
     engine = Engine(args)
+    assert engine.ready.wait(60), "the engine did not warm up"
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

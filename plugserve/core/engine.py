@@ -4,7 +4,9 @@
     engine.generate("The capital of France is", SamplingParams(max_new_tokens=16, temperature=0))
 
 A background thread owns the scheduler; callers submit requests and receive `RequestOutput`
-increments through a callback (`stream`, `stream_async` and `generate` are built on it).
+increments through a callback (`stream`, `stream_async` and `generate` are built on it). The thread
+first warms the model up (`ModelRunner.warm_up`: JIT compiles, CUDA-graph capture); `ready` is set
+after it, and requests submitted before wait in the queue.
 """
 
 from __future__ import annotations
@@ -72,6 +74,8 @@ class Engine:
         self.model_name = args.served_model_name or args.model_path or args.model_preset or "plugserve-embedded"
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
+        self.ready = threading.Event()
+        self.warm_up_error: str | None = None
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="plugserve-scheduler", daemon=True)
         self._thread.start()
@@ -79,6 +83,13 @@ class Engine:
     # -- the scheduler thread ------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        try:
+            self.runner.warm_up()
+        except Exception as exc:  # the model cannot run: serving would fail every request
+            logger.exception("warm-up failed")
+            self.warm_up_error = f"{type(exc).__name__}: {exc}"
+            return
+        self.ready.set()
         while not self._stopped:
             while not self._inbox.empty():
                 self._inbox.get()()

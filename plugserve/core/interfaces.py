@@ -78,6 +78,10 @@ class Capabilities:
     devices: frozenset[str] = frozenset({"cuda"})
     min_capability: tuple[int, int] | None = None
     max_capability: tuple[int, int] | None = None
+    # Its calls can be captured in a CUDA graph and replayed: no device-to-host sync, no host-side
+    # decision that depends on tensor contents. Attention backends declare it per forward mode instead
+    # (`AttentionCapabilities.graph_modes`), since they also keep per-batch metadata.
+    cuda_graph: bool = False
 
     def phases(self) -> frozenset[Phase]:
         return frozenset(Phase)
@@ -108,7 +112,8 @@ class Capabilities:
 class AttentionCapabilities(Capabilities):
     """`methods`: which of MHA / MHA_CHUNKED_KV / MLA it implements; `mla_modes`: the forward modes
     `forward_mla` accepts. A set of None accepts any value. `page_sizes` with one value forces the
-    KV pool's page size when the backend decodes."""
+    KV pool's page size when the backend decodes. `graph_modes`: the modes whose forward_mla (and
+    set_kv) run inside CUDA graphs, with `init_cuda_graph` / `plan_capture` / `plan_replay`."""
 
     methods: frozenset[AttnForwardMethod] = frozenset(AttnForwardMethod)
     mla_modes: frozenset[ForwardMode] = frozenset(
@@ -119,6 +124,7 @@ class AttentionCapabilities(Capabilities):
     mha_head_dims: frozenset[tuple[int, int]] | None = None  # (qk, v)
     page_sizes: frozenset[int] | None = None
     kv_cache_dtypes: frozenset[torch.dtype] | None = None  # None: the activation dtype only
+    graph_modes: frozenset[ForwardMode] = frozenset()
 
     def phases(self) -> frozenset[Phase]:
         phases = set()
@@ -329,11 +335,39 @@ class AttentionBackend(Backend):
         for method, function in required.items():
             if method in cls.capabilities.methods and getattr(cls, function) is getattr(AttentionBackend, function):
                 raise TypeError(f"{cls.__qualname__} declares {method.name} but does not implement {function}")
+        graph_methods = ("init_cuda_graph", "plan_capture", "plan_replay")
+        if cls.capabilities.graph_modes and any(getattr(cls, f) is getattr(AttentionBackend, f) for f in graph_methods):
+            raise TypeError(f"{cls.__qualname__} declares graph_modes but does not implement "
+                            f"{' / '.join(graph_methods)}")
+        if not cls.capabilities.graph_modes <= cls.capabilities.mla_modes:
+            raise TypeError(f"{cls.__qualname__} declares graph_modes outside its mla_modes")
 
     def plan(self, batch: ForwardBatch) -> None:
         """Build what every layer of this forward shares (index arrays, kernel plans). Overrides call
         super().plan(batch) first."""
         self.batch = batch
+
+    # -- CUDA graphs (backends declaring `capabilities.graph_modes`) -----------------------------------
+    # core/cuda_graph_runner.py owns the batch's device tensors: one static buffer each for positions,
+    # seq_lens, extend_lens, cu_extend_lens, block_table and out_cache_loc, of which every captured
+    # batch size sees the leading rows. The backend owns what it derives from them. Rows past the real
+    # requests are padding: seq_len = extend_len (1 in DECODE), every page the pool's padding page.
+
+    def init_cuda_graph(self, max_batch_size: int, max_num_tokens: int, max_pages: int) -> None:
+        """Once, before any capture: allocate the fixed buffers for graphs of up to `max_batch_size`
+        requests, `max_num_tokens` new tokens and `max_pages` pages per request (block_table's width)."""
+        raise NotImplementedError(f"{self.name} does not run under CUDA graphs")
+
+    def plan_capture(self, batch: ForwardBatch) -> None:
+        """Instead of `plan`, before capturing `batch` (its device tensors are the runner's static
+        buffers). What forward_mla reads must stay at fixed addresses for as long as the graph lives."""
+        raise NotImplementedError(f"{self.name} does not run under CUDA graphs")
+
+    def plan_replay(self, batch: ForwardBatch) -> None:
+        """Before each replay of the graph captured for `batch.batch_size` requests in `batch.mode`: the
+        static buffers hold this batch now, its host-side lengths are in seq_lens_cpu / extend_lens_cpu.
+        Refresh the fixed buffers in place, with no device-to-host sync."""
+        raise NotImplementedError(f"{self.name} does not run under CUDA graphs")
 
     def set_kv(self, layer_id: int, slots: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor) -> None:
         """Write new tokens' latent [n, R] and rope key [n, P] at pool slots [n] int64. Override to fuse."""

@@ -1,5 +1,6 @@
-"""ModelRunner: picks the backends through the registry, loads the model, sizes the KV pool, and runs
-one forward (plus picking the rows to sample) for the scheduler."""
+"""ModelRunner: picks the backends through the registry (per phase and batch-size bucket), loads the
+model, sizes the KV pool, warms up (JIT compiles, CUDA-graph capture) and runs one forward (plus
+picking the rows to sample) for the scheduler."""
 
 from __future__ import annotations
 
@@ -10,16 +11,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
+from plugserve.core.cuda_graph_runner import CudaGraphRunner, GraphInputs, capture_sizes
 from plugserve.core.dispatch import AttnForwardMethod, prepare_attention
-from plugserve.core.forward_batch import ForwardBatch, Phase
+from plugserve.core.forward_batch import ForwardBatch, ForwardMode, Phase
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import AttentionSpec
-from plugserve.core.kv_cache import MLAKVPool, PageAllocator
+from plugserve.core.interfaces import AttentionBackend, AttentionSpec
+from plugserve.core.kv_cache import MLAKVPool, PageAllocator, pages_needed
+from plugserve.core.layers.small_ops import SmallOps
 from plugserve.core.loader import load_model, read_config, resolve_dtype
 from plugserve.core.models.deepseek import ModelBackends
 from plugserve.core.server_args import ServerArgs, flag
-from plugserve.registry import SelectionError, get_registry
+from plugserve.registry import SelectionError, get_registry, load_selection_table
 
 logger = logging.getLogger(__name__)
 
@@ -28,16 +32,33 @@ KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": to
 # Without --max-total-tokens on the CPU: this much memory for the KV pool.
 CPU_KV_BYTES = 512 << 20
 DEFAULT_MEM_FRACTION_STATIC = 0.85
+# Without --max-running-requests: SGLang's defaults (the CPU runs far fewer at once).
+DEFAULT_MAX_RUNNING = {"cuda": 256, "cpu": 64}
+# Warm-up prefill: the longest prompt chunk compiled before serving, and a short extension over it
+# (absorbed-MLA extend over a cached prefix).
+WARMUP_PREFILL_TOKENS = 8192
+WARMUP_EXTEND_TOKENS = 16
+CPU_WARMUP_TOKENS = 64  # nothing compiles on the CPU: the warm-up only walks the paths
 
 
 @dataclass(frozen=True)
 class ChosenBackend:
-    """One selection, as /server_info and the log report it."""
+    """One selection, as /server_info and the log report it: for batches up to `max_batch_size`
+    requests (decode) or tokens (prefill)."""
 
     kind: str
     phase: str
     name: str
     reason: str
+    max_batch_size: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """An attention backend for batches up to `max_size` requests (decode) or tokens (prefill)."""
+
+    max_size: int
+    backend: AttentionBackend
 
 
 class ModelRunner:
@@ -51,23 +72,35 @@ class ModelRunner:
                                                      args.num_layers)
         self.context_length = min(args.context_length or self.config.max_position_embeddings,
                                   self.config.max_position_embeddings)
-        self._warn_about_inert_flags()
+        self.max_running_requests = args.max_running_requests or DEFAULT_MAX_RUNNING[self.device.type]
+        self.graph_max_bs = self._check_gpu_flags()
         self.chosen: list[ChosenBackend] = []
         backends, self.page_size = self._create_backends()
         self.model = load_model(self.config, backends, model_path=args.model_path,
                                 checkpoint_layers=checkpoint_layers, load_format=args.load_format, dtype=self.dtype,
                                 device=self.device, seed=args.seed)
+        if args.enable_torch_compile:
+            self.model.use_small_ops(SmallOps.compiled(args.torch_compile_max_bs))
+        if self.device.type == "cuda":
+            self.model.overlap_shared_experts(not args.disable_shared_experts_overlap)
+        elif args.disable_shared_experts_overlap:
+            raise ValueError(f"{flag('disable_shared_experts_overlap')} needs a CUDA device: the CPU has no streams")
         # Ids the tokenizer can turn into text (set by the engine): checkpoints pad their vocabulary, and the
         # embedded tokenizer is smaller than a dummy preset's. Nothing beyond it is ever sampled.
         self.sample_vocab = self.config.vocab_size
-        self.prefill_runs_mla = AttnForwardMethod.MLA in backends.attention_prefill.capabilities.methods
-        self.max_total_tokens = self._kv_tokens()
+        graph_bytes = self._decode_activation_bytes(self.graph_max_bs) if self.graph_max_bs else 0
+        self.max_total_tokens = self._kv_tokens(graph_bytes)
         num_pages = self.max_total_tokens // self.page_size
-        self.pool = MLAKVPool(self.model.num_kv_layers, num_pages, self.page_size, self.config.kv_lora_rank,
+        # One page more than the allocator hands out: padding rows of CUDA graphs read and write only it.
+        self.padding_page = num_pages
+        self.pool = MLAKVPool(self.model.num_kv_layers, num_pages + 1, self.page_size, self.config.kv_lora_rank,
                               self.config.qk_rope_head_dim, self.kv_dtype, self.device)
         self.allocator = PageAllocator(num_pages)
         logger.info("KV pool: %d pages of %d tokens (%d tokens, %.2f GiB)", num_pages, self.page_size,
                     num_pages * self.page_size, self.pool_bytes / 2**30)
+        self.graphs: CudaGraphRunner | None = None
+        self.graph_status = ("disabled by --disable-cuda-graph" if args.disable_cuda_graph else
+                             "no CUDA graphs on the CPU" if self.device.type != "cuda" else "not captured yet")
 
     # -- backends ------------------------------------------------------------------------------------
 
@@ -76,20 +109,36 @@ class ModelRunner:
         return self.dtype if self.args.kv_cache_dtype == "auto" else KV_DTYPES[self.args.kv_cache_dtype]
 
     def _build(self, kind: str, phase: Phase, requested: str, flag_name: str, spec: Any, batch_size: int,
-               fit_spec: Callable[[type, Any], Any] | None = None) -> Any:
-        """The registry's first candidate that passes its start-up self-check, logged with why."""
+               fit_spec: Callable[[type, Any], Any] | None = None, built: dict[str, Any] | None = None) -> Any:
+        """The registry's first candidate that passes its start-up self-check (reusing `built` instances),
+        logged with why."""
         try:
             backend, selection = get_registry().build(kind, phase, batch_size, self.device, spec, requested,  # type: ignore[arg-type]
-                                                      fit_spec)
+                                                      fit_spec, built)
         except SelectionError as exc:
             raise SelectionError(f"{flag_name}: {exc}") from None
-        logger.info("%s %s backend: %s (%s)", kind, phase.value, backend.name, selection.reason)
-        self.chosen.append(ChosenBackend(kind, phase.value, backend.name, selection.reason))
+        logger.info("%s %s backend up to %d: %s (%s)", kind, phase.value, batch_size, backend.name, selection.reason)
+        self.chosen.append(ChosenBackend(kind, phase.value, backend.name, selection.reason, batch_size))
+        if built is not None:
+            built[backend.name] = backend
         return backend
+
+    def _buckets(self, phase: Phase, requested: str, flag_name: str, spec: AttentionSpec, largest: int,
+                 first: AttentionBackend, built: dict[str, Any]) -> list[Bucket]:
+        """`first` (chosen for `largest`) plus, under `auto`, the backend ranked first at each smaller
+        bucket bound of the measured table: one instance per backend, all on one KV pool."""
+        buckets = [Bucket(largest, first)]
+        loaded = load_selection_table(self.hardware)
+        if requested != "auto" or loaded is None:
+            return buckets
+        bounds = loaded[0].bucket_bounds("attention", phase, largest)[:-1]
+        buckets[:0] = [Bucket(b, self._build("attention", phase, requested, flag_name, spec, b, built=built))
+                       for b in bounds]
+        return buckets
 
     def _create_backends(self) -> tuple[ModelBackends, int]:
         args, config = self.args, self.config
-        max_batch = args.max_running_requests or 1
+        max_batch = self.max_running_requests
         decode_flag = flag("decode_attention_backend") if args.decode_attention_backend else flag("attention_backend")
         prefill_flag = (flag("prefill_attention_backend") if args.prefill_attention_backend
                         else flag("attention_backend"))
@@ -99,12 +148,19 @@ class ModelRunner:
             forced = cls.capabilities.forced_page_size()
             return dataclasses.replace(spec, page_size=args.page_size or forced or 1)
 
+        # The backend of the largest decode batch fixes the page size; every other bucket must live with it.
+        built: dict[str, Any] = {}
         decode = self._build("attention", Phase.DECODE, args.decode_attention, decode_flag,
                              config.attention_spec(self.dtype, args.page_size, self.kv_dtype), max_batch,
-                             with_page_size)
+                             with_page_size, built)
         spec = decode.spec
-        prefill_tokens = args.chunked_prefill_size if args.chunked_prefill_size > 0 else 8192
-        prefill = self._build("attention", Phase.PREFILL, args.prefill_attention, prefill_flag, spec, prefill_tokens)
+        self.decode_buckets = self._buckets(Phase.DECODE, args.decode_attention, decode_flag, spec, max_batch,
+                                            decode, built)
+        prefill_tokens = args.chunked_prefill_size if args.chunked_prefill_size > 0 else WARMUP_PREFILL_TOKENS
+        prefill = self._build("attention", Phase.PREFILL, args.prefill_attention, prefill_flag, spec, prefill_tokens,
+                              built=built)
+        self.prefill_buckets = self._buckets(Phase.PREFILL, args.prefill_attention, prefill_flag, spec,
+                                             prefill_tokens, prefill, built)
         moe = gemm = None
         if config.n_routed_experts:
             moe = self._build("moe", Phase.DECODE, args.moe_runner_backend, flag("moe_runner_backend"),
@@ -115,18 +171,24 @@ class ModelRunner:
         backends = ModelBackends(attention_prefill=prefill, attention_decode=decode, moe=moe, gemm=gemm)
         return backends, spec.page_size
 
-    def _warn_about_inert_flags(self) -> None:
+    def attention_for(self, batch: ForwardBatch) -> AttentionBackend:
+        """The attention backend of this batch's phase and size bucket: prefill by new tokens, every
+        other mode by requests."""
+        if batch.mode is ForwardMode.EXTEND:
+            return _in_bucket(self.prefill_buckets, batch.num_tokens)
+        return _in_bucket(self.decode_buckets, batch.batch_size)
+
+    def _check_gpu_flags(self) -> int:
+        """The largest CUDA-graph batch (0: no graphs); GPU-only flags on the CPU are errors."""
         args = self.args
-        if self.device.type == "cpu":
-            if args.enable_torch_compile:
-                logger.warning("%s does nothing on the CPU: the model runs eagerly", flag("enable_torch_compile"))
+        if self.device.type != "cuda":
             if args.cuda_graph_max_bs is not None:
-                logger.warning("%s does nothing on the CPU: there are no CUDA graphs", flag("cuda_graph_max_bs"))
-        else:
-            if not args.disable_cuda_graph or args.enable_torch_compile:
-                logger.warning("CUDA graphs and torch.compile are not wired in yet: decode runs eagerly "
-                               "(%s / %s are accepted for compatibility)", flag("disable_cuda_graph"),
-                               flag("enable_torch_compile"))
+                raise ValueError(f"{flag('cuda_graph_max_bs')} needs a CUDA device: there are no CUDA graphs on "
+                                 f"{self.device.type}")
+            return 0
+        if args.disable_cuda_graph:
+            return 0
+        return min(args.cuda_graph_max_bs or self.max_running_requests, self.max_running_requests)
 
     # -- memory --------------------------------------------------------------------------------------
 
@@ -139,15 +201,16 @@ class ModelRunner:
     def pool_bytes(self) -> int:
         return self.pool.num_slots * self.bytes_per_token
 
-    def _kv_tokens(self) -> int:
-        """--max-total-tokens, else what --mem-fraction-static leaves on the GPU, else CPU_KV_BYTES."""
+    def _kv_tokens(self, reserved_bytes: int) -> int:
+        """--max-total-tokens, else what --mem-fraction-static leaves on the GPU once `reserved_bytes`
+        (the CUDA graphs' activations) are set aside, else CPU_KV_BYTES."""
         if self.args.max_total_tokens is not None:
             tokens = self.args.max_total_tokens
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             fraction = self.args.mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC
-            budget = free - total * (1 - fraction)  # weights are loaded already: what is left of the fraction
-            tokens = int(budget // self.bytes_per_token)
+            budget = free - total * (1 - fraction) - reserved_bytes  # weights are loaded already
+            tokens = int(budget // self.bytes_per_token) - self.page_size  # less the padding page
         else:
             tokens = CPU_KV_BYTES // self.bytes_per_token
         tokens = tokens // self.page_size * self.page_size
@@ -156,17 +219,138 @@ class ModelRunner:
                              f"{flag('mem_fraction_static')}")
         return tokens
 
+    @torch.inference_mode()
+    def _decode_activation_bytes(self, batch_size: int) -> int:
+        """Peak memory of one eager DECODE forward of `batch_size` requests, run on a one-page scratch pool:
+        what the CUDA graphs' shared memory pool will hold (they are captured largest first)."""
+        scratch = MLAKVPool(self.model.num_kv_layers, 1, self.page_size, self.config.kv_lora_rank,
+                            self.config.qk_rope_head_dim, self.kv_dtype, self.device)
+        inputs = GraphInputs(batch_size, 1, 1, scratch, padding_page=0)
+        batch = inputs.batch(ForwardMode.DECODE, batch_size)
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._logits(inputs.input_ids, batch, self.attention_for(batch), plan=True)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        logger.info("decode activations at batch %d: %.1f MiB (reserved for CUDA graphs)", batch_size, peak / 2**20)
+        return peak
+
+    # -- warm-up -------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Before serving: every prefill bucket's backend on a prompt of its size (and an extension of it
+        over the cached prefix), every decode bucket's eagerly, then the CUDA graphs. JIT compiles,
+        autotuning and FlashInfer plans happen here, not in a request."""
+        cap = WARMUP_PREFILL_TOKENS if self.device.type == "cuda" else CPU_WARMUP_TOKENS
+        largest = min(self.prefill_buckets[-1].max_size, cap,
+                      self.allocator.num_pages * self.page_size - WARMUP_EXTEND_TOKENS)
+        sizes = sorted({min(b.max_size, largest) for b in self.prefill_buckets})
+        steps = [*(f"prefill {n}" for n in sizes), *(f"decode {b.max_size}" for b in self.decode_buckets)]
+        for step in tqdm(steps, desc="warm-up", disable=None):
+            kind, size = step.split()
+            if kind == "prefill":
+                self._warm_up_prefill(int(size))
+            else:
+                self._warm_up_decode(min(int(size), self.allocator.num_pages))
+        if self.graph_max_bs:
+            self.capture_graphs()
+
+    def _scratch_batch(self, mode: ForwardMode, seq_lens: list[int], extend_lens: list[int],
+                       pages: list[list[int]]) -> ForwardBatch:
+        width = max(len(p) for p in pages)
+        table = torch.tensor([p + [p[-1]] * (width - len(p)) for p in pages], dtype=torch.int32)
+        return self.prepare(ForwardBatch.build(mode, seq_lens, extend_lens, table.to(self.device), self.pool))
+
+    def _warm_up_prefill(self, num_tokens: int) -> None:
+        total = num_tokens + WARMUP_EXTEND_TOKENS
+        pages = self.allocator.alloc(pages_needed(total, self.page_size))
+        try:
+            for seq_len, new in ((num_tokens, num_tokens), (total, WARMUP_EXTEND_TOKENS)):
+                batch = self._scratch_batch(ForwardMode.EXTEND, [seq_len], [new], [pages])
+                ids = torch.zeros(new, dtype=torch.int64, device=self.device)
+                self._logits(ids, batch, self.attention_for(batch), plan=True)
+        finally:
+            self.allocator.free(pages)
+
+    def _warm_up_decode(self, batch_size: int) -> None:
+        pages = self.allocator.alloc(batch_size)
+        try:
+            batch = self._scratch_batch(ForwardMode.DECODE, [1] * batch_size, [1] * batch_size,
+                                        [[p] for p in pages])
+            ids = torch.zeros(batch_size, dtype=torch.int64, device=self.device)
+            self._logits(ids, batch, self.attention_for(batch), plan=True)
+        finally:
+            self.allocator.free(pages)
+
+    def capture_graphs(self) -> None:
+        """Capture DECODE at every size up to the largest graph batch, when every decode backend can:
+        attention declaring DECODE in its graph_modes, MoE and GEMM declaring cuda_graph. Otherwise, or
+        when capture fails, decode runs eagerly and `graph_status` says why."""
+        sizes = capture_sizes(self.graph_max_bs)
+        reason = self._graph_blocker(sizes)
+        if reason:
+            self.graph_status = f"decode runs eagerly: {reason}"
+            logger.warning("CUDA graphs off: %s", reason)
+            return
+        max_pages = min(pages_needed(self.context_length, self.page_size), self.allocator.num_pages)
+        runner = CudaGraphRunner(ForwardMode.DECODE, sizes, 1, max_pages, self.pool, self.padding_page,
+                                 lambda size: _in_bucket(self.decode_buckets, size))
+        bar = tqdm(total=len(sizes), desc="capturing CUDA graphs", disable=None)
+        try:
+            runner.capture(lambda ids, batch, attn: self._logits(ids, batch, attn, plan=False),
+                           progress=lambda _: bar.update())
+        except Exception as exc:
+            self.graph_status = f"decode runs eagerly: capture failed: {type(exc).__name__}: {exc}"
+            logger.exception("CUDA graph capture failed; decode runs eagerly")
+            return
+        finally:
+            bar.close()
+        self.graphs = runner
+        self.graph_status = f"DECODE captured at batch sizes {sizes}"
+        logger.info("CUDA graphs: %s", self.graph_status)
+
+    def _graph_blocker(self, sizes: list[int]) -> str:
+        """Why DECODE cannot be captured at these sizes, or ''."""
+        for bucket in self.decode_buckets:
+            caps = bucket.backend.capabilities
+            if ForwardMode.DECODE not in caps.graph_modes:
+                return f"attention backend {bucket.backend.name} does not run DECODE under CUDA graphs"
+        backends = self.model.backends
+        for kind_backend in (backends.moe, backends.gemm) if backends else ():
+            if kind_backend is not None and not kind_backend.capabilities.cuda_graph:
+                return f"{kind_backend.kind} backend {kind_backend.name} cannot be captured in a CUDA graph"
+        return ""
+
     # -- running -------------------------------------------------------------------------------------
 
     def prepare(self, batch: ForwardBatch) -> ForwardBatch:
+        prefill = self.attention_for(batch) if batch.mode is ForwardMode.EXTEND else self.prefill_buckets[-1].backend
         return prepare_attention(
             batch,
             chunked_prefix_cache_threshold=self.args.chunked_prefix_cache_threshold,
-            prefill_supports_mla=self.prefill_runs_mla,
+            prefill_supports_mla=AttnForwardMethod.MLA in prefill.capabilities.methods,
         )
+
+    def _logits(self, input_ids: torch.Tensor, batch: ForwardBatch, attention: AttentionBackend, plan: bool
+                ) -> torch.Tensor:
+        """input_ids [T] -> logits [T, vocab] float32 of every row (what a CUDA graph captures)."""
+        if plan:
+            attention.plan(batch)
+        return self.model.compute_logits(self.model(input_ids, batch, attention))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, sample_rows: torch.Tensor) -> torch.Tensor:
         """input_ids [T] int64 -> logits [len(sample_rows), sample_vocab] float32 at the token rows to sample."""
-        hidden = self.model(input_ids, batch)
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.replay(input_ids, batch)[sample_rows, : self.sample_vocab]
+        attention = self.attention_for(batch)
+        attention.plan(batch)
+        hidden = self.model(input_ids, batch, attention)
         return self.model.compute_logits(hidden[sample_rows])[:, : self.sample_vocab]
+
+
+def _in_bucket(buckets: list[Bucket], size: int) -> AttentionBackend:
+    """The backend of the first bucket holding `size` (a size beyond the last bucket uses it)."""
+    return next((b.backend for b in buckets if size <= b.max_size), buckets[-1].backend)

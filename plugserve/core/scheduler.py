@@ -55,7 +55,7 @@ class Scheduler:
         args = runner.args
         self.runner, self.radix, self.tokenizer, self.metrics = runner, radix, tokenizer, metrics
         self.page_size = runner.page_size
-        self.max_running = args.max_running_requests or (256 if runner.device.type == "cuda" else 64)
+        self.max_running = runner.max_running_requests
         self.chunk_size = args.chunked_prefill_size if args.chunked_prefill_size > 0 else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

@@ -1,9 +1,8 @@
 """ServerArgs: every launch flag, validated, named as SGLang names them where it has one.
 
 The CLI (`plugserve serve`) and the Engine take the same object; an invalid value is a clear error
-naming the flag (`--max-running-requests must be >= 1`). Flags whose effect lands with the GPU
-performance work (CUDA graphs, torch.compile) are validated here and reported in the log when they
-cannot take effect.
+naming the flag (`--max-running-requests must be >= 1`). GPU-only flags that cannot take effect
+on the CPU are refused by the model runner, naming the flag.
 """
 
 from __future__ import annotations
@@ -60,6 +59,7 @@ class ServerArgs(BaseModel):
     cuda_graph_max_bs: int | None = Field(None, ge=1)
     enable_torch_compile: bool = False
     torch_compile_max_bs: int = Field(32, ge=1)
+    disable_shared_experts_overlap: bool = False
     # misc
     log_level: str = "info"
     seed: int = Field(0, ge=0)

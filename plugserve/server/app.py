@@ -40,6 +40,8 @@ class BadRequest(Exception):
 
 
 Job = tuple[int, list[int], SamplingParams]  # choice index, prompt ids, one sample's params
+# What answers before the engine is ready (the rest gets 503).
+READY_FREE_PATHS = frozenset({"/health", "/metrics", "/server_info", "/v1/models", "/docs", "/openapi.json"})
 
 
 def create_app(engine: Engine) -> FastAPI:
@@ -74,10 +76,17 @@ def create_app(engine: Engine) -> FastAPI:
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(error_body(str(exc.detail), code=exc.status_code), exc.status_code)
 
+    @app.middleware("http")
+    async def wait_for_warm_up(request: Request, call_next):
+        # Until the engine has compiled and captured everything, only the read-only endpoints answer.
+        if engine.ready.is_set() or request.url.path in READY_FREE_PATHS:
+            return await call_next(request)
+        return _not_serving(engine)
+
     @app.get("/health")
     async def health() -> Response:
-        if not engine.alive:
-            return JSONResponse(error_body("the scheduler thread has stopped", "internal_error", code=503), 503)
+        if not engine.ready.is_set() or not engine.alive:
+            return _not_serving(engine)
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
@@ -102,6 +111,10 @@ def create_app(engine: Engine) -> FastAPI:
             "max_total_tokens": runner.max_total_tokens,
             "context_length": runner.context_length,
             "backends": [dataclasses.asdict(c) for c in runner.chosen],
+            "cuda_graph": runner.graph_status,
+            "torch_compile": (f"small ops compiled up to {engine.args.torch_compile_max_bs} rows"
+                              if engine.args.enable_torch_compile else "off"),
+            "ready": engine.ready.is_set(),
             "broken_plugins": [dataclasses.asdict(b) for b in get_registry().broken],
         }
 
@@ -166,6 +179,18 @@ def create_app(engine: Engine) -> FastAPI:
 
 
 # -- request preparation -----------------------------------------------------------------------------
+
+
+def _not_serving(engine: Engine) -> JSONResponse:
+    """503 with why: warming up (retry soon), warm-up failed, or the scheduler has stopped."""
+    if engine.warm_up_error is not None:
+        message = f"warm-up failed: {engine.warm_up_error}"
+    elif not engine.ready.is_set():
+        message = "the server is warming up (compiling kernels, capturing CUDA graphs)"
+    else:
+        message = "the scheduler thread has stopped"
+    headers = {"Retry-After": "5"} if engine.warm_up_error is None and engine.alive else None
+    return JSONResponse(error_body(message, "internal_error", code=503), 503, headers=headers)
 
 
 def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:

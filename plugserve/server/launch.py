@@ -41,9 +41,12 @@ HELP = {
     "disable_radix_cache": "do not reuse cached prompt prefixes",
     "disable_overlap_schedule": "schedule only while the device is idle (no CPU/GPU overlap)",
     "disable_cuda_graph": "do not capture decode in CUDA graphs",
-    "cuda_graph_max_bs": "largest decode batch captured in a CUDA graph",
-    "enable_torch_compile": "compile the decode forward with torch.compile",
-    "torch_compile_max_bs": "largest batch size compiled",
+    "cuda_graph_max_bs": "largest decode batch captured in a CUDA graph (default: --max-running-requests, "
+                         "256 on a GPU); graphs are captured at SGLang's sizes up to it",
+    "enable_torch_compile": "torch.compile the element-wise ops between kernels (norms, rope, SiLU-and-mul), "
+                            "fused by Inductor, inside the CUDA graphs",
+    "torch_compile_max_bs": "largest batch (in tokens) that runs the compiled ops; larger ones run eagerly",
+    "disable_shared_experts_overlap": "run the shared experts on the main CUDA stream instead of a second one",
     "log_level": "logging level",
     "seed": "random seed (unseeded sampling, dummy weights)",
 }

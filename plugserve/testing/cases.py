@@ -42,6 +42,22 @@ class MHACase:
 
 
 @dataclass(frozen=True)
+class GraphCase:
+    """Absorbed MLA captured in a CUDA graph for `batch_size` requests of `per_request` new tokens, then
+    replayed for each batch of `replays` (per-request seq_lens, at most batch_size requests: the rest
+    are padding) on fresh pages."""
+
+    mode: ForwardMode
+    batch_size: int
+    replays: tuple[tuple[int, ...], ...]
+    per_request: int = 1
+    num_heads: int = 16
+
+    def __str__(self) -> str:
+        return f"graph-{self.mode.name.lower()}-bs{self.batch_size}-h{self.num_heads}"
+
+
+@dataclass(frozen=True)
 class GemmCase:
     m: int
     n: int
@@ -87,6 +103,21 @@ def mla_cases(profile: str) -> list[MLACase]:
         MLACase(ForwardMode.DRAFT_EXTEND, (12, 40), (3, 2)),
         MLACase(ForwardMode.EXTEND, (20, 50), (5, 13)),
         MLACase(ForwardMode.EXTEND, (300,), (7,)),  # long prefix, few new tokens
+    ]
+
+
+def graph_cases(profile: str) -> list[GraphCase]:
+    decode, verify = ForwardMode.DECODE, ForwardMode.TARGET_VERIFY
+    if profile == "full":
+        return [
+            GraphCase(decode, 1, ((4096,), (1,), (777,)), num_heads=128),
+            GraphCase(decode, 32, ((1, 8192, 513), tuple(range(100, 3300, 100))), num_heads=128),
+            GraphCase(verify, 8, ((1024, 4100, 37), (9, 2000, 64, 5, 6, 7, 8, 3000)), per_request=4, num_heads=128),
+            GraphCase(ForwardMode.DRAFT_EXTEND, 4, ((2048, 70), (5, 6, 7, 900)), per_request=2, num_heads=128),
+        ]
+    return [
+        GraphCase(decode, 4, ((5, 17, 64), (130, 1, 40, 9))),
+        GraphCase(verify, 2, ((10,), (33, 7)), per_request=3),
     ]
 
 

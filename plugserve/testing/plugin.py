@@ -140,6 +140,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     profile = _profile(config)
     grids = {
         "mla_case": cases.mla_cases,
+        "graph_case": cases.graph_cases,
         "mha_case": cases.mha_cases,
         "gemm_case": cases.gemm_cases,
         "moe_case": cases.moe_cases,

@@ -5,13 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from plugserve.core.cuda_graph_runner import GraphInputs
 from plugserve.core.dispatch import AttnForwardMethod, prepare_attention
-from plugserve.core.forward_batch import ForwardMode, Phase
+from plugserve.core.forward_batch import ForwardBatch, ForwardMode, Phase
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import AttentionBackend, AttentionSpec
+from plugserve.core.kv_cache import MLAKVPool, pages_needed
 from plugserve.plugins.attention.torch_ref import TorchRefAttention
 from plugserve.testing.batches import random_batch
-from plugserve.testing.cases import MHACase, MLACase
+from plugserve.testing.cases import GraphCase, MHACase, MLACase
 from plugserve.testing.plugin import Target, require_available
 from plugserve.testing.tolerances import assert_close, assert_lse_close
 
@@ -67,6 +69,71 @@ def test_forward_mla(attention_target: Target, mla_case: MLACase, page_size: int
     expected = reference.forward_mla(q_nope, q_rope, LAYER)
     assert out.dtype == dtype
     assert_close(out, expected, dtype, f"forward_mla {mla_case}")
+
+
+def test_forward_mla_in_cuda_graph(attention_target: Target, graph_case: GraphCase, page_size: int,
+                                   plugserve_hardware, plugserve_device):
+    """Capture set_kv + forward_mla once, then replay on batches of other sizes (padded), lengths and
+    pages: every replay must match the reference on the real rows, with the new KV in the right slots.
+    Without a GPU there is no graph: the same plan_capture / plan_replay sequence runs eagerly, which
+    still checks that plan_replay refreshes everything forward_mla reads."""
+    caps = attention_target.cls.capabilities
+    if graph_case.mode not in caps.graph_modes:  # type: ignore[attr-defined]
+        pytest.skip(f"{attention_target.entry.name} does not declare {graph_case.mode.name} in graph_modes")
+    spec = AttentionSpec(num_heads=graph_case.num_heads, dtype=attention_target.dtype, page_size=page_size)
+    backend, reference = _backends(attention_target, spec, Phase.DECODE, plugserve_hardware, plugserve_device)
+    bs, n, device, dtype = graph_case.batch_size, graph_case.per_request, plugserve_device, spec.dtype
+    max_pages = pages_needed(max(max(lens) for lens in graph_case.replays), page_size)
+    num_pages = bs * max_pages + 1  # the last one is the padding page
+    pool = MLAKVPool(LAYER + 1, num_pages, page_size, spec.kv_lora_rank, spec.qk_rope_head_dim, dtype, device)
+    for layer in range(LAYER + 1):
+        pool.buffer(layer).copy_(torch.randn_like(pool.buffer(layer), dtype=torch.float32))
+    inputs = GraphInputs(bs, n, max_pages, pool, padding_page=num_pages - 1)
+    tokens = bs * n
+    q_nope = torch.randn(tokens, spec.num_heads, spec.kv_lora_rank, device=device, dtype=dtype)
+    q_rope = torch.randn(tokens, spec.num_heads, spec.qk_rope_head_dim, device=device, dtype=dtype)
+    latent = torch.randn(tokens, spec.kv_lora_rank, device=device, dtype=dtype)
+    k_rope = torch.randn(tokens, spec.qk_rope_head_dim, device=device, dtype=dtype)
+
+    backend.init_cuda_graph(bs, tokens, max_pages)
+    static = inputs.batch(graph_case.mode, bs)
+    backend.plan_capture(static)
+
+    def run() -> torch.Tensor:
+        backend.set_kv(LAYER, static.out_cache_loc, latent, k_rope)
+        return backend.forward_mla(q_nope, q_rope, LAYER)
+
+    graph = None
+    if device.type == "cuda":
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            run()  # JIT and lazy allocations outside the capture
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = run()
+
+    for seq_lens in graph_case.replays:
+        order = torch.randperm(num_pages - 1).tolist()
+        pages = [[order.pop() for _ in range(pages_needed(s, page_size))] for s in seq_lens]
+        width = max(len(p) for p in pages)
+        table = torch.tensor([p + [p[0]] * (width - len(p)) for p in pages], dtype=torch.int32, device=device)
+        real = ForwardBatch.build(graph_case.mode, list(seq_lens), [n] * len(seq_lens), table, pool)
+        real.attn_method = AttnForwardMethod.MLA
+        for t in (q_nope, q_rope, latent, k_rope):
+            t.copy_(torch.randn_like(t))
+        backend.plan_replay(inputs.load(torch.zeros(real.num_tokens, dtype=torch.int64, device=device), real, bs))
+        if graph is not None:
+            graph.replay()
+        else:
+            out = run()
+        t = real.num_tokens
+        written = pool.gather(LAYER, real.out_cache_loc)
+        assert torch.equal(written, torch.cat([latent[:t], k_rope[:t]], dim=-1)), "set_kv in the graph missed slots"
+        reference.plan(real)
+        expected = reference.forward_mla(q_nope[:t], q_rope[:t], LAYER)
+        assert_close(out[:t], expected, dtype, f"graph replay {graph_case} seq_lens {seq_lens}")
 
 
 def test_forward_mha(attention_target: Target, mha_case: MHACase, plugserve_hardware, plugserve_device):

@@ -1,6 +1,5 @@
-import logging
-
 import pytest
+import torch
 
 from plugserve.core.model_runner import ModelRunner
 from plugserve.core.server_args import ServerArgs
@@ -18,7 +17,8 @@ def test_backends_are_chosen_through_the_registry_with_reasons():
 def test_fp8_quantization_selects_a_gemm_backend_and_page_size_is_honoured():
     runner = ModelRunner(ServerArgs(quantization="fp8", page_size=16, max_total_tokens=512))
     assert ("gemm", "decode") in {(c.kind, c.phase) for c in runner.chosen}
-    assert runner.page_size == 16 and runner.pool.num_pages == 32
+    assert runner.page_size == 16 and runner.allocator.num_pages == 32
+    assert runner.pool.num_pages == 33 and runner.padding_page == 32  # never handed out: CUDA graphs' padding
 
 
 def test_an_fp8_kv_cache_no_backend_supports_is_an_error_naming_the_flag():
@@ -26,13 +26,57 @@ def test_an_fp8_kv_cache_no_backend_supports_is_an_error_naming_the_flag():
         ModelRunner(ServerArgs(kv_cache_dtype="fp8_e4m3"))
 
 
-def test_gpu_only_flags_say_they_do_nothing_on_the_cpu(caplog):
-    with caplog.at_level(logging.WARNING):
-        ModelRunner(ServerArgs(enable_torch_compile=True, cuda_graph_max_bs=8, max_total_tokens=64))
-    assert "--enable-torch-compile does nothing on the CPU" in caplog.text
-    assert "--cuda-graph-max-bs does nothing on the CPU" in caplog.text
+def test_cuda_graph_max_bs_on_the_cpu_is_refused_naming_the_flag():
+    with pytest.raises(ValueError, match="--cuda-graph-max-bs needs a CUDA device"):
+        ModelRunner(ServerArgs(cuda_graph_max_bs=8, max_total_tokens=64))
+
+
+def test_torch_compile_swaps_in_compiled_small_ops_and_graphs_are_off_on_the_cpu():
+    runner = ModelRunner(ServerArgs(enable_torch_compile=True, torch_compile_max_bs=4, max_total_tokens=64))
+    norm = runner.model.layers[0].input_layernorm
+    assert norm.ops.rms_norm.__name__ == "compiled_rms_norm"
+    assert runner.model.rotary.ops is norm.ops and runner.model.layers[0].mlp.ops is norm.ops
+    assert runner.graphs is None and runner.graph_status == "no CUDA graphs on the CPU"
 
 
 def test_a_pool_too_small_to_hold_anything_is_refused():
     with pytest.raises(ValueError, match="--max-total-tokens"):
         ModelRunner(ServerArgs(max_total_tokens=1))
+
+
+def test_auto_runs_the_measured_fastest_backend_per_batch_bucket(tmp_path, monkeypatch):
+    """A table ranking triton first for decode batches up to 2 and prefill up to 16 tokens: those
+    buckets run it (one instance per backend, one pool), the others the torch reference."""
+    import json
+
+    from plugserve.core.forward_batch import ForwardBatch, ForwardMode
+    from plugserve.core.hardware import Hardware
+    from plugserve.registry import TABLES_ENV
+
+    hardware = Hardware.detect("cpu")
+    table = {"device_name": hardware.name, "rankings": {"attention": {
+        "decode": [{"max_batch_size": 2, "order": ["triton"]}, {"max_batch_size": 512, "order": ["torch_ref"]}],
+        "prefill": [{"max_batch_size": 16, "order": ["triton"]}, {"max_batch_size": 512, "order": ["torch_ref"]}],
+    }}}
+    (tmp_path / f"{hardware.device_key}.json").write_text(json.dumps(table))
+    monkeypatch.setenv(TABLES_ENV, str(tmp_path))
+    runner = ModelRunner(ServerArgs(max_total_tokens=128, max_running_requests=8, chunked_prefill_size=64))
+    assert [(b.max_size, b.backend.name) for b in runner.decode_buckets] == [(2, "triton"), (8, "torch_ref")]
+    assert [(b.max_size, b.backend.name) for b in runner.prefill_buckets] == [(16, "triton"), (64, "torch_ref")]
+    assert runner.decode_buckets[0].backend is runner.prefill_buckets[0].backend  # one instance per backend
+    attention = {(c.phase, c.max_batch_size): c.name for c in runner.chosen if c.kind == "attention"}
+    assert attention == {("decode", 2): "triton", ("decode", 8): "torch_ref", ("prefill", 16): "triton",
+                         ("prefill", 64): "torch_ref"}
+
+    def batch(mode: ForwardMode, n: int, new: int) -> ForwardBatch:
+        return ForwardBatch.build(mode, [new] * n, [new] * n, torch.zeros(n, 32, dtype=torch.int32), runner.pool)
+
+    assert runner.attention_for(batch(ForwardMode.DECODE, 2, 1)).name == "triton"
+    assert runner.attention_for(batch(ForwardMode.DECODE, 3, 1)).name == "torch_ref"
+    assert runner.attention_for(batch(ForwardMode.EXTEND, 1, 16)).name == "triton"
+    assert runner.attention_for(batch(ForwardMode.EXTEND, 1, 17)).name == "torch_ref"
+
+
+def test_an_explicit_backend_serves_every_bucket():
+    runner = ModelRunner(ServerArgs(max_total_tokens=128, attention_backend="torch_ref", max_running_requests=8))
+    assert [(b.max_size, b.backend.name) for b in runner.decode_buckets] == [(8, "torch_ref")]

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from plugserve.core.config import RopeScaling, yarn_mscale
+from plugserve.core.layers.small_ops import EAGER, SmallOps
 
 
 def _correction_dim(num_rotations: float, dim: int, base: float, max_positions: int) -> float:
@@ -39,23 +40,20 @@ def rope_inv_freq(dim: int, base: float, scaling: RopeScaling | None) -> tuple[t
 
 
 class RotaryEmbedding(nn.Module):
+    """cos / sin of the positions (once per forward, shared by every layer) and their application."""
+
     def __init__(self, dim: int, base: float, scaling: RopeScaling | None, device: torch.device | str) -> None:
         super().__init__()
         inv_freq, self.cos_sin_scale = rope_inv_freq(dim, base, scaling)
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        self.ops: SmallOps = EAGER
 
-    def forward(
-        self, positions: torch.Tensor, q_rope: torch.Tensor, k_rope: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] int64; q_rope [T, H, P]; k_rope [T, P]. Returns both rotated, same shapes and dtypes.
-        Angles are computed in float32 from the positions (no length-limited cache)."""
-        angles = positions.float()[:, None] * self.inv_freq[None, :]  # [T, P/2]
-        cos, sin = angles.cos() * self.cos_sin_scale, angles.sin() * self.cos_sin_scale
-        return _rotate(q_rope, cos[:, None, :], sin[:, None, :]), _rotate(k_rope, cos, sin)
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] int64 -> cos, sin [T, P/2] float32, computed from the positions (no length-limited
+        cache)."""
+        return self.ops.rope_cos_sin(positions, self.inv_freq, self.cos_sin_scale)
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    pairs = x.float().unflatten(-1, (-1, 2))
-    even, odd = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
-    return rotated.flatten(-2).to(x.dtype)
+    def forward(self, q_rope: torch.Tensor, k_rope: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q_rope [T, H, P]; k_rope [T, P]; cos_sin from `cos_sin`. Returns both rotated, same shapes and dtypes."""
+        return self.ops.apply_rope(q_rope, k_rope, *cos_sin)

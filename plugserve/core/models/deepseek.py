@@ -23,6 +23,9 @@ from plugserve.core.interfaces import AttentionBackend, Fp8GemmBackend, MoEBacke
 from plugserve.core.layers.linear import Linear, WeightLoadError
 from plugserve.core.layers.norm import RMSNorm
 from plugserve.core.layers.rotary import RotaryEmbedding
+from plugserve.core.layers.small_ops import EAGER, SmallOps
+
+CosSin = tuple[torch.Tensor, torch.Tensor]  # rope cos, sin [T, P/2] float32 of a forward's positions
 
 
 @dataclass
@@ -91,6 +94,7 @@ class DenseMLP(nn.Module):
         hidden = p.config.hidden_size
         self.gate_up_proj = p.linear(hidden, intermediate_size, intermediate_size)
         self.down_proj = p.linear(intermediate_size, hidden)
+        self.ops: SmallOps = EAGER
 
     def checkpoint_tensors(self, prefix: str) -> dict[str, CheckpointTensor]:
         return {
@@ -103,8 +107,7 @@ class DenseMLP(nn.Module):
         self.down_proj.finalize(gemm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DeepseekMoE(nn.Module):
@@ -125,6 +128,7 @@ class DeepseekMoE(nn.Module):
         self.shared_experts = DenseMLP(p, inter * c.n_shared_experts) if c.n_shared_experts else None
         self._moe: MoEBackend | None = None
         self._packed: object = None
+        self.shared_stream: torch.cuda.Stream | None = None  # set by DeepseekForCausalLM.overlap_shared_experts
 
     def checkpoint_tensors(self, prefix: str) -> dict[str, CheckpointTensor]:
         tensors = {f"{prefix}.gate.weight": CheckpointTensor(tuple(self.gate.shape), _copy_into(self.gate))}
@@ -150,6 +154,7 @@ class DeepseekMoE(nn.Module):
                       torch.stack([d.weight_scale_inv.data for d in down]))
         self._moe = moe
         self._packed = moe.prepare(w13, w2, *scales)
+        self.gate.data = self.gate.data.float()  # the router runs in float32: convert once, not per call
         self.experts = nn.ModuleList()
         if self.shared_experts is not None:
             self.shared_experts.finalize(gemm)
@@ -158,12 +163,24 @@ class DeepseekMoE(nn.Module):
         """x [T, hidden] -> [T, hidden]."""
         if self._moe is None:
             raise RuntimeError("DeepseekMoE used before finalize()")
-        router_logits = F.linear(x.float(), self.gate.float())
-        weights, ids = self._moe.route(router_logits, self.e_score_correction_bias)
-        out = self._moe.forward(x, self._packed, ids, weights, self.routed_scaling_factor)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        if self.shared_experts is None:
+            return self._routed(x)
+        if self.shared_stream is None:
+            return self._routed(x) + self.shared_experts(x)
+        # The shared experts' GEMMs on a second stream, beside the router and the routed experts (both
+        # read x; at decode neither fills the GPU). Captured into CUDA graphs as a fork and a join.
+        main = torch.cuda.current_stream(x.device)
+        self.shared_stream.wait_stream(main)
+        with torch.cuda.stream(self.shared_stream):
+            shared = self.shared_experts(x)
+        routed = self._routed(x)
+        main.wait_stream(self.shared_stream)
+        return routed + shared
+
+    def _routed(self, x: torch.Tensor) -> torch.Tensor:
+        router_logits = F.linear(x.float(), self.gate)
+        weights, ids = self._moe.route(router_logits, self.e_score_correction_bias)  # type: ignore[union-attr]
+        return self._moe.forward(x, self._packed, ids, weights, self.routed_scaling_factor)  # type: ignore[union-attr]
 
 
 class MLAAttention(nn.Module):
@@ -194,7 +211,6 @@ class MLAAttention(nn.Module):
         self.kv_a_layernorm = p.norm(c.kv_lora_rank, eps=1e-6)
         self.kv_b_proj = p.linear(c.kv_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim))
         self.o_proj = p.linear(c.num_attention_heads * c.v_head_dim, c.hidden_size)
-        self.rotary = RotaryEmbedding(c.qk_rope_head_dim, c.rope_theta, c.rope_scaling, p.device)
         self.w_kc: torch.Tensor  # [H, nope, R], set at finalize
         self.w_vc: torch.Tensor  # [H, R, v]
 
@@ -221,9 +237,8 @@ class MLAAttention(nn.Module):
         self.w_kc = w_kv[:, : self.nope_dim].contiguous()
         self.w_vc = w_kv[:, self.nope_dim :].transpose(1, 2).contiguous()
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos_sin: CosSin, batch: ForwardBatch,
+                attn: AttentionBackend) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
         t, h = x.shape[0], self.num_heads
         if self.q_lora_rank is not None:
@@ -234,7 +249,7 @@ class MLAAttention(nn.Module):
         q_nope, q_rope = q.view(t, h, -1).split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_rope = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
-        q_rope, k_rope = self.rotary(positions, q_rope, k_rope)
+        q_rope, k_rope = rope(q_rope, k_rope, cos_sin)
         attn.set_kv(self.layer_id, batch.out_cache_loc, latent, k_rope)
 
         method = batch.attn_method or AttnForwardMethod.MLA
@@ -295,10 +310,18 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp.finalize(backends.gemm)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch,
-                attn: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), batch, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RotaryEmbedding, cos_sin: CosSin,
+                batch: ForwardBatch, attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden], the previous block's output, and the residual stream before it (None in the first
+        layer) -> this block's output and the residual stream before it: the residual adds are fused into
+        the next norm."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, rope, cos_sin, batch, attn)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class NextNLayer(nn.Module):
@@ -324,12 +347,13 @@ class NextNLayer(nn.Module):
             tensors[f"{prefix}.{name}"] = CheckpointTensor(shared, lambda n, t, s: None)
         return tensors
 
-    def forward(self, positions: torch.Tensor, embeddings: torch.Tensor, hidden: torch.Tensor,
+    def forward(self, embeddings: torch.Tensor, hidden: torch.Tensor, rope: RotaryEmbedding, cos_sin: CosSin,
                 batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """embeddings [T, hidden] of the next tokens, hidden [T, hidden] of the main model -> [T, hidden],
         normed for the shared lm head."""
         x = self.eh_proj(torch.cat([self.enorm(embeddings), self.hnorm(hidden)], dim=-1))
-        return self.final_norm(self.layer(positions, x, batch, attn))
+        out, residual = self.layer(x, None, rope, cos_sin, batch, attn)
+        return self.final_norm.add_forward(out, residual)[0]
 
 
 class DeepseekForCausalLM(nn.Module):
@@ -347,6 +371,8 @@ class DeepseekForCausalLM(nn.Module):
         self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
                                     requires_grad=False)
         self.nextn = NextNLayer(p, config.num_hidden_layers) if with_nextn else None
+        # One rope for every layer: the rope dims and scaling are the model's.
+        self.rotary = RotaryEmbedding(config.qk_rope_head_dim, config.rope_theta, config.rope_scaling, device)
         self.backends: ModelBackends | None = None
 
     @property
@@ -381,28 +407,50 @@ class DeepseekForCausalLM(nn.Module):
             self.nextn.eh_proj.finalize(backends.gemm)
         self.backends = backends
 
-    def _attention(self, batch: ForwardBatch) -> AttentionBackend:
+    def use_small_ops(self, ops: SmallOps) -> None:
+        """Run the element-wise ops (norms, rope, SiLU-and-mul) through `ops` (eager or compiled)."""
+        for module in self.modules():
+            if hasattr(module, "ops"):
+                module.ops = ops
+
+    def overlap_shared_experts(self, enable: bool) -> None:
+        """Run every MoE layer's shared experts on one second CUDA stream (or, `enable` False, inline)."""
+        stream = torch.cuda.Stream(self.embed_tokens.device) if enable else None
+        for module in self.modules():
+            if isinstance(module, DeepseekMoE):
+                module.shared_stream = stream
+
+    def _attention(self, batch: ForwardBatch, attention: AttentionBackend | None) -> AttentionBackend:
+        """`attention` as given (planned by the caller), else the mode's backend, planned here."""
+        if attention is not None:
+            return attention
         if self.backends is None:
             raise RuntimeError("model used before finalize()")
         attn = self.backends.attention_for(batch.mode)
         attn.plan(batch)
         return attn
 
-    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """input_ids [T] int64 (the batch's new tokens) -> final hidden states [T, hidden], normed."""
-        attn = self._attention(batch)
-        x = F.embedding(input_ids, self.embed_tokens)
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch,
+                attention: AttentionBackend | None = None) -> torch.Tensor:
+        """input_ids [T] int64 (the batch's new tokens) -> final hidden states [T, hidden], normed.
+        `attention`: a backend already planned for `batch` (a CUDA graph's, or a batch-size bucket's);
+        None plans the mode's backend."""
+        attn = self._attention(batch, attention)
+        cos_sin = self.rotary.cos_sin(batch.positions)
+        x, residual = F.embedding(input_ids, self.embed_tokens), None
         for layer in self.layers:
-            x = layer(batch.positions, x, batch, attn)
-        return self.norm(x)
+            x, residual = layer(x, residual, self.rotary, cos_sin, batch, attn)
+        return self.norm(x) if residual is None else self.norm.add_forward(x, residual)[0]
 
-    def forward_nextn(self, next_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward_nextn(self, next_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
+                      attention: AttentionBackend | None = None) -> torch.Tensor:
         """The MTP layer: next_ids [T] (token i + 1 for each position i of `batch`), hidden [T, hidden]
         from `forward` -> [T, hidden] for `compute_logits` (predicting token i + 2)."""
         if self.nextn is None:
             raise RuntimeError("the model was built without its NextN layer")
-        attn = self._attention(batch)
-        return self.nextn(batch.positions, F.embedding(next_ids, self.embed_tokens), hidden, batch, attn)
+        attn = self._attention(batch, attention)
+        cos_sin = self.rotary.cos_sin(batch.positions)
+        return self.nextn(F.embedding(next_ids, self.embed_tokens), hidden, self.rotary, cos_sin, batch, attn)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> logits [n, vocab] float32."""

@@ -19,7 +19,7 @@ from typing import ClassVar
 import torch
 
 from plugserve.core.dispatch import AttnForwardMethod
-from plugserve.core.forward_batch import ForwardBatch
+from plugserve.core.forward_batch import ForwardBatch, ForwardMode
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import AttentionBackend, AttentionCapabilities, AttentionSpec, Availability
 from plugserve.plugins.triton_support import triton_availability
@@ -37,13 +37,16 @@ class TritonAttention(AttentionBackend):
     """MLA attention in Triton kernels: CUDA, or the CPU under TRITON_INTERPRET=1 (tests only).
 
     Activations fp16 / bf16 / fp32, the KV cache in the activation dtype, any head count, head dims
-    and page size. Accumulation is float32; fp32 dots are exact (no TF32), and slow: fp32 is for accuracy checks."""
+    and page size. Accumulation is float32; fp32 dots are exact (no TF32), and slow: fp32 is for accuracy checks.
+    Under CUDA graphs the split count is fixed at capture for the longest possible sequence (splits past
+    a shorter sequence's end are empty and cost one early exit)."""
 
     name: ClassVar[str] = "triton"
     capabilities: ClassVar[AttentionCapabilities] = AttentionCapabilities(
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
         devices=frozenset({"cuda", "cpu"}),
         min_capability=(8, 0),  # bf16 tl.dot needs Ampere or newer
+        graph_modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND}),
     )
     priority: ClassVar[dict[str, int]] = {"cuda": 50, "cpu": -1}  # on the CPU (interpreter) the reference wins
 
@@ -53,6 +56,9 @@ class TritonAttention(AttentionBackend):
 
         self._kernels: ModuleType = triton_kernels
         self._multiprocessors = Hardware.detect(device).multiprocessors
+        self._graph_token_req: torch.Tensor | None = None  # [max_num_tokens] int32, set by init_cuda_graph
+        self._graph_token_kv_len: torch.Tensor | None = None
+        self._graph_max_kv_len = 0
 
     @classmethod
     def availability(cls, hardware: Hardware) -> Availability:
@@ -83,6 +89,34 @@ class TritonAttention(AttentionBackend):
             self._causal_kv_lens, self._cu_causal_kv = batch.extend_lens_cpu, batch.cu_extend_lens
         else:
             self._causal_kv_lens, self._cu_causal_kv = batch.seq_lens_cpu, _cumsum_with_zero(batch.seq_lens)
+
+    def init_cuda_graph(self, max_batch_size: int, max_num_tokens: int, max_pages: int) -> None:
+        """Fixed token_req / token_kv_len [max_num_tokens] int32; splits sized for max_pages full pages."""
+        self._graph_token_req = torch.zeros(max_num_tokens, dtype=torch.int32, device=self.device)
+        self._graph_token_kv_len = torch.ones(max_num_tokens, dtype=torch.int32, device=self.device)
+        self._graph_max_kv_len = max_pages * (self.spec.page_size or 1)
+
+    def plan_capture(self, batch: ForwardBatch) -> None:
+        if self._graph_token_req is None or self._graph_token_kv_len is None:
+            raise RuntimeError("plan_capture before init_cuda_graph")
+        AttentionBackend.plan(self, batch)
+        num_tokens = batch.num_tokens
+        self._token_req = self._graph_token_req[:num_tokens]
+        self._token_kv_len = self._graph_token_kv_len[:num_tokens]
+        self._num_splits = self._kernels.mla_num_splits(
+            self._graph_max_kv_len, num_tokens, self.spec.num_heads, self.spec.kv_lora_rank, self._multiprocessors,
+        )
+        self.plan_replay(batch)
+
+    def plan_replay(self, batch: ForwardBatch) -> None:
+        """token_req / token_kv_len of this batch into the fixed buffers, on the device."""
+        self.batch = batch
+        num_tokens = batch.num_tokens
+        self._token_req.copy_(torch.repeat_interleave(
+            torch.arange(batch.batch_size, dtype=torch.int32, device=self.device), batch.extend_lens,
+            output_size=num_tokens,
+        ))
+        self._token_kv_len.copy_(batch.positions + 1)
 
     def set_kv(self, layer_id: int, slots: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor) -> None:
         """latent [n, R], k_rope [n, P] -> pool rows `slots` [n] int64 of layer `layer_id`, in one launch."""

@@ -61,7 +61,9 @@ def test_nextn_layer_is_loaded_and_predicts_from_hidden_state_and_next_embedding
         normed = torch.cat([_rms(embeddings, mtp["model.layers.3.enorm.weight"]),
                             _rms(hidden, mtp["model.layers.3.hnorm.weight"])], dim=-1)
         mixed = normed @ mtp["model.layers.3.eh_proj.weight"].T
-        layer_out = model.nextn.layer(batch.positions, mixed, batch, model.backends.attention_prefill)
+        out_block, residual = model.nextn.layer(mixed, None, model.rotary, model.rotary.cos_sin(batch.positions),
+                                                batch, model.backends.attention_prefill)
+        layer_out = out_block + residual
         expected = _rms(layer_out, mtp["model.layers.3.shared_head.norm.weight"])
     assert torch.allclose(out, expected, atol=1e-5)
     assert model.compute_logits(out).shape == (8, 320)

@@ -1,0 +1,88 @@
+"""The model's element-wise ops between backend calls (RMSNorm with the residual add, rope, SiLU-and-mul),
+as plain functions, eager or compiled.
+
+At decode every one of them is a handful of tiny kernels per layer; under a CUDA graph the launches are
+free but each kernel still costs a few microseconds, which at batch 1 adds up to more than the weight
+reads. `--enable-torch-compile` replaces them by their torch.compile versions (Inductor fuses each into
+one or two kernels) for inputs of at most `--torch-compile-max-bs` rows; larger inputs (prefill) run the
+eager versions, so no prompt length ever triggers a recompile. The model's modules call the functions of
+the `SmallOps` they are given (`DeepseekForCausalLM.use_small_ops`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """DeepSeek's RMSNorm: x [..., D] normalized in float32, cast back to x's dtype, times weight [D]."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): the pre-norm of a decoder block and its new residual."""
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [T] int64, inv_freq [P/2] float32 -> cos, sin [T, P/2] float32, times the YaRN scale."""
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    return angles.cos() * scale, angles.sin() * scale
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    pairs = x.float().unflatten(-1, (-1, 2))
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
+    return rotated.flatten(-2).to(x.dtype)
+
+
+def apply_rope(q_rope: torch.Tensor, k_rope: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's interleaved rope: q_rope [T, H, P], k_rope [T, P] rotated pairwise (x0, x1), (x2, x3)...
+    by cos / sin [T, P/2]. Same shapes and dtypes out, computed in float32."""
+    return _rotate(q_rope, cos[:, None, :], sin[:, None, :]), _rotate(k_rope, cos, sin)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] (gate columns, then up) -> silu(gate) * up [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@dataclass(frozen=True)
+class SmallOps:
+    rms_norm: Callable[..., torch.Tensor] = rms_norm
+    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] = add_rms_norm
+    rope_cos_sin: Callable[..., tuple[torch.Tensor, torch.Tensor]] = rope_cos_sin
+    apply_rope: Callable[..., tuple[torch.Tensor, torch.Tensor]] = apply_rope
+    silu_and_mul: Callable[..., torch.Tensor] = silu_and_mul
+
+    @classmethod
+    def compiled(cls, max_rows: int) -> SmallOps:
+        """Every op through torch.compile for inputs of at most `max_rows` rows (first dimension), marked
+        dynamic so that one compilation serves every batch size; eager above."""
+        eager = cls()
+        return cls(**{name: _compiled_up_to(getattr(eager, name), max_rows) for name in cls.__dataclass_fields__})
+
+
+def _compiled_up_to(function: Callable[..., Any], max_rows: int) -> Callable[..., Any]:
+    compiled = torch.compile(function, dynamic=True)
+
+    def run(first: torch.Tensor, *args: Any) -> Any:
+        return compiled(first, *args) if first.shape[0] <= max_rows else function(first, *args)
+
+    run.__name__ = f"compiled_{function.__name__}"
+    return run
+
+
+EAGER = SmallOps()

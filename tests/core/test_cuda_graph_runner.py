@@ -1,0 +1,115 @@
+"""The CUDA-graph runner's logic that needs no GPU: capture sizes, padding, static buffers, and that a
+padded static batch computes what the real batch computes (the graph itself is checked on the GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plugserve.core.cuda_graph_runner import GraphInputs, capture_sizes, padded_size
+from plugserve.core.forward_batch import ForwardBatch, ForwardMode
+from plugserve.core.kv_cache import MLAKVPool
+from plugserve.core.model_runner import ModelRunner
+from plugserve.core.server_args import ServerArgs
+
+
+def test_capture_sizes_follow_sglang_and_end_at_the_max():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(5) == [1, 2, 4, 5]
+    assert capture_sizes(20) == [1, 2, 4, 8, 12, 16, 20]
+    full = capture_sizes(256)
+    assert full[:6] == [1, 2, 4, 8, 12, 16] and full[-2:] == [248, 256] and len(full) == 36
+    assert capture_sizes(300)[-2:] == [256, 300]
+
+
+@pytest.mark.parametrize(("batch", "expected"), [(1, 1), (3, 4), (4, 4), (9, 12), (13, 16), (17, None)])
+def test_a_batch_replays_the_smallest_graph_that_holds_it(batch, expected):
+    assert padded_size([1, 2, 4, 8, 12, 16], batch) == expected
+
+
+def _pool(page_size: int = 4, num_pages: int = 9) -> MLAKVPool:
+    return MLAKVPool(2, num_pages, page_size, 8, 4, torch.float32, "cpu")
+
+
+def _real_batch(pool: MLAKVPool, seq_lens: list[int], pages: list[list[int]], mode=ForwardMode.DECODE,
+                per_request: int = 1) -> ForwardBatch:
+    width = max(len(p) for p in pages)
+    table = torch.tensor([p + [0] * (width - len(p)) for p in pages], dtype=torch.int32)
+    return ForwardBatch.build(mode, seq_lens, [per_request] * len(seq_lens), table, pool)
+
+
+def test_load_copies_the_batch_and_pads_the_rest_onto_the_padding_page():
+    pool = _pool()
+    inputs = GraphInputs(max_batch_size=8, tokens_per_request=1, max_pages=3, pool=pool, padding_page=8)
+    real = _real_batch(pool, [5, 2, 9], [[3, 1], [0], [2, 4, 6]])
+    static = inputs.load(torch.tensor([11, 12, 13]), real, batch_size=4)
+    assert static.batch_size == 4 and static.seq_lens_cpu == [5, 2, 9, 1] and static.extend_lens_cpu == [1] * 4
+    assert inputs.input_ids[:3].tolist() == [11, 12, 13]
+    assert static.seq_lens.tolist() == [5, 2, 9, 1]
+    assert static.positions.tolist() == [4, 1, 8, 0]
+    assert static.out_cache_loc.tolist() == [real.out_cache_loc[i].item() for i in range(3)] + [8 * 4]
+    assert static.block_table[:3, :3].tolist()[2] == [2, 4, 6] and static.block_table[3].tolist() == [8, 8, 8]
+    assert static.cu_extend_lens.tolist() == [0, 1, 2, 3, 4]
+    # The static batch is a view of the buffers: a graph captured on them sees every later load.
+    assert static.block_table.data_ptr() == inputs.block_table.data_ptr()
+    assert static.positions.data_ptr() == inputs.positions.data_ptr()
+
+    # A smaller batch later: rows that held real requests become padding again.
+    again = inputs.load(torch.tensor([7]), _real_batch(pool, [3], [[5]]), batch_size=4)
+    assert again.seq_lens.tolist() == [3, 1, 1, 1] and again.positions.tolist() == [2, 0, 0, 0]
+    assert inputs.block_table[1:4, 0].tolist() == [8, 8, 8]
+    assert again.out_cache_loc.tolist()[1:] == [32, 32, 32]
+
+
+def test_verify_batches_pad_every_draft_token_onto_the_padding_page():
+    pool = _pool(page_size=2)
+    inputs = GraphInputs(max_batch_size=4, tokens_per_request=3, max_pages=4, pool=pool, padding_page=8)
+    real = _real_batch(pool, [7], [[1, 2, 3, 4]], ForwardMode.TARGET_VERIFY, per_request=3)
+    static = inputs.load(torch.tensor([1, 2, 3]), real, batch_size=2)
+    assert static.num_tokens == 6 and static.positions.tolist() == [4, 5, 6, 0, 1, 2]
+    assert static.out_cache_loc.tolist()[3:] == [16, 17, 16]  # positions 0, 1, 2 of a row of padding pages
+    assert static.cu_extend_lens.tolist() == [0, 3, 6]
+
+
+def test_load_refuses_what_no_graph_holds():
+    pool = _pool()
+    inputs = GraphInputs(max_batch_size=2, tokens_per_request=1, max_pages=2, pool=pool, padding_page=8)
+    with pytest.raises(ValueError, match="does not fit a graph"):
+        inputs.load(torch.tensor([1, 2, 3]), _real_batch(pool, [1, 1, 1], [[0], [1], [2]]), batch_size=2)
+    with pytest.raises(ValueError, match="does not fit a graph"):
+        inputs.load(torch.tensor([1]), _real_batch(pool, [12], [[0, 1, 2]]), batch_size=2)
+    with pytest.raises(ValueError, match="new tokens per request"):
+        inputs.load(torch.tensor([1, 2]), _real_batch(pool, [4], [[0]], ForwardMode.EXTEND, per_request=2), 2)
+
+
+@pytest.fixture(scope="module")
+def runner() -> ModelRunner:
+    return ModelRunner(ServerArgs(page_size=4, max_total_tokens=256))
+
+
+def test_padded_static_batch_gives_the_real_rows_the_eager_logits(runner: ModelRunner):
+    """What a replay computes: the real batch copied into static buffers, padded to a captured size,
+    run without re-planning anything but `plan_replay`'s refresh. Here eagerly (no GPU), with the
+    backend's own plan on the static batch."""
+    torch.manual_seed(0)
+    pages = runner.allocator.alloc(6)
+    table = torch.tensor([[*pages[:2], pages[1]], pages[2:5]], dtype=torch.int32)
+    prompt_batch = runner.prepare(ForwardBatch.build(ForwardMode.EXTEND, [7, 10], [7, 10], table, runner.pool))
+    ids = torch.randint(0, 300, (17,))
+    runner.forward(ids, prompt_batch, torch.tensor([6, 16]))  # fills the cache
+    decode = runner.prepare(ForwardBatch.build(ForwardMode.DECODE, [8, 11], [1, 1], table, runner.pool))
+    step = torch.tensor([5, 9])
+    eager = runner.forward(step, decode, torch.arange(2))
+
+    inputs = GraphInputs(8, 1, 4, runner.pool, runner.padding_page)
+    static = inputs.load(step, decode, batch_size=4)
+    padded = runner._logits(inputs.input_ids[:4], static, runner.attention_for(static), plan=True)
+    torch.testing.assert_close(padded[:2, : runner.sample_vocab], eager)
+    runner.allocator.free(pages)
+
+
+def test_warm_up_walks_prefill_and_decode_buckets_and_gives_pages_back(runner: ModelRunner):
+    free = runner.allocator.num_free
+    runner.warm_up()
+    assert runner.allocator.num_free == free
+    assert runner.graphs is None
