@@ -33,7 +33,9 @@ def _quantize_blocks(x: torch.Tensor, block_shape: tuple[int, int]) -> tuple[tor
     blocks = padded.view(gr, br, gc, bc)
     amax = blocks.abs().amax(dim=(1, 3), keepdim=True)
     # Divide by a tensor: CUDA turns "tensor / python float" into a multiply by the reciprocal, one bit off.
-    scales = amax.clamp(min=SCALE_EPS) / amax.new_tensor(FP8_MAX)
+    # A filled one, not one made from host data: that would be a host-to-device copy, which a CUDA graph
+    # cannot capture.
+    scales = amax.clamp(min=SCALE_EPS) / torch.full_like(amax, FP8_MAX)
     x_q = (blocks / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return x_q.view(gr * br, gc * bc)[:rows, :cols].contiguous(), scales.view(gr, gc)
 

@@ -194,6 +194,7 @@ class CutlassFp8Gemm(Fp8GemmBackend):
         min_capability=(9, 0),
         max_capability=(9, 0),
         block_shapes=frozenset({(BLOCK, BLOCK)}),
+        cuda_graph=True,  # tile config chosen by M; the workspace comes from torch's allocator (the graph's pool)
     )
     priority: ClassVar[dict[str, int]] = {"sm90": 45}  # below Triton's 50 until a shootout table ranks them
 

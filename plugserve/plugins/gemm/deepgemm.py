@@ -67,6 +67,7 @@ class DeepGemmFp8Gemm(Fp8GemmBackend):
         min_capability=(9, 0),
         max_capability=(9, 0),
         block_shapes=frozenset({(BLOCK, BLOCK)}),
+        cuda_graph=True,  # DeepGEMM decides by shapes alone; warm each M up before capture (its JIT)
     )
     # The fastest block-FP8 GEMM measured on Hopper (device README); a shootout table overrides this.
     priority: ClassVar[dict[str, int]] = {"sm90": 60}

@@ -48,6 +48,7 @@ class TorchRefFp8Gemm(Fp8GemmBackend):
     capabilities: ClassVar[GemmCapabilities] = GemmCapabilities(
         dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
         devices=frozenset({"cpu", "cuda"}),
+        cuda_graph=True,  # torch ops sized by shapes alone
     )
     priority: ClassVar[dict[str, int]] = {"default": 0}
 

@@ -77,6 +77,7 @@ class DeepGemmMoE(MoEBackend):
         max_capability=(9, 0),
         weight_formats=frozenset({"fp8_block"}),
         block_shapes=frozenset({(BLOCK, BLOCK)}),
+        cuda_graph=True,  # layouts built on the device and sized from T (see the module docstring)
     )
     priority: ClassVar[dict[str, int]] = {"sm90": 40}  # below `triton` until a shootout table ranks it
 
@@ -138,7 +139,8 @@ class DeepGemmMoE(MoEBackend):
             return torch.empty_like(x)
         e, h, i = spec.num_experts, spec.hidden_size, spec.intermediate_size
         num_pairs = num_tokens * top_k
-        # The pairs an active expert gets on average: the GEMM heuristics' expected rows per group.
+        # The pairs an active expert gets on average: the GEMM heuristics' expected rows per group. From the
+        # shapes alone, never the ids: a CUDA graph bakes this host int (and the kernel it picks) in.
         expected_m = ceil_div(num_pairs, min(e, num_pairs))
         dg = self.deep_gemm
 

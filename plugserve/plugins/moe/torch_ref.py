@@ -155,6 +155,7 @@ class TorchRefMoE(MoEBackend):
     capabilities: ClassVar[MoECapabilities] = MoECapabilities(
         dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
         devices=frozenset({"cpu", "cuda"}),
+        cuda_graph=False,  # forward loops over the experts it finds on the host (unique().tolist())
     )
     priority: ClassVar[dict[str, int]] = {"default": 0}
 

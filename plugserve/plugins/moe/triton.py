@@ -74,6 +74,7 @@ class TritonMoE(MoEBackend):
     capabilities: ClassVar[TritonMoECapabilities] = TritonMoECapabilities(
         dtypes=frozenset({torch.bfloat16, torch.float16, torch.float32}),
         devices=frozenset({"cuda", "cpu"}),
+        cuda_graph=True,  # every buffer and grid sized from T alone; the alignment's counts stay on the device
     )
     priority: ClassVar[dict[str, int]] = {"cuda": 50, "cpu": -1}  # on the CPU (interpreter) the reference wins
 

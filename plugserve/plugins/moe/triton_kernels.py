@@ -37,7 +37,13 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # `_grouped_topk_kernel`'s GROUPING: how experts are grouped before the top-k.
 NO_GROUPS, GROUP_BY_MAX, GROUP_BY_TOP2_SUM = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
-_ALIGN_CHUNK = 256  # pairs per program of the alignment kernels
+# moe_align_block_size: up to this many pairs (512 tokens x top-8) one program aligns them in one launch
+# (H100, E = 64 / 256: 2.5-5 us up to 384 pairs, 8 us at 768, 11 at 1536, 20 at 3072, 31 at 4096, where the
+# three kernels took 30-50 us); beyond, three kernels over chunks of _ALIGN_CHUNK pairs.
+_ALIGN_SINGLE_MAX_PAIRS = 4096
+_ALIGN_SORT = 512  # pairs the one-program kernel sorts at once (larger sorts cost more per pair)
+_ALIGN_FILL = 1024  # slots (or M-blocks) it marks as padding at once
+_ALIGN_CHUNK = 256  # pairs per program of the multi-program kernels
 _ALIGN_SUB = 32  # pairs compared at once when ranking pairs within a chunk
 _ALIGN_BLOCKS = 256  # M-blocks labelled at once by the scan kernel
 _QUANT_GROUPS = 8  # 1 x group_size groups per program of the activation quantizer
@@ -162,27 +168,74 @@ class BlockAlignment:
 
 
 @triton.jit
+def _align_single_kernel(
+    ids_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, num_pairs, num_blocks,
+    NUM_EXPERTS: tl.constexpr, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
+    FILL: tl.constexpr,
+):
+    """The whole alignment in one program (decode-sized pair counts; one CHUNK of pairs at a time):
+    per-expert counts (histograms), the padded runs placed by an exclusive scan, then per chunk, in
+    pair order, one sort of the keys expert * CHUNK + pair, which orders the chunk's pairs by expert and
+    by pair within each expert; the sorted pairs of expert e fill its next free slots."""
+    lane = tl.arange(0, CHUNK)
+    counts = tl.zeros([EXPERTS_PAD], dtype=tl.int32)  # 0 past E: dropped ids are not counted
+    for first_pair in range(0, num_pairs, CHUNK):
+        ids = tl.load(ids_ptr + first_pair + lane, mask=first_pair + lane < num_pairs, other=-1)
+        kept = (ids >= 0) & (ids < NUM_EXPERTS)  # other ids are dropped
+        counts += tl.histogram(tl.where(kept, ids, 0), EXPERTS_PAD, mask=kept)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    next_slot = tl.cumsum(padded, 0) - padded  # expert e's run: [next_slot[e], next_slot[e] + padded[e])
+    tl.store(num_padded_ptr, tl.sum(padded, 0))
+
+    # Every slot and M-block starts as padding; the kept pairs and their blocks' experts overwrite them
+    # after the barrier (it orders the stores of the program's threads to the same addresses).
+    for first_slot in range(0, num_blocks * BLOCK_M, FILL):
+        slot = first_slot + tl.arange(0, FILL)
+        tl.store(sorted_ptr + slot, tl.zeros([FILL], dtype=tl.int32) + num_pairs, mask=slot < num_blocks * BLOCK_M)
+    for first_block in range(0, num_blocks, FILL):
+        block = first_block + tl.arange(0, FILL)
+        tl.store(expert_ids_ptr + block, tl.full([FILL], -1, dtype=tl.int32), mask=block < num_blocks)
+    tl.debug_barrier()
+
+    for first_pair in range(0, num_pairs, CHUNK):
+        ids = tl.load(ids_ptr + first_pair + lane, mask=first_pair + lane < num_pairs, other=-1)
+        kept = (ids >= 0) & (ids < NUM_EXPERTS)
+        keys = tl.sort(tl.where(kept, ids, NUM_EXPERTS) * CHUNK + lane)  # dropped pairs sort last
+        expert = keys // CHUNK
+        chunk_counts = tl.histogram(tl.where(kept, ids, 0), EXPERTS_PAD, mask=kept)
+        # The i-th sorted pair is the (i - first[e])-th of its expert e in this chunk.
+        first = tl.cumsum(chunk_counts, 0) - chunk_counts
+        slot = lane + tl.gather(next_slot - first, tl.minimum(expert, EXPERTS_PAD - 1), 0)
+        is_kept = expert < NUM_EXPERTS
+        tl.store(sorted_ptr + slot, first_pair + keys % CHUNK, mask=is_kept)
+        # Each used M-block holds at least one pair of its expert (a run pads less than BLOCK_M slots),
+        # so these stores label every used block; pairs sharing a block store the same value.
+        tl.store(expert_ids_ptr + slot // BLOCK_M, expert, mask=is_kept)
+        next_slot += chunk_counts
+
+
+@triton.jit
 def _align_count_kernel(
     ids_ptr, rank_ptr, counts_ptr, num_pairs,
-    NUM_EXPERTS: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
 ):
     """Per chunk of pairs: each pair's rank among the chunk's earlier pairs of its expert, and the
-    chunk's count per expert (written by the expert's last pair) into counts [chunks, E]."""
+    chunk's count of every expert into counts [chunks, E]."""
     chunk = tl.program_id(0)
     pair = chunk * CHUNK + tl.arange(0, CHUNK)
     ids = tl.load(ids_ptr + pair, mask=pair < num_pairs, other=-1)
     valid = (pair < num_pairs) & (ids >= 0) & (ids < NUM_EXPERTS)  # other ids are dropped
     ids = tl.where(valid, ids, -1)
     before = tl.zeros([CHUNK], dtype=tl.int32)
-    after = tl.zeros([CHUNK], dtype=tl.int32)
     for start in tl.static_range(0, CHUNK, SUB):
         other = chunk * CHUNK + start + tl.arange(0, SUB)
         other_ids = tl.load(ids_ptr + other, mask=other < num_pairs, other=-1)
         same = (ids[:, None] == other_ids[None, :]) & valid[:, None]
         before += tl.sum((same & (other[None, :] < pair[:, None])).to(tl.int32), 1)
-        after += tl.sum((same & (other[None, :] > pair[:, None])).to(tl.int32), 1)
     tl.store(rank_ptr + pair, before, mask=valid)
-    tl.store(counts_ptr + chunk * NUM_EXPERTS + ids, before + 1, mask=valid & (after == 0))
+    expert = tl.arange(0, EXPERTS_PAD)
+    counts = tl.histogram(tl.where(valid, ids, 0), EXPERTS_PAD, mask=valid)
+    tl.store(counts_ptr + chunk * NUM_EXPERTS + expert, counts, mask=expert < NUM_EXPERTS)
 
 
 @triton.jit
@@ -232,11 +285,27 @@ def _align_scatter_kernel(
 
 def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> BlockAlignment:
     """topk_ids [T, k] integer -> the pairs sorted by expert in runs padded to multiples of block_m.
-    Ids outside [0, E) (-1: an expert another rank holds) are left out."""
+    Ids outside [0, E) (-1: an expert another rank holds) are left out. Sizes come from the shapes
+    alone and every output is written on the device: nothing syncs, and a CUDA graph can capture it.
+
+    Up to _ALIGN_SINGLE_MAX_PAIRS pairs (decode) it is one launch of `_align_single_kernel`; beyond,
+    a count kernel over chunks, a one-program scan and a scatter kernel."""
     ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
     num_pairs, device = ids.numel(), ids.device
     max_padded = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
     num_blocks = triton.cdiv(max_padded, block_m)
+    experts_pad = triton.next_power_of_2(num_experts)
+    if 0 < num_pairs <= _ALIGN_SINGLE_MAX_PAIRS:
+        sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
+        expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=device)
+        num_padded = torch.empty(1, dtype=torch.int32, device=device)
+        _align_single_kernel[(1,)](
+            ids, sorted_ids, expert_ids, num_padded, num_pairs, num_blocks, NUM_EXPERTS=num_experts,
+            EXPERTS_PAD=experts_pad, CHUNK=min(max(triton.next_power_of_2(num_pairs), 16), _ALIGN_SORT),
+            BLOCK_M=block_m, FILL=_ALIGN_FILL, num_warps=4,
+        )
+        return BlockAlignment(sorted_ids, expert_ids, num_padded, block_m, num_pairs)
+
     sorted_ids = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
     expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=device)
     num_padded = torch.zeros(1, dtype=torch.int32, device=device)
@@ -245,15 +314,16 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
         return alignment
     num_chunks = triton.cdiv(num_pairs, _ALIGN_CHUNK)
     ranks = torch.empty(num_pairs, dtype=torch.int32, device=device)
-    counts = torch.zeros(num_chunks, num_experts, dtype=torch.int32, device=device)
+    counts = torch.empty(num_chunks, num_experts, dtype=torch.int32, device=device)
     offsets = torch.empty(num_chunks, num_experts, dtype=torch.int32, device=device)
     starts = torch.empty(num_experts, dtype=torch.int32, device=device)
     _align_count_kernel[(num_chunks,)](
-        ids, ranks, counts, num_pairs, NUM_EXPERTS=num_experts, CHUNK=_ALIGN_CHUNK, SUB=_ALIGN_SUB, num_warps=4
+        ids, ranks, counts, num_pairs, NUM_EXPERTS=num_experts, EXPERTS_PAD=experts_pad, CHUNK=_ALIGN_CHUNK,
+        SUB=_ALIGN_SUB, num_warps=4,
     )
     _align_scan_kernel[(1,)](
         counts, offsets, starts, expert_ids, num_padded, num_chunks, num_blocks, NUM_EXPERTS=num_experts,
-        EXPERTS_PAD=triton.next_power_of_2(num_experts), BLOCK_M=block_m, BLOCKS=_ALIGN_BLOCKS, num_warps=4,
+        EXPERTS_PAD=experts_pad, BLOCK_M=block_m, BLOCKS=_ALIGN_BLOCKS, num_warps=4,
     )
     _align_scatter_kernel[(num_chunks,)](
         ids, ranks, offsets, starts, sorted_ids, num_pairs, NUM_EXPERTS=num_experts, CHUNK=_ALIGN_CHUNK, num_warps=4

@@ -1,6 +1,7 @@
-"""The `triton` MoE backend against the torch reference: moe_align_block_size's invariants, the fused
-router, the activation quantizer, the routed experts (fp32 / fp16 / bf16 and block-FP8 weights),
-dropped expert ids, shared-expert fusion, configuration files, and the availability rules.
+"""The `triton` MoE backend against the torch reference: moe_align_block_size (its one-program and
+three-kernel paths) against a plain-torch oracle, the fused router, the activation quantizer, the routed
+experts (fp32 / fp16 / bf16 and block-FP8 weights), dropped expert ids, shared-expert fusion,
+configuration files, and the availability rules.
 
 Without a GPU the kernels run in Triton's interpreter. `triton.jit` decides when a function is defined
 whether it is interpreted, Triton's own library (tl.sigmoid, tl.cumsum, ...) included, which is defined
@@ -85,30 +86,82 @@ def _routing(t: int, router: RouterConfig, seed: int = 1) -> tuple[torch.Tensor,
 # moe_align_block_size
 
 
-@pytest.mark.parametrize(("t", "k", "e", "block_m"), [(1, 4, 16, 16), (37, 4, 16, 16), (300, 8, 64, 32)])
-def test_align_block_size_invariants(kernels, t: int, k: int, e: int, block_m: int) -> None:
-    g = torch.Generator().manual_seed(t)
+def _align_oracle(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """BlockAlignment's contract in plain torch: the kept pairs (ids in [0, E)) stably sorted by expert,
+    each expert's run padded with num_pairs to a multiple of block_m, then padding up to the worst case
+    P + min(E, P) * (block_m - 1) slots. -> (sorted_ids, expert_ids, num_padded)."""
+    flat = ids.flatten().long().cpu()
+    num_pairs = flat.numel()
+    kept = torch.arange(num_pairs)[(flat >= 0) & (flat < num_experts)]
+    experts, order = flat[kept].sort(stable=True)
+    runs = kept[order].split(torch.bincount(experts, minlength=num_experts).tolist())
+    sorted_ids: list[int] = []
+    expert_ids: list[int] = []
+    for expert, run in enumerate(runs):
+        padded = -(-len(run) // block_m) * block_m
+        sorted_ids += run.tolist() + [num_pairs] * (padded - len(run))
+        expert_ids += [expert] * (padded // block_m)
+    num_padded = len(sorted_ids)
+    num_blocks = -(-(num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m)
+    sorted_ids += [num_pairs] * (num_blocks * block_m - num_padded)
+    expert_ids += [-1] * (num_blocks - len(expert_ids))
+    return torch.tensor(sorted_ids, dtype=torch.int32), torch.tensor(expert_ids, dtype=torch.int32), num_padded
+
+
+def _align_ids(t: int, k: int, e: int, kind: str) -> torch.Tensor:
+    """[t, k] int32 expert ids: "routed" (distinct per token, as routers give them, with one -1, an id
+    past E and a token naming expert 3 k times), "one_expert" (every pair to expert e - 1) or "dropped"
+    (every id outside [0, E))."""
+    g = torch.Generator().manual_seed(t * 1000 + e)
+    if kind == "one_expert":
+        return torch.full((t, k), e - 1, dtype=torch.int32)
+    if kind == "dropped":
+        return torch.tensor([-1, e, e + 7, -5], dtype=torch.int32).repeat(t * k // 4 + 1)[: t * k].view(t, k)
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).int()
     ids[0, 0] = -1  # dropped (another rank's expert)
-    if t > 1:
+    ids[-1, -1] = e  # out of range: dropped too
+    if t > 2:
         ids[1, :] = 3  # duplicates are fine for the alignment
+    return ids
+
+
+@pytest.mark.parametrize("path", ["one_program", "one_program_chunked", "three_kernels"])
+@pytest.mark.parametrize(
+    ("t", "k", "e", "block_m", "kind"),
+    [(1, 1, 8, 4, "one_expert"), (1, 4, 16, 16, "routed"), (37, 4, 16, 16, "routed"), (64, 6, 64, 16, "routed"),
+     (40, 4, 16, 16, "one_expert"), (3, 4, 16, 16, "dropped"), (20, 9, 257, 64, "routed"),
+     (70, 8, 256, 128, "routed")],
+)
+def test_align_block_size_matches_oracle(
+    kernels, monkeypatch: pytest.MonkeyPatch, path: str, t: int, k: int, e: int, block_m: int, kind: str
+) -> None:
+    if path == "three_kernels":
+        monkeypatch.setattr(kernels, "_ALIGN_SINGLE_MAX_PAIRS", 0)
+    elif path == "one_program_chunked":  # several sorted chunks, each continuing its experts' runs
+        monkeypatch.setattr(kernels, "_ALIGN_SORT", 16)
+    ids = _align_ids(t, k, e, kind)
     a = kernels.moe_align_block_size(ids.to(DEVICE), e, block_m)
-    sorted_ids, expert_ids, used = a.sorted_ids.cpu(), a.expert_ids.cpu(), int(a.num_padded)
-    flat, num_pairs = ids.flatten(), t * k
+    sorted_ids, expert_ids, num_padded = _align_oracle(ids, e, block_m)
+    assert a.num_pairs == t * k and a.block_m == block_m
+    assert torch.equal(a.sorted_ids.cpu(), sorted_ids)
+    assert torch.equal(a.expert_ids.cpu(), expert_ids)
+    assert a.num_padded.shape == (1,) and int(a.num_padded) == num_padded
 
-    counts = torch.bincount(flat[flat >= 0].long(), minlength=e)
-    assert used == int(((counts + block_m - 1) // block_m * block_m).sum())
-    assert torch.all(sorted_ids[used:] == num_pairs), "slots past the used ones must be padding"
-    assert torch.all(expert_ids[used // block_m:] == -1)
-    real = sorted_ids[:used][sorted_ids[:used] < num_pairs]
-    assert torch.equal(real.sort().values, (flat >= 0).nonzero().flatten().int()), "each kept pair exactly once"
 
-    blocks = sorted_ids[:used].view(-1, block_m)
-    assert torch.all(expert_ids[: used // block_m].diff() >= 0), "experts in increasing order"
-    for block, expert in zip(blocks, expert_ids[: used // block_m].tolist(), strict=True):
-        pairs = block[block < num_pairs]
-        assert len(pairs) > 0 and torch.all(flat[pairs.long()] == expert), "one expert per block"
-        assert torch.all(pairs.diff() > 0) and torch.all(block[: len(pairs)] == pairs), "ascending, padding last"
+def test_align_block_size_beyond_one_program(kernels) -> None:
+    """More pairs than one program takes (prefill): the three-kernel path, several chunks of pairs."""
+    t, k, e, block_m = 520, 8, 64, 32
+    assert t * k > kernels._ALIGN_SINGLE_MAX_PAIRS
+    ids = _align_ids(t, k, e, "routed")
+    a = kernels.moe_align_block_size(ids.to(DEVICE), e, block_m)
+    sorted_ids, expert_ids, num_padded = _align_oracle(ids, e, block_m)
+    assert torch.equal(a.sorted_ids.cpu(), sorted_ids) and torch.equal(a.expert_ids.cpu(), expert_ids)
+    assert int(a.num_padded) == num_padded
+
+
+def test_align_block_size_empty(kernels) -> None:
+    a = kernels.moe_align_block_size(torch.empty(0, 4, dtype=torch.int32, device=DEVICE), 16, 16)
+    assert a.num_blocks == 0 and a.sorted_ids.numel() == 0 and int(a.num_padded) == 0
 
 
 # ----------------------------------------------------------------------------------------------------
