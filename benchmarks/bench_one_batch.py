@@ -75,15 +75,18 @@ def run_once(runner: ModelRunner, batch_size: int, input_len: int, output_len: i
     return result
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every server flag, plus the static batch's shape (lists: one run per combination)."""
     add_server_args(parser)
     parser.add_argument("--batch-size", type=int, nargs="+", default=[1])
     parser.add_argument("--input-len", type=int, nargs="+", default=[1024])
     parser.add_argument("--output-len", type=int, nargs="+", default=[16])
-    parser.add_argument("--result-filename", default=None, help="append one JSON line per run")
-    parser.add_argument("--run-name", default="", help="a label stored in the JSON lines")
-    namespace = parser.parse_args(argv)
+
+
+def build_runner(namespace: argparse.Namespace, parser: argparse.ArgumentParser) -> ModelRunner:
+    """The static-batch runner of the parsed flags: overlap and radix cache off, every batch in one unchunked
+    prefill, a KV pool for the biggest run (unless the flags size it); warmed up (JIT, CUDA graphs) and its
+    chosen backends printed."""
     namespace.disable_overlap_schedule = True  # a static batch: time each step by itself
     namespace.disable_radix_cache = True
     biggest = max(namespace.batch_size) * (max(namespace.input_len) + max(namespace.output_len))
@@ -93,17 +96,28 @@ def main(argv: Sequence[str] | None = None) -> None:
         namespace.max_total_tokens = biggest + 64
     args = server_args_from(namespace, parser)
     runner = ModelRunner(args)
+    runner.warm_up()  # as the engine does before serving: JIT compiles and CUDA-graph capture
     print(f"max_total_num_tokens={runner.max_total_tokens}")
     for c in runner.chosen:
         print(f"{c.kind} {c.phase}: {c.name} ({c.reason})")
     print("Warmup ...")
     run_once(runner, max(namespace.batch_size), min(namespace.input_len), 4, args.seed, verbose=False)
+    return runner
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    parser.add_argument("--result-filename", default=None, help="append one JSON line per run")
+    parser.add_argument("--run-name", default="", help="a label stored in the JSON lines")
+    namespace = parser.parse_args(argv)
+    runner = build_runner(namespace, parser)
     print("\nBenchmark ...")
     for batch_size in namespace.batch_size:
         for input_len in namespace.input_len:
             for output_len in namespace.output_len:
                 print(f"\n# batch size {batch_size}, input {input_len}, output {output_len}")
-                result = run_once(runner, batch_size, input_len, output_len, args.seed, verbose=True)
+                result = run_once(runner, batch_size, input_len, output_len, runner.args.seed, verbose=True)
                 if namespace.result_filename:
                     result |= {"run_name": namespace.run_name, "device": runner.hardware.name,
                                "backends": {f"{c.kind}:{c.phase}": c.name for c in runner.chosen}}

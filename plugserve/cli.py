@@ -50,6 +50,7 @@ def describe(registry: Registry, hardware: Hardware, kinds: Sequence[Kind], expl
                 "plugin": entry.plugin,
                 "available": available.ok,
                 "reason": available.reason,
+                "cuda_graph": cuda_graph_support(entry.cls),
                 "phases": {
                     phase.value: {"usable": by_phase[phase][i].availability.ok,
                                   "reason": by_phase[phase][i].availability.reason}
@@ -77,6 +78,14 @@ def describe(registry: Registry, hardware: Hardware, kinds: Sequence[Kind], expl
     return result
 
 
+def cuda_graph_support(cls: type) -> str:
+    """What a backend runs under CUDA graphs: the modes an attention backend declares, or yes / no."""
+    caps = cls.capabilities
+    if hasattr(caps, "graph_modes"):
+        return ", ".join(sorted(m.name for m in caps.graph_modes)) or "no (runs eagerly)"
+    return "yes" if caps.cuda_graph else "no (decode runs eagerly)"
+
+
 def _dispatch_table(registry: Registry, hardware: Hardware) -> dict[str, Any]:
     try:
         prefill = registry.select("attention", Phase.PREFILL, 1, hardware).backend
@@ -96,12 +105,12 @@ def _dispatch_table(registry: Registry, hardware: Hardware) -> dict[str, Any]:
 def _print(report: dict[str, Any], explain: bool, console: Console) -> None:
     hw = report["hardware"]
     console.print(f"[bold]Device:[/] {hw['name']} ({hw['arch']}, {hw['memory_gib']} GiB)")
-    table = Table("kind", "backend", "package", "prefill", "decode", title="Registered backends")
+    table = Table("kind", "backend", "package", "prefill", "decode", "CUDA graphs", title="Registered backends")
     for b in report["backends"]:
         cells = [
             "[green]usable[/]" if p["usable"] else f"[red]no[/]: {p['reason']}" for p in b["phases"].values()
         ]
-        table.add_row(b["kind"], b["name"], b["package"], *cells)
+        table.add_row(b["kind"], b["name"], b["package"], *cells, b["cuda_graph"])
     console.print(table)
     for broken in report["broken_plugins"]:
         console.print(f"[red]broken plugin[/] {broken['plugin']} ({broken['package']}): {broken['error']}")

@@ -43,9 +43,9 @@ class MHACase:
 
 @dataclass(frozen=True)
 class GraphCase:
-    """Absorbed MLA captured in a CUDA graph for `batch_size` requests of `per_request` new tokens, then
-    replayed for each batch of `replays` (per-request seq_lens, at most batch_size requests: the rest
-    are padding) on fresh pages."""
+    """Absorbed MLA captured in CUDA graphs for `batch_size` and batch_size // 2 requests of `per_request`
+    new tokens, then replayed for each batch of `replays` (per-request seq_lens, at most batch_size
+    requests) in the smallest graph that holds it, padded, on fresh pages."""
 
     mode: ForwardMode
     batch_size: int
@@ -111,13 +111,13 @@ def graph_cases(profile: str) -> list[GraphCase]:
     if profile == "full":
         return [
             GraphCase(decode, 1, ((4096,), (1,), (777,)), num_heads=128),
-            GraphCase(decode, 32, ((1, 8192, 513), tuple(range(100, 3300, 100))), num_heads=128),
+            GraphCase(decode, 32, ((1, 8192, 513), tuple(range(100, 3300, 100)), (700,)), num_heads=128),
             GraphCase(verify, 8, ((1024, 4100, 37), (9, 2000, 64, 5, 6, 7, 8, 3000)), per_request=4, num_heads=128),
             GraphCase(ForwardMode.DRAFT_EXTEND, 4, ((2048, 70), (5, 6, 7, 900)), per_request=2, num_heads=128),
         ]
     return [
-        GraphCase(decode, 4, ((5, 17, 64), (130, 1, 40, 9))),
-        GraphCase(verify, 2, ((10,), (33, 7)), per_request=3),
+        GraphCase(decode, 4, ((5, 17, 64), (130, 1, 40, 9), (33,), (8, 2, 77))),
+        GraphCase(verify, 2, ((10,), (33, 7), (12,)), per_request=3),
     ]
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
-from plugserve.core.cuda_graph_runner import GraphInputs
+from plugserve.core.cuda_graph_runner import GraphInputs, padded_size
 from plugserve.core.dispatch import AttnForwardMethod, prepare_attention
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode, Phase
 from plugserve.core.hardware import Hardware
@@ -96,25 +98,32 @@ def test_forward_mla_in_cuda_graph(attention_target: Target, graph_case: GraphCa
     k_rope = torch.randn(tokens, spec.qk_rope_head_dim, device=device, dtype=dtype)
 
     backend.init_cuda_graph(bs, tokens, max_pages)
-    static = inputs.batch(graph_case.mode, bs)
-    backend.plan_capture(static)
+    sizes = sorted({bs, max(1, bs // 2)})  # two graphs on one backend, captured largest first as the runner does
+    graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, Callable[[], torch.Tensor]]] = {}
+    outputs: dict[int, torch.Tensor] = {}
+    for size in reversed(sizes):
+        static = inputs.batch(graph_case.mode, size)
+        backend.plan_capture(static)
+        rows = size * n
 
-    def run() -> torch.Tensor:
-        backend.set_kv(LAYER, static.out_cache_loc, latent, k_rope)
-        return backend.forward_mla(q_nope, q_rope, LAYER)
+        def run(static: ForwardBatch = static, rows: int = rows) -> torch.Tensor:
+            backend.set_kv(LAYER, static.out_cache_loc, latent[:rows], k_rope[:rows])
+            return backend.forward_mla(q_nope[:rows], q_rope[:rows], LAYER)
 
-    graph = None
-    if device.type == "cuda":
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            run()  # JIT and lazy allocations outside the capture
-        torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            out = run()
+        graph = None
+        if device.type == "cuda":
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                run()  # JIT and lazy allocations outside the capture
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                outputs[size] = run()
+        graphs[size] = graph, run
 
     for seq_lens in graph_case.replays:
+        size = padded_size(sizes, len(seq_lens))
         order = torch.randperm(num_pages - 1).tolist()
         pages = [[order.pop() for _ in range(pages_needed(s, page_size))] for s in seq_lens]
         width = max(len(p) for p in pages)
@@ -123,9 +132,11 @@ def test_forward_mla_in_cuda_graph(attention_target: Target, graph_case: GraphCa
         real.attn_method = AttnForwardMethod.MLA
         for t in (q_nope, q_rope, latent, k_rope):
             t.copy_(torch.randn_like(t))
-        backend.plan_replay(inputs.load(torch.zeros(real.num_tokens, dtype=torch.int64, device=device), real, bs))
+        backend.plan_replay(inputs.load(torch.zeros(real.num_tokens, dtype=torch.int64, device=device), real, size))
+        graph, run = graphs[size]
         if graph is not None:
             graph.replay()
+            out = outputs[size]
         else:
             out = run()
         t = real.num_tokens
@@ -133,7 +144,7 @@ def test_forward_mla_in_cuda_graph(attention_target: Target, graph_case: GraphCa
         assert torch.equal(written, torch.cat([latent[:t], k_rope[:t]], dim=-1)), "set_kv in the graph missed slots"
         reference.plan(real)
         expected = reference.forward_mla(q_nope[:t], q_rope[:t], LAYER)
-        assert_close(out[:t], expected, dtype, f"graph replay {graph_case} seq_lens {seq_lens}")
+        assert_close(out[:t], expected, dtype, f"graph replay {graph_case} (graph of {size}) seq_lens {seq_lens}")
 
 
 def test_forward_mha(attention_target: Target, mha_case: MHACase, plugserve_hardware, plugserve_device):

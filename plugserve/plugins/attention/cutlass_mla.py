@@ -21,13 +21,23 @@ What this backend does about it:
 - page size 128 (the one-page-per-128-key-tile setting SGLang runs it with), forced on the KV pool;
 - the page table cut to the pages the longest row needs: CUTLASS splits the KV by the table's width;
 - the workspace sized for the worst split of the planned row count, grown (never shrunk) in plan().
+
+CUDA graphs (DECODE, TARGET_VERIFY, DRAFT_EXTEND): what the kernel reads lives in fixed buffers sized at
+init_cuda_graph for the most rows (`max_num_tokens`): the padded query, the page table at the block
+table's full width (the split is then fixed for the longest possible sequence; splits past a shorter
+row's end run no tile, and the reduction recounts them from the row's kv_len) and kv_lens, and one
+workspace for the worst split of any row count up to that. One wrapper per captured mode and batch size,
+planned once at capture (FlashInfer's plan reads the lengths back to the host: fine outside the capture)
+over leading rows of those buffers; forward_mla hands it the buffers explicitly (`run(kv_len=,
+page_table=)`), so the graph reads them whatever FlashInfer kept. plan_replay plans nothing: it rewrites
+the rows in place on the device.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
@@ -87,6 +97,15 @@ def workspace_bytes(rows: int, sm_count: int) -> int:
     return PARTIAL_BYTES * KERNEL_HEADS * splits * max(1, rows)
 
 
+class _GraphRows(NamedTuple):
+    """What one captured graph reads: its wrapper, and leading rows of the fixed buffers (module docstring)."""
+
+    wrapper: Any
+    query: torch.Tensor  # [rows, 128, 576], padding heads zero
+    page_table: torch.Tensor  # [rows, max_pages] int32
+    kv_lens: torch.Tensor  # [rows] int32
+
+
 @dataclass(frozen=True)
 class CutlassMLACapabilities(AttentionCapabilities):
     """Adds the kernel's head limit: `max_heads` query heads at most (fewer are padded)."""
@@ -116,6 +135,7 @@ class CutlassMLAAttention(AttentionBackend):
         kv_lora_ranks=frozenset({LATENT}),
         qk_rope_head_dims=frozenset({ROPE}),
         page_sizes=frozenset({PAGE_SIZE}),
+        graph_modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND}),
     )
     priority: ClassVar[dict[str, int]] = {"sm100": 60, "sm103": 60}  # above Triton's 50 until measured
 
@@ -127,7 +147,13 @@ class CutlassMLAAttention(AttentionBackend):
         self._sm_count = Hardware.detect(device).multiprocessors
         self._q_scale = query_scale(spec.softmax_scale)
         self._workspace = torch.empty(0, dtype=torch.uint8, device=device)
-        self._wrapper = None
+        self._wrapper: Any = None  # eager plans' wrapper, over self._workspace
+        self._planned: Any = None  # the wrapper this forward runs
+        # CUDA graphs: init_cuda_graph's query [N, 128, 576], page table [N, max_pages] int32 and kv_lens [N]
+        # int32, and workspace; what each captured (mode, batch size) reads
+        self._graph_buffers: tuple[torch.Tensor, ...] = ()
+        self._graph_workspace = self._workspace
+        self._graphs: dict[tuple[ForwardMode, int], _GraphRows] = {}
 
     @classmethod
     def availability(cls, hardware: Hardware) -> Availability:
@@ -149,26 +175,73 @@ class CutlassMLAAttention(AttentionBackend):
     def plan(self, batch: ForwardBatch) -> None:
         """Rows, page table and kv_lens per new token, the padded query buffer, the workspace, and
         FlashInfer's plan (host checks happen there, not per layer)."""
-        super().plan(batch)
-        pool = batch.kv_pool
-        rows = batch.num_tokens
-        if pool.page_size != PAGE_SIZE:
-            raise ValueError(f"cutlass_mla needs KV pages of {PAGE_SIZE} tokens, the pool has {pool.page_size}")
+        rows = self._bind(batch)
         if rows == 0:
             return
         width = pages_needed(max(batch.seq_lens_cpu), PAGE_SIZE)
-        page_table, kv_lens = token_rows(batch.block_table, batch.extend_lens, batch.positions, rows, width)
+        self._page_table, self._kv_lens = token_rows(batch.block_table, batch.extend_lens, batch.positions, rows,
+                                                     width)
         # Heads are independent, so padding heads only need finite values: zeros, written once per plan.
-        self._query = torch.zeros(rows, KERNEL_HEADS, LATENT + ROPE, dtype=pool.dtype, device=self.device)
+        self._query = torch.zeros(rows, KERNEL_HEADS, LATENT + ROPE, dtype=batch.kv_pool.dtype, device=self.device)
         needed = workspace_bytes(rows, self._sm_count)
         if self._wrapper is None or self._workspace.numel() < needed:
             self._workspace = torch.empty(needed, dtype=torch.uint8, device=self.device)
             self._wrapper = self._mla.BatchMLAPagedAttentionWrapper(self._workspace, backend="cutlass")
-        cu_rows = torch.arange(rows + 1, dtype=torch.int32, device=self.device)  # one query per row
-        self._wrapper.plan(
-            metadata=self._mla.MLAPlanMetadata.dense(cu_rows, page_table, kv_lens),
+        self._planned = self._wrapper
+        self._plan_wrapper(batch)
+
+    def init_cuda_graph(self, max_batch_size: int, max_num_tokens: int, max_pages: int) -> None:
+        """Fixed buffers for graphs of up to `max_num_tokens` rows (module docstring). The workspace covers
+        every row count up to that: CUTLASS's split, hence its partials, does not grow monotonically with it."""
+        rows, dtype = max_num_tokens, self.spec.kv_cache_dtype or self.spec.dtype
+        self._graph_buffers = (
+            torch.zeros(rows, KERNEL_HEADS, LATENT + ROPE, dtype=dtype, device=self.device),  # padding heads stay 0
+            torch.zeros(rows, max_pages, dtype=torch.int32, device=self.device),
+            torch.ones(rows, dtype=torch.int32, device=self.device),
+        )
+        size = max(workspace_bytes(n, self._sm_count) for n in range(1, rows + 1))
+        self._graph_workspace = torch.empty(size, dtype=torch.uint8, device=self.device)
+
+    def plan_capture(self, batch: ForwardBatch) -> None:
+        """A wrapper over the graph workspace for this graph, planned once here on the leading rows of the
+        fixed buffers, which plan_replay fills (FlashInfer's plan syncs with the device: never in a replay)."""
+        if not self._graph_buffers:
+            raise RuntimeError("plan_capture before init_cuda_graph")
+        rows = batch.num_tokens
+        wrapper = self._mla.BatchMLAPagedAttentionWrapper(self._graph_workspace, backend="cutlass")
+        self._graphs[(batch.mode, batch.batch_size)] = _GraphRows(wrapper, *(b[:rows] for b in self._graph_buffers))
+        self.plan_replay(batch)
+        self._plan_wrapper(batch)
+
+    def plan_replay(self, batch: ForwardBatch) -> None:
+        """This batch's rows into the graph's page table and kv_lens, in place on the device."""
+        rows = self._bind(batch)
+        graph = self._graphs.get((batch.mode, batch.batch_size))
+        if graph is None:
+            raise RuntimeError(f"plan_replay of a {batch.mode.name} batch of {batch.batch_size} requests, for "
+                               "which plan_capture made no graph wrapper")
+        table, kv_lens = token_rows(batch.block_table, batch.extend_lens, batch.positions, rows,
+                                    graph.page_table.shape[1])
+        graph.page_table.copy_(table)
+        graph.kv_lens.copy_(kv_lens)
+        self._planned, self._query, self._page_table, self._kv_lens = graph
+
+    def _bind(self, batch: ForwardBatch) -> int:
+        """Take the batch (its pool must have pages of PAGE_SIZE); returns its row count."""
+        super().plan(batch)
+        if batch.kv_pool.page_size != PAGE_SIZE:
+            raise ValueError(f"cutlass_mla needs KV pages of {PAGE_SIZE} tokens, the pool has "
+                             f"{batch.kv_pool.page_size}")
+        return batch.num_tokens
+
+    def _plan_wrapper(self, batch: ForwardBatch) -> None:
+        """FlashInfer's plan of the wrapper this forward runs, over its rows, page table and kv_lens."""
+        dtype = batch.kv_pool.dtype
+        cu_rows = torch.arange(batch.num_tokens + 1, dtype=torch.int32, device=self.device)  # one query per row
+        self._planned.plan(
+            metadata=self._mla.MLAPlanMetadata.dense(cu_rows, self._page_table, self._kv_lens),
             num_heads=KERNEL_HEADS, head_dim_ckv=LATENT, head_dim_kpe=ROPE, page_size=PAGE_SIZE, causal=True,
-            sm_scale=KERNEL_SM_SCALE, q_data_type=pool.dtype, kv_data_type=pool.dtype,
+            sm_scale=KERNEL_SM_SCALE, q_data_type=dtype, kv_data_type=dtype,
         )
 
     def forward_mla(self, q_nope: torch.Tensor, q_rope: torch.Tensor, layer_id: int) -> torch.Tensor:
@@ -179,7 +252,8 @@ class CutlassMLAAttention(AttentionBackend):
         if q_nope.shape[0] == 0:
             return q_nope.new_empty(q_nope.shape)
         query = pack_query(q_nope, q_rope, self._query, self._q_scale)
-        out = self._wrapper.run(query=query, kv_cache=pool.paged(layer_id))
+        out = self._planned.run(query=query, kv_cache=pool.paged(layer_id), kv_len=self._kv_lens,
+                                page_table=self._page_table)
         return out[:, : self.spec.num_heads]
 
 

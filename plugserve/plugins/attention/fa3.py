@@ -23,6 +23,13 @@ flash-attn-4 4.0.0b36):
 - MLA: q = q_rope [T, H, P], qv = q_nope [T, H, R]; the keys are the pool's rope columns and the
   values its latent columns, both strided views of the pool as pages [num_pages, page_size, 1, .];
   the block table is FA3's page table; any page size.
+- CUDA graphs (fa3_mla; DECODE, TARGET_VERIFY, DRAFT_EXTEND): forward_mla hands FA3 the runner's static
+  block table, seq_lens and cu_extend_lens as they are, and max_seqlen_q, fixed per graph. FA3 derives
+  the rest inside the call (flash_api.cpp mha_fwd): the split count on the host from shapes only (the
+  page table's width x page size as seqlen_k), the per-request splits and tile counts on the device
+  (prepare_varlen_num_blocks, from cu_seqlens_q and cache_seqlens) into a tensor it allocates there,
+  in the graph's memory pool. So there is nothing to allocate or refresh: plan_capture and plan_replay
+  are `plan`, host-only in these modes.
 """
 
 from __future__ import annotations
@@ -265,6 +272,7 @@ class FA3MLAAttention(FA3Attention):
         kv_lora_ranks=frozenset({512}),  # FA3's qv kernels: rope <= 64, latent 512 (its hdim 64 x 512 instantiation)
         qk_rope_head_dims=frozenset({64}),
         mha_head_dims=DEEPSEEK_MHA_DIMS,
+        graph_modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND}),
     )
     priority: ClassVar[dict[str, int]] = {"sm90": 61}  # fa3's prefill, and MLA for short prefixes too
     libraries: ClassVar[tuple[str, ...]] = (FA3,)
@@ -272,6 +280,18 @@ class FA3MLAAttention(FA3Attention):
     def __init__(self, spec: AttentionSpec, device: torch.device) -> None:
         super().__init__(spec, device)
         self._with_kvcache = import_fa3().flash_attn_with_kvcache
+
+    def init_cuda_graph(self, max_batch_size: int, max_num_tokens: int, max_pages: int) -> None:
+        """Nothing to allocate: FA3 reads the runner's static buffers and derives the rest inside the call
+        (module docstring)."""
+
+    def plan_capture(self, batch: ForwardBatch) -> None:
+        """`plan`: in the graph modes it only reads host lengths (max_seqlen_q; no varlen MHA calls)."""
+        self.plan(batch)
+
+    def plan_replay(self, batch: ForwardBatch) -> None:
+        """`plan`, as plan_capture: nothing derived on the device to refresh."""
+        self.plan(batch)
 
     def forward_mla(self, q_nope: torch.Tensor, q_rope: torch.Tensor, layer_id: int) -> torch.Tensor:
         """q_nope [T, H, R], q_rope [T, H, P] of the pool's dtype (last dims contiguous) -> [T, H, R].

@@ -32,13 +32,28 @@ What the wrappers are given (read from the 0.7.2.post1 source):
   both ways (x log2 e in, x ln 2 out).
 
 Planning: plan() builds all metadata on the host from the batch's CPU lengths (kv_indices by one gather
-from the block table), so no device sync, and plans each wrapper once for all layers; forward_* only
-launch kernels. A 128 MiB float workspace per backend instance is shared by every wrapper (their runs
-are ordered on one stream). A ragged wrapper's plan writes its own pinned buffer and copies it to the
-GPU asynchronously; before that wrapper is planned again the copy must have run, which an event
+from the block table, on the device), so no device sync, and plans each wrapper once for all layers;
+forward_* only launch kernels. A 128 MiB float workspace per backend instance is shared by every wrapper
+(their runs are ordered on one stream). A ragged wrapper's plan writes its own pinned buffer and copies it
+to the GPU asynchronously; before that wrapper is planned again the copy must have run, which an event
 ensures (the host may be a forward ahead of the GPU). The MLA wrapper stages through PyTorch's pinned
-allocator itself. A CUDA graph captured after plan() replays that batch; FlashInfer's re-plannable
-graph mode needs buffers of a fixed batch size, for a graph runner plugserve does not have yet.
+allocator itself.
+
+CUDA graphs (DECODE, TARGET_VERIFY, DRAFT_EXTEND: the same number of new tokens per request): one MLA
+wrapper per captured mode and batch size in FlashInfer's graph mode (`use_cuda_graph=True`), because its
+qo_indptr / kv_indptr [B+1] and kv_len_arr [B] buffers must have the batch's exact size; all share the
+float workspace and one kv_indices buffer [max_bs * max_pages] (graphs replay one at a time, each after
+its own plan). What the captured launch bakes in stays put across re-plans (0.7.2.post1, `_fa_common.py`
+and `scheduler.cuh` MLAPlan): the int workspace (a re-plan of an fa2 / fa3 graph plan reuses the previous
+one), the grid and the offsets into both workspaces (fixed by constants and the cluster size, which
+depends only on tokens per request x heads), and kv_indices, read from the wrapper's buffer at run time.
+plan_replay re-plans on the host from the host lengths (the metadata tensors handed to FlashInfer are CPU
+tensors, pinned: its planner reads them there, so no device sync), writes the page ids straight into the
+fixed kv_indices by a gather from the static block table on the device (FlashInfer's own copy of them is
+then a no-op: source and buffer are one view), and FlashInfer copies its new schedule into the int
+workspace on the stream, ahead of the replay. Each re-plan also snapshots FlashInfer's buffers for a
+rollback (device clones of the 8 MiB int workspace and of the whole kv_indices buffer, 4 bytes x max_bs x
+max_pages: large with small pages and long contexts).
 
 JIT: FlashInfer compiles each kernel variant at its first plan (on an H200: MLA ~17 s, ragged fa3 for
 192 / 128 ~84 s) with nvcc from CUDA_HOME (or PATH), for the GPUs present or FLASHINFER_CUDA_ARCH_LIST
@@ -90,21 +105,33 @@ def exclusive_cumsum(lens: Sequence[int]) -> torch.Tensor:
     return out
 
 
+def staged(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor about to be copied to `device`: pinned when that is a GPU, so that the copy is
+    asynchronous (from pageable memory the driver may wait for the stream)."""
+    return t.pin_memory() if device.type == "cuda" else t
+
+
 @dataclass(frozen=True)
 class PagedKVIndices:
     """FlashInfer's CSR page lists: kv_indptr [B+1] int32 (CPU), kv_indices [sum(pages)] int32 page ids
-    (on the block table's device), kv_lens [B] int32 (CPU)."""
+    (on the block table's device), kv_lens [B] int32 (CPU). The CPU tensors are pinned when the block
+    table is on a GPU."""
 
     kv_indptr: torch.Tensor
     kv_indices: torch.Tensor
     kv_lens: torch.Tensor
 
 
-def paged_kv_indices(block_table: torch.Tensor, seq_lens: Sequence[int], page_size: int) -> PagedKVIndices:
+def paged_kv_indices(
+    block_table: torch.Tensor, seq_lens: Sequence[int], page_size: int, out: torch.Tensor | None = None
+) -> PagedKVIndices:
     """block_table [B, max_pages] int32 and per-request key counts -> the first ceil(seq_len / page_size)
     page ids of every row, request-major, with their offsets and the key counts.
 
-    The gather positions are computed on the host and uploaded without waiting for the GPU."""
+    The host computes only per-request page counts and offsets (O(B)), uploaded without waiting for the GPU;
+    the gather positions follow on the block table's device. `out` (int32, at least sum(pages) long, on that
+    device): the page ids are written into its leading entries and kv_indices is that view (a CUDA graph's
+    fixed buffer)."""
     batch, width = block_table.shape
     if len(seq_lens) != batch:
         raise ValueError(f"{len(seq_lens)} sequence lengths for a block table of {batch} rows")
@@ -114,13 +141,17 @@ def paged_kv_indices(block_table: torch.Tensor, seq_lens: Sequence[int], page_si
                          f"{page_size}, the block table has {width} columns")
     kv_indptr = exclusive_cumsum(pages.tolist())
     total = int(kv_indptr[-1])
-    rows = torch.repeat_interleave(torch.arange(batch), pages, output_size=total)
-    columns = torch.arange(total) - kv_indptr[:-1].long().repeat_interleave(pages, output_size=total)
-    flat = rows * width + columns
-    if block_table.is_cuda:
-        flat = flat.pin_memory()
-    kv_indices = block_table.reshape(-1)[flat.to(block_table.device, non_blocking=True)]
-    return PagedKVIndices(kv_indptr, kv_indices, torch.tensor(list(seq_lens), dtype=torch.int32))
+    if out is not None and out.numel() < total:
+        raise ValueError(f"{total} page ids do not fit a kv_indices buffer of {out.numel()}")
+    device = block_table.device
+    kv_indptr = staged(kv_indptr, device)
+    offsets = kv_indptr.to(device, non_blocking=True).long()
+    # output_size: the repeat count needs no read-back from the device
+    rows = torch.repeat_interleave(torch.arange(batch, device=device), offsets.diff(), output_size=total)
+    flat = rows * width + torch.arange(total, device=device) - offsets[rows]  # row * width + column
+    source = block_table.reshape(-1)
+    kv_indices = source[flat] if out is None else torch.index_select(source, 0, flat, out=out[:total])
+    return PagedKVIndices(kv_indptr, kv_indices, staged(torch.tensor(list(seq_lens), dtype=torch.int32), device))
 
 
 def paged_latent_views(pool: MLAKVPool, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,6 +213,19 @@ class _RaggedCall:
     what: str
 
 
+@dataclass(frozen=True)
+class _GraphBuffers:
+    """FlashInfer's CUDA-graph metadata buffers, int32 on the GPU, shared by the wrappers of every captured
+    batch size (each takes leading slices): qo_indptr / kv_indptr [max_bs + 1] and kv_len_arr [max_bs],
+    which FlashInfer fills on each plan and its kernels never read (they read the schedule planned from
+    the host copies), and kv_indices [max_bs * max_pages], the page ids the kernels read at run time."""
+
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_len_arr: torch.Tensor
+    kv_indices: torch.Tensor
+
+
 class FlashInferMLAAttention(AttentionBackend):
     """MLA attention through FlashInfer: absorbed MLA, ragged MHA with lse, merge. CUDA sm80+, fp16 / bf16,
     DeepSeek's dims (latent 512, rope 64, MHA qk 192 / v 128), any page size and head count."""
@@ -194,6 +238,7 @@ class FlashInferMLAAttention(AttentionBackend):
         kv_lora_ranks=frozenset({512}),
         qk_rope_head_dims=frozenset({64}),
         mha_head_dims=frozenset({(192, 128)}),
+        graph_modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND}),
     )
     # fa3 on Hopper is among the fastest (device README); elsewhere fa2, below Triton until measured.
     priority: ClassVar[dict[str, int]] = {"sm90": 70, "default": 40}
@@ -208,8 +253,11 @@ class FlashInferMLAAttention(AttentionBackend):
         self._mla = flashinfer.BatchMLAPagedAttentionWrapper(self._workspace, backend=self._kernel)
         self._ragged: list[Any] = []  # grown on demand: one per ragged call of a forward
         self._ragged_uploaded: list[torch.cuda.Event | None] = []
-        self._mla_planned = False
+        self._planned_mla: Any = None  # the MLA wrapper planned for this forward (None: MHA, or no tokens)
         self._mha_calls: list[_RaggedCall] = []
+        self._graph: _GraphBuffers | None = None  # set by init_cuda_graph
+        # (mode, batch size) -> its graph-mode wrapper and the kv_indices buffer that wrapper reads
+        self._graph_wrappers: dict[tuple[ForwardMode, int], tuple[Any, torch.Tensor]] = {}
         self._views_pool: MLAKVPool | None = None
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -238,27 +286,64 @@ class FlashInferMLAAttention(AttentionBackend):
         None outside EXTEND), ragged MHA for MHA / MHA_CHUNKED_KV (and None in EXTEND: causal over whole
         sequences)."""
         super().plan(batch)
-        self._mla_planned, self._mha_calls = False, []
+        self._planned_mla, self._mha_calls = None, []
         if batch.num_tokens == 0:
             return
         method = batch.attn_method
         if method is AttnForwardMethod.MLA or (method is None and batch.mode is not ForwardMode.EXTEND):
-            self._plan_mla(batch)
+            self._plan_mla(batch, self._mla)
         elif method is not None or batch.mode is ForwardMode.EXTEND:
             self._plan_mha(batch)
 
-    def _plan_mla(self, batch: ForwardBatch) -> None:
+    def init_cuda_graph(self, max_batch_size: int, max_num_tokens: int, max_pages: int) -> None:
+        """The metadata buffers of FlashInfer's graph mode (`_GraphBuffers`), sized for `max_batch_size`
+        requests of up to `max_pages` pages each."""
+
+        def buffer(size: int) -> torch.Tensor:
+            return torch.zeros(size, dtype=torch.int32, device=self.device)
+
+        self._graph = _GraphBuffers(buffer(max_batch_size + 1), buffer(max_batch_size + 1), buffer(max_batch_size),
+                                    buffer(max_batch_size * max_pages))
+
+    def plan_capture(self, batch: ForwardBatch) -> None:
+        """A wrapper in FlashInfer's graph mode for this mode and batch size, over leading slices of the
+        graph buffers (their exact sizes are part of its contract), planned for `batch` by plan_replay."""
+        graph, size = self._graph, batch.batch_size
+        if graph is None:
+            raise RuntimeError("plan_capture before init_cuda_graph")
+        wrapper = self._flashinfer.BatchMLAPagedAttentionWrapper(
+            self._workspace, use_cuda_graph=True, qo_indptr=graph.qo_indptr[: size + 1],
+            kv_indptr=graph.kv_indptr[: size + 1], kv_indices=graph.kv_indices, kv_len_arr=graph.kv_len_arr[:size],
+            backend=self._kernel,
+        )
+        self._graph_wrappers[(batch.mode, size)] = wrapper, graph.kv_indices
+        self.plan_replay(batch)
+
+    def plan_replay(self, batch: ForwardBatch) -> None:
+        """Re-plan the graph's wrapper for the batch in the static buffers: the page ids into the fixed
+        kv_indices (a gather on the device), the schedule from the host lengths into FlashInfer's fixed
+        int workspace (a stream-ordered copy). No device-to-host sync."""
+        graph = self._graph_wrappers.get((batch.mode, batch.batch_size))
+        if graph is None:
+            raise RuntimeError(f"plan_replay of a {batch.mode.name} batch of {batch.batch_size} requests, "
+                               "for which plan_capture made no graph wrapper")
+        AttentionBackend.plan(self, batch)
+        self._mha_calls = []
+        self._plan_mla(batch, *graph)
+
+    def _plan_mla(self, batch: ForwardBatch, wrapper: Any, kv_indices: torch.Tensor | None = None) -> None:
+        """Plan `wrapper` for this batch's absorbed MLA; `kv_indices`: the graph buffer the page ids go to."""
         pool, spec = batch.kv_pool, self.spec
         if pool is not self._views_pool:
             self._views = [paged_latent_views(pool, layer) for layer in range(pool.num_layers)]
             self._views_pool = pool
-        pages = paged_kv_indices(batch.block_table, batch.seq_lens_cpu, pool.page_size)
+        pages = paged_kv_indices(batch.block_table, batch.seq_lens_cpu, pool.page_size, out=kv_indices)
         metadata = self._flashinfer.mla.MLAPlanMetadata.csr(
-            qo_indptr=exclusive_cumsum(batch.extend_lens_cpu), kv_indptr=pages.kv_indptr,
-            kv_indices=pages.kv_indices, kv_len_arr=pages.kv_lens,
+            qo_indptr=staged(exclusive_cumsum(batch.extend_lens_cpu), batch.block_table.device),
+            kv_indptr=pages.kv_indptr, kv_indices=pages.kv_indices, kv_len_arr=pages.kv_lens,
         )
         try:
-            self._mla.plan(
+            wrapper.plan(
                 metadata=metadata, num_heads=spec.num_heads, head_dim_ckv=pool.kv_lora_rank,
                 head_dim_kpe=pool.qk_rope_head_dim, page_size=pool.page_size,
                 causal=max(batch.extend_lens_cpu) > 1, sm_scale=spec.softmax_scale,
@@ -267,7 +352,7 @@ class FlashInferMLAAttention(AttentionBackend):
         except ValueError as exc:  # FlashInfer's refusals (work-item capacity, ...) are ValueErrors
             raise ValueError(f"{self.name}: FlashInfer's {self._kernel} MLA kernel refuses a batch of "
                              f"{batch.batch_size} requests, {batch.num_tokens} new tokens: {exc}") from exc
-        self._mla_planned = True
+        self._planned_mla = wrapper
 
     def _plan_mha(self, batch: ForwardBatch) -> None:
         chunked = batch.attn_method is AttnForwardMethod.MHA_CHUNKED_KV
@@ -305,12 +390,13 @@ class FlashInferMLAAttention(AttentionBackend):
         """q_nope [T, H, 512], q_rope [T, H, 64] in the pool's dtype (any strides with a unit last one)
         -> [T, H, 512] in that dtype, with q_nope's strides."""
         self.check_mla_inputs(q_nope, q_rope)
-        if not self._mla_planned:
+        if self._planned_mla is None:
             if self.batch.num_tokens == 0:
                 return q_nope.new_empty(q_nope.shape)
             raise ValueError(f"forward_mla called on a {self.batch.mode.name} batch planned for MHA "
                              f"(attn_method {self.batch.attn_method})")
-        return self._mla.run(query=(_unit_stride(q_nope), _unit_stride(q_rope)), kv_cache=self._views[layer_id])
+        return self._planned_mla.run(query=(_unit_stride(q_nope), _unit_stride(q_rope)),
+                                     kv_cache=self._views[layer_id])
 
     def forward_mha(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_chunk: int | None = None

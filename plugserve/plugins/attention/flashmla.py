@@ -11,10 +11,17 @@ to the longest, s_q = max(q_len): request b's tokens fill the last q_len_b of it
 lands in row s_q - q_len_b + j and sees keys [0, seq_len_b - q_len_b + j], exactly its own causal window; the
 zero padding rows read only keys of their own request (some see none) and are dropped. Output [B, s_q, H, 512].
 
-The tile-scheduler metadata is made once per forward: `plan` takes a fresh one from `get_mla_metadata`, and
-FlashMLA (as of 9241ae3) fills it on the device in the first `flash_mla_with_kvcache` call after it, which
-every later layer reuses. Capture a CUDA graph after `plan` and before any `forward_mla`, so that the graph
-holds that scheduling kernel and recomputes it from seq_lens on every replay.
+The tile-scheduler metadata is made once per forward: the first `forward_mla` after `plan` takes a fresh one
+from `get_mla_metadata`, FlashMLA (as of 9241ae3) fills it on the device in that `flash_mla_with_kvcache` call
+(a kernel reading cache_seqlens, its two int32 tensors allocated there), and every later layer reuses it.
+
+CUDA graphs (DECODE, TARGET_VERIFY, DRAFT_EXTEND, whose requests all add the same number of tokens: s_q is
+fixed and there are no padding rows): the block table and seq_lens are the runner's static buffers as they
+are, and the metadata needs no fixed buffer of ours, since FlashMLA has no way to compute it but inside
+that first call: the captured forward takes a fresh object even when warm-up runs after `plan_capture`
+filled one, so the graph holds the scheduling kernel and its output tensors (in the graph's memory pool, at
+fixed addresses); every replay refills them from the static seq_lens before the first layer reads them.
+`plan_replay` is `plan`: host-side layout only.
 
 The package `flash_mla` has no working wheel on PyPI: build deepseek-ai/FlashMLA from source (`pip install
 -v .` in a checkout), or only its dense decode kernels with tools/build_flashmla.sh. It is imported in
@@ -25,7 +32,7 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -99,6 +106,11 @@ def flashmla_kv_cache(buffer: torch.Tensor, page_size: int) -> torch.Tensor:
     return buffer.view(-1, page_size, 1, buffer.shape[-1])
 
 
+def stream_capturing(device: torch.device) -> bool:
+    """Whether the current stream is capturing a CUDA graph (never off CUDA)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 # ----------------------------------------------------------------------------------------------------
 # The backend
 
@@ -121,6 +133,7 @@ class FlashMLAAttention(AttentionBackend):
         kv_lora_ranks=frozenset({512}),
         qk_rope_head_dims=frozenset({64}),
         page_sizes=frozenset({PAGE_SIZE}),
+        graph_modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND}),
     )
     # Above Triton (50): the fastest MLA decode in the device README's H200 numbers. A shootout table overrides.
     priority: ClassVar[dict[str, int]] = {"sm90": 70}
@@ -128,6 +141,9 @@ class FlashMLAAttention(AttentionBackend):
     def __init__(self, spec: AttentionSpec, device: torch.device) -> None:
         super().__init__(spec, device)
         self._flash_mla: ModuleType = importlib.import_module(PACKAGE)
+        self._metadata: Any = None  # this forward's scheduler metadata (None: the next forward_mla makes it)
+        self._num_splits: Any = None
+        self._metadata_in_graph = False  # made while a CUDA graph was being captured
 
     @classmethod
     def availability(cls, hardware: Hardware) -> Availability:
@@ -136,7 +152,8 @@ class FlashMLAAttention(AttentionBackend):
         return Availability.no("; ".join(reasons)) if reasons else OK
 
     def plan(self, batch: ForwardBatch) -> None:
-        """Query layout (s_q, padding rows or None) and a fresh scheduler metadata, shared by all layers."""
+        """Query layout (s_q, padding rows or None), shared by all layers; the scheduler metadata is left to
+        the first forward_mla (`_scheduler_metadata`)."""
         super().plan(batch)
         page_size = batch.kv_pool.page_size
         if page_size != PAGE_SIZE:
@@ -147,12 +164,39 @@ class FlashMLAAttention(AttentionBackend):
         self._rows = None if uniform else padded_query_rows(batch.extend_lens, batch.num_tokens, self._s_q)
         self._block_table = batch.block_table.to(torch.int32).contiguous()  # a no-op for ForwardBatch's own
         self._seq_lens = batch.seq_lens.to(torch.int32).contiguous()
-        if self._s_q > 0:
+        self._metadata = self._num_splits = None
+
+    def init_cuda_graph(self, max_batch_size: int, max_num_tokens: int, max_pages: int) -> None:
+        """Nothing to allocate: FlashMLA reads the runner's static block table and seq_lens as they are, and
+        the scheduler metadata is made inside the graph (module docstring)."""
+
+    def plan_capture(self, batch: ForwardBatch) -> None:
+        """`plan`, for a batch whose requests all add the same number of tokens (no padding rows, whose
+        gather positions would be a tensor made here and never refreshed)."""
+        if len(set(batch.extend_lens_cpu)) > 1:
+            raise ValueError(f"flashmla captures batches of one query length, got {batch.extend_lens_cpu}")
+        self.plan(batch)
+
+    def plan_replay(self, batch: ForwardBatch) -> None:
+        """`plan`: host-side layout only; the graph refills its scheduler metadata from the static seq_lens.
+        (Dropping this object's reference to that metadata frees nothing the graph needs: its tensors stay
+        in the graph's memory pool, and every replay writes them before reading them.)"""
+        self.plan(batch)
+
+    def _scheduler_metadata(self) -> tuple[Any, Any]:
+        """This forward's (metadata, num_splits), made by its first call. A call being captured in a CUDA graph
+        takes a fresh one when the current one was made outside the capture (by warm-up runs): filled
+        outside, it would not be refilled by the graph's replays."""
+        capturing = stream_capturing(self.device)
+        if self._metadata is None or self._metadata_in_graph != capturing:
             # 9241ae3 ignores the arguments and returns an empty (metadata, None) for the first call to fill;
-            # older releases compute the metadata here from them: (seq_lens, s_q * heads per KV head, KV heads).
+            # older releases compute the metadata here from them: (seq_lens, s_q * heads per KV head, KV heads),
+            # with a kernel, which a capture then holds just the same.
             self._metadata, self._num_splits = self._flash_mla.get_mla_metadata(
                 self._seq_lens, self._s_q * self.spec.num_heads, 1
             )
+            self._metadata_in_graph = capturing
+        return self._metadata, self._num_splits
 
     def forward_mla(self, q_nope: torch.Tensor, q_rope: torch.Tensor, layer_id: int) -> torch.Tensor:
         """q_nope [T, H, 512], q_rope [T, H, 64] bf16 -> [T, H, 512] bf16 over each request's cached tokens."""
@@ -162,9 +206,10 @@ class FlashMLAAttention(AttentionBackend):
         if self._s_q == 0:  # no new tokens: FlashMLA cannot launch on an empty query
             return q_nope.new_empty(q_nope.shape)
         q = flashmla_query(q_nope, q_rope, batch.batch_size, self._s_q, self._rows)
+        metadata, num_splits = self._scheduler_metadata()
         out, _ = self._flash_mla.flash_mla_with_kvcache(
             q, flashmla_kv_cache(pool.buffer(layer_id), PAGE_SIZE), self._block_table, self._seq_lens,
-            pool.kv_lora_rank, self._metadata, self._num_splits, softmax_scale=self.spec.softmax_scale, causal=True,
+            pool.kv_lora_rank, metadata, num_splits, softmax_scale=self.spec.softmax_scale, causal=True,
         )
         return flashmla_output(out, self._rows)
 

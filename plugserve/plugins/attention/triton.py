@@ -59,6 +59,7 @@ class TritonAttention(AttentionBackend):
         self._graph_token_req: torch.Tensor | None = None  # [max_num_tokens] int32, set by init_cuda_graph
         self._graph_token_kv_len: torch.Tensor | None = None
         self._graph_max_kv_len = 0
+        self._graph_splits: dict[int, int] = {}  # KV splits of each captured token count
 
     @classmethod
     def availability(cls, hardware: Hardware) -> Availability:
@@ -99,19 +100,20 @@ class TritonAttention(AttentionBackend):
     def plan_capture(self, batch: ForwardBatch) -> None:
         if self._graph_token_req is None or self._graph_token_kv_len is None:
             raise RuntimeError("plan_capture before init_cuda_graph")
-        AttentionBackend.plan(self, batch)
-        num_tokens = batch.num_tokens
-        self._token_req = self._graph_token_req[:num_tokens]
-        self._token_kv_len = self._graph_token_kv_len[:num_tokens]
-        self._num_splits = self._kernels.mla_num_splits(
-            self._graph_max_kv_len, num_tokens, self.spec.num_heads, self.spec.kv_lora_rank, self._multiprocessors,
+        self._graph_splits[batch.num_tokens] = self._kernels.mla_num_splits(
+            self._graph_max_kv_len, batch.num_tokens, self.spec.num_heads, self.spec.kv_lora_rank,
+            self._multiprocessors,
         )
         self.plan_replay(batch)
 
     def plan_replay(self, batch: ForwardBatch) -> None:
-        """token_req / token_kv_len of this batch into the fixed buffers, on the device."""
+        """token_req / token_kv_len of this batch into the leading rows of the fixed buffers, on the
+        device; the split count captured for its size."""
         self.batch = batch
         num_tokens = batch.num_tokens
+        self._token_req = self._graph_token_req[:num_tokens]  # type: ignore[index]
+        self._token_kv_len = self._graph_token_kv_len[:num_tokens]  # type: ignore[index]
+        self._num_splits = self._graph_splits[num_tokens]
         self._token_req.copy_(torch.repeat_interleave(
             torch.arange(batch.batch_size, dtype=torch.int32, device=self.device), batch.extend_lens,
             output_size=num_tokens,

@@ -13,10 +13,12 @@ from types import ModuleType, SimpleNamespace
 import pytest
 import torch
 
+from plugserve.core.cuda_graph_runner import GraphInputs
 from plugserve.core.dispatch import prepare_attention
-from plugserve.core.forward_batch import ForwardMode, Phase
+from plugserve.core.forward_batch import ForwardBatch, ForwardMode, Phase
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import AttentionSpec
+from plugserve.core.kv_cache import MLAKVPool, pages_needed
 from plugserve.plugins.attention.cutlass_mla import (
     KERNEL_HEADS,
     KERNEL_SM_SCALE,
@@ -137,6 +139,8 @@ class FakeWrapper:
     def __init__(self, workspace: torch.Tensor, backend: str) -> None:
         assert backend == "cutlass"
         self.workspace = workspace
+        self.plans = 0
+        self.runs: list[tuple[int, int, int]] = []  # data_ptr of query, page table and kv_lens of each run
 
     def plan(self, *, metadata, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal, sm_scale, q_data_type,
              kv_data_type) -> None:
@@ -151,17 +155,25 @@ class FakeWrapper:
         assert int(((kv_lens + page_size - 1) // page_size).max()) <= table.shape[1]
         rows = table.shape[0]
         assert self.workspace.numel() >= (4 * 512 + 4) * 128 * cutlass_split_kv(rows, table.shape[1] * 128, 148) * rows
-        self.table, self.kv_lens = table, kv_lens
+        self.table, self.kv_lens, self.plans = table, kv_lens, self.plans + 1
 
-    def run(self, *, query: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
-        rows = self.table.shape[0]
+    def run(self, *, query: torch.Tensor, kv_cache: torch.Tensor, kv_len: torch.Tensor | None = None,
+            page_table: torch.Tensor | None = None) -> torch.Tensor:
+        assert (kv_len is None) == (page_table is None), "kv_len and page_table: both or neither"
+        table = self.table if page_table is None else page_table
+        kv_lens = self.kv_lens if kv_len is None else kv_len
+        rows = self.table.shape[0]  # the planned batch size
         assert query.shape == (rows, 128, 576) and query.is_contiguous()
+        assert table.dtype == kv_lens.dtype == torch.int32 and table.shape[0] == kv_lens.shape[0] == rows
         assert kv_cache.shape[1:] == (128, 576) and kv_cache.is_contiguous()
+        # Split by the table's width (sm100_mla.hpp): the workspace must hold that split's partials.
+        assert self.workspace.numel() >= (4 * 512 + 4) * 128 * cutlass_split_kv(rows, table.shape[1] * 128, 148) * rows
+        self.runs.append((query.data_ptr(), table.data_ptr(), kv_lens.data_ptr()))
         out = torch.empty(rows, 128, 512, dtype=query.dtype)
         for row in range(rows):
-            n = int(self.kv_lens[row])
+            n = int(kv_lens[row])
             positions = torch.arange(n)
-            keys = kv_cache[self.table[row, positions // 128].long(), positions % 128].float()  # [n, 576]
+            keys = kv_cache[table[row, positions // 128].long(), positions % 128].float()  # [n, 576]
             probs = torch.softmax(query[row].float() @ keys.T * KERNEL_SM_SCALE, dim=-1)
             out[row] = (probs @ keys[:, :512]).to(query.dtype)
         return out
@@ -214,3 +226,68 @@ def test_plan_refuses_other_page_sizes(fake_flashinfer) -> None:
     batch = random_batch(ForwardMode.DECODE, [70], [1], spec, CPU, num_layers=1)
     with pytest.raises(ValueError, match="pages of 128 tokens"):
         CutlassMLAAttention(spec, CPU).plan(batch)
+
+
+def real_batch(mode: ForwardMode, seq_lens: list[int], per_request: int, pool: MLAKVPool) -> ForwardBatch:
+    """Requests on shuffled pages of `pool`, never its last page (the graphs' padding page)."""
+    order = torch.randperm(pool.num_pages - 1).tolist()
+    pages = [[order.pop() for _ in range(pages_needed(s, pool.page_size))] for s in seq_lens]
+    table = torch.tensor([p + [p[0]] * (max(map(len, pages)) - len(p)) for p in pages], dtype=torch.int32)
+    return ForwardBatch.build(mode, seq_lens, [per_request] * len(seq_lens), table, pool)
+
+
+@pytest.mark.parametrize(("mode", "per_request"), [(ForwardMode.DECODE, 1), (ForwardMode.TARGET_VERIFY, 3)])
+def test_cuda_graph_capture_and_replay(fake_flashinfer, mode: ForwardMode, per_request: int) -> None:
+    """Each captured size plans its own wrapper once, over leading rows of the fixed buffers (page table at the
+    full width); plan_replay plans nothing and rewrites those rows in place (padding rows: the padding page,
+    kv_len = position + 1); every run reads the same addresses, and the real rows match the reference."""
+    heads, max_bs, max_pages = 16, 4, 3
+    spec = AttentionSpec(num_heads=heads, dtype=torch.bfloat16, page_size=128, sm_scale=V3_YARN_SCALE)
+    assert mode in CutlassMLAAttention.capabilities.graph_modes
+    pool = MLAKVPool(2, max_bs * max_pages + 1, 128, 512, 64, torch.bfloat16, CPU)
+    for layer in range(2):
+        pool.buffer(layer).copy_(torch.randn(pool.num_slots, 576))
+    padding_page = pool.num_pages - 1
+    inputs = GraphInputs(max_bs, per_request, max_pages, pool, padding_page)
+    backend, reference = CutlassMLAAttention(spec, CPU), TorchRefAttention(spec, CPU)
+    max_rows = max_bs * per_request
+    backend.init_cuda_graph(max_bs, max_rows, max_pages)
+    assert backend._graph_workspace.numel() == max(workspace_bytes(n, 148) for n in range(1, max_rows + 1))
+
+    def forward(static: ForwardBatch, real: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        t, n = static.num_tokens, real.num_tokens
+        backend.set_kv(LAYER, static.out_cache_loc, torch.randn(t, 512), torch.randn(t, 64))
+        q_nope = torch.randn(t, heads, 512, dtype=torch.bfloat16)
+        q_rope = torch.randn(t, heads, 64, dtype=torch.bfloat16)
+        out = backend.forward_mla(q_nope, q_rope, LAYER)
+        reference.plan(real)
+        return out[:n], reference.forward_mla(q_nope[:n], q_rope[:n], LAYER)
+
+    captured = {}
+    for size in (max_bs, 2):  # largest first, as the runner captures
+        static = inputs.batch(mode, size)
+        backend.plan_capture(static)
+        wrapper = backend._planned
+        assert wrapper.plans == 1 and wrapper.workspace is backend._graph_workspace
+        assert wrapper.table.shape == (size * per_request, max_pages)  # the full width: a split fixed at capture
+        forward(static, static)
+        captured[size] = wrapper, wrapper.runs[-1]
+
+    for seq_lens, size in (([300, 3, 129], max_bs), ([256 + per_request], 2), ([5], 2)):
+        real = real_batch(mode, seq_lens, per_request, pool)
+        static = inputs.load(torch.zeros(real.num_tokens, dtype=torch.int64), real, size)
+        backend.plan_replay(static)
+        wrapper, addresses = captured[size]
+        assert backend._planned is wrapper and wrapper.plans == 1  # no plan (it syncs) in a replay
+        n = real.num_tokens
+        assert backend._kv_lens.tolist() == (static.positions + 1).tolist()
+        assert torch.all(backend._page_table[n:] == padding_page)  # padding rows read the padding page only
+        assert backend._page_table[:n, : real.block_table.shape[1]].tolist() == (
+            real.block_table.repeat_interleave(per_request, dim=0).tolist())
+        out, expected = forward(static, real)
+        assert wrapper.runs[-1] == addresses  # what the captured kernel reads, at the captured addresses
+        assert_close(out, expected, torch.bfloat16, f"replay {seq_lens}")
+
+    eager = random_batch(ForwardMode.DECODE, [70, 9], [1, 1], spec, CPU)
+    backend.plan(eager)  # eager forwards keep their own wrapper and workspace
+    assert backend._planned is backend._wrapper and backend._wrapper.workspace is not backend._graph_workspace

@@ -11,10 +11,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from plugserve.core.cuda_graph_runner import GraphInputs
 from plugserve.core.dispatch import AttnForwardMethod, prepare_attention
-from plugserve.core.forward_batch import ForwardMode, Phase
+from plugserve.core.forward_batch import ForwardBatch, ForwardMode, Phase
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import AttentionSpec
+from plugserve.core.kv_cache import MLAKVPool, pages_needed
 from plugserve.plugins.attention import fa3
 from plugserve.plugins.attention.fa3 import (
     CUTE,
@@ -79,6 +81,9 @@ def cute_varlen_func(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, max
     return out, (lse if return_lse else None)
 
 
+KVCACHE_CALLS: list[dict] = []  # per fa3_with_kvcache call: data_ptr of page_table / cache_seqlens / cu_seqlens_q
+
+
 def fa3_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, cache_seqlens=None, page_table=None,
                      cu_seqlens_q=None, max_seqlen_q=None, softmax_scale=None, causal=False):
     """FA3's paged MLA: q [T, H, Dk] and qv [T, H, Dv] varlen by cu_seqlens_q; k_cache [pages, page_size,
@@ -86,6 +91,9 @@ def fa3_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, cache_seqlens
     position j at page page_table[b, j // page_size], row j % page_size; scores q.k + qv.v, bottom-right
     causal. Returns [T, H, Dv] in q's dtype."""
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and page_table.dtype == torch.int32
+    assert page_table.stride(-1) == 1 and cache_seqlens.dtype == cu_seqlens_q.dtype == torch.int32
+    KVCACHE_CALLS.append({"page_table": page_table.data_ptr(), "cache_seqlens": cache_seqlens.data_ptr(),
+                          "cu_seqlens_q": cu_seqlens_q.data_ptr(), "max_seqlen_q": max_seqlen_q})
     num_pages, page_size = k_cache.shape[:2]
     assert k_cache.shape[2] == v_cache.shape[2] == 1 and v_cache.shape[:2] == (num_pages, page_size)
     assert max_seqlen_q == max(lens_of(cu_seqlens_q))
@@ -315,3 +323,46 @@ def test_forward_mla(fake_libraries, case: str, page_size: int) -> None:
     assert_close(out, reference.forward_mla(q_nope, q_rope, LAYER), spec.dtype, f"forward_mla {case} page {page_size}")
     with pytest.raises(ValueError, match="KV cache dtype"):
         backend.forward_mla(q_nope.float(), q_rope.float(), LAYER)
+
+
+@pytest.mark.parametrize(("mode", "per_request"), [(ForwardMode.DECODE, 1), (ForwardMode.TARGET_VERIFY, 4),
+                                                   (ForwardMode.DRAFT_EXTEND, 2)])
+def test_forward_mla_under_cuda_graphs(fake_libraries, mode: ForwardMode, per_request: int) -> None:
+    """fa3_mla hands FA3 the runner's static block table, seq_lens and cu_extend_lens as they are, and a
+    max_seqlen_q fixed per graph; replays of other lengths and pages (padding rows included) read the same
+    addresses and match the reference on the real rows."""
+    fake_libraries(FAKE_FA3, None)
+    page_size, max_bs, max_pages = 16, 4, 6
+    spec = spec_of(torch.float16, page_size=page_size)
+    assert mode in FA3MLAAttention.capabilities.graph_modes
+    assert not FA3Attention.capabilities.graph_modes  # prefill only
+    pool = MLAKVPool(2, max_bs * max_pages + 1, page_size, R, P, spec.dtype, CPU)
+    for layer in range(2):
+        pool.buffer(layer).copy_(torch.randn(pool.num_slots, R + P))
+    inputs = GraphInputs(max_bs, per_request, max_pages, pool, padding_page=pool.num_pages - 1)
+    backend, reference = FA3MLAAttention(spec, CPU), TorchRefAttention(spec, CPU)
+    backend.init_cuda_graph(max_bs, max_bs * per_request, max_pages)
+    static_buffers = {"page_table": inputs.block_table.data_ptr(), "cache_seqlens": inputs.seq_lens.data_ptr(),
+                      "cu_seqlens_q": inputs.cu_extend_lens.data_ptr(), "max_seqlen_q": per_request}
+
+    def forward(static: ForwardBatch, real: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        t, n = static.num_tokens, real.num_tokens
+        backend.set_kv(LAYER, static.out_cache_loc, torch.randn(t, R), torch.randn(t, P))
+        q_nope, q_rope = torch.randn(t, HEADS, R, dtype=spec.dtype), torch.randn(t, HEADS, P, dtype=spec.dtype)
+        out = backend.forward_mla(q_nope, q_rope, LAYER)
+        assert KVCACHE_CALLS[-1] == static_buffers
+        reference.plan(real)
+        return out[:n], reference.forward_mla(q_nope[:n], q_rope[:n], LAYER)
+
+    for size in (max_bs, 2):
+        static = inputs.batch(mode, size)
+        backend.plan_capture(static)
+        forward(static, static)
+    for seq_lens, size in (([70, 4, 33], max_bs), ([90], 2)):
+        order = torch.randperm(pool.num_pages - 1).tolist()
+        pages = [[order.pop() for _ in range(pages_needed(s, page_size))] for s in seq_lens]
+        table = torch.tensor([p + [p[0]] * (max(map(len, pages)) - len(p)) for p in pages], dtype=torch.int32)
+        real = ForwardBatch.build(mode, seq_lens, [per_request] * len(seq_lens), table, pool)
+        backend.plan_replay(inputs.load(torch.zeros(real.num_tokens, dtype=torch.int64), real, size))
+        out, expected = forward(backend.batch, real)
+        assert_close(out, expected, spec.dtype, f"replay {seq_lens}")

@@ -14,11 +14,12 @@ from types import ModuleType, SimpleNamespace
 import pytest
 import torch
 
+from plugserve.core.cuda_graph_runner import GraphInputs
 from plugserve.core.dispatch import AttnForwardMethod, prepare_attention
-from plugserve.core.forward_batch import ForwardMode, Phase
+from plugserve.core.forward_batch import ForwardBatch, ForwardMode, Phase
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import AttentionSpec
-from plugserve.core.kv_cache import MLAKVPool, sequence_slots
+from plugserve.core.kv_cache import MLAKVPool, pages_needed, sequence_slots
 from plugserve.plugins.attention import flashinfer_mla
 from plugserve.plugins.attention.flashinfer_mla import (
     LN2,
@@ -174,6 +175,16 @@ def test_paged_kv_indices_address_every_cached_slot(page_size: int) -> None:
     assert torch.equal(slots, sequence_slots(batch.block_table, seq_lens, page_size))
 
 
+def test_paged_kv_indices_into_a_fixed_buffer() -> None:
+    table = torch.tensor([[7, 3, 9], [4, 0, 0]], dtype=torch.int32)
+    buffer = torch.full((8,), -1, dtype=torch.int32)
+    pages = paged_kv_indices(table, [20, 5], 8, out=buffer)
+    assert pages.kv_indices.data_ptr() == buffer.data_ptr() and pages.kv_indices.tolist() == [7, 3, 9, 4]
+    assert buffer.tolist() == [7, 3, 9, 4, -1, -1, -1, -1]  # the rest untouched
+    with pytest.raises(ValueError, match="4 page ids do not fit a kv_indices buffer of 3"):
+        paged_kv_indices(table, [20, 5], 8, out=buffer[:3])
+
+
 def test_paged_kv_indices_refuse_a_short_block_table() -> None:
     table = torch.zeros(2, 3, dtype=torch.int32)
     with pytest.raises(ValueError, match="need up to 4 pages of 16"):
@@ -273,18 +284,37 @@ class PlanMetadata:
 
 
 class FakeMLAWrapper:
-    """BatchMLAPagedAttentionWrapper's contract: CSR pages, causal bottom-right over kv_len keys."""
+    """BatchMLAPagedAttentionWrapper's contract: CSR pages, causal bottom-right over kv_len keys. In graph mode
+    (`use_cuda_graph`, 0.7.2.post1's `_fa_common.py`): reserved int32 buffers, qo_indptr / kv_indptr / kv_len_arr
+    of the planned batch's exact sizes and kv_indices at least as long as the batch's pages, into which plan()
+    copies the metadata; the kernel then reads the page ids from the reserved kv_indices at run time, and the
+    rest from the schedule planned on the host (here: the host metadata kept at plan)."""
 
-    def __init__(self, workspace: torch.Tensor, *, backend: str) -> None:
-        self.backend, self.plans = backend, 0
+    def __init__(self, workspace: torch.Tensor, use_cuda_graph: bool = False, qo_indptr=None, kv_indptr=None,
+                 kv_indices=None, kv_len_arr=None, *, backend: str) -> None:
+        self.backend, self.plans, self.use_cuda_graph = backend, 0, use_cuda_graph
+        self.buffers = (qo_indptr, kv_indptr, kv_indices, kv_len_arr)
+        self.workspace_device = workspace.device
+        self.kv_indices_read: list[int] = []  # data_ptr of the page ids each run read
 
     def plan(self, *, metadata: PlanMetadata, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal, sm_scale,
              q_data_type, kv_data_type, query_layout, kv_cache_layout) -> None:
         assert (query_layout, kv_cache_layout) == ("split", "split")
-        for t in (metadata.qo_indptr, metadata.kv_indptr, metadata.kv_indices, metadata.kv_len_arr):
+        fields = (metadata.qo_indptr, metadata.kv_indptr, metadata.kv_indices, metadata.kv_len_arr)
+        for t in fields:
             assert t.dtype == torch.int32 and t.is_contiguous() and t.dim() == 1
+        for t in (metadata.qo_indptr, metadata.kv_indptr, metadata.kv_len_arr):
+            assert t.device.type == "cpu", "the planner reads these on the host: device tensors would sync"
         pages = (metadata.kv_len_arr.long() + page_size - 1) // page_size
         assert torch.equal(pages, metadata.kv_indptr.diff().long()), "FlashInfer refuses this page count"
+        if self.use_cuda_graph:
+            for i, (buffer, source) in enumerate(zip(self.buffers, fields, strict=True)):
+                assert buffer.dtype == torch.int32 and buffer.is_contiguous() and buffer.device == self.workspace_device
+                assert buffer.shape[0] >= source.shape[0] if i == 2 else buffer.shape == source.shape, \
+                    "CUDA graph reserved buffer has insufficient or incompatible capacity"
+                buffer[: source.shape[0]].copy_(source)
+            metadata = PlanMetadata(metadata.qo_indptr.clone(), metadata.kv_indptr.clone(), self.buffers[2],
+                                    metadata.kv_len_arr.clone())
         self.meta, self.causal, self.sm_scale, self.num_heads = metadata, causal, sm_scale, num_heads
         self.dims, self.dtypes = (head_dim_ckv, head_dim_kpe), (q_data_type, kv_data_type)
         self.plans += 1
@@ -297,6 +327,7 @@ class FakeMLAWrapper:
         assert q_nope.dtype == self.dtypes[0] and ckv.dtype == self.dtypes[1] and q_nope.shape[1] == self.num_heads
         qo, kv = self.meta.qo_indptr.tolist(), self.meta.kv_indptr.tolist()
         indices, lens = self.meta.kv_indices.long(), self.meta.kv_len_arr.tolist()
+        self.kv_indices_read.append(self.meta.kv_indices.data_ptr())
         out = torch.empty_like(q_nope)
         for b, kv_len in enumerate(lens):
             pages = indices[kv[b]:kv[b + 1]]
@@ -474,3 +505,77 @@ def test_wrappers_are_planned_once_per_forward_and_reused() -> None:
     assert backend._ragged == wrappers and all(w.plans == 2 for w in wrappers)
     assert all(e.synchronized == 1 for e in events)  # each re-plan waited for its wrapper's last upload
     assert backend._mla.plans == 2
+
+
+# -- CUDA graphs: init_cuda_graph / plan_capture / plan_replay against the stand-in -------------------
+
+
+def _graph_pool(num_pages: int, page_size: int) -> MLAKVPool:
+    pool = MLAKVPool(2, num_pages, page_size, 512, 64, DTYPE, CPU)
+    for layer in range(2):
+        pool.buffer(layer).copy_(torch.randn(pool.num_slots, 576))
+    return pool
+
+
+def _real_batch(mode: ForwardMode, seq_lens: list[int], per_request: int, pool: MLAKVPool) -> ForwardBatch:
+    """Requests on shuffled pages of `pool`, never its last page (the graphs' padding page)."""
+    order = torch.randperm(pool.num_pages - 1).tolist()
+    pages = [[order.pop() for _ in range(pages_needed(s, pool.page_size))] for s in seq_lens]
+    table = torch.tensor([p + [p[0]] * (max(map(len, pages)) - len(p)) for p in pages], dtype=torch.int32)
+    batch = ForwardBatch.build(mode, seq_lens, [per_request] * len(seq_lens), table, pool)
+    batch.attn_method = AttnForwardMethod.MLA
+    return batch
+
+
+@pytest.mark.usefixtures("fake_flashinfer")
+@pytest.mark.parametrize(("mode", "per_request"), [(ForwardMode.DECODE, 1), (ForwardMode.TARGET_VERIFY, 3)])
+def test_cuda_graph_capture_and_replay(mode: ForwardMode, per_request: int) -> None:
+    """One graph-mode wrapper per captured size over the fixed buffers; every replay re-plans it in place:
+    the page ids of real and padding rows into the fixed kv_indices, which the run reads (as the captured
+    kernel would), and the output of the real rows is the reference's."""
+    page_size, max_bs, max_pages = 16, 4, 6
+    spec = _spec(page_size)
+    assert mode in FlashInferMLAAttention.capabilities.graph_modes
+    pool = _graph_pool(max_bs * max_pages + 1, page_size)
+    padding_page = pool.num_pages - 1
+    inputs = GraphInputs(max_bs, per_request, max_pages, pool, padding_page)
+    backend, reference = FlashInferMLAAttention(spec, CPU), TorchRefAttention(spec, CPU)
+    with pytest.raises(RuntimeError, match="before init_cuda_graph"):
+        backend.plan_capture(inputs.batch(mode, max_bs))
+    backend.init_cuda_graph(max_bs, max_bs * per_request, max_pages)
+    kv_indices = backend._graph.kv_indices
+    assert kv_indices.shape == (max_bs * max_pages,) and kv_indices.dtype == torch.int32
+    wrappers = {}
+    for size in (max_bs, 2):  # largest first, as the runner captures
+        backend.plan_capture(inputs.batch(mode, size))
+        wrapper = wrappers[size] = backend._planned_mla
+        assert wrapper is not backend._mla and wrapper.use_cuda_graph and wrapper.backend == "fa2"
+        qo, kv, indices, lens = wrapper.buffers
+        assert qo.shape == kv.shape == (size + 1,) and lens.shape == (size,) and indices is kv_indices
+        assert wrapper.causal == (per_request > 1)
+    with pytest.raises(RuntimeError, match="plan_capture made no graph wrapper"):
+        backend.plan_replay(inputs.batch(mode, 1))
+
+    for seq_lens, size in (([70, 3, 33], max_bs), ([80, 17], 2), ([5], 2), ([90, 1 + per_request], max_bs)):
+        real = _real_batch(mode, seq_lens, per_request, pool)
+        static = inputs.load(torch.zeros(real.num_tokens, dtype=torch.int64), real, size)
+        wrapper = wrappers[size]
+        plans = wrapper.plans
+        backend.plan_replay(static)
+        assert backend._planned_mla is wrapper and wrapper.plans == plans + 1
+        # Real rows' pages, then one padding page per padding row (seq_len = per_request), in the fixed buffer.
+        expected = paged_kv_indices(real.block_table, seq_lens, page_size).kv_indices.tolist()
+        expected += [padding_page] * (size - len(seq_lens))
+        assert kv_indices[: len(expected)].tolist() == expected
+        t, n = static.num_tokens, real.num_tokens
+        latent, k_rope = torch.randn(t, 512, dtype=DTYPE), torch.randn(t, 64, dtype=DTYPE)
+        q_nope, q_rope = torch.randn(t, HEADS, 512, dtype=DTYPE), torch.randn(t, HEADS, 64, dtype=DTYPE)
+        backend.set_kv(1, static.out_cache_loc, latent, k_rope)
+        out = backend.forward_mla(q_nope, q_rope, 1)
+        assert wrapper.kv_indices_read[-1] == kv_indices.data_ptr()  # the run reads the fixed buffer
+        reference.plan(real)
+        assert_close(out[:n], reference.forward_mla(q_nope[:n], q_rope[:n], 1), DTYPE, f"replay {seq_lens}")
+
+    decode = random_batch(ForwardMode.DECODE, [40, 9], [1, 1], spec, CPU)
+    backend.plan(decode)  # eager forwards keep their own wrapper
+    assert backend._planned_mla is backend._mla and not backend._mla.use_cuda_graph

@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from plugserve.core.cuda_graph_runner import GraphInputs
 from plugserve.core.dispatch import AttnForwardMethod
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode, Phase
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import AttentionSpec
-from plugserve.core.kv_cache import token_slots
+from plugserve.core.kv_cache import MLAKVPool, pages_needed, token_slots
 from plugserve.plugins.attention import flashmla
 from plugserve.plugins.attention.flashmla import (
     FlashMLAAttention,
@@ -212,6 +213,7 @@ class FakeFlashMLA(types.ModuleType):
         super().__init__("flash_mla")
         self.metadata_made = 0
         self.metadata_filled = 0
+        self.calls: list[tuple[SchedMeta, int, int]] = []  # (metadata, block_table and cache_seqlens data_ptr)
 
     def get_mla_metadata(self, *args: object, **kwargs: object) -> tuple[SchedMeta, None]:
         self.metadata_made += 1
@@ -229,6 +231,7 @@ class FakeFlashMLA(types.ModuleType):
         assert block_table.dtype == cache_seqlens.dtype == torch.int32 and block_table.stride(-1) == 1
         assert block_table.shape[0] == cache_seqlens.shape[0] == b and cache_seqlens.is_contiguous()
         config = (b, s_q, h_q, page, h_k, causal)
+        self.calls.append((tile_scheduler_metadata, block_table.data_ptr(), cache_seqlens.data_ptr()))
         if tile_scheduler_metadata.config is None:
             tile_scheduler_metadata.config = config
             self.metadata_filled += 1
@@ -316,3 +319,71 @@ def test_a_batch_without_new_tokens_calls_nothing(fake_flash_mla: FakeFlashMLA) 
     empty = torch.zeros(0, 4, 512, dtype=torch.bfloat16), torch.zeros(0, 4, 64, dtype=torch.bfloat16)
     assert backend.forward_mla(*empty, LAYER).shape == (0, 4, 512)
     assert fake_flash_mla.metadata_made == fake_flash_mla.metadata_filled == 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# CUDA graphs
+
+
+def real_batch(mode: ForwardMode, seq_lens: list[int], per_request: int, pool: MLAKVPool) -> ForwardBatch:
+    """Requests on shuffled pages of `pool`, never its last page (the graphs' padding page)."""
+    order = torch.randperm(pool.num_pages - 1).tolist()
+    pages = [[order.pop() for _ in range(pages_needed(s, pool.page_size))] for s in seq_lens]
+    table = torch.tensor([p + [p[0]] * (max(map(len, pages)) - len(p)) for p in pages], dtype=torch.int32)
+    return ForwardBatch.build(mode, seq_lens, [per_request] * len(seq_lens), table, pool)
+
+
+@pytest.mark.parametrize(("mode", "per_request"), [(ForwardMode.DECODE, 1), (ForwardMode.TARGET_VERIFY, 3),
+                                                   (ForwardMode.DRAFT_EXTEND, 2)])
+def test_cuda_graph_capture_and_replay(mode: ForwardMode, per_request: int, fake_flash_mla: FakeFlashMLA,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """FlashMLA reads the static block table and seq_lens as they are; the captured forward makes a fresh
+    scheduler metadata at its first layer (filled inside the graph) even after warm-up runs made one, later
+    layers reuse it, and plan_replay makes none (the graph refills its own from the static seq_lens)."""
+    heads, max_bs, max_pages = 16, 4, 3
+    spec = AttentionSpec(num_heads=heads, page_size=64, sm_scale=0.07)
+    assert mode in FlashMLAAttention.capabilities.graph_modes
+    pool = MLAKVPool(2, max_bs * max_pages + 1, 64, 512, 64, torch.bfloat16, CPU)
+    for layer in range(2):
+        pool.buffer(layer).copy_(torch.randn(pool.num_slots, 576))
+    inputs = GraphInputs(max_bs, per_request, max_pages, pool, padding_page=pool.num_pages - 1)
+    backend, reference = FlashMLAAttention(spec, CPU), TorchRefAttention(spec, CPU)
+    backend.init_cuda_graph(max_bs, max_bs * per_request, max_pages)
+
+    def forward(static: ForwardBatch, real: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layers 0 and LAYER over `static`: the real rows of LAYER's output, and the reference's over `real`."""
+        t, n = static.num_tokens, real.num_tokens
+        backend.set_kv(LAYER, static.out_cache_loc, torch.randn(t, 512), torch.randn(t, 64))
+        q_nope = torch.randn(t, heads, 512, dtype=torch.bfloat16)
+        q_rope = torch.randn(t, heads, 64, dtype=torch.bfloat16)
+        out = [backend.forward_mla(q_nope, q_rope, layer) for layer in (0, LAYER)][-1]
+        reference.plan(real)
+        return out[:n], reference.forward_mla(q_nope[:n], q_rope[:n], LAYER)
+
+    for size in (max_bs, 2):  # largest first, as the runner captures
+        static = inputs.batch(mode, size)
+        backend.plan_capture(static)
+        assert fake_flash_mla.metadata_made == fake_flash_mla.metadata_filled  # plans make no metadata
+        forward(static, static)  # a warm-up run: its metadata is made and filled outside the capture
+        warm_up = fake_flash_mla.calls[-1][0]
+        monkeypatch.setattr(flashmla, "stream_capturing", lambda device: True)
+        forward(static, static)  # the captured run
+        monkeypatch.setattr(flashmla, "stream_capturing", lambda device: False)
+        (first, table, lens), (second, _, _) = fake_flash_mla.calls[-2:]
+        assert first is second is not warm_up and first.config[:2] == (size, per_request)
+        assert table == inputs.block_table.data_ptr() and lens == inputs.seq_lens.data_ptr()  # the static ones
+
+    made = fake_flash_mla.metadata_made
+    for seq_lens, size in (([70, 3, 150], max_bs), ([129], 2)):
+        real = real_batch(mode, seq_lens, per_request, pool)
+        static = inputs.load(torch.zeros(real.num_tokens, dtype=torch.int64), real, size)
+        backend.plan_replay(static)
+        assert fake_flash_mla.metadata_made == made
+        out, expected = forward(static, real)  # eagerly, what the replay computes
+        assert fake_flash_mla.calls[-1][1:] == (inputs.block_table.data_ptr(), inputs.seq_lens.data_ptr())
+        assert_close(out, expected, torch.bfloat16, f"replay {seq_lens}")
+        made = fake_flash_mla.metadata_made
+
+    ragged = random_batch(ForwardMode.DRAFT_EXTEND, [12, 66], [3, 1], spec, CPU)
+    with pytest.raises(ValueError, match="one query length"):
+        backend.plan_capture(ragged)

@@ -1,0 +1,49 @@
+#!/bin/bash
+# The GPU fast path (issue 10) on the lent GPU machine, from the repo root with the device tool.
+# Carry: .carry/slim (pip download of the serving wheels: pluggy pydantic rich fastapi uvicorn prometheus_client
+# tqdm safetensors transformers==5.23.0 tokenizers huggingface-hub httpx ... for Python 3.12) and .carry/c1
+# (../shared/device/prepare-carry.sh: FlashInfer). Steps run in the order given; results in $OUT/r, returned
+# as $OUT/results.tgz.
+#   setup                 the wheels and FlashInfer into /tmp/site
+#   kit:NAME              the kit's CUDA-graph tests (and forward_mla) for attention backend NAME, full shapes, bf16
+#   decode:TAG:ARGS       benchmarks/bench_decode_vs_hf.py with ARGS (commas for spaces) -> decode-TAG.{json,txt}
+#   serving:TAG:ARGS      a server with ARGS + bench_serving (256 prompts 256/128, concurrency 64) -> serving-TAG.*
+# Each step ends after $STEP_TIMEOUT seconds (300).
+set -uo pipefail
+site=/tmp/site
+res=$OUT/r
+mkdir -p $site $res
+export PYTHONPATH=$site:$PWD TRITON_INTERPRET=0 FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16
+trap 'tar czf $OUT/results.tgz -C $OUT r' EXIT
+limit=${STEP_TIMEOUT:-300}
+for step in "$@"; do
+  start=$SECONDS
+  IFS=: read -r kind tag args <<< "$step"
+  args=${args//,/ }
+  case $kind in
+    setup)
+      python3 -m pip install -q --no-index --no-deps --target $site .carry/slim/*.whl 2>&1 | tail -2
+      bash .carry/c1/install-on-device.sh > /dev/null
+      nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $res/gpu.txt ;;
+    kit)
+      (cd /tmp && timeout $limit python3 -m pytest -q -p plugserve.testing.plugin -p no:cacheprovider --pyargs \
+        plugserve.testing --plugserve-backend attention:$tag --plugserve-shapes full --plugserve-dtypes bfloat16 \
+        -k "graph or forward_mla" --plugserve-report $res/kit-graph-$tag.json > $res/kit-graph-$tag.txt 2>&1)
+      echo "kit $tag: $(tail -n 1 $res/kit-graph-$tag.txt)" ;;
+    decode)
+      timeout $limit python3 -m benchmarks.bench_decode_vs_hf $args --result-filename $res/decode-$tag.json \
+        > $res/decode-$tag.txt 2>&1
+      echo "decode $tag (rc $?):"; grep -v "INFO\|it/s]" $res/decode-$tag.txt | tail -n 14 ;;
+    serving)
+      python3 -m plugserve.server $args --port 30000 --log-level warning > $res/server-$tag.log 2>&1 &
+      server=$!
+      for i in $(seq $limit); do curl -sf localhost:30000/health > /dev/null && break; sleep 1; done
+      timeout $limit python3 benchmarks/bench_serving.py --base-url http://127.0.0.1:30000 --num-prompts 256 \
+        --random-input-len 256 --random-output-len 128 --random-range-ratio 1 --max-concurrency 64 \
+        --output-file $res/serving-$tag.jsonl --disable-tqdm > $res/serving-$tag.txt 2>&1
+      curl -s localhost:30000/server_info > $res/server_info-$tag.json
+      kill $server; wait $server 2>/dev/null
+      echo "serving $tag:"; grep -i "throughput\|TPOT\|Successful" $res/serving-$tag.txt | head -8 ;;
+  esac
+  echo "[$step: $((SECONDS - start)) s]"
+done
