@@ -5,7 +5,7 @@
 # (../shared/device/prepare-carry.sh: FlashInfer). Steps run in the order given; results in $OUT/r, returned
 # as $OUT/results.tgz.
 #   setup                 the wheels and FlashInfer into /tmp/site
-#   kit:NAME              the kit's CUDA-graph tests (and forward_mla) for attention backend NAME, full shapes, bf16
+#   kit:NAME              the kit's CUDA-graph tests for attention backend NAME, full shapes, bf16
 #   decode:TAG:ARGS       benchmarks/bench_decode_vs_hf.py with ARGS (commas for spaces) -> decode-TAG.{json,txt}
 #   serving:TAG:ARGS      a server with ARGS + bench_serving (256 prompts 256/128, concurrency 64) -> serving-TAG.*
 # Each step ends after $STEP_TIMEOUT seconds (300).
@@ -28,7 +28,7 @@ for step in "$@"; do
     kit)
       (cd /tmp && timeout $limit python3 -m pytest -q -p plugserve.testing.plugin -p no:cacheprovider --pyargs \
         plugserve.testing --plugserve-backend attention:$tag --plugserve-shapes full --plugserve-dtypes bfloat16 \
-        -k "graph or forward_mla" --plugserve-report $res/kit-graph-$tag.json > $res/kit-graph-$tag.txt 2>&1)
+        -k graph --plugserve-report $res/kit-graph-$tag.json > $res/kit-graph-$tag.txt 2>&1)
       echo "kit $tag: $(tail -n 1 $res/kit-graph-$tag.txt)" ;;
     decode)
       timeout $limit python3 -m benchmarks.bench_decode_vs_hf $args --result-filename $res/decode-$tag.json \

@@ -93,12 +93,14 @@ def load_checkpoint(model: DeepseekForCausalLM, checkpoint: SafetensorsCheckpoin
 
 def init_dummy_weights(model: DeepseekForCausalLM, seed: int = 0, std: float = 0.02) -> None:
     """Random weights with the model's real shapes: N(0, std) for float tensors (norm weights stay 1,
-    the router bias 0), and for block-FP8 layers e4m3 values with scales that dequantize to N(0, std)."""
-    generator = torch.Generator(device="cpu").manual_seed(seed)
+    the router bias 0), and for block-FP8 layers e4m3 values with scales that dequantize to N(0, std).
+    Drawn on the model's device (a 15B model in seconds on a GPU); the seed fixes them per device type."""
+    device = model.embed_tokens.device
+    generator = torch.Generator(device=device).manual_seed(seed)
     fp8_spread = FP8_MAX / 4  # keeps e4m3 values well inside the +-448 range
 
     chunk = 2**24  # elements drawn at once: one reused float32 buffer, not a copy of each weight
-    buffer = torch.empty(chunk)
+    buffer = torch.empty(chunk, device=device)
 
     def fill(param: torch.Tensor, scale: float) -> None:
         flat = param.data.view(-1)
