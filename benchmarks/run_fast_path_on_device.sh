@@ -7,6 +7,9 @@
 #   setup                 the wheels and FlashInfer into /tmp/site
 #   kit:NAME              the kit's CUDA-graph tests for attention backend NAME, full shapes, bf16
 #   decode:TAG:ARGS       benchmarks/bench_decode_vs_hf.py with ARGS (commas for spaces) -> decode-TAG.{json,txt}
+#   profile:TAG:ARGS      benchmarks/profile_decode.py with ARGS -> profile-TAG.txt (kernel time per decode step)
+#   tune:TAG:ARGS         benchmarks/tune_fused_moe.py with ARGS, configs into $res/moe-configs-TAG and into
+#                         plugserve/plugins/moe/configs for the steps after it
 #   serving:TAG:ARGS      a server with ARGS + bench_serving (256 prompts 256/128, concurrency 64) -> serving-TAG.*
 # Each step ends after $STEP_TIMEOUT seconds (300).
 set -uo pipefail
@@ -34,6 +37,14 @@ for step in "$@"; do
       timeout $limit python3 -m benchmarks.bench_decode_vs_hf $args --result-filename $res/decode-$tag.json \
         > $res/decode-$tag.txt 2>&1
       echo "decode $tag (rc $?):"; grep -v "INFO\|it/s]" $res/decode-$tag.txt | tail -n 14 ;;
+    profile)
+      timeout $limit python3 -m benchmarks.profile_decode $args --output $res/profile-$tag.txt > $res/profile-$tag.log 2>&1
+      echo "profile $tag:"; head -n 30 $res/profile-$tag.txt ;;
+    tune)
+      mkdir -p $res/moe-configs-$tag
+      timeout $limit python3 benchmarks/tune_fused_moe.py $args --output-dir $res/moe-configs-$tag > $res/tune-$tag.log 2>&1
+      cp $res/moe-configs-$tag/*.json plugserve/plugins/moe/configs/ 2>/dev/null
+      echo "tune $tag:"; tail -n 5 $res/tune-$tag.log; ls $res/moe-configs-$tag ;;
     serving)
       python3 -m plugserve.server $args --port 30000 --log-level warning > $res/server-$tag.log 2>&1 &
       server=$!

@@ -1,0 +1,78 @@
+"""Where a decode step's time goes: torch-profiler over a few decode steps of bench_one_batch's static
+batch (CUDA graphs replay as they serve), GPU kernel time grouped by kernel, against the step's wall
+time. Every server flag passes through.
+
+    python -m benchmarks.profile_decode --model-preset deepseek-v2-lite --load-format dummy \\
+        --batch-size 1 --input-len 256 --enable-torch-compile --output profile.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks import bench_one_batch
+from plugserve.core.radix_cache import RadixCache
+from plugserve.core.request import Request
+from plugserve.core.sampling import SamplingParams
+from plugserve.core.scheduler import Scheduler
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    bench_one_batch.add_arguments(parser)
+    parser.add_argument("--steps", type=int, default=8, help="decode steps profiled")
+    parser.add_argument("--output", default=None, help="write the report here too")
+    parser.add_argument("--trace", default=None, help="write a Chrome trace (json) here")
+    namespace = parser.parse_args(argv)
+    namespace.output_len = [namespace.steps + 2]
+    runner = bench_one_batch.build_runner(namespace, parser)
+    batch_size, input_len = namespace.batch_size[0], namespace.input_len[0]
+    scheduler = Scheduler(runner, RadixCache(runner.allocator, runner.page_size, enabled=False),
+                          bench_one_batch._NoText())
+    params = SamplingParams(max_new_tokens=namespace.steps + 2, temperature=0, ignore_eos=True)
+    generator = torch.Generator().manual_seed(0)
+    for i in range(batch_size):
+        ids = torch.randint(0, runner.config.vocab_size, (input_len,), generator=generator).tolist()
+        scheduler.add(Request(f"profile-{i}", ids, params, lambda _: None))
+    scheduler.step()  # the prefill
+    scheduler.step()  # one decode step outside the profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        start = time.perf_counter()
+        for _ in range(namespace.steps):
+            scheduler.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / namespace.steps
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_total = sum(e.self_device_time_total for e in events) / namespace.steps / 1e3
+    lines = [f"batch {batch_size}, input {input_len}: wall {wall * 1e3:.3f} ms/step, GPU kernels "
+             f"{gpu_total:.3f} ms/step, {sum(e.count for e in events) / namespace.steps:.0f} kernels/step",
+             f"graph status: {runner.graph_status}", "",
+             f"{'ms/step':>8} {'share':>6} {'calls/step':>10}  kernel"]
+    for e in sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:40]:
+        ms = e.self_device_time_total / namespace.steps / 1e3
+        lines.append(f"{ms:8.3f} {ms / gpu_total:6.1%} {e.count / namespace.steps:10.1f}  {e.key[:110]}")
+    # Host side (what the step spends outside the GPU), and the ops behind the kernels with their shapes
+    # (inside a CUDA-graph replay the ops are not seen: profile with --disable-cuda-graph for those).
+    averages = prof.key_averages(group_by_input_shape=True)
+    lines += ["", "host ops by self CPU time (whole profile):",
+              averages.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60),
+              "ops by self device time (whole profile):",
+              averages.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60)]
+    report = "\n".join(lines)
+    print(report)
+    if namespace.output:
+        with open(namespace.output, "w") as f:
+            f.write(report + "\n")
+    if namespace.trace:
+        prof.export_chrome_trace(namespace.trace)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
