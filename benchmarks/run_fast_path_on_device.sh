@@ -1,7 +1,6 @@
 #!/bin/bash
 # The GPU fast path (issue 10) on the lent GPU machine, from the repo root with the device tool.
-# Carry: .carry/slim (pip download of the serving wheels: pluggy pydantic rich fastapi uvicorn prometheus_client
-# tqdm safetensors transformers==5.23.0 tokenizers huggingface-hub httpx ... for Python 3.12) and .carry/c1
+# Carry: .carry/slim (tools/prepare_serving_carry.sh: the serving wheels for Python 3.12) and .carry/c1
 # (../shared/device/prepare-carry.sh: FlashInfer). Steps run in the order given; results in $OUT/r, returned
 # as $OUT/results.tgz.
 #   setup                 the wheels and FlashInfer into /tmp/site
