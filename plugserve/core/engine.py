@@ -94,7 +94,11 @@ class Engine:
             while not self._inbox.empty():
                 self._inbox.get()()
             if self.scheduler.has_work:
-                self.scheduler.step()
+                try:
+                    self.scheduler.step()
+                except Exception as exc:  # a scheduling failure no single request explains: end them all, go on
+                    logger.exception("a scheduler step failed")
+                    self.scheduler.fail_all(f"the scheduler failed: {type(exc).__name__}: {exc}")
             else:
                 self._wake.wait(0.05)
                 self._wake.clear()

@@ -11,6 +11,7 @@ outputs are the same with and without overlap.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
@@ -277,12 +278,16 @@ class Scheduler:
         top_values = sample.top_logprob_values.tolist() if sample.top_logprob_values is not None else None
         row = 0
         for request, was_sampled in zip(batch.requests, batch.sampled, strict=True):
-            if was_sampled:
-                if not request.finished:  # finished by an earlier batch: this extra token is dropped
+            try:
+                if was_sampled and not request.finished:  # finished by an earlier batch: the extra token is dropped
                     self._append(request, tokens[row], logprobs, top_ids, top_values, row)
-                row += 1
-            if not request.finished:
-                self._cache_prefix(request)
+                if not request.finished:
+                    self._cache_prefix(request)
+            except Exception as exc:  # one request's failure (its stop rules, its callback) ends it alone
+                logger.exception("request %s failed while its output was processed", request.rid)
+                if not request.finished:
+                    self._finish(request, FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
+            row += was_sampled
         if self.metrics:
             self.metrics.observe_batch(batch.mode, sum(batch.extend_lens), self)
         self._drop_finished()
@@ -364,6 +369,24 @@ class Scheduler:
         for request in batch_requests:
             if not request.finished:
                 self._finish(request, FinishReason.ERROR, error)
+        self._drop_finished()
+
+    def fail_all(self, error: str) -> None:
+        """End every request the scheduler holds with `error` (after a failure the loop cannot pin on one)."""
+        in_flight: list[Request] = []
+        if self._in_flight is not None:  # let its forward end first: it writes KV pages about to be freed
+            batch, future = self._in_flight
+            self._in_flight, in_flight = None, batch.requests
+            with contextlib.suppress(Exception):
+                future.result()
+        held = [*self.waiting, *self.running, *([self.chunked] if self.chunked else []), *in_flight]
+        for request in held:
+            if not request.finished:
+                try:
+                    self._finish(request, FinishReason.ERROR, error)
+                except Exception:  # its callback failed too: it is ended all the same
+                    logger.exception("could not report the failure of request %s", request.rid)
+                    request.finish_reason = FinishReason.ERROR
         self._drop_finished()
 
     # -- KV ownership --------------------------------------------------------------------------------

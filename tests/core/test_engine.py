@@ -122,3 +122,46 @@ def test_abort_frees_the_request(engine):
 def test_bad_prompts_are_refused(engine, prompt):
     with pytest.raises(ValueError):
         engine.tokenize(prompt)
+
+
+def test_a_request_failing_in_its_stop_rules_ends_alone_and_the_engine_goes_on(engine):
+    """A bad stop_token_ids ("ab": `token in "ab"` raises TypeError) used to kill the scheduler thread and
+    hang every later request."""
+    bad = SamplingParams(max_new_tokens=4, temperature=0, stop_token_ids="ab")  # type: ignore[arg-type]
+    good = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+    done = threading.Event()
+    results = {}
+
+    def collect(name):
+        def on_output(output):
+            if output.finished:
+                results[name] = output
+                if len(results) == 2:
+                    done.set()
+        return on_output
+
+    engine.submit("Hello", bad, collect("bad"))
+    engine.submit("Hello", good, collect("good"))
+    assert done.wait(30), "a request hung"
+    assert results["bad"].finish_reason is FinishReason.ERROR and "TypeError" in results["bad"].error
+    assert results["good"].finish_reason is FinishReason.LENGTH and results["good"].completion_tokens == 4
+    assert engine.alive
+    assert engine.generate("Hello", good)[0].completion_tokens == 4
+
+
+def test_a_failing_scheduler_step_ends_every_held_request_and_the_loop_goes_on(engine, monkeypatch):
+    real_step = engine.scheduler.step
+    calls = []
+
+    def step():
+        if not calls:
+            calls.append(1)
+            raise RuntimeError("scheduler bug")
+        real_step()
+
+    monkeypatch.setattr(engine.scheduler, "step", step)
+    [result] = engine.generate("Hello", SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True))
+    assert result.finish_reason is FinishReason.ERROR and "scheduler bug" in result.error
+    monkeypatch.undo()
+    assert engine.generate("Hello", SamplingParams(max_new_tokens=3, ignore_eos=True))[0].completion_tokens == 3
+    assert engine.runner.allocator.num_free + engine.radix.evictable_pages == engine.runner.allocator.num_pages
