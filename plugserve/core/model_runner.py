@@ -163,13 +163,28 @@ class ModelRunner:
                                              prefill_tokens, prefill, built)
         moe = gemm = None
         if config.n_routed_experts:
-            moe = self._build("moe", Phase.DECODE, args.moe_runner_backend, flag("moe_runner_backend"),
-                              config.moe_spec(self.dtype), max_batch)
+            moe = self._build_packed("moe", args.moe_runner_backend, config.moe_spec(self.dtype), max_batch,
+                                     prefill_tokens)
         if config.fp8_block:
-            gemm = self._build("gemm", Phase.DECODE, args.fp8_gemm_backend, flag("fp8_gemm_backend"),
-                               config.gemm_spec(self.dtype), max_batch)
+            gemm = self._build_packed("gemm", args.fp8_gemm_backend, config.gemm_spec(self.dtype), max_batch,
+                                      prefill_tokens)
         backends = ModelBackends(attention_prefill=prefill, attention_decode=decode, moe=moe, gemm=gemm)
         return backends, spec.page_size
+
+    def _build_packed(self, kind: str, requested: str, spec: Any, max_batch: int, prefill_tokens: int) -> Any:
+        """A MoE or GEMM backend: one for the model, since its packed weights exist once. The decode pick
+        (most of serving's time) runs prefill too; when the table ranks another first for prefill, the
+        choice says so."""
+        name = flag("moe_runner_backend" if kind == "moe" else "fp8_gemm_backend")
+        backend = self._build(kind, Phase.DECODE, requested, name, spec, max_batch)
+        if requested == "auto":
+            preferred = get_registry().select(kind, Phase.PREFILL, prefill_tokens, self.hardware, spec=spec)  # type: ignore[arg-type]
+            if preferred.backend.name != backend.name:
+                reason = (f"weights are packed once per model: the decode pick runs prefill too, though "
+                          f"{preferred.backend.name} ranks first there ({preferred.reason})")
+                logger.info("%s prefill backend: %s (%s)", kind, backend.name, reason)
+                self.chosen.append(ChosenBackend(kind, Phase.PREFILL.value, backend.name, reason, prefill_tokens))
+        return backend
 
     def attention_for(self, batch: ForwardBatch) -> AttentionBackend:
         """The attention backend of this batch's phase and size bucket: prefill by new tokens, every

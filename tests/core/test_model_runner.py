@@ -57,13 +57,18 @@ def test_auto_runs_the_measured_fastest_backend_per_batch_bucket(tmp_path, monke
     table = {"device_name": hardware.name, "rankings": {"attention": {
         "decode": [{"max_batch_size": 2, "order": ["triton"]}, {"max_batch_size": 512, "order": ["torch_ref"]}],
         "prefill": [{"max_batch_size": 16, "order": ["triton"]}, {"max_batch_size": 512, "order": ["torch_ref"]}],
-    }}}
+    }, "moe": {"decode": [{"max_batch_size": 512, "order": ["torch_ref"]}],
+               "prefill": [{"max_batch_size": 8192, "order": ["triton"]}]}}}
     (tmp_path / f"{hardware.device_key}.json").write_text(json.dumps(table))
     monkeypatch.setenv(TABLES_ENV, str(tmp_path))
     runner = ModelRunner(ServerArgs(max_total_tokens=128, max_running_requests=8, chunked_prefill_size=64))
     assert [(b.max_size, b.backend.name) for b in runner.decode_buckets] == [(2, "triton"), (8, "torch_ref")]
     assert [(b.max_size, b.backend.name) for b in runner.prefill_buckets] == [(16, "triton"), (64, "torch_ref")]
     assert runner.decode_buckets[0].backend is runner.prefill_buckets[0].backend  # one instance per backend
+    # One MoE backend (its packed weights exist once): decode's pick, which says prefill would rank another first.
+    [moe_prefill] = [c for c in runner.chosen if c.kind == "moe" and c.phase == "prefill"]
+    assert moe_prefill.name == "torch_ref" and "triton ranks first there" in moe_prefill.reason
+    assert runner.model.backends.moe.name == "torch_ref"
     attention = {(c.phase, c.max_batch_size): c.name for c in runner.chosen if c.kind == "attention"}
     assert attention == {("decode", 2): "triton", ("decode", 8): "torch_ref", ("prefill", 16): "triton",
                          ("prefill", 64): "torch_ref"}
