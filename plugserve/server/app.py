@@ -161,10 +161,7 @@ def create_app(engine: Engine) -> FastAPI:
     async def generate(body: GenerateRequest) -> Response:
         if (body.text is None) == (body.input_ids is None):
             raise BadRequest("give exactly one of text and input_ids", "text")
-        try:
-            params = SamplingParams(**body.sampling_params)
-        except TypeError as exc:
-            raise BadRequest(f"sampling_params: {exc}", "sampling_params") from None
+        params = body.sampling_params.to_params()
         ids = _tokenize(engine, body.text if body.text is not None else body.input_ids)  # type: ignore[arg-type]
         _validate(params, len(ids), engine)
         if params.n != 1:
@@ -223,6 +220,10 @@ def _validate(params: SamplingParams, prompt_len: int, engine: Engine) -> None:
         field = str(exc).split(" ", 1)[0]
         name = OPENAI_NAMES.get(field, field)
         raise BadRequest(str(exc).replace(field, name, 1), name) from None
+    vocab = engine.runner.config.vocab_size
+    if any(not 0 <= t < vocab for t in params.stop_token_ids):
+        raise BadRequest(f"stop_token_ids must lie in [0, {vocab}), the model's vocabulary, got "
+                         f"{params.stop_token_ids}", "stop_token_ids")
     context = engine.runner.context_length
     if prompt_len + params.max_new_tokens > context:
         raise BadRequest(f"this model's context length is {context} tokens; the prompt has {prompt_len} and "

@@ -5,11 +5,21 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from plugserve.core.sampling import SamplingParams
+
+SEED_LIMIT = 2**63  # seeds are int64 on the device
+Seed = Annotated[StrictInt, Field(ge=0, lt=SEED_LIMIT)]
+TokenId = Annotated[StrictInt, Field(ge=0)]  # the vocabulary's upper bound is checked against the model
+Number = StrictFloat | StrictInt  # JSON numbers; "0.5" or "hot" are refused, not coerced
+
+
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    """OpenAI's `stop`: one string is one stop string (not its characters)."""
+    return [stop] if isinstance(stop, str) else list(stop or [])
 
 
 class StreamOptions(BaseModel):
@@ -30,18 +40,18 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    seed: int | None = None
+    seed: Seed | None = None
     user: str | None = None
     # extensions
     top_k: int = -1
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[TokenId] = Field(default_factory=list)
     skip_special_tokens: bool = True
 
     def sampling_params(self, max_new_tokens: int, logprobs: bool, top_logprobs: int) -> SamplingParams:
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        stop = stop_list(self.stop)
         return SamplingParams(
             max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
@@ -76,6 +86,31 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
 
+class GenerateSamplingParams(BaseModel):
+    """/generate's `sampling_params`, SGLang's names, every field typed: nothing reaches SamplingParams
+    unchecked (ranges are SamplingParams.validate's; token ids are checked against the vocabulary)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: StrictInt = 128
+    temperature: Number = 1.0
+    top_p: Number = 1.0
+    top_k: StrictInt = -1
+    min_p: Number = 0.0
+    frequency_penalty: Number = 0.0
+    presence_penalty: Number = 0.0
+    repetition_penalty: Number = 1.0
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[TokenId] = Field(default_factory=list)
+    ignore_eos: StrictBool = False
+    seed: Seed | None = None
+    n: StrictInt = 1
+    skip_special_tokens: StrictBool = True
+
+    def to_params(self) -> SamplingParams:
+        return SamplingParams(**(self.model_dump() | {"stop": stop_list(self.stop)}))
+
+
 class GenerateRequest(BaseModel):
     """plugserve's native endpoint, shaped like SGLang's /generate."""
 
@@ -83,7 +118,7 @@ class GenerateRequest(BaseModel):
 
     text: str | None = None
     input_ids: list[int] | None = None
-    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
     stream: bool = False
     rid: str | None = None
 

@@ -122,6 +122,15 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": []}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400),
     ("/generate", {"text": "hi", "sampling_params": {"bogus": 1}}, 400),
+    # Used to reach the scheduler untyped: a TypeError there killed its thread, or a 500 in plain text.
+    ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": "ab"}}, 400),
+    ("/generate", {"text": "hi", "sampling_params": {"stop": [5]}}, 400),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": "5"}}, 400),
+    ("/generate", {"text": "hi", "sampling_params": {"temperature": "hot"}}, 400),
+    ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [-3]}}, 400),
+    ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [999999]}}, 400),
+    ("/v1/completions", {"prompt": PROMPT, "seed": 2**64}, 400),
+    ("/v1/completions", {"prompt": PROMPT, "stop_token_ids": [999999]}, 400),
 ]
 
 
@@ -182,3 +191,10 @@ def test_native_generate_and_server_info(server):
     info = httpx.get(f"{server.base_url}/server_info", headers=headers).json()
     assert {(b["kind"], b["phase"]) for b in info["backends"]} >= {("attention", "decode"), ("attention", "prefill")}
     assert all(b["reason"] for b in info["backends"]) and info["page_size"] >= 1
+
+
+def test_generate_takes_one_stop_string_as_one_stop():
+    from plugserve.server.protocol import GenerateSamplingParams
+
+    assert GenerateSamplingParams(stop="ab").to_params().stop == ["ab"]
+    assert GenerateSamplingParams(stop=["ab", "c"], seed=3).to_params().seed == 3
