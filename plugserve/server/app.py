@@ -129,7 +129,7 @@ def create_app(engine: Engine) -> FastAPI:
         rid, model = new_id("cmpl"), body.model or engine.model_name
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _sse(_completion_chunks(engine, jobs, rid, model, include_usage))
+            return _sse(_completion_chunks(engine, jobs, rid, model, include_usage, body.n))
         results = await _run_all(engine, jobs)
         choices = [{"index": i, "text": r.text, "logprobs": _completion_logprobs(engine, r.logprobs) if top or
                     body.logprobs is not None else None, "finish_reason": _reason(r)} for i, r in enumerate(results)]
@@ -144,12 +144,14 @@ def create_app(engine: Engine) -> FastAPI:
                                                        return_dict=False)
         except Exception as exc:  # the template's own checks (roles, ordering) speak to the client
             raise BadRequest(f"the chat template rejected the messages: {exc}", "messages") from None
+        if body.top_logprobs is not None and not body.logprobs:
+            raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         jobs = _jobs(engine, [_tokenize(engine, list(ids))], body, max_tokens, body.logprobs, body.top_logprobs or 0)
         rid, model = new_id("chatcmpl"), body.model or engine.model_name
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _sse(_chat_chunks(engine, jobs, rid, model, include_usage))
+            return _sse(_chat_chunks(engine, jobs, rid, model, include_usage, body.n))
         results = await _run_all(engine, jobs)
         choices = [{"index": i, "message": {"role": "assistant", "content": r.text},
                     "logprobs": _chat_logprobs(engine, r.logprobs) if body.logprobs else None,
@@ -336,7 +338,7 @@ def _error_chunk(output: RequestOutput) -> dict[str, Any]:
     return error_body(f"generation failed: {output.error}", "internal_error", code=500)
 
 
-async def _completion_chunks(engine: Engine, jobs: list[Job], rid: str, model: str, include_usage: bool
+async def _completion_chunks(engine: Engine, jobs: list[Job], rid: str, model: str, include_usage: bool, n: int
                              ) -> AsyncIterator[dict[str, Any]]:
     totals: dict[int, RequestOutput] = {}
     offsets = [0] * len(jobs)
@@ -353,10 +355,10 @@ async def _completion_chunks(engine: Engine, jobs: list[Job], rid: str, model: s
                    "choices": [{"index": index, "text": output.text, "logprobs": logprobs,
                                 "finish_reason": _reason(output)}]}
     if include_usage:
-        yield _usage_chunk(rid, "text_completion", model, jobs, totals)
+        yield _usage_chunk(rid, "text_completion", model, n, totals)
 
 
-async def _chat_chunks(engine: Engine, jobs: list[Job], rid: str, model: str, include_usage: bool
+async def _chat_chunks(engine: Engine, jobs: list[Job], rid: str, model: str, include_usage: bool, n: int
                        ) -> AsyncIterator[dict[str, Any]]:
     def chunk(index: int, delta: dict[str, Any], finish: str | None, logprobs=None) -> dict[str, Any]:
         return {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": model,
@@ -374,15 +376,14 @@ async def _chat_chunks(engine: Engine, jobs: list[Job], rid: str, model: str, in
         if output.text or output.finished:
             yield chunk(index, {"content": output.text} if output.text else {}, _reason(output), logprobs)
     if include_usage:
-        yield _usage_chunk(rid, "chat.completion.chunk", model, jobs, totals)
+        yield _usage_chunk(rid, "chat.completion.chunk", model, n, totals)
 
 
-def _usage_chunk(rid: str, kind: str, model: str, jobs: list[Job], totals: dict[int, RequestOutput]
-                 ) -> dict[str, Any]:
-    n = jobs[0][2].n if jobs else 1
+def _usage_chunk(rid: str, kind: str, model: str, n: int, totals: dict[int, RequestOutput]) -> dict[str, Any]:
+    """Usage of the whole request: each prompt counted once, whatever n (its jobs are prompt-major)."""
     outputs = [totals[i] for i in sorted(totals)]
-    info = usage(sum(o.prompt_tokens for o in outputs[::max(n, 1)]),
-                 sum(o.completion_tokens for o in outputs), sum(o.cached_tokens for o in outputs[::max(n, 1)]))
+    info = usage(sum(o.prompt_tokens for o in outputs[::n]),
+                 sum(o.completion_tokens for o in outputs), sum(o.cached_tokens for o in outputs[::n]))
     return {"id": rid, "object": kind, "created": now(), "model": model, "choices": [], "usage": info.model_dump()}
 
 

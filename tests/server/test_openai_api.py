@@ -130,6 +130,7 @@ BAD_REQUESTS = [
     ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [-3]}}, 400),
     ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [999999]}}, 400),
     ("/v1/completions", {"prompt": PROMPT, "seed": 2**64}, 400),
+    ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 3}, 400),  # OpenAI: needs logprobs: true
     ("/v1/completions", {"prompt": PROMPT, "stop_token_ids": [999999]}, 400),
 ]
 
@@ -198,3 +199,17 @@ def test_generate_takes_one_stop_string_as_one_stop():
 
     assert GenerateSamplingParams(stop="ab").to_params().stop == ["ab"]
     assert GenerateSamplingParams(stop=["ab", "c"], seed=3).to_params().seed == 3
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_streamed_usage_counts_the_prompt_once_whatever_n(client, n):
+    plain = client.completions.create(model="m", prompt=PROMPT, max_tokens=3)
+    chunks = list(client.completions.create(model="m", prompt=PROMPT, max_tokens=3, n=n, stream=True,
+                                            stream_options={"include_usage": True}))
+    usage = chunks[-1].usage
+    assert usage.prompt_tokens == plain.usage.prompt_tokens
+    assert usage.completion_tokens == 3 * n
+    chat = list(client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2, n=n, stream=True,
+                                               stream_options={"include_usage": True}))
+    single = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
+    assert chat[-1].usage.prompt_tokens == single.usage.prompt_tokens
