@@ -65,3 +65,14 @@ def test_serve_with_an_unusable_backend_lists_the_usable_ones():
         main(["serve", "--decode-attention-backend", "flashmla_missing"])
     message = str(exit_.value)
     assert "--decode-attention-backend" in message and "registered: " in message and "torch_ref" in message
+
+
+def test_random_seed_is_sglangs_spelling_of_seed():
+    import argparse
+
+    from plugserve.server.launch import add_server_args, server_args_from
+
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    assert server_args_from(parser.parse_args(["--random-seed", "7"]), parser).seed == 7
+    assert server_args_from(parser.parse_args(["--seed", "8"]), parser).seed == 8

@@ -74,6 +74,9 @@ class ModelRunner:
                                   self.config.max_position_embeddings)
         self.max_running_requests = args.max_running_requests or DEFAULT_MAX_RUNNING[self.device.type]
         self.graph_max_bs = self._check_gpu_flags()
+        for broken in get_registry().broken:
+            logger.warning("plugin %s (package %s) failed to load and is skipped: %s", broken.plugin, broken.package,
+                           broken.error)
         self.chosen: list[ChosenBackend] = []
         backends, self.page_size = self._create_backends()
         self.model = load_model(self.config, backends, model_path=args.model_path,

@@ -48,8 +48,12 @@ HELP = {
     "torch_compile_max_bs": "largest batch (in tokens) that runs the compiled ops; larger ones run eagerly",
     "disable_shared_experts_overlap": "run the shared experts on the main CUDA stream instead of a second one",
     "log_level": "logging level",
-    "seed": "random seed (unseeded sampling, dummy weights)",
+    "seed": "random seed of unseeded sampling and of dummy weights (alias --random-seed)",
 }
+
+
+# SGLang's other spellings of a flag.
+ALIASES = {"seed": ("--random-seed",)}
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -60,8 +64,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag(name), action="store_true", help=help_text)
             continue
         choices = typing.get_args(kind) if typing.get_origin(kind) is typing.Literal else None
-        parser.add_argument(flag(name), type=_parser_for(kind), choices=choices, default=field.default,
-                            metavar=None if choices else name.upper(), help=help_text)
+        parser.add_argument(flag(name), *ALIASES.get(name, ()), type=_parser_for(kind), choices=choices,
+                            default=field.default, metavar=None if choices else name.upper(), help=help_text)
 
 
 def _base_type(annotation):

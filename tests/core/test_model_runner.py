@@ -85,3 +85,16 @@ def test_auto_runs_the_measured_fastest_backend_per_batch_bucket(tmp_path, monke
 def test_an_explicit_backend_serves_every_bucket():
     runner = ModelRunner(ServerArgs(max_total_tokens=128, attention_backend="torch_ref", max_running_requests=8))
     assert [(b.max_size, b.backend.name) for b in runner.decode_buckets] == [(8, "torch_ref")]
+
+
+def test_a_plugin_that_fails_to_load_is_logged_at_start(monkeypatch, caplog):
+    import logging
+
+    from plugserve.core import model_runner
+    from plugserve.registry import BUILTIN_PLUGINS, Registry
+
+    registry = Registry(builtin=(*BUILTIN_PLUGINS, "plugserve.plugins.no_such_plugin"), entry_points=False)
+    monkeypatch.setattr(model_runner, "get_registry", lambda: registry)
+    with caplog.at_level(logging.WARNING):
+        ModelRunner(ServerArgs(max_total_tokens=64))
+    assert "plugin plugserve.plugins.no_such_plugin" in caplog.text and "failed to load and is skipped" in caplog.text
