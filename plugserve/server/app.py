@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from plugserve.core.engine import Engine, GenerateResult
 from plugserve.core.request import FinishReason, RequestOutput, TokenLogprob
@@ -47,13 +48,7 @@ READY_FREE_PATHS = frozenset({"/health", "/metrics", "/server_info", "/v1/models
 def create_app(engine: Engine) -> FastAPI:
     app = FastAPI(title="plugserve", version="0.1.0")
     app.state.engine = engine
-
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        key = engine.args.api_key
-        if key and request.url.path != "/health" and request.headers.get("authorization") != f"Bearer {key}":
-            return JSONResponse(error_body("invalid or missing API key", "authentication_error", code=401), 401)
-        return await call_next(request)
+    app.add_middleware(Gate, engine=engine)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -75,13 +70,6 @@ def create_app(engine: Engine) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(error_body(str(exc.detail), code=exc.status_code), exc.status_code)
-
-    @app.middleware("http")
-    async def wait_for_warm_up(request: Request, call_next):
-        # Until the engine has compiled and captured everything, only the read-only endpoints answer.
-        if engine.ready.is_set() or request.url.path in READY_FREE_PATHS:
-            return await call_next(request)
-        return _not_serving(engine)
 
     @app.get("/health")
     async def health() -> Response:
@@ -119,7 +107,7 @@ def create_app(engine: Engine) -> FastAPI:
         }
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Response:
+    async def completions(body: CompletionRequest, request: Request) -> Response:
         if body.echo:
             raise BadRequest("echo is not supported", "echo")
         prompts = _prompt_list(body.prompt)
@@ -130,14 +118,14 @@ def create_app(engine: Engine) -> FastAPI:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _sse(_completion_chunks(engine, jobs, rid, model, include_usage, body.n))
-        results = await _run_all(engine, jobs)
+        results = await _run_all(engine, jobs, request)
         choices = [{"index": i, "text": r.text, "logprobs": _completion_logprobs(engine, r.logprobs) if top or
                     body.logprobs is not None else None, "finish_reason": _reason(r)} for i, r in enumerate(results)]
         return JSONResponse({"id": rid, "object": "text_completion", "created": now(), "model": model,
                              "choices": choices, "usage": _usage(results, len(prompts), body.n).model_dump()})
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest) -> Response:
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         messages = [{"role": m.role, "content": _content(m.content)} for m in body.messages]
         try:
             ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
@@ -152,7 +140,7 @@ def create_app(engine: Engine) -> FastAPI:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _sse(_chat_chunks(engine, jobs, rid, model, include_usage, body.n))
-        results = await _run_all(engine, jobs)
+        results = await _run_all(engine, jobs, request)
         choices = [{"index": i, "message": {"role": "assistant", "content": r.text},
                     "logprobs": _chat_logprobs(engine, r.logprobs) if body.logprobs else None,
                     "finish_reason": _reason(r)} for i, r in enumerate(results)]
@@ -160,7 +148,7 @@ def create_app(engine: Engine) -> FastAPI:
                              "choices": choices, "usage": _usage(results, 1, body.n).model_dump()})
 
     @app.post("/generate")
-    async def generate(body: GenerateRequest) -> Response:
+    async def generate(body: GenerateRequest, request: Request) -> Response:
         if (body.text is None) == (body.input_ids is None):
             raise BadRequest("give exactly one of text and input_ids", "text")
         params = body.sampling_params.to_params()
@@ -171,13 +159,35 @@ def create_app(engine: Engine) -> FastAPI:
         rid = body.rid or new_id("gen")
         if body.stream:
             return _sse(_generate_chunks(engine, ids, params, rid))
-        result = (await _run_all(engine, [(0, ids, params)]))[0]
+        result = (await _run_all(engine, [(0, ids, params)], request))[0]
         return JSONResponse(_generate_body(rid, result))
 
     return app
 
 
 # -- request preparation -----------------------------------------------------------------------------
+
+
+class Gate:
+    """What every HTTP request passes first: the API key (but for /health), then, until the engine has
+    warmed up, only the read-only endpoints. Plain ASGI, because Starlette's BaseHTTPMiddleware would keep a
+    client's disconnect from the endpoints (which abort the client's requests on it)."""
+
+    def __init__(self, app: ASGIApp, engine: Engine) -> None:
+        self.app, self.engine = app, engine
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            path, key = scope["path"], self.engine.args.api_key
+            authorization = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            if key and path != "/health" and authorization != f"Bearer {key}":
+                body = error_body("invalid or missing API key", "authentication_error", code=401)
+                await JSONResponse(body, 401)(scope, receive, send)
+                return
+            if not self.engine.ready.is_set() and path not in READY_FREE_PATHS:
+                await _not_serving(self.engine)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _not_serving(engine: Engine) -> JSONResponse:
@@ -274,13 +284,36 @@ async def _merged(engine: Engine, jobs: list[Job]) -> AsyncIterator[tuple[int, R
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _run_all(engine: Engine, jobs: list[Job]) -> list[GenerateResult]:
+DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is still there
+
+
+async def _run_all(engine: Engine, jobs: list[Job], request: Request) -> list[GenerateResult]:
+    """Every job to completion. A client that disconnects first has its jobs aborted (their KV freed)."""
     results = [GenerateResult() for _ in jobs]
-    async for index, output in _merged(engine, jobs):
-        results[index].add(output)
+
+    async def collect() -> None:
+        async for index, output in _merged(engine, jobs):
+            results[index].add(output)
+
+    async def client_gone() -> None:
+        while not await request.is_disconnected():
+            await asyncio.sleep(DISCONNECT_POLL_S)
+
+    run, watch = asyncio.create_task(collect()), asyncio.create_task(client_gone())
+    try:
+        await asyncio.wait([run, watch], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (run, watch):
+            task.cancel()  # closing _merged's generator aborts the jobs still running
+        await asyncio.gather(run, watch, return_exceptions=True)
+    if not run.done() or run.cancelled():
+        raise BadRequest("the client disconnected", status=499)
+    run.result()  # a job that failed to start (or a bug in collecting) is an error, not a partial answer
     failed = [r.error for r in results if r.finish_reason is FinishReason.ERROR]
     if failed:
         raise BadRequest(f"generation failed: {failed[0]}", status=500)
+    if any(r.finish_reason is None for r in results):
+        raise BadRequest("generation failed: a request ended without a finish reason", status=500)
     return results
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import httpx
 import openai
@@ -213,3 +214,21 @@ def test_streamed_usage_counts_the_prompt_once_whatever_n(client, n):
                                                stream_options={"include_usage": True}))
     single = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
     assert chat[-1].usage.prompt_tokens == single.usage.prompt_tokens
+
+
+def test_a_non_streaming_client_that_leaves_has_its_request_aborted_and_its_pages_freed(server):
+    engine = server.engine
+    runner = engine.runner
+
+    def settled() -> bool:
+        return (engine.scheduler.num_running == 0 and not engine.scheduler.waiting
+                and runner.allocator.num_free + engine.radix.evictable_pages == runner.allocator.num_pages)
+
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": "m", "prompt": PROMPT, "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # thousands of tokens on the CPU: far longer than the client waits
+        httpx.post(f"{server.base_url}/v1/completions", headers=headers, json=body, timeout=1.0)
+    deadline = time.time() + 5
+    while not settled() and time.time() < deadline:
+        time.sleep(0.05)
+    assert settled(), "the request ran on after its client left"
