@@ -20,8 +20,6 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
-import torch
-
 from plugserve.core.metrics import Metrics
 from plugserve.core.model_runner import ModelRunner
 from plugserve.core.radix_cache import RadixCache
@@ -62,8 +60,6 @@ class GenerateResult:
 class Engine:
     def __init__(self, args: ServerArgs | None = None) -> None:
         self.args = args = args or ServerArgs()
-        # --seed: the default generators that unseeded requests sample from (the dummy weights draw their own).
-        torch.manual_seed(args.seed)
         self.runner = ModelRunner(args)
         self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path or EMBEDDED_MODEL_DIR)
         config = self.runner.config

@@ -88,6 +88,8 @@ class ModelRunner:
             self.model.overlap_shared_experts(not args.disable_shared_experts_overlap)
         elif args.disable_shared_experts_overlap:
             raise ValueError(f"{flag('disable_shared_experts_overlap')} needs a CUDA device: the CPU has no streams")
+        # --seed: what unseeded requests sample from, this engine's own (nothing else in the process draws from it).
+        self.sampling_generator = torch.Generator(device=self.device).manual_seed(args.seed)
         # Ids the tokenizer can turn into text (set by the engine): checkpoints pad their vocabulary, and the
         # embedded tokenizer is smaller than a dummy preset's. Nothing beyond it is ever sampled.
         self.sample_vocab = self.config.vocab_size

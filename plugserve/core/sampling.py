@@ -81,12 +81,14 @@ def sample(
     prompt_ids: list[list[int]],
     output_ids: list[list[int]],
     generators: list[torch.Generator | None],
+    default_generator: torch.Generator | None = None,
 ) -> SampleOutput:
     """Pick one token per request from logits [B, V] float32 (one row per request; not modified).
 
     prompt_ids / output_ids: each request's prompt and the tokens it has generated so far (for the penalties).
-    generators: per request, its own generator (`make_generator`) or None for the default one; a seeded request
-    draws only from its own, so its tokens do not depend on what it is batched with.
+    generators: per request, its own generator (`make_generator`) or None for `default_generator` (the engine's,
+    seeded by --seed; None: torch's global one); a seeded request draws only from its own, so its tokens do not
+    depend on what it is batched with.
 
     Logprobs come from the penalized logits before temperature and top-k/top-p/min-p: they are then defined
     for greedy rows too (temperature 0) and do not change with the sampling knobs, as the model's own view of
@@ -101,7 +103,8 @@ def sample(
     rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if rows:
         index = torch.tensor(rows, device=logits.device)
-        sampled = _sample_rows(logits[index], [params[i] for i in rows], [generators[i] for i in rows])
+        sampled = _sample_rows(logits[index], [params[i] for i in rows], [generators[i] for i in rows],
+                               default_generator)
         token_ids = token_ids.index_copy(0, index, sampled)
 
     logprobs = top_values = top_ids = None
@@ -113,7 +116,8 @@ def sample(
 
 
 def _sample_rows(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+    default_generator: torch.Generator | None,
 ) -> torch.Tensor:
     """Draw from the non-greedy rows: logits [R, V] float32 -> [R] int64."""
     probs = torch.softmax(logits / _column([p.temperature for p in params], logits.device), dim=-1)
@@ -123,7 +127,7 @@ def _sample_rows(
     # which a seeded row draws from its own generator.
     noise = torch.empty_like(probs)
     if any(g is None for g in generators):
-        noise.exponential_()
+        noise.exponential_(generator=default_generator)
     for row, generator in enumerate(generators):
         if generator is not None:
             noise[row].exponential_(generator=generator)

@@ -265,6 +265,7 @@ class Scheduler:
             [r.prompt_ids for r in requests],
             [r.output_ids[: r.num_resolved] for r in requests],
             [r.generator for r in requests],
+            self.runner.sampling_generator,
         )
         return BatchResult(sampled.token_ids, sampled)
 

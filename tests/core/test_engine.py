@@ -180,7 +180,6 @@ def test_seed_makes_unseeded_sampling_reproducible():
             engine.shutdown()
         return engine_text
 
-    torch.manual_seed(1234)
     first = text(5)
-    torch.rand(100)  # whatever else ran in this process in between: the engine's seed decides
+    torch.rand(100)  # whatever else draws from torch's global generator: the engine's seed decides
     assert text(5) == first
