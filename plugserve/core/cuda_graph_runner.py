@@ -148,7 +148,7 @@ class CudaGraphRunner:
         """Capture every size, largest first, into one memory pool (smaller graphs reuse its blocks).
         Each size runs eagerly twice first: JIT compiles and lazy allocations happen outside the graph."""
         device = self.inputs.pool.device
-        backends = {id(self._attention_for(s)): self._attention_for(s) for s in self.sizes}
+        backends = {id(b): b for b in map(self._attention_for, self.sizes)}  # one init per instance
         for backend in backends.values():
             backend.init_cuda_graph(self.max_batch_size, self.max_batch_size * self.tokens_per_request,
                                     self.inputs.max_pages)

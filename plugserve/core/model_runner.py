@@ -5,6 +5,7 @@ picking the rows to sample) for the scheduler."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -267,40 +268,37 @@ class ModelRunner:
         largest = min(self.prefill_buckets[-1].max_size, cap,
                       self.allocator.num_pages * self.page_size - WARMUP_EXTEND_TOKENS)
         sizes = sorted({min(b.max_size, largest) for b in self.prefill_buckets})
-        steps = [*(f"prefill {n}" for n in sizes), *(f"decode {b.max_size}" for b in self.decode_buckets)]
+        steps = [*(functools.partial(self._warm_up_prefill, n) for n in sizes),
+                 *(functools.partial(self._warm_up_decode, min(b.max_size, self.allocator.num_pages))
+                   for b in self.decode_buckets)]
         for step in tqdm(steps, desc="warm-up", disable=None):
-            kind, size = step.split()
-            if kind == "prefill":
-                self._warm_up_prefill(int(size))
-            else:
-                self._warm_up_decode(min(int(size), self.allocator.num_pages))
+            step()
         if self.graph_max_bs:
             self.capture_graphs()
 
-    def _scratch_batch(self, mode: ForwardMode, seq_lens: list[int], extend_lens: list[int],
-                       pages: list[list[int]]) -> ForwardBatch:
+    def _scratch_forward(self, mode: ForwardMode, seq_lens: list[int], extend_lens: list[int],
+                         pages: list[list[int]]) -> None:
+        """One forward over scratch pages (`pages[i]`: request i's, at least ceil(seq_len / page_size)) with
+        token id 0 everywhere, through the batch's own backend."""
         width = max(len(p) for p in pages)
         table = torch.tensor([p + [p[-1]] * (width - len(p)) for p in pages], dtype=torch.int32)
-        return self.prepare(ForwardBatch.build(mode, seq_lens, extend_lens, table.to(self.device), self.pool))
+        batch = self.prepare(ForwardBatch.build(mode, seq_lens, extend_lens, table.to(self.device), self.pool))
+        ids = torch.zeros(batch.num_tokens, dtype=torch.int64, device=self.device)
+        self._logits(ids, batch, self.attention_for(batch), plan=True)
 
     def _warm_up_prefill(self, num_tokens: int) -> None:
         total = num_tokens + WARMUP_EXTEND_TOKENS
         pages = self.allocator.alloc(pages_needed(total, self.page_size))
         try:
             for seq_len, new in ((num_tokens, num_tokens), (total, WARMUP_EXTEND_TOKENS)):
-                batch = self._scratch_batch(ForwardMode.EXTEND, [seq_len], [new], [pages])
-                ids = torch.zeros(new, dtype=torch.int64, device=self.device)
-                self._logits(ids, batch, self.attention_for(batch), plan=True)
+                self._scratch_forward(ForwardMode.EXTEND, [seq_len], [new], [pages])
         finally:
             self.allocator.free(pages)
 
     def _warm_up_decode(self, batch_size: int) -> None:
         pages = self.allocator.alloc(batch_size)
         try:
-            batch = self._scratch_batch(ForwardMode.DECODE, [1] * batch_size, [1] * batch_size,
-                                        [[p] for p in pages])
-            ids = torch.zeros(batch_size, dtype=torch.int64, device=self.device)
-            self._logits(ids, batch, self.attention_for(batch), plan=True)
+            self._scratch_forward(ForwardMode.DECODE, [1] * batch_size, [1] * batch_size, [[p] for p in pages])
         finally:
             self.allocator.free(pages)
 
