@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from plugserve.core.server_args import ServerArgs
-from tests.live_server import API_KEY, RunningServer, start_server
+from tests.live_server import API_KEY, SERVED_MODEL, RunningServer, start_server
 
 MakePlugin = Callable[[str, str, str], Path]
 
@@ -44,4 +44,4 @@ def make_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> MakePlugin:
 
 @pytest.fixture(scope="session")
 def server() -> Iterator[RunningServer]:
-    yield from start_server(ServerArgs(api_key=API_KEY, max_running_requests=64))
+    yield from start_server(ServerArgs(api_key=API_KEY, max_running_requests=64, served_model_name=SERVED_MODEL))

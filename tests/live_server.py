@@ -16,6 +16,7 @@ from plugserve.core.server_args import ServerArgs
 from plugserve.server.app import create_app
 
 API_KEY = "sk-plugserve-test"
+SERVED_MODEL = "m"  # --served-model-name of the test servers: what the tests' requests name
 
 
 @dataclass

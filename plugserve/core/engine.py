@@ -7,11 +7,17 @@ A background thread owns the scheduler; callers submit requests and receive `Req
 increments through a callback (`stream`, `stream_async` and `generate` are built on it). The thread
 first warms the model up (`ModelRunner.warm_up`: JIT compiles, CUDA-graph capture); `ready` is set
 after it, and requests submitted before wait in the queue.
+
+The engine never leaves a caller waiting: a failing step ends its requests with an error and the loop goes
+on; if the loop itself dies, every outstanding request gets an error at once, later submissions raise
+`EngineStopped`, and `on_death` tells the owner (the server exits non-zero). `close` refuses new requests
+while the running ones finish (a graceful shutdown); `abort_all` ends those left.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
@@ -57,6 +63,10 @@ class GenerateResult:
         self.cached_tokens, self.error = output.cached_tokens, output.error
 
 
+class EngineStopped(RuntimeError):
+    """A request was submitted to an engine that takes none any more: shutting down, or its loop died."""
+
+
 class Engine:
     def __init__(self, args: ServerArgs | None = None) -> None:
         self.args = args = args or ServerArgs()
@@ -72,10 +82,19 @@ class Engine:
         self.radix = RadixCache(self.runner.allocator, self.runner.page_size, enabled=not args.disable_radix_cache)
         self.scheduler = Scheduler(self.runner, self.radix, self.tokenizer, self.metrics)
         self.model_name = args.served_model_name or args.model_path or args.model_preset or "plugserve-embedded"
+        # What a request's `model` may say: the listed id, or the names the server was launched with.
+        self.model_names = frozenset(n for n in (self.model_name, args.served_model_name, args.model_path,
+                                                  args.model_preset) if n)
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self.ready = threading.Event()
         self.warm_up_error: str | None = None
+        self.error: str | None = None  # why the scheduler loop died, once it has
+        self.closing: str | None = None  # why new requests are refused (a graceful shutdown)
+        self.on_death: Callable[[str], None] | None = None  # called on the loop's thread as it dies
+        # Requests submitted and not yet finished: the ones to fail if the loop dies, or to wait for on close.
+        self._outstanding: set[Request] = set()
+        self._lock = threading.Lock()  # orders submissions against close / death: none slips in after
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="plugserve-scheduler", daemon=True)
         self._thread.start()
@@ -90,9 +109,22 @@ class Engine:
             self.warm_up_error = f"{type(exc).__name__}: {exc}"
             return
         self.ready.set()
+        try:
+            self._serve()
+        except BaseException as exc:  # a bug past every guard below: no request can be served any more
+            logger.critical("the scheduler loop died", exc_info=True)
+            self._die(f"the scheduler loop died: {type(exc).__name__}: {exc}")
+            return
+        self.scheduler.shutdown()
+
+    def _serve(self) -> None:
         while not self._stopped:
             while not self._inbox.empty():
-                self._inbox.get()()
+                command = self._inbox.get()
+                try:
+                    command()
+                except Exception:  # e.g. an abort whose callback raised: the request is ended all the same
+                    logger.exception("a scheduler command failed")
             if self.scheduler.has_work:
                 try:
                     self.scheduler.step()
@@ -102,7 +134,23 @@ class Engine:
             else:
                 self._wake.wait(0.05)
                 self._wake.clear()
-        self.scheduler.shutdown()
+
+    def _die(self, error: str) -> None:
+        """Fail every outstanding request at once (no caller hangs), refuse new ones, tell the owner."""
+        with self._lock:
+            self.error = error
+            stranded, self._outstanding = self._outstanding, set()
+        for request in stranded:
+            request.finish_reason = FinishReason.ERROR
+            try:
+                request.on_output(RequestOutput(request.rid, "", [], [], True, FinishReason.ERROR,
+                                                prompt_tokens=len(request.prompt_ids), error=error))
+            except Exception:
+                logger.exception("could not report the failure of request %s", request.rid)
+        with contextlib.suppress(Exception):  # let a forward in flight end before the process goes
+            self.scheduler.shutdown()
+        if self.on_death is not None:
+            self.on_death(error)
 
     def _call_in_loop(self, command: Callable[[], None]) -> None:
         self._inbox.put(command)
@@ -133,13 +181,57 @@ class Engine:
         params.validate()
         ids = self.tokenize(prompt)
         rid = rid or uuid.uuid4().hex
-        request = Request(rid, ids, params, on_output, self.eos_token_ids,
-                          make_generator(params.seed, self.runner.device))
-        self._call_in_loop(lambda: self.scheduler.add(request))
+
+        def report(output: RequestOutput) -> None:
+            if output.finished:
+                with self._lock:
+                    self._outstanding.discard(request)
+            on_output(output)
+
+        request = Request(rid, ids, params, report, self.eos_token_ids, make_generator(params.seed, self.runner.device))
+        with self._lock:
+            if self.error is not None or self.closing is not None:
+                raise EngineStopped(self.error or self.closing)
+            self._outstanding.add(request)
+            self._inbox.put(lambda: self.scheduler.add(request))
+        self._wake.set()
         return rid
 
     def abort(self, rid: str) -> None:
         self._call_in_loop(lambda: self.scheduler.abort(rid))
+
+    @property
+    def num_outstanding(self) -> int:
+        """Requests submitted and not finished yet (queued, running, or on their way to the scheduler)."""
+        return len(self._outstanding)
+
+    def close(self, reason: str) -> None:
+        """Refuse new requests from now on (`submit` raises EngineStopped with `reason`); running ones go on."""
+        with self._lock:
+            self.closing = reason
+
+    def abort_all(self, error: str) -> None:
+        """End every request the engine holds with `error` (the end of a graceful shutdown's grace period)."""
+        self._call_in_loop(lambda: self.scheduler.fail_all(error))
+
+    def check_pool_accounting(self, timeout: float = 30.0) -> None:
+        """`Scheduler.check_pool_accounting` run on the scheduler's thread, between two steps (where the pool's
+        bookkeeping is whole). Raises what it raises."""
+        done, failures = threading.Event(), []
+
+        def check() -> None:
+            try:
+                self.scheduler.check_pool_accounting()
+            except Exception as exc:
+                failures.append(exc)
+            finally:
+                done.set()
+
+        self._call_in_loop(check)
+        if not done.wait(timeout):
+            raise TimeoutError("the scheduler thread did not run the pool check")
+        if failures:
+            raise failures[0]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         outputs: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
@@ -197,7 +289,7 @@ class Engine:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stopped
+        return self._thread.is_alive() and not self._stopped and self.error is None
 
     def shutdown(self) -> None:
         self._stopped = True

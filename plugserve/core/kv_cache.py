@@ -92,6 +92,10 @@ class OutOfPagesError(RuntimeError):
     """The pool has fewer free pages than asked for; the scheduler waits or retracts a request."""
 
 
+class PoolAccountingError(AssertionError):
+    """KV pages leaked (allocated, owned by no one) or owned twice: a scheduler or prefix-cache bug."""
+
+
 class PageAllocator:
     """Hands out and takes back the pool's page ids. Freed pages are reused first (warm in cache)."""
 
@@ -117,6 +121,19 @@ class PageAllocator:
                 raise ValueError(f"page {page} is not allocated")
             self._used.remove(page)
             self._free.append(page)
+
+    def check(self) -> set[int]:
+        """The free pages, after checking that each page is either free (once) or allocated."""
+        free = set(self._free)
+        if len(free) != len(self._free):
+            twice = sorted(p for p in free if self._free.count(p) > 1)
+            raise PoolAccountingError(f"pages on the free list twice: {twice}")
+        if free & self._used:
+            raise PoolAccountingError(f"pages both free and allocated: {sorted(free & self._used)}")
+        if len(free) + len(self._used) != self.num_pages:
+            lost = self.num_pages - len(free) - len(self._used)
+            raise PoolAccountingError(f"{lost} pages are neither free nor allocated")
+        return free
 
 
 def pages_needed(num_tokens: int, page_size: int) -> int:

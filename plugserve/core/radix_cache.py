@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from plugserve.core.kv_cache import OutOfPagesError, PageAllocator
+from plugserve.core.kv_cache import OutOfPagesError, PageAllocator, PoolAccountingError
 
 
 class _Node:
@@ -160,6 +161,47 @@ class RadixCache:
     def reset(self) -> None:
         """Drop every unlocked page (locked paths stay: running requests still read them)."""
         self.evict(self._evictable)
+
+    def path_pages(self, node: _Node) -> list[int]:
+        """The pages on the path from the root to `node`: the KV of the prefix `node` stands for."""
+        pages: list[int] = []
+        while node.parent is not None:
+            pages[:0] = node.pages
+            node = node.parent
+        return pages
+
+    def check_accounting(self, locked: Sequence[_Node]) -> set[int]:
+        """The pages the tree owns, after checking its bookkeeping against `locked`, the nodes its users hold
+        locked (one entry per lock). Raises PoolAccountingError: a page in two nodes, an edge whose pages do not
+        match its tokens, a lock count no holder explains, a holder's node no longer in the tree, or evictable /
+        protected counts that disagree with the tree."""
+        expected: Counter[_Node] = Counter()
+        for node in locked:
+            while node.parent is not None:
+                expected[node] += 1
+                node = node.parent
+        nodes = self._nodes()
+        if missing := set(expected) - set(nodes):
+            raise PoolAccountingError(f"{len(missing)} locked prefix-cache nodes are no longer in the tree")
+        pages: set[int] = set()
+        evictable = protected = 0
+        for node in nodes:
+            if twice := pages.intersection(node.pages):
+                raise PoolAccountingError(f"pages {sorted(twice)} are in two prefix-cache nodes")
+            if len(node.key) != len(node.pages) * self.page_size or len(set(node.pages)) != len(node.pages):
+                raise PoolAccountingError(f"a prefix-cache edge of {len(node.key)} tokens holds pages {node.pages}")
+            if node.lock_ref != expected[node]:
+                raise PoolAccountingError(f"a prefix-cache node has {node.lock_ref} locks, its users hold "
+                                          f"{expected[node]}")
+            pages.update(node.pages)
+            if node.lock_ref:
+                protected += len(node.pages)
+            else:
+                evictable += len(node.pages)
+        if (evictable, protected) != (self._evictable, self._protected):
+            raise PoolAccountingError(f"the prefix cache counts {self._evictable} evictable / {self._protected} "
+                                      f"protected pages, its tree has {evictable} / {protected}")
+        return pages
 
     def _walk(self, tokens: tuple[int, ...]) -> PrefixMatch:
         """Match whole-page `tokens` down the tree, splitting the last edge so that the match ends on a node."""

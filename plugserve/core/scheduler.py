@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode
-from plugserve.core.kv_cache import pages_needed
+from plugserve.core.kv_cache import PoolAccountingError, pages_needed
 from plugserve.core.metrics import Metrics
 from plugserve.core.model_runner import ModelRunner
 from plugserve.core.radix_cache import RadixCache
@@ -391,6 +391,32 @@ class Scheduler:
         self._drop_finished()
 
     # -- KV ownership --------------------------------------------------------------------------------
+
+    def check_pool_accounting(self) -> None:
+        """Check that every KV page has exactly one owner: the allocator's free list, one prefix-cache node, or
+        one request (its pages past its cached prefix, whose pages must lead its list), and that the cache's
+        locks are the requests' own. Raises PoolAccountingError naming the pages that leaked or are owned
+        twice. Call it between two steps (`Engine.check_pool_accounting` does)."""
+        requests = [*self.waiting, *self.running, *([self.chunked] if self.chunked else [])]
+        owners = dict.fromkeys(self.radix.check_accounting([r.prefix_node for r in requests if r.prefix_node]),
+                               "the prefix cache")
+        problems = []
+        for request in requests:
+            shared = self.radix.path_pages(request.prefix_node) if request.prefix_node else []  # type: ignore[arg-type]
+            if request.pages[: len(shared)] != shared:
+                problems.append(f"request {request.rid} does not lead with its cached prefix's pages")
+            for page in request.pages[len(shared) :]:
+                if page in owners:
+                    problems.append(f"page {page} is held by request {request.rid} and by {owners[page]}")
+                owners[page] = f"request {request.rid}"
+        free = self.runner.allocator.check()
+        if owned_free := free & owners.keys():
+            problems.append(f"free pages are also owned: {sorted(owned_free)[:16]}")
+        if leaked := set(range(self.runner.allocator.num_pages)) - free - owners.keys():
+            problems.append(f"{len(leaked)} pages leaked (allocated, owned by no request nor the cache): "
+                            f"{sorted(leaked)[:16]}")
+        if problems:
+            raise PoolAccountingError("KV pool accounting: " + "; ".join(problems))
 
     def _cache_prefix(self, request: Request) -> int:
         """Hand the request's computed full pages to the prefix cache (so concurrent requests share them)

@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from plugserve.core.engine import Engine, GenerateResult
+from plugserve.core.engine import Engine, EngineStopped, GenerateResult
 from plugserve.core.request import FinishReason, RequestOutput, TokenLogprob
 from plugserve.core.sampling import SamplingParams
 from plugserve.registry import get_registry
@@ -35,9 +35,9 @@ OPENAI_NAMES = {"max_new_tokens": "max_tokens", "top_logprobs": "logprobs"}
 
 
 class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None) -> None:
         super().__init__(message)
-        self.message, self.param, self.status = message, param, status
+        self.message, self.param, self.status, self.code = message, param, status, code
 
 
 Job = tuple[int, list[int], SamplingParams]  # choice index, prompt ids, one sample's params
@@ -65,7 +65,7 @@ def create_app(engine: Engine) -> FastAPI:
     @app.exception_handler(BadRequest)
     async def bad_request(_: Request, exc: BadRequest) -> JSONResponse:
         kind = "invalid_request_error" if exc.status < 500 else "internal_error"
-        return JSONResponse(error_body(exc.message, kind, exc.param, exc.status), exc.status)
+        return JSONResponse(error_body(exc.message, kind, exc.param, exc.code or exc.status), exc.status)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -73,7 +73,7 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if not engine.ready.is_set() or not engine.alive:
+        if not _serving(engine):
             return _not_serving(engine)
         return JSONResponse({"status": "ok"})
 
@@ -108,6 +108,7 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        _check_model(engine, body.model)
         if body.echo:
             raise BadRequest("echo is not supported", "echo")
         prompts = _prompt_list(body.prompt)
@@ -126,6 +127,7 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        _check_model(engine, body.model)
         messages = [{"role": m.role, "content": _content(m.content)} for m in body.messages]
         try:
             ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
@@ -169,9 +171,10 @@ def create_app(engine: Engine) -> FastAPI:
 
 
 class Gate:
-    """What every HTTP request passes first: the API key (but for /health), then, until the engine has
-    warmed up, only the read-only endpoints. Plain ASGI, because Starlette's BaseHTTPMiddleware would keep a
-    client's disconnect from the endpoints (which abort the client's requests on it)."""
+    """What every HTTP request passes first: the API key (but for /health), then only the read-only endpoints
+    until the engine has warmed up, and again once it is shutting down or dead. Plain ASGI, because
+    Starlette's BaseHTTPMiddleware would keep a client's disconnect from the endpoints (which abort the
+    client's requests on it)."""
 
     def __init__(self, app: ASGIApp, engine: Engine) -> None:
         self.app, self.engine = app, engine
@@ -184,22 +187,38 @@ class Gate:
                 body = error_body("invalid or missing API key", "authentication_error", code=401)
                 await JSONResponse(body, 401)(scope, receive, send)
                 return
-            if not self.engine.ready.is_set() and path not in READY_FREE_PATHS:
+            if not _serving(self.engine) and path not in READY_FREE_PATHS:
                 await _not_serving(self.engine)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
 
+def _serving(engine: Engine) -> bool:
+    return engine.ready.is_set() and engine.alive and engine.closing is None
+
+
 def _not_serving(engine: Engine) -> JSONResponse:
-    """503 with why: warming up (retry soon), warm-up failed, or the scheduler has stopped."""
+    """503 with why: warming up (retry soon), warm-up failed, shutting down, or the scheduler has died."""
+    retry = False
     if engine.warm_up_error is not None:
         message = f"warm-up failed: {engine.warm_up_error}"
     elif not engine.ready.is_set():
-        message = "the server is warming up (compiling kernels, capturing CUDA graphs)"
+        message, retry = "the server is warming up (compiling kernels, capturing CUDA graphs)", engine.alive
+    elif engine.error is not None:
+        message = engine.error
+    elif engine.closing is not None:
+        message = engine.closing
     else:
         message = "the scheduler thread has stopped"
-    headers = {"Retry-After": "5"} if engine.warm_up_error is None and engine.alive else None
+    headers = {"Retry-After": "5"} if retry else None
     return JSONResponse(error_body(message, "internal_error", code=503), 503, headers=headers)
+
+
+def _check_model(engine: Engine, model: str | None) -> None:
+    """OpenAI answers an unknown model with 404 model_not_found; a missing one means the served model."""
+    if model is not None and model not in engine.model_names:
+        raise BadRequest(f"the model `{model}` does not exist; this server serves `{engine.model_name}`", "model",
+                         status=404, code="model_not_found")
 
 
 def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
@@ -265,6 +284,8 @@ async def _merged(engine: Engine, jobs: list[Job]) -> AsyncIterator[tuple[int, R
         try:
             async for output in stream:
                 await queue.put((index, output))
+        except EngineStopped as exc:  # shut down or dead between the gate and here: an error, not silence
+            await queue.put((index, RequestOutput("", "", [], [], True, FinishReason.ERROR, error=str(exc))))
         finally:
             await stream.aclose()
             await queue.put((index, None))

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
 
 from plugserve.core.engine import Engine
+from plugserve.core.kv_cache import PoolAccountingError
 from plugserve.core.request import FinishReason
 from plugserve.core.sampling import SamplingParams
 from plugserve.core.server_args import ServerArgs
@@ -65,8 +67,7 @@ def test_far_too_small_kv_pool_loses_no_request():
         assert [r.finish_reason for r in results] == [FinishReason.LENGTH] * 12
         assert all(r.completion_tokens == 24 for r in results)
         assert engine.metrics.retractions._value.get() > 0
-        # Every page is back: free or held by the prefix cache.
-        assert engine.runner.allocator.num_free + engine.radix.cached_pages == engine.runner.allocator.num_pages
+        _assert_every_page_is_back(engine)
     finally:
         engine.shutdown()
 
@@ -114,9 +115,26 @@ def test_abort_frees_the_request(engine):
             done.set()
 
     rid = engine.submit(PROMPTS[0], SamplingParams(max_new_tokens=2000, ignore_eos=True), on_output)
+    # Aborted once it holds KV: a few tokens in.
+    deadline = time.monotonic() + 30
+    while sum(len(o.token_ids) for o in outputs) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.num_outstanding == 1 and not done.is_set()
     engine.abort(rid)
     assert done.wait(30)
     assert outputs[-1].finish_reason is FinishReason.ABORT
+    _assert_every_page_is_back(engine)
+
+
+def _assert_every_page_is_back(engine: Engine) -> None:
+    """Idle: each KV page is free or held only by an evictable prefix-cache node, and each has one owner."""
+    deadline = time.monotonic() + 10
+    while engine.scheduler.has_work and time.monotonic() < deadline:
+        time.sleep(0.01)
+    engine.check_pool_accounting()
+    allocator = engine.runner.allocator
+    assert engine.radix.protected_pages == 0
+    assert allocator.num_free + engine.radix.evictable_pages == allocator.num_pages
 
 
 @pytest.mark.parametrize("prompt", [[], [10**9], "x " * 9000])
@@ -183,3 +201,18 @@ def test_seed_makes_unseeded_sampling_reproducible():
     first = text(5)
     torch.rand(100)  # whatever else draws from torch's global generator: the engine's seed decides
     assert text(5) == first
+
+
+def test_pool_accounting_catches_a_leaked_page_and_a_stray_lock(engine):
+    engine.generate(PROMPTS[0], GREEDY)  # something in the prefix cache
+    _assert_every_page_is_back(engine)
+    [page] = engine.runner.allocator.alloc(1)  # owned by no one: the engine is idle
+    with pytest.raises(PoolAccountingError, match=rf"1 pages leaked .*\[{page}\]"):
+        engine.check_pool_accounting()
+    engine.runner.allocator.free([page])
+    match = engine.radix.match_prefix(engine.tokenize(PROMPTS[0]))
+    engine.radix.lock(match.node)  # a lock no request holds
+    with pytest.raises(PoolAccountingError, match="locks, its users hold 0"):
+        engine.check_pool_accounting()
+    engine.radix.unlock(match.node)
+    engine.check_pool_accounting()

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from plugserve.core.sampling import SamplingParams
-from tests.live_server import API_KEY, RunningServer
+from tests.live_server import API_KEY, SERVED_MODEL, RunningServer
 
 PROMPT = "The quick brown fox"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]
@@ -28,7 +28,23 @@ def _engine_text(server: RunningServer, prompt, max_tokens: int) -> str:
 
 def test_models_lists_the_served_model(client, server):
     [model] = client.models.list().data
-    assert model.id == server.engine.model_name
+    assert model.id == server.engine.model_name == SERVED_MODEL
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_an_unknown_model_is_404_model_not_found(server, path):
+    """It used to be served, echoing the name back."""
+    body = {"model": "gpt-9", "prompt": PROMPT, "messages": MESSAGES, "max_tokens": 2}
+    response = httpx.post(f"{server.base_url}{path}", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert response.status_code == 404
+    error = response.json()["error"]
+    assert error["code"] == "model_not_found" and error["param"] == "model" and "gpt-9" in error["message"]
+    # The listed name, and no name at all, are served.
+    for model in (SERVED_MODEL, None):
+        body["model"] = model
+        response = httpx.post(f"{server.base_url}{path}", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                              timeout=60)
+        assert response.status_code == 200 and response.json()["model"] == SERVED_MODEL
 
 
 def test_completions_streamed_or_not_match_engine_generate(client, server):

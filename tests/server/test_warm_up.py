@@ -29,7 +29,7 @@ def gated_warm_up(monkeypatch) -> threading.Event:
 
 
 def test_requests_wait_for_warm_up_with_503_and_then_serve(gated_warm_up):
-    engine = Engine(ServerArgs(max_total_tokens=256))
+    engine = Engine(ServerArgs(max_total_tokens=256, served_model_name="m"))
     try:
         client = TestClient(create_app(engine))
         health = client.get("/health")
