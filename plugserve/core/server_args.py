@@ -36,6 +36,7 @@ class ServerArgs(BaseModel):
     port: int = Field(30000, ge=0, le=65535)
     api_key: str | None = None
     served_model_name: str | None = None
+    graceful_shutdown_timeout: float = Field(20.0, ge=0)
     # parallelism (tensor parallelism lands with its own issue)
     tp_size: int = Field(1, ge=1)
     # backends

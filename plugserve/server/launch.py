@@ -5,13 +5,23 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import threading
+import time
 import types
 import typing
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
+import uvicorn
 from pydantic import ValidationError
 
 from plugserve.core.server_args import ServerArgs, describe_validation_error, flag
+
+if TYPE_CHECKING:
+    from plugserve.core.engine import Engine
+
+logger = logging.getLogger(__name__)
 
 HELP = {
     "model_path": "Hugging Face model directory (config.json, safetensors, tokenizer); default: the embedded model",
@@ -25,6 +35,9 @@ HELP = {
     "context_length": "cap the context below the model's max_position_embeddings",
     "api_key": "require 'Authorization: Bearer KEY' on every endpoint but /health",
     "served_model_name": "the model id /v1/models reports",
+    "graceful_shutdown_timeout": "seconds from SIGTERM (or Ctrl-C) to exit: new requests get 503 at once, running "
+                                 "ones may finish until 2 s before it, then end with an error; a second signal "
+                                 "exits at once",
     "tp_size": "tensor-parallel size (1 until parallelism lands)",
     "attention_backend": "attention backend for both phases (auto, or a name from `plugserve backends`)",
     "prefill_attention_backend": "attention backend for prefill (default: --attention-backend)",
@@ -90,8 +103,8 @@ def server_args_from(namespace: argparse.Namespace, parser: argparse.ArgumentPar
 
 
 def serve(args: ServerArgs) -> None:
-    import uvicorn
-
+    """Serve until SIGTERM / SIGINT (exit 0 after the graceful shutdown) or until the scheduler loop dies
+    (exit 1, so that a supervisor restarts the server)."""
     from plugserve.core.engine import Engine
     from plugserve.registry import SelectionError
     from plugserve.server.app import create_app
@@ -101,10 +114,62 @@ def serve(args: ServerArgs) -> None:
         engine = Engine(args)
     except (SelectionError, ValueError) as exc:
         raise SystemExit(f"plugserve serve: {exc}") from None
+    grace = args.graceful_shutdown_timeout
+    config = uvicorn.Config(create_app(engine), host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=min(grace, SHUTDOWN_MARGIN_S))  # type: ignore[arg-type]
+    server = GracefulServer(config, engine, grace)
+    engine.on_death = lambda error: setattr(server, "should_exit", True)  # its callers already have the error
     try:
-        uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level=args.log_level)
+        server.run()
     finally:
         engine.shutdown()
+    if engine.error is not None:
+        raise SystemExit(f"plugserve serve: {engine.error}")
+
+
+SHUTDOWN_MARGIN_S = 2.0  # of the grace period, kept for the last responses and the teardown (about 1 s on a CPU)
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn with plugserve's shutdown. The first SIGTERM / SIGINT closes the engine (new requests get 503,
+    /health says why) and lets the running requests finish; those still running when the grace period is all
+    but over end with an error; then uvicorn stops. A watchdog exits the process (status 1) should any of that
+    outlast the grace period. A second signal exits at once."""
+
+    def __init__(self, config: uvicorn.Config, engine: Engine, grace: float) -> None:
+        super().__init__(config)
+        self.engine, self.grace = engine, grace
+        self._draining = False
+
+    def handle_exit(self, sig: int, frame: types.FrameType | None) -> None:
+        # Not uvicorn's: it would re-raise the signal after shutting down, killing the process by SIGTERM.
+        if self._draining:
+            self.should_exit = self.force_exit = True
+            return
+        self._draining = True
+        threading.Thread(target=self._drain, name="plugserve-drain", daemon=True).start()
+        watchdog = threading.Timer(self.grace, self._overdue)
+        watchdog.daemon = True
+        watchdog.start()
+
+    def _drain(self) -> None:
+        logger.info("shutting down: refusing new requests, %d running get %.0f s", self.engine.num_outstanding,
+                    self.grace)
+        self.engine.close("the server is shutting down")
+        deadline = time.monotonic() + max(0.0, self.grace - SHUTDOWN_MARGIN_S)
+        while self.engine.num_outstanding and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.engine.num_outstanding:
+            logger.warning("ending %d requests still running at the end of the grace period",
+                           self.engine.num_outstanding)
+            self.engine.abort_all(f"the server shut down before the request finished "
+                                  f"(--graceful-shutdown-timeout {self.grace:g} s)")
+        self.should_exit = True
+
+    def _overdue(self) -> None:
+        logger.error("the shutdown outlasted --graceful-shutdown-timeout (%g s): exiting now", self.grace)
+        logging.shutdown()
+        os._exit(1)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
