@@ -9,6 +9,9 @@ time. Every server flag passes through.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import sys
 import time
 from collections.abc import Sequence
@@ -29,13 +32,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=8, help="decode steps profiled")
     parser.add_argument("--output", default=None, help="write the report here too")
     parser.add_argument("--trace", default=None, help="write a Chrome trace (json) here")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="also time the steps without any profiler, then under cProfile: where the host's "
+                             "time goes (Python, launches, waits), which the kernel table does not show")
     namespace = parser.parse_args(argv)
-    namespace.output_len = [namespace.steps + 2]
+    namespace.output_len = [namespace.steps * (3 if namespace.host_profile else 1) + 2]
     runner = bench_one_batch.build_runner(namespace, parser)
     batch_size, input_len = namespace.batch_size[0], namespace.input_len[0]
     scheduler = Scheduler(runner, RadixCache(runner.allocator, runner.page_size, enabled=False),
                           bench_one_batch._NoText())
-    params = SamplingParams(max_new_tokens=namespace.steps + 2, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=namespace.output_len[0], temperature=0, ignore_eos=True)
     generator = torch.Generator().manual_seed(0)
     for i in range(batch_size):
         ids = torch.randint(0, runner.config.vocab_size, (input_len,), generator=generator).tolist()
@@ -43,6 +49,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     scheduler.step()  # the prefill
     scheduler.step()  # one decode step outside the profile
     torch.cuda.synchronize()
+    host_report = _host_profile(scheduler, namespace.steps) if namespace.host_profile else []
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         start = time.perf_counter()
         for _ in range(namespace.steps):
@@ -65,13 +72,38 @@ def main(argv: Sequence[str] | None = None) -> None:
               averages.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60),
               "ops by self device time (whole profile):",
               averages.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60)]
-    report = "\n".join(lines)
+    report = "\n".join(lines + host_report)
     print(report)
     if namespace.output:
         with open(namespace.output, "w") as f:
             f.write(report + "\n")
     if namespace.trace:
         prof.export_chrome_trace(namespace.trace)
+
+
+def _host_profile(scheduler: Scheduler, steps: int) -> list[str]:
+    """Wall time per decode step with no profiler (each step synchronized, as bench_one_batch times it),
+    then the same steps under cProfile: host functions by own and by cumulative time. Uses 2 * steps of the
+    requests' output budget."""
+    walls = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        scheduler.step()
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - start)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        scheduler.step()
+        torch.cuda.synchronize()
+    profiler.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(profiler, stream=out)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(45)
+    walls_ms = ", ".join(f"{w * 1e3:.2f}" for w in walls)
+    return ["", f"host: wall ms per step without a profiler: {walls_ms}",
+            f"cProfile over {steps} steps (times are totals, inflated by cProfile itself):", out.getvalue()]
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from plugserve.core.block_table import to_device
 from plugserve.core.kv_cache import MLAKVPool, token_slots
 
 if TYPE_CHECKING:
@@ -81,24 +82,28 @@ class ForwardBatch:
             raise ValueError(f"every extend length must lie in [0, seq_len]: {extend_lens_cpu} vs {seq_lens_cpu}")
         if mode is ForwardMode.DECODE and any(e != 1 for e in extend_lens_cpu):
             raise ValueError("DECODE takes exactly one new token per request")
-        device = block_table.device
-        positions = torch.cat(
-            [torch.arange(s - e, s, dtype=torch.int64) for s, e in zip(seq_lens_cpu, extend_lens_cpu, strict=True)]
-            or [torch.zeros(0, dtype=torch.int64)]
-        ).to(device)
-        request_of_token = torch.repeat_interleave(
-            torch.arange(len(seq_lens_cpu)), torch.tensor(extend_lens_cpu, dtype=torch.int64)
-        ).to(device)
-        extend_lens_t = torch.tensor(extend_lens_cpu, dtype=torch.int32, device=device)
-        cu = torch.zeros(len(extend_lens_cpu) + 1, dtype=torch.int32, device=device)
-        cu[1:] = torch.cumsum(extend_lens_t, 0)
+        device, batch, num_tokens = block_table.device, len(seq_lens_cpu), sum(extend_lens_cpu)
+        # One upload of [seq_lens | extend_lens | cu_extend_lens]; positions and slots follow on the device.
+        cu = [0]
+        for n in extend_lens_cpu:
+            cu.append(cu[-1] + n)
+        lens = to_device(torch.tensor(seq_lens_cpu + extend_lens_cpu + cu, dtype=torch.int32), device)
+        seq_lens, extend_lens, cu_extend_lens = lens[:batch], lens[batch : 2 * batch], lens[2 * batch :]
+        if num_tokens == batch and all(n == 1 for n in extend_lens_cpu):  # decode: one token per request
+            request_of_token = torch.arange(batch, device=device)
+            positions = seq_lens.to(torch.int64) - 1
+        else:
+            request_of_token = torch.repeat_interleave(  # output_size: no read-back of the lengths
+                torch.arange(batch, device=device), extend_lens, output_size=num_tokens)
+            first = (seq_lens - extend_lens - cu_extend_lens[:-1]).to(torch.int64)  # position of token 0 less its index
+            positions = first[request_of_token] + torch.arange(num_tokens, device=device)
         return cls(
             mode=mode,
             seq_lens_cpu=seq_lens_cpu,
             extend_lens_cpu=extend_lens_cpu,
-            seq_lens=torch.tensor(seq_lens_cpu, dtype=torch.int32, device=device),
-            extend_lens=extend_lens_t,
-            cu_extend_lens=cu,
+            seq_lens=seq_lens,
+            extend_lens=extend_lens,
+            cu_extend_lens=cu_extend_lens,
             positions=positions,
             block_table=block_table,
             out_cache_loc=token_slots(block_table, request_of_token, positions, kv_pool.page_size),

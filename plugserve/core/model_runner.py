@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from plugserve.core.block_table import DeviceBlockTable
 from plugserve.core.cuda_graph_runner import CudaGraphRunner, GraphInputs, capture_sizes
 from plugserve.core.dispatch import AttnForwardMethod, prepare_attention
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode, Phase
@@ -94,6 +95,9 @@ class ModelRunner:
         # Ids the tokenizer can turn into text (set by the engine): checkpoints pad their vocabulary, and the
         # embedded tokenizer is smaller than a dummy preset's. Nothing beyond it is ever sampled.
         self.sample_vocab = self.config.vocab_size
+        # Rows for every running request and the one mid chunked prefill; allocated before the pool is sized.
+        self.block_table = DeviceBlockTable(self.max_running_requests + 1,
+                                            pages_needed(self.context_length + 1, self.page_size), self.device)
         graph_bytes = self._decode_activation_bytes(self.graph_max_bs) if self.graph_max_bs else 0
         self.max_total_tokens = self._kv_tokens(graph_bytes)
         num_pages = self.max_total_tokens // self.page_size

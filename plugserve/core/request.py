@@ -62,6 +62,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
+    table_row: int = -1  # its row of the runner's DeviceBlockTable while it holds KV (-1: none)
     pending_row: int = -1  # row of this request's newest PENDING token in its batch's sampled tokens
     cached_len: int = 0
     prefix_node: object | None = None  # the radix-cache node this request holds locked
@@ -78,6 +79,11 @@ class Request:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def last_id(self) -> int:
+        """The newest token (PENDING while the batch in flight samples it)."""
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
 
     @property
     def seq_len(self) -> int:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from plugserve.core.block_table import to_device
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode
 from plugserve.core.kv_cache import PoolAccountingError, pages_needed
 from plugserve.core.metrics import Metrics
@@ -207,7 +208,7 @@ class Scheduler:
         if not self.running:
             return None
         requests = list(self.running)
-        last = torch.tensor([r.all_ids[-1] for r in requests], dtype=torch.int64)
+        last = torch.tensor([r.last_id for r in requests], dtype=torch.int64)
         return self._build(ForwardMode.DECODE, requests, [1] * len(requests), [True] * len(requests), last)
 
     def _retract(self, request: Request) -> None:
@@ -223,17 +224,22 @@ class Scheduler:
 
     def _build(self, mode: ForwardMode, requests: list[Request], lens: list[int], sampled: list[bool],
                input_ids: torch.Tensor) -> ScheduledBatch:
-        device = self.runner.device
-        max_pages = max(len(r.pages) for r in requests)
-        # One tensor from padded rows: a tensor per request costs more than the decode step's GPU work at batch 64.
-        block_table = torch.tensor([r.pages + [0] * (max_pages - len(r.pages)) for r in requests], dtype=torch.int32)
+        device, table = self.runner.device, self.runner.block_table
+        for request in requests:
+            if request.table_row < 0:
+                request.table_row = table.acquire()
+            table.update(request.table_row, request.pages)
+        block_table = table.gather([r.table_row for r in requests], max(len(r.pages) for r in requests))
         seq_lens = [r.cached_len + n for r, n in zip(requests, lens, strict=True)]
-        batch = ForwardBatch.build(mode, seq_lens, lens, block_table.to(device), self.runner.pool)
+        batch = ForwardBatch.build(mode, seq_lens, lens, block_table, self.runner.pool)
         self.runner.prepare(batch)
-        ends = torch.tensor(lens).cumsum(0) - 1
-        rows = ends[torch.tensor(sampled, dtype=torch.bool)]
+        ends, end = [], -1
+        for n in lens:
+            end += n
+            ends.append(end)
+        rows = [row for row, is_sampled in zip(ends, sampled, strict=True) if is_sampled]
         # Inputs still being sampled by the batch in flight: the last token of a decoding request.
-        resolve = [(int(ends[i]), r.pending_row) for i, r in enumerate(requests) if r.all_ids[-1] == PENDING]
+        resolve = [(ends[i], r.pending_row) for i, r in enumerate(requests) if r.last_id == PENDING]
         sample_row = 0
         for request, n, is_sampled in zip(requests, lens, sampled, strict=True):
             request.cached_len += n  # the KV of these tokens exists once the forward has run
@@ -241,7 +247,8 @@ class Scheduler:
                 request.output_ids.append(PENDING)
                 request.pending_row = sample_row
                 sample_row += 1
-        return ScheduledBatch(mode, requests, lens, sampled, batch, input_ids.to(device), rows.to(device), resolve)
+        return ScheduledBatch(mode, requests, lens, sampled, batch, to_device(input_ids, device),
+                              to_device(torch.tensor(rows, dtype=torch.int64), device), resolve)
 
     # -- running -------------------------------------------------------------------------------------
 
@@ -437,6 +444,9 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         """Give back a request's KV: full pages to the prefix cache, the rest to the allocator."""
+        if request.table_row >= 0:
+            self.runner.block_table.release(request.table_row)
+            request.table_row = -1
         if not request.pages:
             return
         cached = self._cache_prefix(request)

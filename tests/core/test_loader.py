@@ -438,8 +438,9 @@ def test_dummy_deepseek_v2_lite() -> None:
     model = load_model(config, reference_backends(config, dtype), model_path=None, checkpoint_layers=checkpoint_layers,
                        load_format="dummy", dtype=dtype, device=CPU)
     attn = model.layers[0].self_attn
-    assert attn.q_proj.weight.shape == (16 * 192, 2048) and attn.q_proj.weight.dtype == dtype
-    assert attn.kv_a_proj_with_mqa.weight.shape == (576, 2048)
+    # q_proj (16 heads x 192) and kv_a_proj_with_mqa (576) in one GEMM
+    assert attn.fused_qkv_a_proj.weight.shape == (16 * 192 + 576, 2048)
+    assert attn.fused_qkv_a_proj.weight.dtype == dtype
     assert model.layers[0].mlp.gate_up_proj.weight.shape == (2 * 10944, 2048)
     moe = model.layers[1].mlp
     assert moe.gate.shape == (64, 2048)

@@ -200,14 +200,12 @@ class MLAAttention(nn.Module):
         self.num_heads, self.kv_lora_rank, self.rope_dim = c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim
         self.nope_dim, self.v_dim, self.q_lora_rank = c.qk_nope_head_dim, c.v_head_dim, c.q_lora_rank
         q_out, kv_a_out = c.num_attention_heads * c.qk_head_dim, c.kv_lora_rank + c.qk_rope_head_dim
+        # The projections of the input (q_a_proj or q_proj, and kv_a_proj_with_mqa) read the same x: one GEMM.
+        self.q_in_width = c.q_lora_rank if c.q_lora_rank is not None else q_out
+        self.fused_qkv_a_proj = p.linear(c.hidden_size, self.q_in_width, kv_a_out)
         if c.q_lora_rank is not None:
-            # q_a_proj and kv_a_proj_with_mqa read the same input: one GEMM.
-            self.fused_qkv_a_proj = p.linear(c.hidden_size, c.q_lora_rank, kv_a_out)
             self.q_a_layernorm = p.norm(c.q_lora_rank, eps=1e-6)
             self.q_b_proj = p.linear(c.q_lora_rank, q_out)
-        else:
-            self.q_proj = p.linear(c.hidden_size, q_out)
-            self.kv_a_proj_with_mqa = p.linear(c.hidden_size, kv_a_out)
         self.kv_a_layernorm = p.norm(c.kv_lora_rank, eps=1e-6)
         self.kv_b_proj = p.linear(c.kv_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim))
         self.o_proj = p.linear(c.num_attention_heads * c.v_head_dim, c.hidden_size)
@@ -221,8 +219,7 @@ class MLAAttention(nn.Module):
             w = self.q_a_layernorm.weight
             tensors[f"{prefix}.q_a_layernorm.weight"] = CheckpointTensor(tuple(w.shape), _copy_into(w))
         else:
-            tensors = _linear_tensors(prefix, self.q_proj, ["q_proj"])
-            tensors |= _linear_tensors(prefix, self.kv_a_proj_with_mqa, ["kv_a_proj_with_mqa"])
+            tensors = _linear_tensors(prefix, self.fused_qkv_a_proj, ["q_proj", "kv_a_proj_with_mqa"])
         w = self.kv_a_layernorm.weight
         tensors[f"{prefix}.kv_a_layernorm.weight"] = CheckpointTensor(tuple(w.shape), _copy_into(w))
         tensors |= _linear_tensors(prefix, self.kv_b_proj, ["kv_b_proj"])
@@ -241,11 +238,9 @@ class MLAAttention(nn.Module):
                 attn: AttentionBackend) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
         t, h = x.shape[0], self.num_heads
+        q, kv_a = self.fused_qkv_a_proj(x).split([self.q_in_width, self.kv_lora_rank + self.rope_dim], -1)
         if self.q_lora_rank is not None:
-            q_a, kv_a = self.fused_qkv_a_proj(x).split([self.q_lora_rank, self.kv_lora_rank + self.rope_dim], -1)
-            q = self.q_b_proj(self.q_a_layernorm(q_a))
-        else:
-            q, kv_a = self.q_proj(x), self.kv_a_proj_with_mqa(x)
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q_nope, q_rope = q.view(t, h, -1).split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_rope = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
