@@ -1,4 +1,4 @@
-"""Attention backends against the torch reference: set_kv, absorbed MLA, ragged / chunked MHA, merge."""
+"""Attention backends against the oracle: set_kv, absorbed MLA, ragged / chunked MHA, merge."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from plugserve.core.forward_batch import ForwardBatch, ForwardMode, Phase
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import AttentionBackend, AttentionSpec
 from plugserve.core.kv_cache import MLAKVPool, pages_needed
-from plugserve.plugins.attention.torch_ref import TorchRefAttention
+from plugserve.testing import oracle
 from plugserve.testing.batches import random_batch
 from plugserve.testing.cases import GraphCase, MHACase, MLACase
 from plugserve.testing.plugin import Target, require_available
@@ -22,13 +22,13 @@ from plugserve.testing.tolerances import assert_close, assert_lse_close
 LAYER = 1  # not 0, so that a backend ignoring layer_id is caught
 
 
-def _backends(target: Target, spec: AttentionSpec, phase: Phase, hardware: Hardware, device: torch.device
-              ) -> tuple[AttentionBackend, AttentionBackend]:
+def _backend(target: Target, spec: AttentionSpec, phase: Phase, hardware: Hardware, device: torch.device
+             ) -> AttentionBackend:
     require_available(target, hardware)
     fits = target.cls.capabilities.check(spec, phase)
     if not fits:
         pytest.skip(f"{target.entry.name}: {fits.reason}")
-    return target.cls(spec, device), TorchRefAttention(spec, device)  # type: ignore[call-arg]
+    return target.cls(spec, device)  # type: ignore[call-arg]
 
 
 def _mla_setup(target: Target, case: MLACase, page_size: int, hardware: Hardware, device: torch.device):
@@ -36,14 +36,14 @@ def _mla_setup(target: Target, case: MLACase, page_size: int, hardware: Hardware
     if case.mode not in caps.mla_modes:  # type: ignore[attr-defined]
         pytest.skip(f"{target.entry.name} does not run absorbed MLA in {case.mode.name}")
     spec = AttentionSpec(num_heads=case.num_heads, dtype=target.dtype, page_size=page_size)
-    backend, reference = _backends(target, spec, Phase.DECODE, hardware, device)
+    backend = _backend(target, spec, Phase.DECODE, hardware, device)
     batch = random_batch(case.mode, case.seq_lens, case.extend_lens, spec, device)
     batch.attn_method = AttnForwardMethod.MLA
-    return spec, backend, reference, batch
+    return spec, backend, batch
 
 
 def test_set_kv(attention_target: Target, mla_case: MLACase, page_size: int, plugserve_hardware, plugserve_device):
-    spec, backend, _, batch = _mla_setup(attention_target, mla_case, page_size, plugserve_hardware, plugserve_device)
+    spec, backend, batch = _mla_setup(attention_target, mla_case, page_size, plugserve_hardware, plugserve_device)
     expected = batch.kv_pool.buffer(LAYER).clone()
     latent = torch.randn(batch.num_tokens, spec.kv_lora_rank, device=plugserve_device, dtype=spec.dtype)
     k_rope = torch.randn(batch.num_tokens, spec.qk_rope_head_dim, device=plugserve_device, dtype=spec.dtype)
@@ -57,18 +57,17 @@ def test_set_kv(attention_target: Target, mla_case: MLACase, page_size: int, plu
 
 def test_forward_mla(attention_target: Target, mla_case: MLACase, page_size: int, plugserve_hardware,
                      plugserve_device):
-    spec, backend, reference, batch = _mla_setup(attention_target, mla_case, page_size, plugserve_hardware,
-                                                 plugserve_device)
+    spec, backend, batch = _mla_setup(attention_target, mla_case, page_size, plugserve_hardware, plugserve_device)
     t, h, device, dtype = batch.num_tokens, spec.num_heads, plugserve_device, spec.dtype
     latent = torch.randn(t, spec.kv_lora_rank, device=device, dtype=dtype)
     k_rope = torch.randn(t, spec.qk_rope_head_dim, device=device, dtype=dtype)
     q_nope = torch.randn(t, h, spec.kv_lora_rank, device=device, dtype=dtype)
     q_rope = torch.randn(t, h, spec.qk_rope_head_dim, device=device, dtype=dtype)
+    # Before the backend writes: the oracle reads the cached prefix and takes the new tokens from the inputs.
+    expected, _ = oracle.mla(batch, LAYER, q_nope, q_rope, latent, k_rope, oracle.softmax_scale(spec))
     backend.plan(batch)
     backend.set_kv(LAYER, batch.out_cache_loc, latent, k_rope)
     out = backend.forward_mla(q_nope, q_rope, LAYER)
-    reference.plan(batch)
-    expected = reference.forward_mla(q_nope, q_rope, LAYER)
     assert out.dtype == dtype
     assert_close(out, expected, dtype, f"forward_mla {mla_case}")
 
@@ -76,15 +75,16 @@ def test_forward_mla(attention_target: Target, mla_case: MLACase, page_size: int
 def test_forward_mla_in_cuda_graph(attention_target: Target, graph_case: GraphCase, page_size: int,
                                    plugserve_hardware, plugserve_device):
     """Capture set_kv + forward_mla once, then replay on batches of other sizes (padded), lengths and
-    pages: every replay must match the reference on the real rows, with the new KV in the right slots.
+    pages: every replay must match the oracle on the real rows, with the new KV in the right slots.
     Without a GPU there is no graph: the same plan_capture / plan_replay sequence runs eagerly, which
     still checks that plan_replay refreshes everything forward_mla reads."""
     caps = attention_target.cls.capabilities
     if graph_case.mode not in caps.graph_modes:  # type: ignore[attr-defined]
         pytest.skip(f"{attention_target.entry.name} does not declare {graph_case.mode.name} in graph_modes")
     spec = AttentionSpec(num_heads=graph_case.num_heads, dtype=attention_target.dtype, page_size=page_size)
-    backend, reference = _backends(attention_target, spec, Phase.DECODE, plugserve_hardware, plugserve_device)
+    backend = _backend(attention_target, spec, Phase.DECODE, plugserve_hardware, plugserve_device)
     bs, n, device, dtype = graph_case.batch_size, graph_case.per_request, plugserve_device, spec.dtype
+    scale = oracle.softmax_scale(spec)
     max_pages = pages_needed(max(max(lens) for lens in graph_case.replays), page_size)
     num_pages = bs * max_pages + 1  # the last one is the padding page
     pool = MLAKVPool(LAYER + 1, num_pages, page_size, spec.kv_lora_rank, spec.qk_rope_head_dim, dtype, device)
@@ -132,6 +132,8 @@ def test_forward_mla_in_cuda_graph(attention_target: Target, graph_case: GraphCa
         real.attn_method = AttnForwardMethod.MLA
         for t in (q_nope, q_rope, latent, k_rope):
             t.copy_(torch.randn_like(t))
+        t = real.num_tokens
+        expected, _ = oracle.mla(real, LAYER, q_nope[:t], q_rope[:t], latent[:t], k_rope[:t], scale)
         backend.plan_replay(inputs.load(torch.zeros(real.num_tokens, dtype=torch.int64, device=device), real, size))
         graph, run = graphs[size]
         if graph is not None:
@@ -139,40 +141,52 @@ def test_forward_mla_in_cuda_graph(attention_target: Target, graph_case: GraphCa
             out = outputs[size]
         else:
             out = run()
-        t = real.num_tokens
         written = pool.gather(LAYER, real.out_cache_loc)
         assert torch.equal(written, torch.cat([latent[:t], k_rope[:t]], dim=-1)), "set_kv in the graph missed slots"
-        reference.plan(real)
-        expected = reference.forward_mla(q_nope[:t], q_rope[:t], LAYER)
         assert_close(out[:t], expected, dtype, f"graph replay {graph_case} (graph of {size}) seq_lens {seq_lens}")
 
 
 def test_forward_mha(attention_target: Target, mha_case: MHACase, plugserve_hardware, plugserve_device):
+    """Every forward_mha call against the oracle; with MHA_CHUNKED_KV also the whole: the causal part and
+    every prefix chunk, merged by the backend's merge_attn_states, must be attention over the sequences."""
     if mha_case.method not in attention_target.cls.capabilities.methods:  # type: ignore[attr-defined]
         pytest.skip(f"{attention_target.entry.name} does not implement {mha_case.method.name}")
     spec = AttentionSpec(num_heads=mha_case.num_heads, dtype=attention_target.dtype)
-    backend, reference = _backends(attention_target, spec, Phase.PREFILL, plugserve_hardware, plugserve_device)
+    backend = _backend(attention_target, spec, Phase.PREFILL, plugserve_hardware, plugserve_device)
     seq_lens = [p + e for p, e in zip(mha_case.prefix_lens, mha_case.extend_lens, strict=True)]
     batch = random_batch(ForwardMode.EXTEND, seq_lens, mha_case.extend_lens, spec, plugserve_device, num_layers=1)
     prepare_attention(batch, chunked_prefix_cache_threshold=1, prefix_chunk_capacity=mha_case.chunk_capacity)
     assert batch.attn_method is mha_case.method
     backend.plan(batch)
-    reference.plan(batch)
+    dtype, device, h, scale = spec.dtype, plugserve_device, spec.num_heads, oracle.softmax_scale(spec)
+    # K/V of every position of every request's whole sequence, request-major; each call takes its rows.
+    q = torch.randn(batch.num_tokens, h, spec.qk_head_dim, device=device, dtype=dtype)
+    k = torch.randn(sum(seq_lens), h, spec.qk_head_dim, device=device, dtype=dtype)
+    v = torch.randn(sum(seq_lens), h, spec.v_head_dim, device=device, dtype=dtype)
+    seq_starts = [sum(seq_lens[:b]) for b in range(len(seq_lens))]
 
-    def check(kv_tokens: int, chunk: int | None, what: str) -> None:
-        dtype, device, h = spec.dtype, plugserve_device, spec.num_heads
-        q = torch.randn(batch.num_tokens, h, spec.qk_head_dim, device=device, dtype=dtype)
-        k = torch.randn(kv_tokens, h, spec.qk_head_dim, device=device, dtype=dtype)
-        v = torch.randn(kv_tokens, h, spec.v_head_dim, device=device, dtype=dtype)
-        out, lse = backend.forward_mha(q, k, v, prefix_chunk=chunk)
-        ref_out, ref_lse = reference.forward_mha(q, k, v, prefix_chunk=chunk)
-        assert_close(out, ref_out, dtype, f"{what} output")
-        assert_lse_close(lse, ref_lse, dtype, f"{what} lse")
+    def rows(first: list[int], lens: list[int]) -> torch.Tensor:
+        """Rows of positions [first[b], first[b] + lens[b]) of every request b."""
+        return torch.cat([torch.arange(s + f, s + f + n) for s, f, n in zip(seq_starts, first, lens, strict=True)])
 
-    main_kv = sum(seq_lens) if mha_case.method is AttnForwardMethod.MHA else batch.num_tokens
-    check(main_kv, None, f"forward_mha {mha_case} causal")
+    def call(kv_rows: torch.Tensor, chunk: int | None, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+        k_part, v_part = k[kv_rows.to(device)], v[kv_rows.to(device)]
+        out, lse = backend.forward_mha(q, k_part, v_part, prefix_chunk=chunk)
+        expected, expected_lse = oracle.mha(batch, q, k_part, v_part, scale, prefix_chunk=chunk)
+        assert_close(out, expected, dtype, f"forward_mha {mha_case} {what} output")
+        assert_lse_close(lse, expected_lse, dtype, f"forward_mha {mha_case} {what} lse")
+        return out, lse
+
+    if mha_case.method is AttnForwardMethod.MHA:
+        call(rows([0] * len(seq_lens), seq_lens), None, "causal")
+        return
+    out, lse = call(rows(batch.prefix_lens_cpu, batch.extend_lens_cpu), None, "causal over the new tokens")
     for i, chunk in enumerate(batch.prefix_chunks):
-        check(sum(chunk.lens_cpu), i, f"forward_mha {mha_case} prefix chunk {i}")
+        out, lse = backend.merge_attn_states(out, lse, *call(rows(chunk.starts_cpu, chunk.lens_cpu), i,
+                                                             f"prefix chunk {i}"))
+    expected, expected_lse = oracle.ragged_attention(q, k, v, batch.extend_lens_cpu, seq_lens, scale, causal=True)
+    assert_close(out, expected, dtype, f"forward_mha {mha_case} chunks merged: output")
+    assert_lse_close(lse, expected_lse, dtype, f"forward_mha {mha_case} chunks merged: lse")
 
 
 def test_merge_attn_states(attention_target: Target, plugserve_hardware, plugserve_device):
@@ -180,7 +194,7 @@ def test_merge_attn_states(attention_target: Target, plugserve_hardware, plugser
     if AttnForwardMethod.MHA_CHUNKED_KV not in caps.methods:  # type: ignore[attr-defined]
         pytest.skip(f"{attention_target.entry.name} does not implement MHA_CHUNKED_KV")
     spec = AttentionSpec(num_heads=16, dtype=attention_target.dtype)
-    backend, reference = _backends(attention_target, spec, Phase.PREFILL, plugserve_hardware, plugserve_device)
+    backend = _backend(attention_target, spec, Phase.PREFILL, plugserve_hardware, plugserve_device)
     t, h, d, device, dtype = 37, spec.num_heads, spec.v_head_dim, plugserve_device, spec.dtype
     out_a, out_b = (torch.randn(t, h, d, device=device, dtype=dtype) for _ in range(2))
     lse_a, lse_b = (torch.randn(t, h, device=device) * 3 for _ in range(2))
@@ -189,6 +203,6 @@ def test_merge_attn_states(attention_target: Target, plugserve_hardware, plugser
     lse_a[2], lse_b[2] = float("-inf"), float("-inf")
     out_a[0], out_b[1], out_a[2], out_b[2] = 0, 0, 0, 0
     out, lse = backend.merge_attn_states(out_a, lse_a, out_b, lse_b)
-    ref_out, ref_lse = reference.merge_attn_states(out_a, lse_a, out_b, lse_b)
+    ref_out, ref_lse = oracle.merge_attn_states(out_a, lse_a, out_b, lse_b)
     assert_close(out, ref_out, dtype, "merge_attn_states output")
     assert_lse_close(lse, ref_lse, dtype, "merge_attn_states lse")
