@@ -8,9 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 WRONG_BACKENDS = '''
+import dataclasses
+
 import torch
 from plugserve.plugins.attention.torch_ref import TorchRefAttention
 from plugserve.plugins.gemm.torch_ref import TorchRefFp8Gemm
@@ -26,12 +26,37 @@ class NoRope(TorchRefAttention):
         return super().forward_mla(q_nope, torch.zeros_like(q_rope), layer_id)
 
 
+class HotSoftmax(TorchRefAttention):
+    """A softmax scale 5% too large (a YaRN mscale applied twice would do that)."""
+    name = "hot_softmax"
+
+    def __init__(self, spec, device):
+        super().__init__(dataclasses.replace(spec, sm_scale=spec.softmax_scale * 1.05), device)
+
+
 class NoScaling(TorchRefMoE):
     """Forgets DeepSeek's routed_scaling_factor."""
     name = "no_scaling"
 
     def forward(self, x, packed, topk_ids, topk_weights, routed_scaling_factor):
         return super().forward(x, packed, topk_ids, topk_weights, 1.0)
+
+
+class WrongExpert(TorchRefMoE):
+    """Runs each token through the expert after the one it was routed to."""
+    name = "wrong_expert"
+
+    def forward(self, x, packed, topk_ids, topk_weights, routed_scaling_factor):
+        shifted = (topk_ids + 1) % self.spec.num_experts
+        return super().forward(x, packed, shifted, topk_weights, routed_scaling_factor)
+
+
+class NoBias(TorchRefMoE):
+    """Chooses V3's experts without the e_score_correction_bias."""
+    name = "no_bias"
+
+    def route(self, router_logits, correction_bias):
+        return super().route(router_logits, None if correction_bias is None else torch.zeros_like(correction_bias))
 
 
 class LastBlockScaleIgnored(TorchRefFp8Gemm):
@@ -44,32 +69,85 @@ class LastBlockScaleIgnored(TorchRefFp8Gemm):
 
 @hookimpl
 def plugserve_backends():
-    return [NoRope, NoScaling, LastBlockScaleIgnored]
+    return [NoRope, HotSoftmax, NoScaling, WrongExpert, NoBias, LastBlockScaleIgnored]
+'''
+
+# Subtle bugs put into the torch references themselves: before the kit had its own oracle it compared
+# torch_ref with torch_ref and could not see them.
+BROKEN_REFERENCES = '''
+import torch
+from plugserve.plugins.attention import torch_ref as attention_ref
+from plugserve.plugins.gemm import torch_ref as gemm_ref
+from plugserve.plugins.moe import torch_ref as moe_ref
+
+
+def top_left_causal_mask(q_len, kv_len, device=None):
+    """Causality aligned top-left: right only when there is no cached prefix."""
+    return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril()
+
+
+def all_groups(scores, group_scores, topk_group, fill):
+    """Forgets the group limit of V2 / V3 routing."""
+    return scores
+
+
+def fnuz_quant(x, group_size=128):
+    """Scales for e4m3fnuz's largest value, 240, not e4m3fn's 448: x_q * scale is still about x, but on
+    a coarser grid, with scales that are not the contract's."""
+    x_q, scales = per_token_group_quant_fp8(x, group_size)
+    return (x_q.float() * (240 / 448)).to(x_q.dtype), scales * (448 / 240)
+
+
+per_token_group_quant_fp8 = gemm_ref.per_token_group_quant_fp8
+attention_ref.causal_mask = top_left_causal_mask
+moe_ref._keep_top_groups = all_groups
+gemm_ref.per_token_group_quant_fp8 = fnuz_quant
+
+
+def plugserve_backends():
+    return []
 '''
 
 
-def _kit(folder: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+def _kit(folder: Path, report: Path, *args: str) -> dict[str, set[str]]:
+    """Run the kit in float32 on the CPU over the plugin in `folder`; {backend: names of its failed tests}."""
+    result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs", "plugserve.testing",
-         "--plugserve-device", "cpu", "--plugserve-dtypes", "float32", *args],
+         "--plugserve-device", "cpu", "--plugserve-dtypes", "float32", "--plugserve-report", str(report), *args],
         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(folder)}, check=False,
     )
+    assert result.returncode in (0, 1), result.stdout[-3000:] + result.stderr[-3000:]
+    failed: dict[str, set[str]] = {}
+    for outcome in json.loads(report.read_text())["results"]:
+        test, _, params = outcome["test"].partition("::")[2].partition("[")
+        backend = params.split("-float32")[0].split("-")[-1]  # ids hold "<backend>-float32"
+        failed.setdefault(backend, set())
+        if outcome["outcome"] == "failed":
+            failed[backend].add(test)
+    return failed
 
 
-@pytest.mark.parametrize(
-    ("backend", "failing_test"),
-    [
-        ("attention:no_rope", "test_forward_mla"),
-        ("moe:no_scaling", "test_forward"),
-        ("gemm:one_scale", "test_apply"),
-    ],
-)
-def test_kit_fails_a_wrong_backend(make_plugin, backend: str, failing_test: str):
+def test_kit_fails_wrong_backends(make_plugin, tmp_path: Path):
+    expected = {
+        "attention:no_rope": {"test_forward_mla"},
+        "attention:hot_softmax": {"test_forward_mla", "test_forward_mha"},
+        "moe:no_scaling": {"test_forward"},
+        "moe:wrong_expert": {"test_forward"},
+        "moe:no_bias": {"test_route"},
+        "gemm:one_scale": {"test_apply"},
+    }
     folder = make_plugin("wrong-kernels", "wrong_kernels_plugin", WRONG_BACKENDS)
-    result = _kit(folder, "--plugserve-backend", backend)
-    assert result.returncode == 1, result.stdout[-3000:]
-    failed = [line for line in result.stdout.splitlines() if line.startswith("FAILED")]
-    assert failed and all(f"::{failing_test}[" in line for line in failed), "\n".join(failed)
+    failed = _kit(folder, tmp_path / "report.json", *(a for b in expected for a in ("--plugserve-backend", b)))
+    assert failed == {backend.partition(":")[2]: tests for backend, tests in expected.items()}
+
+
+def test_kit_checks_the_torch_references_against_its_oracle(make_plugin, tmp_path: Path):
+    folder = make_plugin("broken-references", "broken_references_plugin", BROKEN_REFERENCES)
+    references = ("attention:torch_ref", "gemm:torch_ref", "moe:torch_ref")
+    failed = _kit(folder, tmp_path / "report.json", *(a for b in references for a in ("--plugserve-backend", b)))
+    # A top-left mask is right without a cached prefix (not in DECODE); the others are wrong everywhere.
+    assert failed == {"torch_ref": {"test_forward_mla", "test_forward_mha", "test_route", "test_quantize_activation",
+                                    "test_apply"}}
 
 
 def test_third_party_plugin_installs_is_listed_selected_and_passes_the_kit(tmp_path: Path):
