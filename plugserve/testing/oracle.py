@@ -32,8 +32,9 @@ from plugserve.core.forward_batch import ForwardBatch
 from plugserve.core.interfaces import AttentionSpec, RouterConfig
 
 NEG_INF = float("-inf")
-# Float64 score elements of one block of queries: 2^27 x 8 bytes = 1 GiB, whatever the heads and keys.
-MAX_SCORES = 1 << 27
+# Float64 score elements of one block of queries: 2^26 x 8 bytes = 512 MiB, whatever the heads and keys
+# (the softmax holds two such tensors at once).
+MAX_SCORES = 1 << 26
 
 # ----------------------------------------------------------------------------------------------------
 # Attention
@@ -79,13 +80,13 @@ def attend(
     for start in range(0, n, block):
         rows = slice(start, start + block)
         scores = torch.einsum(f"qhd,{keys}->hqk", q[rows].double(), k64) * sm_scale  # [H, r, m]
-        scores = scores.masked_fill(~visible[rows], NEG_INF)
+        scores.masked_fill_(~visible[rows], NEG_INF)
         best = scores.amax(dim=-1, keepdim=True)  # [H, r, 1]; -inf where no key is visible
         seen = torch.isfinite(best)
         # Shift by the max for range; rows that see nothing shift by 0 and keep exp(-inf) = 0 everywhere.
-        weights = torch.exp(scores - torch.where(seen, best, torch.zeros_like(best)))
+        weights = (scores - torch.where(seen, best, torch.zeros_like(best))).exp_()
         total = weights.sum(dim=-1, keepdim=True)
-        probs = weights / torch.where(seen, total, torch.ones_like(total))
+        probs = weights.div_(torch.where(seen, total, torch.ones_like(total)))
         out[rows] = torch.einsum(f"hqk,{keys}->qhd", probs, v64)
         lse[rows] = torch.where(seen, best + total.log(), NEG_INF).squeeze(-1).transpose(0, 1)
     return out, lse

@@ -73,6 +73,16 @@ def test_attention_matches_sdpa(kv_heads: int, causal: bool):
         torch.testing.assert_close(lse[qs], torch.logsumexp(scores, dim=-1).transpose(0, 1))
 
 
+def test_query_blocks_do_not_change_the_result(monkeypatch: pytest.MonkeyPatch):
+    """Long prefills are cut into query blocks (memory on the GPU); one row per block gives the same."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(9, 2, 8), torch.randn(12, 2, 8), torch.randn(12, 2, 4)
+    whole = oracle.ragged_attention(q, k, v, [9], [12], 0.4, causal=True)
+    monkeypatch.setattr(oracle, "MAX_SCORES", 1)
+    for blocked, expected in zip(oracle.ragged_attention(q, k, v, [9], [12], 0.4, causal=True), whole, strict=True):
+        torch.testing.assert_close(blocked, expected)
+
+
 def test_mla_is_attention_over_the_decompressed_paged_cache():
     """The absorbed oracle, de-paging a shuffled cache, then W_UV, equals plain causal MHA of the
     un-absorbed model: k = (W_UK c_kv ++ k_rope), v = W_UV c_kv, q = (q_nope ++ q_rope)."""
