@@ -6,13 +6,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+# Temperatures below this sample greedily, as in SGLang: dividing float32 logits by a smaller one overflows.
+GREEDY_TEMPERATURE = 1e-6
+_F32 = torch.finfo(torch.float32)
+
 
 @dataclass
 class SamplingParams:
     """One request's sampling, with SGLang/vLLM semantics (the server maps OpenAI names such as max_tokens)."""
 
     max_new_tokens: int = 128
-    temperature: float = 1.0  # 0: greedy
+    temperature: float = 1.0  # 0 (below GREEDY_TEMPERATURE): greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0: disabled
     min_p: float = 0.0
@@ -51,7 +55,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 @dataclass
@@ -186,10 +190,13 @@ def _apply_penalties(
     rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1]
     if rows:
         index = torch.tensor(rows, device=device)
-        penalty = _column([params[i].repetition_penalty for i in rows], device)
+        # Extreme penalties (1e-300, 1e300) stay finite in float32, and so do the logits they scale: an inf or
+        # NaN logit would be sampled and reported as a logprob that JSON cannot carry.
+        penalty = _column([params[i].repetition_penalty for i in rows], device).clamp(_F32.tiny, _F32.max)
         seen = _token_counts([prompt_ids[i] + output_ids[i] for i in rows], vocab, device) > 0
         picked = logits[index]
         picked = torch.where(seen, torch.where(picked > 0, picked / penalty, picked * penalty), picked)
+        picked = picked.clamp(_F32.min, _F32.max)
         logits = logits.index_copy(0, index, picked)
     rows = [i for i, p in enumerate(params) if p.frequency_penalty != 0 or p.presence_penalty != 0]
     if rows:

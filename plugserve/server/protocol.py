@@ -15,6 +15,10 @@ SEED_LIMIT = 2**63  # seeds are int64 on the device
 Seed = Annotated[StrictInt, Field(ge=0, lt=SEED_LIMIT)]
 TokenId = Annotated[StrictInt, Field(ge=0)]  # the vocabulary's upper bound is checked against the model
 Number = StrictFloat | StrictInt  # JSON numbers; "0.5" or "hot" are refused, not coerced
+# SamplingParams.validate's ranges, stated in the schema too (clients and the API fuzzer read them there).
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+MAX_N = 64
+MAX_STOPS = 16
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:
@@ -32,20 +36,20 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    n: int = 1
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
     seed: Seed | None = None
     user: str | None = None
     # extensions
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    top_k: int = Field(-1, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0)
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] = Field(default_factory=list)
     skip_special_tokens: bool = True
@@ -92,19 +96,19 @@ class GenerateSamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_new_tokens: StrictInt = 128
-    temperature: Number = 1.0
-    top_p: Number = 1.0
-    top_k: StrictInt = -1
-    min_p: Number = 0.0
-    frequency_penalty: Number = 0.0
-    presence_penalty: Number = 0.0
-    repetition_penalty: Number = 1.0
-    stop: StrictStr | list[StrictStr] | None = None
+    max_new_tokens: StrictInt = Field(128, ge=1)
+    temperature: Number = Field(1.0, ge=0)
+    top_p: Number = Field(1.0, gt=0, le=1)
+    top_k: StrictInt = Field(-1, ge=-1)
+    min_p: Number = Field(0.0, ge=0, le=1)
+    frequency_penalty: Number = Field(0.0, ge=-2, le=2)
+    presence_penalty: Number = Field(0.0, ge=-2, le=2)
+    repetition_penalty: Number = Field(1.0, gt=0)
+    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOPS)] | None = None
     stop_token_ids: list[TokenId] = Field(default_factory=list)
     ignore_eos: StrictBool = False
     seed: Seed | None = None
-    n: StrictInt = 1
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
     skip_special_tokens: StrictBool = True
 
     def to_params(self) -> SamplingParams:
@@ -117,7 +121,7 @@ class GenerateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     text: str | None = None
-    input_ids: list[int] | None = None
+    input_ids: list[TokenId] | None = None
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
     stream: bool = False
     rid: str | None = None

@@ -253,3 +253,20 @@ def test_mixed_batch_in_one_call():
     assert probs[out.token_ids[3]] >= 0.9 * probs.max()
     assert out.token_ids[4] == logits[4].index_put((torch.tensor([6]),), logits[4, 6] - 2 * 0.5).argmax()
     assert 0 <= out.token_ids[5] < 20
+
+
+@pytest.mark.parametrize("penalty", [5e-324, 1e-30, 1e30, 1e300])
+def test_extreme_repetition_penalties_keep_logits_and_logprobs_finite(penalty):
+    """The API fuzzer's find: repetition_penalty 5e-324 (0 in float32) made inf logits, and a 500 when the
+    logprobs were written as JSON."""
+    logits = LOGITS[None] + 2.0  # positive and negative logits: divided and multiplied
+    params = SamplingParams(temperature=1.0, repetition_penalty=penalty, logprobs=True, top_logprobs=3, seed=1)
+    out = _sample(logits, [params], prompt_ids=[list(range(logits.shape[-1]))], generators=[torch.Generator()])
+    assert torch.isfinite(out.logprobs).all() and torch.isfinite(out.top_logprob_values).all()
+    assert 0 <= int(out.token_ids[0]) < logits.shape[-1]
+
+
+def test_a_temperature_too_small_for_float32_is_greedy():
+    logits = LOGITS.flip(0)[None]  # the most likely token last: a NaN row's argmax would say 0
+    out = _sample(logits, [SamplingParams(temperature=5e-324, logprobs=True)])
+    assert int(out.token_ids[0]) == int(logits.argmax()) and torch.isfinite(out.logprobs).all()
