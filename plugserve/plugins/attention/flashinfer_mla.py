@@ -47,13 +47,13 @@ its own plan). What the captured launch bakes in stays put across re-plans (0.7.
 and `scheduler.cuh` MLAPlan): the int workspace (a re-plan of an fa2 / fa3 graph plan reuses the previous
 one), the grid and the offsets into both workspaces (fixed by constants and the cluster size, which
 depends only on tokens per request x heads), and kv_indices, read from the wrapper's buffer at run time.
-plan_replay re-plans on the host from the host lengths (the metadata tensors handed to FlashInfer are CPU
-tensors, pinned: its planner reads them there, so no device sync), writes the page ids straight into the
-fixed kv_indices by a gather from the static block table on the device (FlashInfer's own copy of them is
-then a no-op: source and buffer are one view), and FlashInfer copies its new schedule into the int
-workspace on the stream, ahead of the replay. Each re-plan also snapshots FlashInfer's buffers for a
-rollback (device clones of the 8 MiB int workspace and of the whole kv_indices buffer, 4 bytes x max_bs x
-max_pages: large with small pages and long contexts).
+plan_replay re-plans through FlashInfer's compiled planner directly (`_replan_graph`, as SGLang's fast
+decode plan does): the schedule from the pinned host lengths (no device sync) into the int workspace, copied
+on the stream ahead of the replay, and the page ids straight into the fixed kv_indices by a gather from the
+static block table on the device. The wrapper's own plan() would also build a backend object and snapshot
+FlashInfer's buffers for a rollback (device clones of the 8 MiB int workspace and of the whole kv_indices
+buffer, 4 bytes x max_bs x max_pages): milliseconds of host time per decode step. The captured launch
+parameters (plan_info) are checked to be unchanged on every re-plan.
 
 JIT: FlashInfer compiles each kernel variant at its first plan (on an H200: MLA ~17 s, ragged fa3 for
 192 / 128 ~84 s) with nvcc from CUDA_HOME (or PATH), for the GPUs present or FLASHINFER_CUDA_ARCH_LIST
@@ -258,6 +258,8 @@ class FlashInferMLAAttention(AttentionBackend):
         self._graph: _GraphBuffers | None = None  # set by init_cuda_graph
         # (mode, batch size) -> its graph-mode wrapper and the kv_indices buffer that wrapper reads
         self._graph_wrappers: dict[tuple[ForwardMode, int], tuple[Any, torch.Tensor]] = {}
+        # id(graph wrapper) -> event after its last fast re-plan's schedule upload (see _replan_graph)
+        self._schedule_uploaded: dict[int, torch.cuda.Event] = {}
         self._views_pool: MLAKVPool | None = None
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -317,7 +319,9 @@ class FlashInferMLAAttention(AttentionBackend):
             backend=self._kernel,
         )
         self._graph_wrappers[(batch.mode, size)] = wrapper, graph.kv_indices
-        self.plan_replay(batch)
+        AttentionBackend.plan(self, batch)
+        self._mha_calls = []
+        self._plan_mla(batch, wrapper, graph.kv_indices)
 
     def plan_replay(self, batch: ForwardBatch) -> None:
         """Re-plan the graph's wrapper for the batch in the static buffers: the page ids into the fixed
@@ -329,7 +333,49 @@ class FlashInferMLAAttention(AttentionBackend):
                                "for which plan_capture made no graph wrapper")
         AttentionBackend.plan(self, batch)
         self._mha_calls = []
-        self._plan_mla(batch, *graph)
+        wrapper, kv_indices = graph
+        if not self._replan_graph(batch, wrapper, kv_indices):
+            self._plan_mla(batch, wrapper, kv_indices)
+
+    def _replan_graph(self, batch: ForwardBatch, wrapper: Any, kv_indices: torch.Tensor) -> bool:
+        """Re-plan a captured graph's wrapper straight through FlashInfer's compiled planner: the page ids
+        into the fixed kv_indices (the device gather), the host schedule into the int workspace. What
+        `wrapper.plan` adds on top costs more host time than a batch-1 decode step's GPU work: it builds a
+        new backend object per plan and snapshots its buffers for a rollback, device clones of the 8 MiB
+        int workspace and of the whole kv_indices buffer (max_bs x max_pages ids; 168 MB at 256 requests of
+        163840 one-token pages). False when this FlashInfer is not laid out as 0.7.2.post1 (the caller
+        then plans through the wrapper)."""
+        backend = getattr(wrapper, "_planned_backend", None)
+        planner = getattr(getattr(backend, "_cached_module", None), "_module", None)  # the compiled module
+        if planner is None or not hasattr(planner, "plan"):
+            return False
+        pool = batch.kv_pool
+        pages = paged_kv_indices(batch.block_table, batch.seq_lens_cpu, pool.page_size, out=kv_indices)
+        upload = self._schedule_uploaded.get(id(wrapper))
+        if upload is not None:
+            upload.synchronize()  # the last plan's copy out of the pinned schedule buffer has run
+        # The planner writes the schedule into the pinned buffer; it goes up from there on the stream (the
+        # event above keeps the next plan from overwriting it early; FlashInfer's own path stages it through a
+        # fresh pinned copy per plan instead).
+        int_workspace, pinned = backend._int_workspace_buffer, backend._pin_memory_int_workspace_buffer
+        plan_info, staged_bytes = planner.plan(
+            backend._float_workspace_buffer, int_workspace, pinned,
+            staged(exclusive_cumsum(batch.extend_lens_cpu), pool.device), pages.kv_indptr, pages.kv_lens,
+            self.spec.num_heads, pool.kv_lora_rank, max(batch.extend_lens_cpu) > 1,
+        )
+        size = int(staged_bytes)
+        int_workspace.view(torch.uint8)[:size].copy_(pinned.view(torch.uint8)[:size], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._schedule_uploaded[id(wrapper)] = event
+        # The captured launch bakes plan_info in (grid, workspace offsets): a re-plan may only change the
+        # schedule the kernels read from the int workspace.
+        if list(plan_info) != list(backend._plan_info):
+            raise RuntimeError(f"{self.name}: FlashInfer re-planned a captured {batch.mode.name} graph of "
+                               f"{batch.batch_size} requests with another launch layout ({list(plan_info)} vs "
+                               f"{list(backend._plan_info)}); the graph cannot replay it")
+        self._planned_mla = wrapper
+        return True
 
     def _plan_mla(self, batch: ForwardBatch, wrapper: Any, kv_indices: torch.Tensor | None = None) -> None:
         """Plan `wrapper` for this batch's absorbed MLA; `kv_indices`: the graph buffer the page ids go to."""
