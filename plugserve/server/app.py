@@ -280,15 +280,18 @@ async def _merged(engine: Engine, jobs: list[Job]) -> AsyncIterator[tuple[int, R
     queue: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
 
     async def pump(index: int, ids: list[int], params: SamplingParams) -> None:
-        stream = engine.stream_async(ids, params)
+        stream = None
         try:
+            stream = engine.stream_async(ids, params)
             async for output in stream:
                 await queue.put((index, output))
-        except EngineStopped as exc:  # shut down or dead between the gate and here: an error, not silence
-            await queue.put((index, RequestOutput("", "", [], [], True, FinishReason.ERROR, error=str(exc))))
+        except Exception as exc:  # e.g. the engine shut down or died after the gate: an error, never silence
+            error = str(exc) if isinstance(exc, EngineStopped) else f"{type(exc).__name__}: {exc}"
+            await queue.put((index, RequestOutput("", "", [], [], True, FinishReason.ERROR, error=error)))
         finally:
-            await stream.aclose()
-            await queue.put((index, None))
+            if stream is not None:
+                await stream.aclose()
+            await queue.put((index, None))  # always: _merged counts the jobs that ended
 
     tasks = [asyncio.create_task(pump(*job)) for job in jobs]
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 
@@ -75,11 +76,16 @@ def test_n_and_logprobs(client):
     assert [c.index for c in response.choices] == [0, 1, 2]
     for choice in response.choices:
         assert len(choice.logprobs.token_logprobs) == len(choice.logprobs.tokens) > 0
-        assert all(len(top) <= 2 for top in choice.logprobs.top_logprobs)
+        for top, chosen in zip(choice.logprobs.top_logprobs, choice.logprobs.token_logprobs, strict=True):
+            values = list(top.values())  # distinct token texts: 2 entries unless two ids decode alike
+            assert 1 <= len(values) <= 2 and values == sorted(values, reverse=True)
+            assert chosen <= values[0] + 1e-6
     chat = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True,
                                           top_logprobs=3)
-    first = chat.choices[0].logprobs.content[0]
-    assert first.logprob == max(t.logprob for t in first.top_logprobs)  # greedy picks the most likely
+    for token in chat.choices[0].logprobs.content:
+        values = [t.logprob for t in token.top_logprobs]
+        assert len(values) == 3 and values == sorted(values, reverse=True)
+        assert token.logprob == values[0]  # greedy picks the most likely
 
 
 def test_64_concurrent_streams_each_equal_its_solo_run(server):
@@ -248,3 +254,27 @@ def test_a_non_streaming_client_that_leaves_has_its_request_aborted_and_its_page
     while not settled() and time.time() < deadline:
         time.sleep(0.05)
     assert settled(), "the request ran on after its client left"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_job_that_fails_to_run_is_an_error_not_a_partial_answer(server, monkeypatch, stream):
+    """`_merged` used to swallow a failing job (gather with return_exceptions): a 200 with what the others made."""
+    real = server.engine.stream_async
+    calls = []
+
+    async def stream_async(ids, params, rid=None):
+        calls.append(1)
+        if len(calls) == 2:  # the second of n = 2 samples, as the engine's own would fail (in its first step)
+            raise RuntimeError("job bug")
+        async for output in real(ids, params, rid):
+            yield output
+
+    monkeypatch.setattr(server.engine, "stream_async", stream_async)
+    body = {"model": SERVED_MODEL, "prompt": PROMPT, "max_tokens": 3, "n": 2, "stream": stream}
+    response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {API_KEY}"})
+    if stream:
+        events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and "RuntimeError: job bug" in json.loads(events[-2])["error"]["message"]
+    else:
+        assert response.status_code == 500 and "RuntimeError: job bug" in response.json()["error"]["message"]
