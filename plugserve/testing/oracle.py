@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from plugserve.core.dispatch import AttnForwardMethod
 from plugserve.core.forward_batch import ForwardBatch
@@ -220,15 +221,11 @@ def quantize_per_token_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor,
     scale = amax / 448 in float32, x_q = x / scale rounded to the nearest e4m3."""
     m, k = x.shape
     num_groups = -(-k // group)
-    x_q = torch.empty(m, k, dtype=FP8, device=x.device)
-    scales = torch.empty(m, num_groups, dtype=torch.float32, device=x.device)
-    for g in range(num_groups):
-        cols = slice(g * group, (g + 1) * group)
-        values = x[:, cols].double()
-        scale = (values.abs().amax(dim=1).clamp(min=SCALE_FLOOR) / FP8_MAX).float()  # [M]
-        scales[:, g] = scale
-        x_q[:, cols] = (values / scale.double().unsqueeze(1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return x_q, scales
+    # The last group padded with zeros to full width: zeros change no amax and are cut off again.
+    groups = F.pad(x.double(), (0, num_groups * group - k)).view(m, num_groups, group)
+    scales = (groups.abs().amax(dim=-1).clamp(min=SCALE_FLOOR) / FP8_MAX).float()  # [M, G]
+    x_q = (groups / scales.double().unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return x_q.view(m, num_groups * group)[:, :k].contiguous(), scales
 
 
 def dequantize(w_q: torch.Tensor, scale_inv: torch.Tensor, block_shape: tuple[int, int]) -> torch.Tensor:
@@ -349,9 +346,11 @@ def moe(
         return w13[e].double(), w2[e].double()
 
     out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    # Quantization is per token (row), so all rows at once quantize each token as it would alone.
+    inputs = _fake_quant(x, group) if fp8 else x.double()  # [T, H]
     ids, weights = topk_ids.tolist(), topk_weights.double().tolist()
     for t in range(x.shape[0]):
-        x_t = _fake_quant(x[t : t + 1], group)[0] if fp8 else x[t].double()  # [H]
+        x_t = inputs[t]
         for e, weight in zip(ids[t], weights[t], strict=True):
             w13_e, w2_e = expert(e)
             gate_up = w13_e @ x_t  # [2I]
