@@ -289,7 +289,10 @@ class Scheduler:
             try:
                 if was_sampled and not request.finished:  # finished by an earlier batch: the extra token is dropped
                     self._append(request, tokens[row], logprobs, top_ids, top_values, row)
-                if not request.finished:
+                # Prompt pages are shared at once (concurrent requests with the prompt reuse them); pages filled
+                # by decoding are cached when the request releases them: inserting a running sequence's path
+                # at every decode step cost more host time than the step's GPU work at batch 64.
+                if not request.finished and batch.mode is ForwardMode.EXTEND:
                     self._cache_prefix(request)
             except Exception as exc:  # one request's failure (its stop rules, its callback) ends it alone
                 logger.exception("request %s failed while its output was processed", request.rid)
