@@ -493,7 +493,9 @@ class MoEBackend(Backend):
         routed_scaling_factor: float,
     ) -> torch.Tensor:
         """x [T, H] of spec.dtype -> sum_j topk_weights[t, j] * routed_scaling_factor *
-        expert_{topk_ids[t, j]}(x[t]), with expert(x) = W2 (silu(W_gate x) * (W_up x)). Returns [T, H]."""
+        expert_{topk_ids[t, j]}(x[t]), with expert(x) = W2 (silu(W_gate x) * (W_up x)). Returns [T, H].
+        Block-FP8 experts are w8a8: x, and the SiLU-and-mul output before W2, are quantized per 1 x block_k
+        token group (e4m3, float32 scale amax / 448) as the GEMM contract's activations are."""
 
 
 BACKEND_BASES: dict[Kind, type[Backend]] = {
