@@ -1,4 +1,5 @@
-"""The torch reference attention backend: plain torch for every method, itself checked against the kit's float64 oracle (plugserve/testing/oracle.py).
+"""The torch reference attention backend: plain torch for every method,
+itself checked against the kit's float64 oracle (plugserve/testing/oracle.py).
 
 Plain eager PyTorch, one request at a time, all math in float32. It is slow on purpose: each step is
 the textbook formula, so that a mismatch with a fast kernel points at the kernel. The math lives in
