@@ -37,8 +37,8 @@ class DeviceBlockTable:
         self._pending: list[tuple[int, int, list[int]]] = []  # (row, first column, pages) to upload
 
     @property
-    def num_free_rows(self) -> int:
-        return len(self._free_rows)
+    def taken_rows(self) -> set[int]:
+        return set(self._written)
 
     def acquire(self) -> int:
         if not self._free_rows:

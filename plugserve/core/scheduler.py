@@ -404,9 +404,10 @@ class Scheduler:
 
     def check_pool_accounting(self) -> None:
         """Check that every KV page has exactly one owner: the allocator's free list, one prefix-cache node, or
-        one request (its pages past its cached prefix, whose pages must lead its list), and that the cache's
-        locks are the requests' own. Raises PoolAccountingError naming the pages that leaked or are owned
-        twice. Call it between two steps (`Engine.check_pool_accounting` does)."""
+        one request (its pages past its cached prefix, whose pages must lead its list), that the cache's
+        locks are the requests' own, and that each taken block-table row is one request's. Raises
+        PoolAccountingError naming the pages that leaked or are owned twice. Call it between two steps
+        (`Engine.check_pool_accounting` does)."""
         requests = [*self.waiting, *self.running, *([self.chunked] if self.chunked else [])]
         owners = dict.fromkeys(self.radix.check_accounting([r.prefix_node for r in requests if r.prefix_node]),
                                "the prefix cache")
@@ -425,6 +426,11 @@ class Scheduler:
         if leaked := set(range(self.runner.allocator.num_pages)) - free - owners.keys():
             problems.append(f"{len(leaked)} pages leaked (allocated, owned by no request nor the cache): "
                             f"{sorted(leaked)[:16]}")
+        rows = [r.table_row for r in requests if r.table_row >= 0]
+        if len(set(rows)) != len(rows):
+            problems.append("two requests share a block-table row")
+        if stray := self.runner.block_table.taken_rows - set(rows):
+            problems.append(f"block-table rows taken by no request: {sorted(stray)[:16]}")
         if problems:
             raise PoolAccountingError("KV pool accounting: " + "; ".join(problems))
 

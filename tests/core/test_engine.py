@@ -215,4 +215,8 @@ def test_pool_accounting_catches_a_leaked_page_and_a_stray_lock(engine):
     with pytest.raises(PoolAccountingError, match="locks, its users hold 0"):
         engine.check_pool_accounting()
     engine.radix.unlock(match.node)
+    row = engine.runner.block_table.acquire()  # a block-table row no request holds
+    with pytest.raises(PoolAccountingError, match=rf"rows taken by no request: \[{row}\]"):
+        engine.check_pool_accounting()
+    engine.runner.block_table.release(row)
     engine.check_pool_accounting()

@@ -252,14 +252,14 @@ class FlashInferMLAAttention(AttentionBackend):
         self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._mla = flashinfer.BatchMLAPagedAttentionWrapper(self._workspace, backend=self._kernel)
         self._ragged: list[Any] = []  # grown on demand: one per ragged call of a forward
-        self._ragged_uploaded: list[torch.cuda.Event | None] = []
         self._planned_mla: Any = None  # the MLA wrapper planned for this forward (None: MHA, or no tokens)
         self._mha_calls: list[_RaggedCall] = []
         self._graph: _GraphBuffers | None = None  # set by init_cuda_graph
         # (mode, batch size) -> its graph-mode wrapper and the kv_indices buffer that wrapper reads
         self._graph_wrappers: dict[tuple[ForwardMode, int], tuple[Any, torch.Tensor]] = {}
-        # id(graph wrapper) -> event after its last fast re-plan's schedule upload (see _replan_graph)
-        self._schedule_uploaded: dict[int, torch.cuda.Event] = {}
+        # id(wrapper) -> an event after the copy of its last plan out of a pinned host buffer: that buffer is
+        # rewritten by the wrapper's next plan, which must wait for the copy (the host may be a forward ahead)
+        self._uploads: dict[int, torch.cuda.Event] = {}
         self._views_pool: MLAKVPool | None = None
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -351,12 +351,9 @@ class FlashInferMLAAttention(AttentionBackend):
             return False
         pool = batch.kv_pool
         pages = paged_kv_indices(batch.block_table, batch.seq_lens_cpu, pool.page_size, out=kv_indices)
-        upload = self._schedule_uploaded.get(id(wrapper))
-        if upload is not None:
-            upload.synchronize()  # the last plan's copy out of the pinned schedule buffer has run
-        # The planner writes the schedule into the pinned buffer; it goes up from there on the stream (the
-        # event above keeps the next plan from overwriting it early; FlashInfer's own path stages it through a
-        # fresh pinned copy per plan instead).
+        # The planner writes the schedule into the pinned buffer and it goes up from there on the stream;
+        # FlashInfer's own path stages it through a fresh pinned copy per plan instead.
+        self._await_upload(wrapper)
         int_workspace, pinned = backend._int_workspace_buffer, backend._pin_memory_int_workspace_buffer
         plan_info, staged_bytes = planner.plan(
             backend._float_workspace_buffer, int_workspace, pinned,
@@ -365,9 +362,7 @@ class FlashInferMLAAttention(AttentionBackend):
         )
         size = int(staged_bytes)
         int_workspace.view(torch.uint8)[:size].copy_(pinned.view(torch.uint8)[:size], non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._schedule_uploaded[id(wrapper)] = event
+        self._mark_upload(wrapper)
         # The captured launch bakes plan_info in (grid, workspace offsets): a re-plan may only change the
         # schedule the kernels read from the int workspace.
         if list(plan_info) != list(backend._plan_info):
@@ -417,20 +412,27 @@ class FlashInferMLAAttention(AttentionBackend):
         if index == len(self._ragged):
             self._ragged.append(self._flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
                 self._workspace, "NHD", backend=self._kernel))
-            self._ragged_uploaded.append(None)
-        uploaded = self._ragged_uploaded[index]
-        if uploaded is not None:
-            uploaded.synchronize()  # the last plan's copy out of this wrapper's pinned buffer has run
         spec, wrapper = self.spec, self._ragged[index]
+        self._await_upload(wrapper)
         wrapper.plan(
             qo_indptr=qo_indptr, kv_indptr=exclusive_cumsum(kv_lens), num_qo_heads=spec.num_heads,
             num_kv_heads=spec.num_heads, head_dim_qk=spec.qk_head_dim, head_dim_vo=spec.v_head_dim,
             causal=causal, sm_scale=spec.softmax_scale, q_data_type=spec.dtype, kv_data_type=spec.dtype,
         )
+        self._mark_upload(wrapper)
+        return wrapper
+
+    def _await_upload(self, wrapper: Any) -> None:
+        """Wait until the copy of `wrapper`'s last plan out of its pinned buffer has run (see `_uploads`)."""
+        upload = self._uploads.get(id(wrapper))
+        if upload is not None:
+            upload.synchronize()
+
+    def _mark_upload(self, wrapper: Any) -> None:
+        """After a plan of `wrapper` enqueued the copy out of its pinned buffer."""
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self._workspace.device))
-        self._ragged_uploaded[index] = event
-        return wrapper
+        self._uploads[id(wrapper)] = event
 
     def forward_mla(self, q_nope: torch.Tensor, q_rope: torch.Tensor, layer_id: int) -> torch.Tensor:
         """q_nope [T, H, 512], q_rope [T, H, 64] in the pool's dtype (any strides with a unit last one)

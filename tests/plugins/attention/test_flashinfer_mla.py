@@ -500,7 +500,8 @@ def test_wrappers_are_planned_once_per_forward_and_reused() -> None:
     prefill = random_batch(ForwardMode.EXTEND, [300, 8], [5, 8], spec, CPU, num_layers=1)
     prepare_attention(prefill, chunked_prefix_cache_threshold=1, prefix_chunk_capacity=64)
     backend.plan(prefill)
-    wrappers, events = list(backend._ragged), list(backend._ragged_uploaded)
+    wrappers = list(backend._ragged)
+    events = [backend._uploads[id(w)] for w in wrappers]
     backend.plan(prefill)
     assert backend._ragged == wrappers and all(w.plans == 2 for w in wrappers)
     assert all(e.synchronized == 1 for e in events)  # each re-plan waited for its wrapper's last upload
