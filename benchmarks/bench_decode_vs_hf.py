@@ -8,7 +8,8 @@
 2. transformers: DeepseekV2/V3ForCausalLM of the same ModelConfig, random weights of the same dtype, greedy
    `generate` with a StaticCache, compiled by `generate` itself (a compileable cache on CUDA compiles the
    decode forward with the CompileConfig given, mode "reduce-overhead": CUDA graphs); --hf-no-compile runs
-   it eagerly. Per step = (T(output_len tokens) - T(1 token)) / (output_len - 1): both prefill the same prompt.
+   it eagerly. Per step: the time from the first token to the last within one `generate` call, over
+   output_len - 1 (the prefill is outside it).
 3. The limit: the bytes one decode step must read (decode_step_bytes) over the copy bandwidth measured in
    this run (the shootout's ceiling: a 2 GiB device copy, read + write).
 
@@ -191,17 +192,32 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class StepClock:
+    """A streamer for `generate` that notes the host time of every hand-over: first the prompt, then each new
+    token [batch] as it is copied to the host (which waits for the device: the times are the steps' ends)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
 def hf_decode_step(model: Any, batch_size: int, input_len: int, output_len: int, *, compile_model: bool,
                    fullgraph: bool, warmup: int, reps: int, seed: int) -> dict[str, float]:
-    """Median seconds of one greedy decode step of `generate` with a static cache: (T(output_len tokens) -
-    T(1 token)) / (output_len - 1) over `reps` alternating runs, after `warmup` runs of output_len tokens
-    (which compile and record the CUDA graphs).
+    """Median seconds of one greedy decode step of `generate` with a static cache over `reps` runs of
+    output_len tokens, after `warmup` runs (which compile and record the CUDA graphs). Each run times its own
+    decode steps: from the first token (the prefill's) to the last, over output_len - 1. (Not the difference of
+    an output_len-token run and a 1-token run: two separately timed runs, which load on the machine can make
+    negative.)
 
     One StaticCache, passed as past_key_values and reset in place before each call, serves every call: its
     tensors keep their addresses, so the CUDA graphs replay. (cache_implementation="static" builds a fresh
     cache in every call, since transformers#47731, and new addresses make the CUDA graphs re-record in every
-    call: a per-call cost, not a per-step one.) Both lengths prefill into the same cache size, so the
-    subtraction leaves the decode steps alone."""
+    call: a per-call cost, not a per-step one.)"""
     from transformers import CompileConfig, StaticCache
 
     device = model.device
@@ -210,31 +226,30 @@ def hf_decode_step(model: Any, batch_size: int, input_len: int, output_len: int,
     cache = StaticCache(config=model.config, max_cache_len=input_len + output_len)
     eos = model.generation_config.eos_token_id
     kwargs: dict[str, Any] = dict(attention_mask=torch.ones_like(ids), past_key_values=cache, do_sample=False,
+                                  max_new_tokens=output_len, min_new_tokens=output_len,
                                   pad_token_id=eos[0] if isinstance(eos, list) else eos)
     # generate compiles the decode forward itself (not the prefill) when the cache is compileable and the
     # device is CUDA; compile_config says how.
     kwargs |= (dict(compile_config=CompileConfig(fullgraph=fullgraph, mode="reduce-overhead")) if compile_model
                else dict(disable_compile=True))
 
-    def generate(tokens: int) -> float:
+    def generate() -> tuple[float, float]:
+        """(seconds per decode step, seconds of the whole call) of one run."""
         cache.reset()
+        clock = StepClock()
         _sync(device)
         begin = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **kwargs)
+        out = model.generate(ids, streamer=clock, **kwargs)
         _sync(device)
         elapsed = time.perf_counter() - begin
-        assert out.shape == (batch_size, input_len + tokens), out.shape
-        return elapsed
+        assert out.shape == (batch_size, input_len + output_len), out.shape
+        assert len(clock.times) == output_len + 1, len(clock.times)  # the prompt, then each token
+        return (clock.times[-1] - clock.times[1]) / (output_len - 1), elapsed
 
     for _ in range(warmup):
-        generate(output_len)
-    generate(1)
-    full, one = [], []
-    for _ in range(reps):
-        full.append(generate(output_len))
-        one.append(generate(1))
-    step = (statistics.median(full) - statistics.median(one)) / (output_len - 1)
-    return {"step_s": step, "generate_s": statistics.median(full), "generate_1_s": statistics.median(one)}
+        generate()
+    steps, calls = zip(*(generate() for _ in range(reps)), strict=True)
+    return {"step_s": statistics.median(steps), "generate_s": statistics.median(calls)}
 
 
 # -- plugserve ---------------------------------------------------------------------------------------
@@ -374,10 +389,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="transformers' routed-expert kernels (default: its own choice; on a GPU generate "
                              "decodes grouped_mm as batched_mm)")
     parser.add_argument("--hf-warmup", type=int, default=2, help="generate runs before timing (compile, graphs)")
-    parser.add_argument("--hf-reps", type=int, default=3, help="timed generate pairs per batch size (median)")
+    parser.add_argument("--hf-reps", type=int, default=3, help="timed generate runs per batch size (median)")
     namespace = parser.parse_args(argv)
     if min(namespace.output_len) < 2:
-        parser.error("--output-len must be >= 2: a decode step is timed as a difference over output_len - 1 steps")
+        parser.error("--output-len must be >= 2: a decode step is timed over the output_len - 1 after the first token")
     device = torch.device(namespace.device if namespace.device != "auto" else
                           ("cuda" if torch.cuda.is_available() else "cpu"))
     config, _ = read_config(namespace.model_path, namespace.model_preset, namespace.quantization, namespace.num_layers)

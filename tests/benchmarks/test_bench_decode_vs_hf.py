@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 
 import pytest
+import torch
 
 from benchmarks import bench_decode_vs_hf as bench
 from plugserve.core import config as config_module
@@ -79,6 +81,29 @@ def test_hf_config_refuses_what_transformers_cannot_run():
         bench.hf_config(preset_config("deepseek-v3"))  # block-FP8
     with pytest.raises(ValueError, match="sigmoid"):
         bench.hf_config(dataclasses.replace(preset_config("deepseek-v2-lite"), scoring_func="sigmoid"))
+
+
+def test_hf_decode_step_times_only_the_decode_steps_of_each_run(monkeypatch):
+    """A step is timed inside one run, from its first token to its last: a stall outside the decode steps (here
+    before every other call, as load on the machine comes and goes) never enters it. It used to be the
+    difference of two separately timed runs (output_len tokens, 1 token), negative when the short ones stalled."""
+    monkeypatch.setitem(config_module.PRESETS, "tiny-v2-lite", TINY_V2_LITE)
+    model = bench.build_hf_model(preset_config("tiny-v2-lite").with_layers(2), torch.float32, torch.device("cpu"), 0)
+    real_generate, stall_s, calls = model.generate, 0.5, []
+
+    def stalling_generate(*args, **kwargs):
+        calls.append(kwargs["max_new_tokens"])
+        if len(calls) % 2:
+            time.sleep(stall_s)
+        return real_generate(*args, **kwargs)
+
+    monkeypatch.setattr(model, "generate", stalling_generate)
+    output_len = 4
+    result = bench.hf_decode_step(model, 2, 8, output_len, compile_model=False, fullgraph=False, warmup=1, reps=4,
+                                  seed=0)
+    # 3 decode steps of this tiny model take milliseconds: a stall counted in would be 0.5 s.
+    assert 0 < result["step_s"] * (output_len - 1) < stall_s
+    assert calls == [output_len] * 5 and result["generate_s"] > 0
 
 
 def test_whole_script_on_the_cpu(tmp_path, capsys, monkeypatch):
