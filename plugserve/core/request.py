@@ -1,8 +1,9 @@
 """One generation request as the scheduler tracks it, and what it reports back.
 
 The prompt and the generated ids form one token sequence; `cached_len` of its leading tokens have KV
-in `pages`. A running request always has every token but its last cached: the last one is the input
-of its next decode step.
+in `pages` (or will have, once the batches planned for them have run); `computed_len` of them are known
+to have it (their batches ran without error). A running request always has every token but its last
+cached: the last one is the input of its next decode step.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class Request:
     table_row: int = -1  # its row of the runner's DeviceBlockTable while it holds KV (-1: none)
     pending_row: int = -1  # row of this request's newest PENDING token in its batch's sampled tokens
     cached_len: int = 0
+    computed_len: int = 0  # <= cached_len: the prefix cache takes only these (a failed batch writes no KV)
     prefix_node: object | None = None  # the radix-cache node this request holds locked
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (the first time it was scheduled)
     finish_reason: FinishReason | None = None

@@ -42,6 +42,7 @@ class ScheduledBatch:
     forward_batch: ForwardBatch
     input_ids: torch.Tensor  # [T] int64 on the device
     sample_rows: torch.Tensor  # [sum(sampled)] rows of the new tokens whose logits are sampled
+    ends: list[int]  # each request's cached_len once this batch has run
     # Overlap: (input row, sampled row of the batch in flight) for inputs that batch is still producing
     resolve: list[tuple[int, int]]
 
@@ -143,25 +144,20 @@ class Scheduler:
         for request in candidates:
             if request is not self.chunked and len(self.running) + len(requests) >= self.max_running:
                 break
-            fresh = request.cached_len == 0 and not request.pages
-            if fresh:
-                self._reuse_prefix(request)
-            # Pages it may take: free and evictable ones, less one per running request for its next decode step.
-            spare = self._pages_available() - len(self.running) - len(requests)
-            room = (len(request.pages) + spare) * self.page_size - request.cached_len
-            n = min(request.seq_len - request.cached_len, budget, room)
+            try:
+                n = self._take_pages(request, budget, len(requests))
+            except Exception as exc:
+                self._fail(request, "being scheduled", exc)
+                continue
             if n <= 0:
-                if fresh:  # a waiting request holds no KV: give the matched prefix back
-                    self._release(request)
-                    request.cached_len = 0
                 break
-            request.pages += self.radix.alloc(pages_needed(request.cached_len + n, self.page_size) - len(request.pages))
             requests.append(request)
             lens.append(n)
             budget -= n
             if budget <= 0:
                 break
         if not requests:
+            self._drop_finished()
             return None
         self.chunked = None
         sampled = []
@@ -177,6 +173,25 @@ class Scheduler:
         ids = [t for r, n in zip(requests, lens, strict=True) for t in r.all_ids[r.cached_len : r.cached_len + n]]
         return self._build(ForwardMode.EXTEND, requests, lens, sampled, torch.tensor(ids, dtype=torch.int64))
 
+    def _take_pages(self, request: Request, budget: int, batched: int) -> int:
+        """How many of a waiting (or chunked) request's uncached tokens this prefill computes, at most `budget`,
+        beside `batched` requests already in it; their pages are allocated. <= 0: it does not fit (a request that
+        holds no KV yet is left holding none)."""
+        fresh = request.cached_len == 0 and not request.pages
+        if fresh:
+            self._reuse_prefix(request)
+        # Pages it may take: free and evictable ones, less one per running request for its next decode step.
+        spare = self._pages_available() - len(self.running) - batched
+        room = (len(request.pages) + spare) * self.page_size - request.cached_len
+        n = min(request.seq_len - request.cached_len, budget, room)
+        if n <= 0:
+            if fresh:  # a waiting request holds no KV: give the matched prefix back
+                self._release(request)
+                request.cached_len = 0
+            return n
+        request.pages += self.radix.alloc(pages_needed(request.cached_len + n, self.page_size) - len(request.pages))
+        return n
+
     def _reuse_prefix(self, request: Request) -> None:
         # At least one token is left to compute: its logits give the next token.
         match = self.radix.match_prefix(request.all_ids[: request.seq_len - 1])
@@ -184,7 +199,7 @@ class Scheduler:
             self.radix.lock(match.node)
             request.prefix_node = match.node
             request.pages = list(match.pages)
-            request.cached_len = match.num_tokens
+            request.cached_len = request.computed_len = match.num_tokens
         if not request.output_ids:
             request.cached_tokens = match.num_tokens
 
@@ -198,12 +213,15 @@ class Scheduler:
                 break
             self._retract(max(self.running, key=lambda r: r.arrival_time))
         for request in list(self.running):
-            missing = pages_needed(request.seq_len, self.page_size) - len(request.pages)
-            if missing > self._pages_available():  # alone and still too long for the whole pool
-                logger.warning("request %s needs more KV than the pool holds: stopping it", request.rid)
-                self._finish(request, FinishReason.LENGTH)
-                continue
-            request.pages += self.radix.alloc(missing)
+            try:
+                missing = pages_needed(request.seq_len, self.page_size) - len(request.pages)
+                if missing > self._pages_available():  # alone and still too long for the whole pool
+                    logger.warning("request %s needs more KV than the pool holds: stopping it", request.rid)
+                    self._finish(request, FinishReason.LENGTH)
+                    continue
+                request.pages += self.radix.alloc(missing)
+            except Exception as exc:
+                self._fail(request, "being scheduled", exc)
         self._drop_finished()
         if not self.running:
             return None
@@ -223,7 +241,18 @@ class Scheduler:
             self.metrics.retractions.inc()
 
     def _build(self, mode: ForwardMode, requests: list[Request], lens: list[int], sampled: list[bool],
-               input_ids: torch.Tensor) -> ScheduledBatch:
+               input_ids: torch.Tensor) -> ScheduledBatch | None:
+        """The batch of `requests`, `lens` new tokens each (`input_ids` [sum(lens)] int64 on the host), ready to
+        run; None if it could not be built: its requests end with the error, and no other request does."""
+        try:
+            return self._assemble(mode, requests, lens, sampled, input_ids)
+        except Exception as exc:
+            logger.exception("a %s batch of %d requests could not be built", mode.name, len(requests))
+            self.fail_batch(requests, f"{type(exc).__name__}: {exc}")
+            return None
+
+    def _assemble(self, mode: ForwardMode, requests: list[Request], lens: list[int], sampled: list[bool],
+                  input_ids: torch.Tensor) -> ScheduledBatch:
         device, table = self.runner.device, self.runner.block_table
         for request in requests:
             if request.table_row < 0:
@@ -248,7 +277,8 @@ class Scheduler:
                 request.pending_row = sample_row
                 sample_row += 1
         return ScheduledBatch(mode, requests, lens, sampled, batch, to_device(input_ids, device),
-                              to_device(torch.tensor(rows, dtype=torch.int64), device), resolve)
+                              to_device(torch.tensor(rows, dtype=torch.int64), device),
+                              [r.cached_len for r in requests], resolve)
 
     # -- running -------------------------------------------------------------------------------------
 
@@ -285,7 +315,9 @@ class Scheduler:
         top_ids = sample.top_logprob_ids.tolist() if sample.top_logprob_ids is not None else None
         top_values = sample.top_logprob_values.tolist() if sample.top_logprob_values is not None else None
         row = 0
-        for request, was_sampled in zip(batch.requests, batch.sampled, strict=True):
+        for request, was_sampled, end in zip(batch.requests, batch.sampled, batch.ends, strict=True):
+            if not request.finished:  # its KV is written now (none if it was retracted since: pages given back)
+                request.computed_len = max(request.computed_len, min(end, request.cached_len))
             try:
                 if was_sampled and not request.finished:  # finished by an earlier batch: the extra token is dropped
                     self._append(request, tokens[row], logprobs, top_ids, top_values, row)
@@ -294,10 +326,8 @@ class Scheduler:
                 # at every decode step cost more host time than the step's GPU work at batch 64.
                 if not request.finished and batch.mode is ForwardMode.EXTEND:
                     self._cache_prefix(request)
-            except Exception as exc:  # one request's failure (its stop rules, its callback) ends it alone
-                logger.exception("request %s failed while its output was processed", request.rid)
-                if not request.finished:
-                    self._finish(request, FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
+            except Exception as exc:
+                self._fail(request, "its output was processed", exc)
             row += was_sampled
         if self.metrics:
             self.metrics.observe_batch(batch.mode, sum(batch.extend_lens), self)
@@ -376,10 +406,24 @@ class Scheduler:
             self.metrics.observe_finish(request)
         request.on_output(self._output(request, "", [], [], error))
 
+    def _fail(self, request: Request, stage: str, exc: Exception) -> None:
+        """End one request whose own handling raised (planning it, its stop rules, its callback): it alone gets
+        the error, and the loop goes on."""
+        logger.exception("request %s failed while %s", request.rid, stage)
+        if not request.finished:
+            self._end_with_error(request, f"{type(exc).__name__}: {exc}")
+
+    def _end_with_error(self, request: Request, error: str) -> None:
+        try:
+            self._finish(request, FinishReason.ERROR, error)
+        except Exception:  # its callback failed too: it is ended all the same
+            logger.exception("could not report the failure of request %s", request.rid)
+            request.finish_reason = FinishReason.ERROR
+
     def fail_batch(self, batch_requests: Sequence[Request], error: str) -> None:
         for request in batch_requests:
             if not request.finished:
-                self._finish(request, FinishReason.ERROR, error)
+                self._end_with_error(request, error)
         self._drop_finished()
 
     def fail_all(self, error: str) -> None:
@@ -390,15 +434,7 @@ class Scheduler:
             self._in_flight, in_flight = None, batch.requests
             with contextlib.suppress(Exception):
                 future.result()
-        held = [*self.waiting, *self.running, *([self.chunked] if self.chunked else []), *in_flight]
-        for request in held:
-            if not request.finished:
-                try:
-                    self._finish(request, FinishReason.ERROR, error)
-                except Exception:  # its callback failed too: it is ended all the same
-                    logger.exception("could not report the failure of request %s", request.rid)
-                    request.finish_reason = FinishReason.ERROR
-        self._drop_finished()
+        self.fail_batch([*self.waiting, *self.running, *([self.chunked] if self.chunked else []), *in_flight], error)
 
     # -- KV ownership --------------------------------------------------------------------------------
 
@@ -439,8 +475,9 @@ class Scheduler:
         and hold the cached path locked while the request still runs. Returns the pages now cached."""
         if not self.radix.enabled:
             return 0
-        # Only tokens known here: a PENDING one has no id to key the cache with yet.
-        full_pages = min(request.cached_len, request.known_len) // self.page_size
+        # Only tokens known here (a PENDING one has no id to key the cache with yet) whose KV a batch has
+        # written: with overlap, a batch in flight may still fail, and pages it was to fill must not be reused.
+        full_pages = min(request.computed_len, request.known_len) // self.page_size
         if full_pages == 0:
             return 0
         match = self.radix.insert(request.all_ids[: full_pages * self.page_size], request.pages[:full_pages])
@@ -464,6 +501,7 @@ class Scheduler:
             self.radix.unlock(request.prefix_node)
             request.prefix_node = None
         request.pages = []
+        request.computed_len = 0
 
     def _drop_finished(self) -> None:
         self.running = [r for r in self.running if not r.finished]

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from plugserve.core.engine import Engine
+from plugserve.core.forward_batch import ForwardMode
 from plugserve.core.kv_cache import PoolAccountingError
 from plugserve.core.request import FinishReason
 from plugserve.core.sampling import SamplingParams
@@ -184,6 +185,88 @@ def test_a_failing_scheduler_step_ends_every_held_request_and_the_loop_goes_on(e
     monkeypatch.undo()
     assert engine.generate("Hello", SamplingParams(max_new_tokens=3, ignore_eos=True))[0].completion_tokens == 3
     assert engine.runner.allocator.num_free + engine.radix.evictable_pages == engine.runner.allocator.num_pages
+
+
+def _collector(results: dict, name: str, expected: int, done: threading.Event):
+    def on_output(output):
+        results.setdefault(name, []).append(output)
+        if output.finished and sum(o[-1].finished for o in results.values()) == expected:
+            done.set()
+    return on_output
+
+
+def test_a_request_failing_while_scheduled_ends_alone_and_the_engine_goes_on(engine, monkeypatch):
+    """A failure planning one request (here matching its prompt in the prefix cache) ended every request held."""
+    bad_ids = engine.tokenize("A request the scheduler trips over")
+    real = engine.scheduler._reuse_prefix
+
+    def reuse_prefix(request):
+        if request.prompt_ids == bad_ids:
+            raise RuntimeError("planning bug")
+        real(request)
+
+    monkeypatch.setattr(engine.scheduler, "_reuse_prefix", reuse_prefix)
+    done, results = threading.Event(), {}
+    engine.submit(bad_ids, GREEDY, _collector(results, "bad", 2, done))
+    engine.submit(PROMPTS[0], GREEDY, _collector(results, "good", 2, done))
+    assert done.wait(30), "a request hung"
+    assert results["bad"][-1].finish_reason is FinishReason.ERROR
+    assert results["bad"][-1].error == "RuntimeError: planning bug"
+    assert results["good"][-1].finish_reason is FinishReason.LENGTH and results["good"][-1].completion_tokens == 12
+    assert engine.alive
+    _assert_every_page_is_back(engine)
+
+
+def test_a_batch_that_cannot_be_built_ends_its_requests_alone(engine, monkeypatch):
+    """A request decoding goes on when the prefill batch of a newcomer fails to build (it used to end too)."""
+    real, armed = engine.runner.prepare, threading.Event()
+
+    def prepare(batch):
+        if armed.is_set() and batch.mode is ForwardMode.EXTEND:
+            armed.clear()
+            raise RuntimeError("batch bug")
+        real(batch)
+
+    monkeypatch.setattr(engine.runner, "prepare", prepare)
+    done, results = threading.Event(), {}
+    engine.submit(PROMPTS[1], SamplingParams(max_new_tokens=60, temperature=0, ignore_eos=True),
+                  _collector(results, "running", 2, done))
+    deadline = time.monotonic() + 30
+    while sum(len(o.token_ids) for o in results.get("running", [])) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    armed.set()
+    engine.submit(PROMPTS[2], GREEDY, _collector(results, "newcomer", 2, done))
+    assert done.wait(60), "a request hung"
+    assert results["newcomer"][-1].finish_reason is FinishReason.ERROR
+    assert results["newcomer"][-1].error == "RuntimeError: batch bug"
+    assert results["running"][-1].finish_reason is FinishReason.LENGTH
+    assert sum(len(o.token_ids) for o in results["running"]) == 60
+    _assert_every_page_is_back(engine)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_failed_forward_leaves_none_of_its_kv_in_the_prefix_cache(solo, overlap):
+    """A failed batch used to give the prefix cache the pages it never wrote: the same prompt then reused them
+    and was answered from garbage KV (a 200 with wrong text)."""
+    engine = Engine(ServerArgs(max_total_tokens=1024, disable_overlap_schedule=not overlap))
+    try:
+        assert engine.ready.wait(60)
+        real, calls = engine.runner.forward, []
+
+        def forward(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("forward failure")
+            return real(*args, **kwargs)
+
+        engine.runner.forward = forward
+        [failed] = engine.generate(PROMPTS[3], GREEDY)
+        assert failed.finish_reason is FinishReason.ERROR and failed.error == "RuntimeError: forward failure"
+        [again] = engine.generate(PROMPTS[3], GREEDY)
+        assert again.text == solo[3]
+        _assert_every_page_is_back(engine)
+    finally:
+        engine.shutdown()
 
 
 def test_seed_makes_unseeded_sampling_reproducible():
