@@ -204,6 +204,7 @@ class ModelConfig:
             n_group=self.n_group,
             topk_group=self.topk_group,
             norm_topk_prob=self.norm_topk_prob,
+            routed_scaling_factor=self.routed_scaling_factor,
         )
 
     def attention_spec(self, dtype: torch.dtype, page_size: int | None = None,

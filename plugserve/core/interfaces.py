@@ -173,6 +173,8 @@ class MoECapabilities(Capabilities):
     block_shapes: frozenset[tuple[int, int]] = frozenset({(128, 128)})
     topk_methods: frozenset[str] = frozenset({"greedy", "group_limited_greedy", "noaux_tc"})
     scoring_funcs: frozenset[str] = frozenset({"softmax", "sigmoid"})
+    # It takes a layer's shared experts into its own GEMMs (`MoESpec.num_shared_experts`).
+    shared_experts_fusion: bool = False
 
     def check(self, spec: MoESpec, phase: Phase) -> Availability:
         return _first_failure(
@@ -181,6 +183,8 @@ class MoECapabilities(Capabilities):
             _member(spec.block_shape, self.block_shapes, "weight block shape") if spec.is_fp8 else OK,
             _member(spec.router.topk_method, self.topk_methods, "topk_method"),
             _member(spec.router.scoring_func, self.scoring_funcs, "scoring_func"),
+            Availability.no("does not fuse shared experts")
+            if spec.num_shared_experts and not self.shared_experts_fusion else OK,
         )
 
 
@@ -234,12 +238,20 @@ class RouterConfig:
     n_group: int = 8
     topk_group: int = 4
     norm_topk_prob: bool = True
+    # Applied by `MoEBackend.forward`; `route` reads it only to weight fused shared experts.
+    routed_scaling_factor: float = 1.0
 
 
 @dataclass(frozen=True)
 class MoESpec:
     """Routed experts of one MoE layer (defaults: DeepSeek-V3). `weight_dtype` float8_e4m3fn: block-FP8
-    with `block_shape` scales; None: unquantized, in `dtype`."""
+    with `block_shape` scales; None: unquantized, in `dtype`.
+
+    `num_shared_experts` S > 0 (only for backends whose capabilities declare `shared_experts_fusion`):
+    the layer's shared MLP, S x intermediate_size wide, runs inside the backend as S more experts that
+    every token uses. `prepare` gets its weights, `route` returns k + S columns (the shared ids E .. E+S-1
+    last, weighted 1 / routed_scaling_factor, which `forward`'s factor cancels), and `forward` returns
+    routed + shared: one set of GEMMs instead of the routed ones plus a dense MLP."""
 
     hidden_size: int = 7168
     intermediate_size: int = 2048
@@ -247,6 +259,7 @@ class MoESpec:
     weight_dtype: torch.dtype | None = torch.float8_e4m3fn
     block_shape: tuple[int, int] = (128, 128)
     router: RouterConfig = field(default_factory=RouterConfig)
+    num_shared_experts: int = 0
 
     @property
     def num_experts(self) -> int:
@@ -255,6 +268,11 @@ class MoESpec:
     @property
     def top_k(self) -> int:
         return self.router.top_k
+
+    @property
+    def routed_width(self) -> int:
+        """Columns of `route`'s output: top_k, plus the fused shared experts."""
+        return self.router.top_k + self.num_shared_experts
 
     @property
     def is_fp8(self) -> bool:
@@ -460,7 +478,8 @@ class MoEBackend(Backend):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """router_logits [T, E] float32 (and e_score_correction_bias [E] for noaux_tc) ->
         (topk_weights [T, k] float32, topk_ids [T, k] int32), following `spec.router`.
-        The weights do not include routed_scaling_factor: `forward` applies it."""
+        The weights do not include routed_scaling_factor: `forward` applies it. With fused shared
+        experts, [T, spec.routed_width]: see `MoESpec`."""
 
     @abstractmethod
     def prepare(
@@ -469,18 +488,27 @@ class MoEBackend(Backend):
         w2: torch.Tensor,
         w13_scale_inv: torch.Tensor | None = None,
         w2_scale_inv: torch.Tensor | None = None,
+        *,
+        shared_w13: torch.Tensor | None = None,
+        shared_w2: torch.Tensor | None = None,
+        shared_w13_scale_inv: torch.Tensor | None = None,
+        shared_w2_scale_inv: torch.Tensor | None = None,
     ) -> Any:
         """Once at load: w13 [E, 2I, H] (rows [0, I) gate, [I, 2I) up), w2 [E, H, I], of spec.dtype or
-        float8_e4m3fn with block scales [E, ceil(2I/bn), ceil(H/bk)] and [E, ceil(H/bn), ceil(I/bk)]."""
+        float8_e4m3fn with block scales [E, ceil(2I/bn), ceil(H/bk)] and [E, ceil(H/bn), ceil(I/bk)].
+        With spec.num_shared_experts S > 0 (and only then) also the shared MLP: shared_w13 [2SI, H] (gate
+        rows, then up rows) and shared_w2 [H, SI], with their block scales when FP8."""
 
     def check_forward_inputs(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
-        """ValueError unless x is [T, H] of spec.dtype and topk_ids / topk_weights are both [T, k]."""
+        """ValueError unless x is [T, H] of spec.dtype and topk_ids / topk_weights are both
+        [T, spec.routed_width]."""
         spec = self.spec
         if x.dim() != 2 or x.shape[1] != spec.hidden_size or x.dtype != spec.dtype:
             raise ValueError(f"x must be [T, {spec.hidden_size}] of dtype {spec.dtype}, "
                              f"got shape {tuple(x.shape)} of dtype {x.dtype}")
-        if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
-            raise ValueError(f"topk_ids and topk_weights must both be [{x.shape[0]}, k], "
+        expected = (x.shape[0], spec.routed_width)
+        if tuple(topk_ids.shape) != expected or tuple(topk_weights.shape) != expected:
+            raise ValueError(f"topk_ids and topk_weights must both be [{x.shape[0]}, {spec.routed_width}], "
                              f"got {tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
 
     @abstractmethod
@@ -494,6 +522,7 @@ class MoEBackend(Backend):
     ) -> torch.Tensor:
         """x [T, H] of spec.dtype -> sum_j topk_weights[t, j] * routed_scaling_factor *
         expert_{topk_ids[t, j]}(x[t]), with expert(x) = W2 (silu(W_gate x) * (W_up x)). Returns [T, H].
+        topk_ids / topk_weights are `route`'s [T, spec.routed_width] (fused shared experts included).
         Block-FP8 experts are w8a8: x, and the SiLU-and-mul output before W2, are quantized per 1 x block_k
         token group (e4m3, float32 scale amax / 448) as the GEMM contract's activations are."""
 

@@ -19,7 +19,7 @@ from plugserve.core.cuda_graph_runner import CudaGraphRunner, GraphInputs, captu
 from plugserve.core.dispatch import AttnForwardMethod, prepare_attention
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode, Phase
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import AttentionBackend, AttentionSpec
+from plugserve.core.interfaces import AttentionBackend, AttentionSpec, MoESpec
 from plugserve.core.kv_cache import MLAKVPool, PageAllocator, pages_needed
 from plugserve.core.layers.small_ops import SmallOps
 from plugserve.core.loader import load_model, read_config, resolve_dtype
@@ -174,19 +174,42 @@ class ModelRunner:
         moe = gemm = None
         if config.n_routed_experts:
             moe = self._build_packed("moe", args.moe_runner_backend, config.moe_spec(self.dtype), max_batch,
-                                     prefill_tokens)
+                                     prefill_tokens, self._fuse_shared_experts)
         if config.fp8_block:
             gemm = self._build_packed("gemm", args.fp8_gemm_backend, config.gemm_spec(self.dtype), max_batch,
                                       prefill_tokens)
         backends = ModelBackends(attention_prefill=prefill, attention_decode=decode, moe=moe, gemm=gemm)
         return backends, spec.page_size
 
-    def _build_packed(self, kind: str, requested: str, spec: Any, max_batch: int, prefill_tokens: int) -> Any:
+    def _fuse_shared_experts(self, cls: type, spec: MoESpec) -> MoESpec:
+        """The MoE spec a candidate backend is built with: the shared experts fused into its GEMMs when it
+        can and --disable-shared-experts-fusion is not given."""
+        shared = self.config.n_shared_experts
+        if not shared or self.args.disable_shared_experts_fusion or not cls.capabilities.shared_experts_fusion:
+            return spec
+        return dataclasses.replace(spec, num_shared_experts=shared)
+
+    @property
+    def shared_experts_mode(self) -> str:
+        """How the MoE layers run their shared experts (for /server_info)."""
+        moe = self.model.backends.moe if self.model.backends is not None else None
+        if not self.config.n_shared_experts or moe is None:
+            return "none"
+        if moe.spec.num_shared_experts:
+            return f"fused into the {moe.name} MoE backend's GEMMs"
+        reason = ("--disable-shared-experts-fusion" if self.args.disable_shared_experts_fusion
+                  else f"{moe.name} does not fuse them")
+        overlap = self.device.type == "cuda" and not self.args.disable_shared_experts_overlap
+        stream = "on a second CUDA stream" if overlap else "on the main stream"
+        return f"own MLP {stream} ({reason})"
+
+    def _build_packed(self, kind: str, requested: str, spec: Any, max_batch: int, prefill_tokens: int,
+                      fit_spec: Callable[[type, Any], Any] | None = None) -> Any:
         """A MoE or GEMM backend: one for the model, since its packed weights exist once. The decode pick
         (most of serving's time) runs prefill too; when the table ranks another first for prefill, the
         choice says so."""
         name = flag("moe_runner_backend" if kind == "moe" else "fp8_gemm_backend")
-        backend = self._build(kind, Phase.DECODE, requested, name, spec, max_batch)
+        backend = self._build(kind, Phase.DECODE, requested, name, spec, max_batch, fit_spec)
         if requested == "auto":
             preferred = get_registry().select(kind, Phase.PREFILL, prefill_tokens, self.hardware, spec=spec)  # type: ignore[arg-type]
             if preferred.backend.name != backend.name:

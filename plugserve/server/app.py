@@ -100,6 +100,7 @@ def create_app(engine: Engine) -> FastAPI:
             "context_length": runner.context_length,
             "backends": [dataclasses.asdict(c) for c in runner.chosen],
             "cuda_graph": runner.graph_status,
+            "shared_experts": runner.shared_experts_mode,
             "torch_compile": (f"small ops compiled up to {engine.args.torch_compile_max_bs} rows"
                               if engine.args.enable_torch_compile else "off"),
             "ready": engine.ready.is_set(),

@@ -98,9 +98,10 @@ def _check_gemm(backend: Fp8GemmBackend) -> None:
 
 
 def _check_moe(backend: MoEBackend) -> None:
-    # The model's router (expert count, top-k, grouping) with small experts.
+    # The model's router (expert count, top-k, grouping) with small experts; the routed ones only (the
+    # kit's test_forward_with_fused_shared_experts checks fused shared experts).
     spec: MoESpec = dataclasses.replace(backend.spec, hidden_size=CHECK_MOE_HIDDEN,
-                                        intermediate_size=CHECK_MOE_INTERMEDIATE)
+                                        intermediate_size=CHECK_MOE_INTERMEDIATE, num_shared_experts=0)
     device, e, h, i = backend.device, spec.num_experts, spec.hidden_size, spec.intermediate_size
     small = type(backend)(spec, device)  # type: ignore[call-arg]
     w13 = torch.randn(e, 2 * i, h, device=device) / h**0.5

@@ -1,6 +1,9 @@
-"""MoE backends against the oracle: the router and the routed experts (bf16 and block-FP8)."""
+"""MoE backends against the oracle: the router and the routed experts (bf16 and block-FP8), and the
+shared experts fused into them for backends that declare it."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -70,3 +73,49 @@ def test_forward(moe_target: Target, moe_case: MoECase, weight_format: str, plug
     expected = oracle.moe(x, w13, w2, ids, weights, ROUTED_SCALING_FACTOR, s13, s2, spec.block_shape)
     assert out.dtype == spec.dtype
     assert_close(out, expected, spec.dtype, f"MoE forward {moe_case} {weight_format}")
+
+
+@pytest.mark.parametrize(("weight_format", "num_shared"), [("unquantized", 2), ("fp8_block", 1), ("fp8_block", 2)])
+def test_forward_with_fused_shared_experts(moe_target: Target, moe_case: MoECase, weight_format: str,
+                                           num_shared: int, plugserve_hardware, plugserve_device):
+    """`MoESpec.num_shared_experts`: route appends the shared experts to every token, forward adds the
+    shared MLP (checked as a dense MLP of S x I, apart from the routed experts)."""
+    if not moe_target.cls.capabilities.shared_experts_fusion:
+        pytest.skip(f"{moe_target.entry.name} does not declare shared_experts_fusion")
+    fp8 = weight_format == "fp8_block"
+    router = dataclasses.replace(moe_case.router, routed_scaling_factor=ROUTED_SCALING_FACTOR)
+    spec = MoESpec(moe_case.hidden_size, moe_case.intermediate_size, moe_target.dtype,
+                   torch.float8_e4m3fn if fp8 else None, router=router, num_shared_experts=num_shared)
+    e, h, i, k, device = spec.num_experts, spec.hidden_size, spec.intermediate_size, spec.top_k, plugserve_device
+    if fp8 and num_shared > 1 and i % spec.block_shape[0]:
+        pytest.skip(f"{num_shared} FP8 shared experts of {i} rows split the MLP's {spec.block_shape[0]}-row "
+                    "scale blocks")
+    backend = _backend(moe_target, spec, plugserve_hardware, plugserve_device)
+    w13 = torch.randn(e, 2 * i, h, device=device) / h**0.5
+    w2 = torch.randn(e, h, i, device=device) / i**0.5
+    shared_w13 = torch.randn(1, 2 * num_shared * i, h, device=device) / h**0.5
+    shared_w2 = torch.randn(1, h, num_shared * i, device=device) / (num_shared * i) ** 0.5
+    if fp8:
+        (w13, s13), (w2, s2) = _quantize_experts(w13, spec), _quantize_experts(w2, spec)
+        (shared_w13, shared_s13), (shared_w2, shared_s2) = (_quantize_experts(shared_w13, spec),
+                                                            _quantize_experts(shared_w2, spec))
+    else:
+        w13, w2, shared_w13, shared_w2 = (w.to(spec.dtype) for w in (w13, w2, shared_w13, shared_w2))
+        s13 = s2 = shared_s13 = shared_s2 = None
+    logits = torch.randn(moe_case.num_tokens, e, device=device)
+    bias = torch.randn(e, device=device) * 0.1 if router.topk_method == "noaux_tc" else None
+    weights, ids = backend.route(logits, bias)
+    assert ids.shape == weights.shape == (moe_case.num_tokens, k + num_shared)
+    assert torch.equal(ids[:, k:].long().cpu(), torch.arange(e, e + num_shared).expand(moe_case.num_tokens, -1))
+    torch.testing.assert_close(weights[:, k:].cpu(), torch.full((moe_case.num_tokens, num_shared),
+                                                                1 / ROUTED_SCALING_FACTOR))
+    packed = backend.prepare(w13, w2, s13, s2, shared_w13=shared_w13[0], shared_w2=shared_w2[0],
+                             shared_w13_scale_inv=None if shared_s13 is None else shared_s13[0],
+                             shared_w2_scale_inv=None if shared_s2 is None else shared_s2[0])
+    x = torch.randn(moe_case.num_tokens, h, device=device, dtype=spec.dtype)
+    out = backend.forward(x, packed, ids, weights, ROUTED_SCALING_FACTOR)
+    routed = oracle.moe(x, w13, w2, ids[:, :k], weights[:, :k], ROUTED_SCALING_FACTOR, s13, s2, spec.block_shape)
+    one = torch.zeros(moe_case.num_tokens, 1, dtype=torch.int32, device=device)
+    shared = oracle.moe(x, shared_w13, shared_w2, one, torch.ones(one.shape, device=device), 1.0,
+                        shared_s13, shared_s2, spec.block_shape)
+    assert_close(out, routed + shared, spec.dtype, f"MoE forward {moe_case} {weight_format} + {num_shared} shared")

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from plugserve.core.forward_batch import ForwardBatch, ForwardMode
 from plugserve.core.model_runner import ModelRunner
 from plugserve.core.server_args import ServerArgs
 from plugserve.registry import SelectionError
@@ -98,3 +99,24 @@ def test_a_plugin_that_fails_to_load_is_logged_at_start(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING):
         ModelRunner(ServerArgs(max_total_tokens=64))
     assert "plugin plugserve.plugins.no_such_plugin" in caplog.text and "failed to load and is skipped" in caplog.text
+
+
+def test_shared_experts_fuse_into_a_backend_that_can_and_give_the_same_logits():
+    """The embedded model's shared experts as extra experts of the triton MoE (interpreted here) or as their
+    own MLP (--disable-shared-experts-fusion): the same logits, and /server_info's line says which."""
+    common = {"moe_runner_backend": "triton", "dtype": "float32", "max_total_tokens": 64}
+    fused = ModelRunner(ServerArgs(**common))
+    plain = ModelRunner(ServerArgs(disable_shared_experts_fusion=True, **common))
+    assert fused.model.backends.moe.spec.num_shared_experts == fused.config.n_shared_experts > 0
+    assert fused.shared_experts_mode == "fused into the triton MoE backend's GEMMs"
+    assert plain.model.backends.moe.spec.num_shared_experts == 0
+    assert plain.shared_experts_mode == "own MLP on the main stream (--disable-shared-experts-fusion)"
+    assert ModelRunner(ServerArgs(max_total_tokens=64)).shared_experts_mode == (
+        "own MLP on the main stream (torch_ref does not fuse them)")
+    ids = torch.tensor([5, 17, 42, 7, 99])
+    logits = []
+    for runner in (fused, plain):
+        pages = torch.arange(8, dtype=torch.int32)[None]  # page size 1: token i in page i
+        batch = ForwardBatch.build(ForwardMode.EXTEND, [5], [5], pages, runner.pool)
+        logits.append(runner.forward(ids, batch, torch.tensor([4])))
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)

@@ -8,8 +8,9 @@ activations quantized per 1 x 128 token group).
   over w13 with SiLU-and-mul in its epilogue, a grouped GEMM over w2 multiplying by the top-k weight
   times routed_scaling_factor in its epilogue, and a top-k sum (see `triton_kernels`). Launch
   configurations come from tuned files in `configs/` (benchmarks/tune_fused_moe.py) or a default.
-- Shared-expert fusion: `prepare(..., shared_w13=, shared_w2=)` appends the shared expert(s) as
-  extra experts that every token uses, so that `forward` returns routed + shared in the same GEMMs.
+- Shared-expert fusion (`MoESpec.num_shared_experts`): `prepare(..., shared_w13=, shared_w2=)` appends
+  the shared expert(s) as extra experts, the router kernel gives them to every token, and `forward`
+  returns routed + shared from the same GEMMs.
 
 The kernels live in `triton_kernels`, imported on first use: loading this plugin does not import
 Triton. On the CPU the kernels run only in Triton's interpreter (TRITON_INTERPRET=1), for tests.
@@ -64,7 +65,6 @@ class TritonMoEWeights:
     w2: torch.Tensor
     w13_scale_inv: torch.Tensor | None
     w2_scale_inv: torch.Tensor | None
-    num_shared: int
 
 
 class TritonMoE(MoEBackend):
@@ -75,6 +75,7 @@ class TritonMoE(MoEBackend):
         dtypes=frozenset({torch.bfloat16, torch.float16, torch.float32}),
         devices=frozenset({"cuda", "cpu"}),
         cuda_graph=True,  # every buffer and grid sized from T alone; the alignment's counts stay on the device
+        shared_experts_fusion=True,
     )
     priority: ClassVar[dict[str, int]] = {"cuda": 50, "cpu": -1}  # on the CPU (interpreter) the reference wins
 
@@ -107,7 +108,7 @@ class TritonMoE(MoEBackend):
         if correction_bias is not None and tuple(correction_bias.shape) != (router.num_experts,):
             raise ValueError(f"correction_bias must have shape ({router.num_experts},), "
                              f"got {tuple(correction_bias.shape)}")
-        return triton_kernels.grouped_topk(router_logits, correction_bias, router)
+        return triton_kernels.grouped_topk(router_logits, correction_bias, router, self.spec.num_shared_experts)
 
     def prepare(
         self,
@@ -128,7 +129,7 @@ class TritonMoE(MoEBackend):
         shared MLP of intermediate size S * I (DeepSeek's n_shared_experts = S), in the experts' format
         (FP8: with scales [ceil(2SI/bn), ceil(H/bk)] and [ceil(H/bn), ceil(SI/bk)]; S > 1 needs I a
         multiple of bn). They become S experts E .. E+S-1 (slices of I) that `forward` gives every token,
-        so that its result is routed + shared MLP."""
+        so that its result is routed + shared MLP. Given exactly when spec.num_shared_experts is S."""
         spec = self.spec
         e, h, i = spec.num_experts, spec.hidden_size, spec.intermediate_size
         weight_dtype = FP8_DTYPE if spec.is_fp8 else spec.dtype
@@ -142,12 +143,13 @@ class TritonMoE(MoEBackend):
             check_tensor("w2_scale_inv", w2_scale_inv, (e, ceil_div(h, bn), ceil_div(i, bk)), torch.float32)
         elif w13_scale_inv is not None or w2_scale_inv is not None:
             raise ValueError(f"unquantized experts ({spec.dtype}) take no w13_scale_inv / w2_scale_inv")
-        if shared_w13 is None and shared_w2 is None:
-            return TritonMoEWeights(w13.contiguous(), w2.contiguous(), w13_scale_inv, w2_scale_inv, 0)
+        s = spec.num_shared_experts
+        if not s:
+            if shared_w13 is not None or shared_w2 is not None:
+                raise ValueError("shared experts given to a spec with num_shared_experts 0")
+            return TritonMoEWeights(w13.contiguous(), w2.contiguous(), w13_scale_inv, w2_scale_inv)
         if shared_w13 is None or shared_w2 is None:
-            raise ValueError("shared-expert fusion needs both shared_w13 and shared_w2")
-
-        s = shared_w2.shape[-1] // i
+            raise ValueError(f"num_shared_experts {s} needs both shared_w13 and shared_w2")
         check_tensor("shared_w13", shared_w13, (2 * s * i, h), weight_dtype)
         check_tensor("shared_w2", shared_w2, (h, s * i), weight_dtype)
         gate_up = shared_w13.view(2, s, i, h).transpose(0, 1).reshape(s, 2 * i, h)
@@ -176,7 +178,7 @@ class TritonMoE(MoEBackend):
         return TritonMoEWeights(
             w13.contiguous(), w2.contiguous(),
             None if w13_scale_inv is None else w13_scale_inv.contiguous(),
-            None if w2_scale_inv is None else w2_scale_inv.contiguous(), s,
+            None if w2_scale_inv is None else w2_scale_inv.contiguous(),
         )
 
     def config(self, num_tokens: int) -> MoEConfig:
@@ -195,22 +197,16 @@ class TritonMoE(MoEBackend):
         topk_weights: torch.Tensor,
         routed_scaling_factor: float,
     ) -> torch.Tensor:
-        """x [T, H] of spec.dtype, topk_ids [T, k] int32, topk_weights [T, k] float32 -> [T, H]:
-        routed_scaling_factor * sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]), plus the shared
-        MLP when `prepare` fused it. Ids outside [0, E) (-1: another rank's expert) contribute nothing.
+        """x [T, H] of spec.dtype, topk_ids [T, k + S] int32, topk_weights [T, k + S] float32 -> [T, H]:
+        routed_scaling_factor * sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]). Ids outside the
+        packed experts (-1: another rank's expert) contribute nothing.
 
-        Fused shared experts: each token also gets experts E .. E+S-1 with weight
-        1 / routed_scaling_factor, which the w2 epilogue's factor routed_scaling_factor cancels."""
+        Fused shared experts (S = spec.num_shared_experts): `route` gave every token experts E .. E+S-1
+        with weight 1 / routed_scaling_factor, which the w2 epilogue's factor cancels."""
         from plugserve.plugins.moe import triton_kernels
 
         spec = self.spec
         self.check_forward_inputs(x, topk_ids, topk_weights)
-        if packed.num_shared:
-            num_tokens, s = x.shape[0], packed.num_shared
-            shared_ids = torch.arange(spec.num_experts, spec.num_experts + s, dtype=torch.int32, device=x.device)
-            topk_ids = torch.cat([topk_ids.to(torch.int32), shared_ids.expand(num_tokens, s)], dim=1)
-            shared_weights = torch.full((num_tokens, s), 1.0 / routed_scaling_factor, device=x.device)
-            topk_weights = torch.cat([topk_weights.float(), shared_weights], dim=1)
         return triton_kernels.fused_experts(
             x, packed.w13, packed.w2, packed.w13_scale_inv, packed.w2_scale_inv, topk_ids, topk_weights,
             routed_scaling_factor, self.config(x.shape[0]), spec.block_shape,

@@ -60,9 +60,10 @@ def _grouped_topk_kernel(
     NUM_GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr, GROUPS_PAD: tl.constexpr, GROUP_PAD: tl.constexpr,
     TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, TOPK_PAD: tl.constexpr,
     SOFTMAX: tl.constexpr, GROUPING: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_TO_ZERO: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
+    RENORMALIZE: tl.constexpr, NUM_SHARED: tl.constexpr, SHARED_PAD: tl.constexpr, shared_weight,
 ):
-    """One token per program. Experts are laid out [group, expert in group] (one group: greedy)."""
+    """One token per program. Experts are laid out [group, expert in group] (one group: greedy). Rows of
+    the outputs hold TOP_K routed then NUM_SHARED fused shared experts (ids E.., `shared_weight`)."""
     token = tl.program_id(0).to(tl.int64)
     group = tl.arange(0, GROUPS_PAD)
     expert = group[:, None] * GROUP_SIZE + tl.arange(0, GROUP_PAD)[None, :]
@@ -107,15 +108,22 @@ def _grouped_topk_kernel(
         choice = tl.where(expert == pick, float("-inf"), choice)
     if RENORMALIZE:
         topk_weights = topk_weights / (tl.sum(topk_weights, 0) + 1e-20)
-    tl.store(weights_ptr + token * TOP_K + slot, topk_weights, mask=slot < TOP_K)
-    tl.store(ids_ptr + token * TOP_K + slot, topk_ids, mask=slot < TOP_K)
+    row = token * (TOP_K + NUM_SHARED)
+    tl.store(weights_ptr + row + slot, topk_weights, mask=slot < TOP_K)
+    tl.store(ids_ptr + row + slot, topk_ids, mask=slot < TOP_K)
+    if NUM_SHARED > 0:
+        shared = tl.arange(0, SHARED_PAD)
+        on = shared < NUM_SHARED
+        tl.store(weights_ptr + row + TOP_K + shared, tl.full(shared.shape, shared_weight, tl.float32), mask=on)
+        tl.store(ids_ptr + row + TOP_K + shared, NUM_GROUPS * GROUP_SIZE + shared, mask=on)
 
 
 def grouped_topk(
-    router_logits: torch.Tensor, correction_bias: torch.Tensor | None, router: RouterConfig
+    router_logits: torch.Tensor, correction_bias: torch.Tensor | None, router: RouterConfig, num_shared: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek's gate, as `torch_ref.select_experts`: router_logits [T, E] float32 (correction_bias [E],
-    noaux_tc only) -> (topk_weights [T, k] float32, topk_ids [T, k] int32), best expert first.
+    noaux_tc only) -> (topk_weights [T, k + num_shared] float32, topk_ids [T, k + num_shared] int32), best
+    expert first, then the fused shared experts E .. E+S-1 weighted 1 / routed_scaling_factor.
 
     greedy: top-k of all scores; group_limited_greedy: top-k within the `topk_group` groups of the
     highest max score (other experts scored 0); noaux_tc: sigmoid scores plus the bias, groups ranked by
@@ -125,8 +133,9 @@ def grouped_topk(
     num_groups = router.n_group if grouped else 1
     group_size = num_experts // num_groups
     logits = router_logits.contiguous()
-    weights = torch.empty(num_tokens, router.top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(num_tokens, router.top_k, dtype=torch.int32, device=logits.device)
+    width = router.top_k + num_shared
+    weights = torch.empty(num_tokens, width, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(num_tokens, width, dtype=torch.int32, device=logits.device)
     if num_tokens == 0:
         return weights, ids
     grouping = {"greedy": NO_GROUPS, "group_limited_greedy": GROUP_BY_MAX, "noaux_tc": GROUP_BY_TOP2_SUM}
@@ -138,7 +147,9 @@ def grouped_topk(
         TOP_K=router.top_k, TOPK_PAD=triton.next_power_of_2(router.top_k),
         SOFTMAX=router.scoring_func == "softmax", GROUPING=grouping[router.topk_method],
         HAS_BIAS=correction_bias is not None, MASK_TO_ZERO=router.topk_method == "group_limited_greedy",
-        RENORMALIZE=router.norm_topk_prob, num_warps=4 if padded > 256 else 1,
+        RENORMALIZE=router.norm_topk_prob, NUM_SHARED=num_shared, SHARED_PAD=triton.next_power_of_2(max(num_shared, 1)),
+        shared_weight=1.0 / router.routed_scaling_factor,
+        num_warps=4 if padded > 256 else 1,
     )
     return weights, ids
 

@@ -69,7 +69,8 @@ def _route_and_forward(backend: MoEBackend, packed, x: torch.Tensor, logits: tor
 @pytest.mark.parametrize(("dtype", "fp8", "shared", "t"),
                          [(torch.float32, False, False, 5), (torch.float16, True, True, 3)])
 def test_triton_reads_no_tensor_contents_on_the_host(dtype: torch.dtype, fp8: bool, shared: bool, t: int) -> None:
-    spec = MoESpec(128, 128, dtype, torch.float8_e4m3fn if fp8 else None, router=ROUTER)
+    spec = MoESpec(128, 128, dtype, torch.float8_e4m3fn if fp8 else None, router=ROUTER,
+                   num_shared_experts=1 if shared else 0)
     backend = TritonMoE(spec, DEVICE)
     experts = _experts(spec)
     fused = {}

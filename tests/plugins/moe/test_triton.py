@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from plugserve.core.forward_batch import Phase
 from plugserve.core.hardware import Hardware
@@ -274,47 +273,19 @@ def test_empty_batch(kernels) -> None:
 # Shared-expert fusion
 
 
-def _shared_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    gate, up = (x.float() @ w13.float().T).chunk(2, dim=-1)
-    return (F.silu(gate) * up) @ w2.float().T
-
-
-@pytest.mark.parametrize(("fp8", "num_shared"), [(False, 2), (True, 1), (True, 2)])
-def test_shared_expert_fusion_adds_the_shared_mlp(kernels, fp8: bool, num_shared: int) -> None:
-    h, i, t, dtype = 256, 128, 11, torch.float32
-    spec = MoESpec(h, i, dtype, torch.float8_e4m3fn if fp8 else None, router=SMALL_V3)
-    backend = TritonMoE(spec, DEVICE)
-    w13, w2, s13, s2 = _experts(16, h, i, dtype, fp8)
-    g = torch.Generator().manual_seed(5)
-    shared_w13 = torch.randn(2 * num_shared * i, h, generator=g) / h**0.5
-    shared_w2 = torch.randn(h, num_shared * i, generator=g) / (num_shared * i) ** 0.5
-    shared_scales: dict[str, torch.Tensor] = {}
-    if fp8:
-        (shared_w13, s13_shared), (shared_w2, s2_shared) = quantize_block_fp8(shared_w13), quantize_block_fp8(shared_w2)
-        shared_scales = {"shared_w13_scale_inv": s13_shared.to(DEVICE), "shared_w2_scale_inv": s2_shared.to(DEVICE)}
-    shared_w13, shared_w2 = shared_w13.to(DEVICE, w13.dtype), shared_w2.to(DEVICE, w2.dtype)
-    packed = backend.prepare(w13, w2, s13, s2, shared_w13=shared_w13, shared_w2=shared_w2, **shared_scales)
-    assert packed.num_shared == num_shared and packed.w13.shape[0] == 16 + num_shared
-    weights, ids = _routing(t, SMALL_V3)
-    x = torch.randn(t, h, device=DEVICE)
-    out = backend.forward(x, packed, ids, weights, RSF)
-
-    routed = fused_experts_reference(x, w13, w2, ids, weights, RSF, s13, s2)
-    if fp8:  # the shared MLP as the block-FP8 reference computes it: one expert, weight 1
-        ones = torch.ones(t, 1, device=DEVICE)
-        shared = fused_experts_reference(x, shared_w13[None], shared_w2[None], torch.zeros_like(ids[:, :1]), ones,
-                                         1.0, shared_scales["shared_w13_scale_inv"][None],
-                                         shared_scales["shared_w2_scale_inv"][None])
-    else:
-        shared = _shared_mlp(x, shared_w13, shared_w2)
-    assert_close(out, routed + shared, dtype, f"routed + {num_shared} shared (fp8={fp8})")
-
-
-def test_shared_fusion_rejects_mismatched_shapes(kernels) -> None:
-    backend = TritonMoE(MoESpec(128, 64, torch.float32, None, router=SMALL_V3), DEVICE)
+# The fused shared experts' results: the kit's test_forward_with_fused_shared_experts (against the oracle).
+def test_shared_fusion_takes_shared_experts_exactly_when_the_spec_has_them(kernels) -> None:
     w13, w2, _, _ = _experts(16, 128, 64, torch.float32, False)
+    shared_w13, shared_w2 = torch.zeros(128, 128, device=DEVICE), torch.zeros(128, 64, device=DEVICE)
+    fused = TritonMoE(MoESpec(128, 64, torch.float32, None, router=SMALL_V3, num_shared_experts=1), DEVICE)
     with pytest.raises(ValueError, match="shared_w13"):
-        backend.prepare(w13, w2, shared_w13=torch.zeros(100, 128, device=DEVICE), shared_w2=torch.zeros(128, 64))
+        fused.prepare(w13, w2, shared_w13=torch.zeros(100, 128, device=DEVICE), shared_w2=shared_w2)
+    with pytest.raises(ValueError, match="needs both"):
+        fused.prepare(w13, w2)
+    assert fused.prepare(w13, w2, shared_w13=shared_w13, shared_w2=shared_w2).w13.shape[0] == 17
+    plain = TritonMoE(MoESpec(128, 64, torch.float32, None, router=SMALL_V3), DEVICE)
+    with pytest.raises(ValueError, match="num_shared_experts 0"):
+        plain.prepare(w13, w2, shared_w13=shared_w13, shared_w2=shared_w2)
 
 
 # ----------------------------------------------------------------------------------------------------
