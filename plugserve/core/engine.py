@@ -94,6 +94,13 @@ def _deliver_all(items: list[tuple[Callable[[RequestOutput], None], RequestOutpu
         deliver(output)
 
 
+def served_model_names(args: ServerArgs) -> tuple[str, frozenset[str]]:
+    """The model id /v1/models lists, and every name a request's `model` may call it by: that id, or a name the
+    server was launched with (--served-model-name, --model-path, --model-preset)."""
+    listed = args.served_model_name or args.model_path or args.model_preset or "plugserve-embedded"
+    return listed, frozenset(n for n in (listed, args.served_model_name, args.model_path, args.model_preset) if n)
+
+
 class EngineStopped(RuntimeError):
     """A request was submitted to an engine that takes none any more: shutting down, or its loop died."""
 
@@ -112,10 +119,7 @@ class Engine:
         self.metrics = Metrics()
         self.radix = RadixCache(self.runner.allocator, self.runner.page_size, enabled=not args.disable_radix_cache)
         self.scheduler = Scheduler(self.runner, self.radix, self.tokenizer, self.metrics)
-        self.model_name = args.served_model_name or args.model_path or args.model_preset or "plugserve-embedded"
-        # What a request's `model` may say: the listed id, or the names the server was launched with.
-        self.model_names = frozenset(n for n in (self.model_name, args.served_model_name, args.model_path,
-                                                  args.model_preset) if n)
+        self.model_name, self.model_names = served_model_names(args)
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self.ready = threading.Event()

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -24,14 +25,24 @@ from plugserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
+    OpenAIRequest,
     error_body,
     new_id,
     now,
     usage,
 )
 
-# OpenAI's names for SamplingParams fields, for error messages.
+# What a request calls a SamplingParams field, for error messages: OpenAI's names at the top level of the body,
+# SGLang's inside /generate's sampling_params.
 OPENAI_NAMES = {"max_new_tokens": "max_tokens", "top_logprobs": "logprobs"}
+
+
+def _openai_name(field: str) -> str:
+    return OPENAI_NAMES.get(field, field)
+
+
+def _generate_name(field: str) -> str:
+    return f"sampling_params.{field}"
 
 
 class BadRequest(Exception):
@@ -52,15 +63,15 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
-        problems, param = [], None
+        problems, locs = [], []
         for e in exc.errors():
             if e["type"] == "json_invalid":
                 problems.append(f"the request body is not valid JSON ({e.get('ctx', {}).get('error', e['msg'])})")
                 continue
-            where = ".".join(str(p) for p in e["loc"] if p != "body")
-            param = param or where or None
-            problems.append(f"{where}: {e['msg']}" if where else e["msg"])
-        return JSONResponse(error_body("; ".join(problems), param=param, code=400), 400)
+            loc = [str(p) for p in e["loc"] if p != "body"]
+            locs.append(loc)
+            problems.append(f"{'.'.join(loc)}: {e['msg']}" if loc else e["msg"])
+        return JSONResponse(error_body("; ".join(problems), param=_field_of(locs), code=400), 400)
 
     @app.exception_handler(BadRequest)
     async def bad_request(_: Request, exc: BadRequest) -> JSONResponse:
@@ -156,7 +167,7 @@ def create_app(engine: Engine) -> FastAPI:
             raise BadRequest("give exactly one of text and input_ids", "text")
         params = body.sampling_params.to_params()
         ids = _tokenize(engine, body.text if body.text is not None else body.input_ids)  # type: ignore[arg-type]
-        _validate(params, len(ids), engine)
+        _validate(params, len(ids), engine, _generate_name)
         if params.n != 1:
             raise BadRequest("/generate takes n = 1; send several requests", "sampling_params.n")
         rid = body.rid or new_id("gen")
@@ -215,6 +226,14 @@ def _not_serving(engine: Engine) -> JSONResponse:
     return JSONResponse(error_body(message, "internal_error", code=503), 503, headers=headers)
 
 
+def _field_of(locs: list[list[str]]) -> str | None:
+    """The field of a validation error: where the first error is, less the member tags of a union (`prompt`, tried
+    as each of its types, reports prompt.str, prompt.list[int].0, ...): the path its field's errors share."""
+    same = [loc for loc in locs if loc[:1] == locs[0][:1]]
+    shared = itertools.takewhile(lambda parts: len(set(parts)) == 1, zip(*same, strict=False))
+    return ".".join(parts[0] for parts in shared) or None
+
+
 def _check_model(engine: Engine, model: str | None) -> None:
     """OpenAI answers an unknown model with 404 model_not_found; a missing one means the served model."""
     if model is not None and model not in engine.model_names:
@@ -245,24 +264,27 @@ def _tokenize(engine: Engine, prompt: str | Sequence[int]) -> list[int]:
         raise BadRequest(str(exc), "prompt") from None
 
 
-def _validate(params: SamplingParams, prompt_len: int, engine: Engine) -> None:
+def _validate(params: SamplingParams, prompt_len: int, engine: Engine,
+              name: Callable[[str], str] = _openai_name) -> None:
+    """What the model bounds: stop token ids in its vocabulary, prompt and output within its context (and
+    SamplingParams.validate's ranges, which the request's schema states already). A 400 names the field as the
+    request does (`name`)."""
     try:
         params.validate()
     except ValueError as exc:
         field = str(exc).split(" ", 1)[0]
-        name = OPENAI_NAMES.get(field, field)
-        raise BadRequest(str(exc).replace(field, name, 1), name) from None
+        raise BadRequest(str(exc).replace(field, name(field), 1), name(field)) from None
     vocab = engine.runner.config.vocab_size
     if any(not 0 <= t < vocab for t in params.stop_token_ids):
-        raise BadRequest(f"stop_token_ids must lie in [0, {vocab}), the model's vocabulary, got "
-                         f"{params.stop_token_ids}", "stop_token_ids")
+        raise BadRequest(f"{name('stop_token_ids')} must lie in [0, {vocab}), the model's vocabulary, got "
+                         f"{params.stop_token_ids}", name("stop_token_ids"))
     context = engine.runner.context_length
     if prompt_len + params.max_new_tokens > context:
         raise BadRequest(f"this model's context length is {context} tokens; the prompt has {prompt_len} and "
-                         f"max_tokens asks for {params.max_new_tokens} more", "max_tokens")
+                         f"{name('max_new_tokens')} asks for {params.max_new_tokens} more", name("max_new_tokens"))
 
 
-def _jobs(engine: Engine, prompts: list[list[int]], body, max_tokens: int | None, logprobs: bool,
+def _jobs(engine: Engine, prompts: list[list[int]], body: OpenAIRequest, max_tokens: int | None, logprobs: bool,
           top_logprobs: int) -> list[Job]:
     jobs: list[Job] = []
     for ids in prompts:

@@ -7,112 +7,115 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from plugserve.core.sampling import SamplingParams
 
 SEED_LIMIT = 2**63  # seeds are int64 on the device
-Seed = Annotated[StrictInt, Field(ge=0, lt=SEED_LIMIT)]
-TokenId = Annotated[StrictInt, Field(ge=0)]  # the vocabulary's upper bound is checked against the model
-Number = StrictFloat | StrictInt  # JSON numbers; "0.5" or "hot" are refused, not coerced
-# SamplingParams.validate's ranges, stated in the schema too (clients and the API fuzzer read them there).
-Penalty = Annotated[float, Field(ge=-2, le=2)]
 MAX_N = 64
 MAX_STOPS = 16
+MAX_TOP_LOGPROBS = 20
+# JSON types are strict: "0.5", "hot" or true where a number belongs is refused, never coerced. (A strict float
+# takes JSON integers: temperature 1 is 1.0.)
+Number = StrictFloat
+Seed = Annotated[StrictInt, Field(ge=0, lt=SEED_LIMIT)]
+TokenId = Annotated[StrictInt, Field(ge=0)]  # the vocabulary's upper bound is checked against the model
+Penalty = Annotated[Number, Field(ge=-2, le=2)]
+StopString = Annotated[StrictStr, Field(min_length=1)]
+StopList = Annotated[list[StopString], Field(max_length=MAX_STOPS)]
 
 
-def stop_list(stop: str | list[str] | None) -> list[str]:
+def _stop_list(stop: object) -> object:
     """OpenAI's `stop`: one string is one stop string (not its characters)."""
-    return [stop] if isinstance(stop, str) else list(stop or [])
+    if stop is None:
+        return []
+    if not isinstance(stop, (str, list)):
+        raise ValueError("stop must be a string or a list of strings")
+    return [stop] if isinstance(stop, str) else stop
 
 
-class StreamOptions(BaseModel):
-    include_usage: bool = False
+# Typed as a list; the schema states what clients may send: a string, a list of strings, or null.
+Stop = Annotated[StopList, BeforeValidator(_stop_list, json_schema_input_type=StopString | StopList | None)]
 
 
 class SamplingFields(BaseModel):
-    """Fields shared by completions and chat completions. Unknown fields are ignored, as OpenAI does."""
+    """The sampling parameters of every generating endpoint, one model: /generate takes them as its
+    `sampling_params` (with `max_new_tokens`), the OpenAI endpoints at the top level of their bodies. Every field
+    is typed strictly and bounded as SamplingParams.validate bounds it, in the OpenAPI schema too (clients and
+    the API fuzzer read the ranges there): nothing reaches SamplingParams unchecked. Stop token ids are checked
+    against the model's vocabulary in app._validate."""
 
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    n: int = Field(1, ge=1, le=MAX_N)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
-    presence_penalty: Penalty = 0.0
-    frequency_penalty: Penalty = 0.0
-    seed: Seed | None = None
-    user: str | None = None
-    # extensions
-    top_k: int = Field(-1, ge=-1)
-    min_p: float = Field(0.0, ge=0, le=1)
-    repetition_penalty: float = Field(1.0, gt=0)
-    ignore_eos: bool = False
-    stop_token_ids: list[TokenId] = Field(default_factory=list)
-    skip_special_tokens: bool = True
-
-    def sampling_params(self, max_new_tokens: int, logprobs: bool, top_logprobs: int) -> SamplingParams:
-        stop = stop_list(self.stop)
-        return SamplingParams(
-            max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            min_p=self.min_p, frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
-            repetition_penalty=self.repetition_penalty, stop=stop, stop_token_ids=list(self.stop_token_ids),
-            ignore_eos=self.ignore_eos, seed=self.seed, n=self.n, logprobs=logprobs, top_logprobs=top_logprobs,
-            skip_special_tokens=self.skip_special_tokens,
-        )
-
-
-class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
-
-
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
-
-
-class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-
-
-class GenerateSamplingParams(BaseModel):
-    """/generate's `sampling_params`, SGLang's names, every field typed: nothing reaches SamplingParams
-    unchecked (ranges are SamplingParams.validate's; token ids are checked against the vocabulary)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    max_new_tokens: StrictInt = Field(128, ge=1)
     temperature: Number = Field(1.0, ge=0)
     top_p: Number = Field(1.0, gt=0, le=1)
     top_k: StrictInt = Field(-1, ge=-1)
     min_p: Number = Field(0.0, ge=0, le=1)
-    frequency_penalty: Number = Field(0.0, ge=-2, le=2)
-    presence_penalty: Number = Field(0.0, ge=-2, le=2)
+    frequency_penalty: Penalty = 0.0
+    presence_penalty: Penalty = 0.0
     repetition_penalty: Number = Field(1.0, gt=0)
-    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOPS)] | None = None
+    stop: Stop = Field(default_factory=list)
     stop_token_ids: list[TokenId] = Field(default_factory=list)
     ignore_eos: StrictBool = False
     seed: Seed | None = None
     n: StrictInt = Field(1, ge=1, le=MAX_N)
     skip_special_tokens: StrictBool = True
 
+    def sampling_params(self, max_new_tokens: int, logprobs: bool = False, top_logprobs: int = 0
+                        ) -> SamplingParams:
+        """These fields, with what the endpoint names its own way (OpenAI's max_tokens and logprobs)."""
+        return SamplingParams(**self.model_dump(include=set(SamplingFields.model_fields)),
+                              max_new_tokens=max_new_tokens, logprobs=logprobs, top_logprobs=top_logprobs)
+
+
+class StreamOptions(BaseModel):
+    include_usage: StrictBool = False
+
+
+class OpenAIRequest(SamplingFields):
+    """What completions and chat completions share. Unknown fields are ignored, as OpenAI does."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    user: StrictStr | None = None
+
+
+class CompletionRequest(OpenAIRequest):
+    prompt: StrictStr | list[StrictStr] | list[TokenId] | list[list[TokenId]]
+    max_tokens: StrictInt | None = Field(16, ge=1)
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: StrictBool = False
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: StrictStr | list[TextPart] | None = None
+
+
+class ChatCompletionRequest(OpenAIRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+
+class GenerateSamplingParams(SamplingFields):
+    """/generate's `sampling_params`: the shared fields under SGLang's names, and `max_new_tokens`. Unknown keys
+    are refused (a misspelt parameter would otherwise be silently ignored)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: StrictInt = Field(128, ge=1)
+
     def to_params(self) -> SamplingParams:
-        return SamplingParams(**(self.model_dump() | {"stop": stop_list(self.stop)}))
+        return self.sampling_params(self.max_new_tokens)
 
 
 class GenerateRequest(BaseModel):
@@ -120,11 +123,11 @@ class GenerateRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    text: str | None = None
+    text: StrictStr | None = None
     input_ids: list[TokenId] | None = None
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
-    stream: bool = False
-    rid: str | None = None
+    stream: StrictBool = False
+    rid: StrictStr | None = None
 
 
 class UsageInfo(BaseModel):

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from plugserve.core.engine import Engine
+from plugserve.core.engine import Engine, served_model_names
 from plugserve.core.forward_batch import ForwardMode
 from plugserve.core.kv_cache import PoolAccountingError
 from plugserve.core.request import FinishReason
@@ -267,6 +267,14 @@ def test_a_failed_forward_leaves_none_of_its_kv_in_the_prefix_cache(solo, overla
         _assert_every_page_is_back(engine)
     finally:
         engine.shutdown()
+
+
+def test_a_request_may_name_the_model_by_its_listed_id_or_a_launch_name():
+    listed, names = served_model_names(ServerArgs(model_path="/models/DeepSeek-V3", served_model_name="ds"))
+    assert listed == "ds" and names == {"ds", "/models/DeepSeek-V3"}
+    assert served_model_names(ServerArgs(model_path="/models/V3")) == ("/models/V3", frozenset({"/models/V3"}))
+    assert served_model_names(ServerArgs(model_preset="tiny")) == ("tiny", frozenset({"tiny"}))
+    assert served_model_names(ServerArgs()) == ("plugserve-embedded", frozenset({"plugserve-embedded"}))
 
 
 def test_seed_makes_unseeded_sampling_reproducible():

@@ -98,7 +98,11 @@ def test_a_plugin_that_fails_to_load_is_logged_at_start(monkeypatch, caplog):
     monkeypatch.setattr(model_runner, "get_registry", lambda: registry)
     with caplog.at_level(logging.WARNING):
         ModelRunner(ServerArgs(max_total_tokens=64))
-    assert "plugin plugserve.plugins.no_such_plugin" in caplog.text and "failed to load and is skipped" in caplog.text
+    [record] = [r for r in caplog.records if "failed to load" in r.getMessage()]
+    assert record.levelno == logging.WARNING
+    assert record.getMessage() == ("plugin plugserve.plugins.no_such_plugin (package plugserve) failed to load and is "
+                                   "skipped: import failed: ModuleNotFoundError: No module named "
+                                   "'plugserve.plugins.no_such_plugin'")
 
 
 def test_shared_experts_fuse_into_a_backend_that_can_and_give_the_same_logits():

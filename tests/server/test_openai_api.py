@@ -132,41 +132,52 @@ def test_shared_prefix_hits_the_radix_cache_and_matches_a_cold_run(client, serve
         assert warm_lp == pytest.approx(cold_lp.logprob, abs=1e-4)
 
 
+# (endpoint, body, the field the 400 names)
 BAD_REQUESTS = [
-    ("/v1/completions", "{not json", 400),
-    ("/v1/completions", {"prompt": PROMPT, "max_tokens": "many"}, 400),
-    ("/v1/completions", {"prompt": PROMPT, "max_tokens": -3}, 400),
-    ("/v1/completions", {"prompt": PROMPT, "temperature": -0.5}, 400),
-    ("/v1/completions", {"prompt": PROMPT, "top_p": 0}, 400),
-    ("/v1/completions", {"prompt": "token " * 9000}, 400),
-    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 100000}, 400),
-    ("/v1/completions", {"prompt": []}, 400),
-    ("/v1/completions", {"max_tokens": 3}, 400),
-    ("/v1/chat/completions", {"messages": []}, 400),
-    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400),
-    ("/generate", {"text": "hi", "sampling_params": {"bogus": 1}}, 400),
+    ("/v1/completions", "{not json", None),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": "many"}, "max_tokens"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": -3}, "max_tokens"),
+    ("/v1/completions", {"prompt": PROMPT, "temperature": -0.5}, "temperature"),
+    ("/v1/completions", {"prompt": PROMPT, "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": "token " * 9000}, "prompt"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 100000}, "max_tokens"),
+    ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {"max_tokens": 3}, "prompt"),
+    ("/v1/completions", {"prompt": [1.5]}, "prompt"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+    ("/generate", {"text": "hi", "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
     # Used to reach the scheduler untyped: a TypeError there killed its thread, or a 500 in plain text.
-    ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": "ab"}}, 400),
-    ("/generate", {"text": "hi", "sampling_params": {"stop": [5]}}, 400),
-    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": "5"}}, 400),
-    ("/generate", {"text": "hi", "sampling_params": {"temperature": "hot"}}, 400),
-    ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [-3]}}, 400),
-    ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [999999]}}, 400),
-    ("/v1/completions", {"prompt": PROMPT, "seed": 2**64}, 400),
-    ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 3}, 400),  # OpenAI: needs logprobs: true
-    ("/v1/completions", {"prompt": PROMPT, "stop_token_ids": [999999]}, 400),
+    ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": "ab"}}, "sampling_params.stop_token_ids"),
+    ("/generate", {"text": "hi", "sampling_params": {"stop": [5]}}, "sampling_params.stop.0"),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": "5"}}, "sampling_params.max_new_tokens"),
+    ("/generate", {"text": "hi", "sampling_params": {"temperature": "hot"}}, "sampling_params.temperature"),
+    ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [-3]}}, "sampling_params.stop_token_ids.0"),
+    ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [999999]}}, "sampling_params.stop_token_ids"),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 100000}}, "sampling_params.max_new_tokens"),
+    ("/generate", {"text": "hi", "sampling_params": {"seed": 2**63}}, "sampling_params.seed"),
+    ("/v1/completions", {"prompt": PROMPT, "seed": 2**64}, "seed"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 3}, "top_logprobs"),  # OpenAI: needs logprobs
+    ("/v1/completions", {"prompt": PROMPT, "stop_token_ids": [999999]}, "stop_token_ids"),
+    # The OpenAI endpoints share /generate's typed sampling fields: JSON types are strict there too.
+    ("/v1/completions", {"prompt": PROMPT, "temperature": "0.5"}, "temperature"),
+    ("/v1/completions", {"prompt": PROMPT, "stream": "yes"}, "stream"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "n": 2.0}, "n"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "stop": [5]}, "stop.0"),
+    ("/v1/completions", {"prompt": PROMPT, "stop": ""}, "stop.0"),
+    ("/v1/completions", {"prompt": PROMPT, "stop": 5}, "stop"),
 ]
 
 
-@pytest.mark.parametrize(("path", "body", "status"), BAD_REQUESTS)
-def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, client, path, body, status):
+@pytest.mark.parametrize(("path", "body", "param"), BAD_REQUESTS)
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, client, path, body, param):
     headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
     content = body if isinstance(body, str) else None
     response = httpx.post(f"{server.base_url}{path}", content=content, json=None if content else body,
                           headers=headers, timeout=60)
-    assert response.status_code == status, response.text
+    assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert error["type"] == "invalid_request_error" and error["message"]
+    assert error["type"] == "invalid_request_error" and error["message"] and error["param"] == param, error
     assert client.completions.create(model="m", prompt=PROMPT, max_tokens=2).choices[0].text is not None
 
 
@@ -217,11 +228,21 @@ def test_native_generate_and_server_info(server):
     assert all(b["reason"] for b in info["backends"]) and info["page_size"] >= 1
 
 
-def test_generate_takes_one_stop_string_as_one_stop():
-    from plugserve.server.protocol import GenerateSamplingParams
+def test_generate_takes_one_stop_string_as_one_stop(server):
+    """`"stop": "ab"` used to be the stops `a` and `b`: the text ended at the first of either."""
+    def generate(**sampling) -> dict:
+        body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}}
+        body["sampling_params"] |= sampling
+        return httpx.post(f"{server.base_url}/generate", headers={"Authorization": f"Bearer {API_KEY}"}, json=body,
+                          timeout=60).raise_for_status().json()
 
-    assert GenerateSamplingParams(stop="ab").to_params().stop == ["ab"]
-    assert GenerateSamplingParams(stop=["ab", "c"], seed=3).to_params().seed == 3
+    full = generate()["text"]
+    # A pair of characters one of which comes earlier in the text than the pair does.
+    stop = next(full[i : i + 2] for i in range(len(full) - 1)
+                if min(full.find(c) for c in full[i : i + 2]) < full.find(full[i : i + 2]))
+    stopped = generate(stop=stop)
+    assert stopped["text"] == full[: full.find(stop)]
+    assert stopped["meta_info"]["finish_reason"] == "stop" and stopped["meta_info"]["matched_stop"] == stop
 
 
 @pytest.mark.parametrize("n", [1, 3])
@@ -232,6 +253,8 @@ def test_streamed_usage_counts_the_prompt_once_whatever_n(client, n):
     usage = chunks[-1].usage
     assert usage.prompt_tokens == plain.usage.prompt_tokens
     assert usage.completion_tokens == 3 * n
+    assert client.completions.create(model="m", prompt=PROMPT, max_tokens=3, n=n).usage.prompt_tokens == \
+        plain.usage.prompt_tokens
     chat = list(client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2, n=n, stream=True,
                                                stream_options={"include_usage": True}))
     single = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
