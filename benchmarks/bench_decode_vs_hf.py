@@ -269,7 +269,8 @@ def run_plugserve(namespace: argparse.Namespace, parser: argparse.ArgumentParser
     }
     for batch_size, input_len, output_len in cases:
         print(f"\n# plugserve: batch size {batch_size}, input {input_len}, output {output_len}")
-        result = bench_one_batch.run_once(runner, batch_size, input_len, output_len, runner.args.seed, verbose=False)
+        result = bench_one_batch.run_once(runner, batch_size, input_len, output_len, runner.args.seed, verbose=False,
+                                          overlap=namespace.overlap)
         report["rows"][(batch_size, input_len, output_len)]["plugserve"] = result
     del runner
     _free(device)
@@ -357,6 +358,7 @@ def format_table(rows: list[dict[str, Any]], report: dict[str, Any]) -> str:
              f"{'Model:':<40}{report['model']}",
              f"{'Copy bandwidth (GB/s, read + write):':<40}{report['ceilings']['copy_gbps']:.1f}",
              f"{'transformers:':<40}{report['hf_mode']}",
+             f"{'plugserve decode steps:':<40}{report['plugserve_mode']}",
              f"{'batch':>6} {'input':>6} {'output':>6} {'plugserve ms':>13} {'HF ms':>10} {'limit ms':>9} "
              f"{'of limit':>9} {'speed-up':>9} {'GB/step':>8}"]
     for r in rows:
@@ -419,6 +421,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "ceilings": ceilings, "dtype": str(dtype).removeprefix("torch."),
         "hf_mode": "skipped" if namespace.skip_hf else "eager" if namespace.hf_no_compile or device.type != "cuda"
                    else f"torch.compile by generate (reduce-overhead, fullgraph={namespace.hf_fullgraph})",
+        "plugserve_mode": ("overlap scheduler (interval between steps; the next one planned while one runs)"
+                           if namespace.overlap else "each step alone (planned, run, read back, processed)"),
         "rows": {},
     }
     for batch_size, input_len, output_len in cases:

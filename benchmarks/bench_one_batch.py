@@ -1,5 +1,8 @@
 """Static-batch latency: one prefill of `batch_size` prompts of `input_len` random tokens, then
-`output_len` decode steps, through plugserve's own scheduler and model runner (no HTTP, no overlap).
+`output_len` decode steps, through plugserve's own scheduler and model runner (no HTTP). Each decode step
+is timed by itself, as SGLang's bench_one_batch does (planned, run, its tokens read back and processed);
+`--overlap` times them under the overlap scheduler instead, as serving runs them: step k + 1 is planned
+and launched while step k runs, so the host's work per step hides behind the GPU's.
 Prints SGLang's bench_one_batch format; --result-filename appends one JSON line per run.
 
     python benchmarks/bench_one_batch.py --model-preset deepseek-v3 --num-layers 4 --load-format dummy \\
@@ -9,6 +12,7 @@ Prints SGLang's bench_one_batch format; --result-filename appends one JSON line 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -37,10 +41,36 @@ def _sync(runner: ModelRunner) -> None:
         torch.cuda.synchronize(runner.device)
 
 
+def _decode_one_by_one(scheduler: Scheduler, runner: ModelRunner, steps: int) -> list[float]:
+    """Seconds of each of `steps` decode steps, each planned, run, read back and processed alone."""
+    decode = []
+    for _ in range(steps):
+        begin = time.perf_counter()
+        scheduler.step()
+        _sync(runner)
+        decode.append(time.perf_counter() - begin)
+    return decode
+
+
+def _decode_overlapped(scheduler: Scheduler) -> list[float]:
+    """Seconds per decode step under the overlap scheduler until every request is done: each call
+    launches step k + 1, then processes step k (waiting for it), so a step takes the interval between the
+    returns of consecutive calls. The first call only launches."""
+    scheduler.overlap = True
+    returns = []
+    while scheduler.has_work:
+        scheduler.step()
+        returns.append(time.perf_counter())
+    return [b - a for a, b in itertools.pairwise(returns)]
+
+
 def run_once(runner: ModelRunner, batch_size: int, input_len: int, output_len: int, seed: int,
-             verbose: bool) -> dict[str, float]:
+             verbose: bool, overlap: bool = False) -> dict[str, float]:
+    """One static batch; `overlap`: decode under the overlap scheduler (the runner's scheduler flags must
+    allow it: see build_runner)."""
     radix = RadixCache(runner.allocator, runner.page_size, enabled=False)
     scheduler = Scheduler(runner, radix, _NoText())
+    scheduler.overlap = False  # the prefill timed alone in either mode
     generator = torch.Generator().manual_seed(seed)
     vocab = runner.config.vocab_size
     params = SamplingParams(max_new_tokens=output_len, temperature=0, ignore_eos=True)
@@ -55,22 +85,20 @@ def run_once(runner: ModelRunner, batch_size: int, input_len: int, output_len: i
     if scheduler.waiting or scheduler.chunked:
         raise SystemExit("the batch did not fit one prefill: raise --chunked-prefill-size or --max-total-tokens")
     print(f"Prefill. latency: {prefill:.5f} s, throughput: {batch_size * input_len / prefill:9.2f} token/s")
-    decode = []
-    for step in range(output_len - 1):
-        begin = time.perf_counter()
-        scheduler.step()
-        _sync(runner)
-        decode.append(time.perf_counter() - begin)
-        if verbose and (step < 5 or step == output_len - 2):
-            print(f"Decode.  latency: {decode[-1]:.5f} s, throughput: {batch_size / decode[-1]:9.2f} token/s")
+    decode = _decode_overlapped(scheduler) if overlap else _decode_one_by_one(scheduler, runner, output_len - 1)
+    if verbose:
+        for step, latency in enumerate(decode):
+            if step < 5 or step == len(decode) - 1:
+                print(f"Decode.  latency: {latency:.5f} s, throughput: {batch_size / latency:9.2f} token/s")
     total = time.perf_counter() - start
-    result = {"batch_size": batch_size, "input_len": input_len, "output_len": output_len,
+    result = {"batch_size": batch_size, "input_len": input_len, "output_len": output_len, "overlap": overlap,
               "prefill_latency": prefill, "prefill_throughput": batch_size * input_len / prefill,
               "total_latency": total, "overall_throughput": batch_size * (input_len + output_len) / total}
     if decode:
         median = statistics.median(decode)
         print(f"Decode.  median latency: {median:.5f} s, median throughput: {batch_size / median:9.2f} token/s")
-        result |= {"median_decode_latency": median, "median_decode_throughput": batch_size / median}
+        result |= {"median_decode_latency": median, "median_decode_throughput": batch_size / median,
+                   "decode_steps": len(decode)}
     print(f"Total. latency: {total:.3f} s, throughput: {result['overall_throughput']:9.2f} token/s")
     return result
 
@@ -81,13 +109,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, nargs="+", default=[1])
     parser.add_argument("--input-len", type=int, nargs="+", default=[1024])
     parser.add_argument("--output-len", type=int, nargs="+", default=[16])
+    parser.add_argument("--overlap", action="store_true",
+                        help="time decode under the overlap scheduler (the next step planned and launched while "
+                             "one runs, as serving does) instead of each step alone")
 
 
 def build_runner(namespace: argparse.Namespace, parser: argparse.ArgumentParser) -> ModelRunner:
-    """The static-batch runner of the parsed flags: overlap and radix cache off, every batch in one unchunked
-    prefill, a KV pool for the biggest run (unless the flags size it); warmed up (JIT, CUDA graphs) and its
-    chosen backends printed."""
-    namespace.disable_overlap_schedule = True  # a static batch: time each step by itself
+    """The static-batch runner of the parsed flags: radix cache off (overlap only with --overlap), every batch
+    in one unchunked prefill, a KV pool for the biggest run (unless the flags size it); warmed up (JIT, CUDA
+    graphs) and its chosen backends printed."""
+    if namespace.overlap and namespace.disable_overlap_schedule:
+        parser.error("--overlap times decode under the overlap scheduler, which --disable-overlap-schedule turns off")
+    namespace.disable_overlap_schedule = not namespace.overlap
     namespace.disable_radix_cache = True
     biggest = max(namespace.batch_size) * (max(namespace.input_len) + max(namespace.output_len))
     namespace.chunked_prefill_size = -1
@@ -117,7 +150,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         for input_len in namespace.input_len:
             for output_len in namespace.output_len:
                 print(f"\n# batch size {batch_size}, input {input_len}, output {output_len}")
-                result = run_once(runner, batch_size, input_len, output_len, runner.args.seed, verbose=True)
+                result = run_once(runner, batch_size, input_len, output_len, runner.args.seed, verbose=True,
+                                  overlap=namespace.overlap)
                 if namespace.result_filename:
                     result |= {"run_name": namespace.run_name, "device": runner.hardware.name,
                                "backends": {f"{c.kind}:{c.phase}": c.name for c in runner.chosen}}

@@ -5,6 +5,8 @@
 # as $OUT/results.tgz.
 #   setup                 the wheels and FlashInfer into /tmp/site
 #   kit:NAME              the kit's CUDA-graph tests for attention backend NAME, full shapes, bf16
+#   conf:TAG:ARGS         the kit (plugserve.testing, against its float64 oracle) with pytest ARGS, e.g.
+#                         --plugserve-backend,moe:triton,--plugserve-dtypes,bfloat16 -> conf-TAG.{txt,json}
 #   decode:TAG:ARGS       benchmarks/bench_decode_vs_hf.py with ARGS (commas for spaces) -> decode-TAG.{json,txt}
 #   profile:TAG:ARGS      benchmarks/profile_decode.py with ARGS -> profile-TAG.txt (kernel time per decode step)
 #   tune:TAG:ARGS         benchmarks/tune_fused_moe.py with ARGS, configs into $res/moe-configs-TAG and into
@@ -32,6 +34,10 @@ for step in "$@"; do
         plugserve.testing --plugserve-backend attention:$tag --plugserve-shapes full --plugserve-dtypes bfloat16 \
         -k graph --plugserve-report $res/kit-graph-$tag.json > $res/kit-graph-$tag.txt 2>&1)
       echo "kit $tag: $(tail -n 1 $res/kit-graph-$tag.txt)" ;;
+    conf)
+      (cd /tmp && timeout $limit python3 -m pytest -q -p plugserve.testing.plugin -p no:cacheprovider --pyargs \
+        plugserve.testing $args --plugserve-report $res/conf-$tag.json > $res/conf-$tag.txt 2>&1)
+      echo "conf $tag: $(tail -n 1 $res/conf-$tag.txt)" ;;
     decode)
       timeout $limit python3 -m benchmarks.bench_decode_vs_hf $args --result-filename $res/decode-$tag.json \
         > $res/decode-$tag.txt 2>&1

@@ -204,15 +204,20 @@ class Scheduler:
             request.cached_tokens = match.num_tokens
 
     def _schedule_decode(self) -> ScheduledBatch | None:
-        if not self.running:
+        # With overlap, a request whose last token the batch in flight samples needs no further step.
+        active = [r for r in self.running if not self._last_token_planned(r)]
+        if not active:
             return None
         # Every running request needs a slot for its last token; retract the newest until they all fit.
         while True:
-            need = sum(pages_needed(r.seq_len, self.page_size) - len(r.pages) for r in self.running)
+            need = sum(pages_needed(r.seq_len, self.page_size) - len(r.pages) for r in active)
             if need <= self._pages_available() or len(self.running) == 1:
                 break
-            self._retract(max(self.running, key=lambda r: r.arrival_time))
-        for request in list(self.running):
+            newest = max(self.running, key=lambda r: r.arrival_time)
+            self._retract(newest)
+            if newest in active:
+                active.remove(newest)
+        for request in active:
             try:
                 missing = pages_needed(request.seq_len, self.page_size) - len(request.pages)
                 if missing > self._pages_available():  # alone and still too long for the whole pool
@@ -223,11 +228,16 @@ class Scheduler:
             except Exception as exc:
                 self._fail(request, "being scheduled", exc)
         self._drop_finished()
-        if not self.running:
+        requests = [r for r in active if not r.finished]
+        if not requests:
             return None
-        requests = list(self.running)
         last = torch.tensor([r.last_id for r in requests], dtype=torch.int64)
         return self._build(ForwardMode.DECODE, requests, [1] * len(requests), [True] * len(requests), last)
+
+    def _last_token_planned(self, request: Request) -> bool:
+        """Its planned tokens (PENDING included) reach max_new_tokens or the context length."""
+        return (len(request.output_ids) >= request.params.max_new_tokens
+                or request.seq_len >= self.runner.context_length)
 
     def _retract(self, request: Request) -> None:
         """Give a running request's KV back (its full pages stay in the prefix cache) and queue it first:

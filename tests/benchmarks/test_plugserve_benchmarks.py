@@ -22,6 +22,15 @@ def test_bench_one_batch_prints_sglang_format_and_writes_json(tmp_path, capsys):
     assert all(r["prefill_throughput"] > 0 and r["median_decode_latency"] > 0 for r in rows)
 
 
+def test_bench_one_batch_times_decode_under_the_overlap_scheduler(tmp_path):
+    """--overlap: one interval between consecutive scheduler calls per decode step, output_len - 1 of them."""
+    out = tmp_path / "one_batch.jsonl"
+    bench_one_batch.main(["--batch-size", "2", "--input-len", "16", "--output-len", "5", "--overlap",
+                          "--result-filename", str(out)])
+    [row] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["overlap"] is True and row["decode_steps"] == 4 and row["median_decode_latency"] > 0
+
+
 def test_bench_serving_against_the_running_server(server, tmp_path, capsys):
     out = tmp_path / "serving.jsonl"
     code = bench_serving.main(["--base-url", server.base_url, "--api-key", API_KEY, "--num-prompts", "12",
