@@ -88,6 +88,15 @@ def test_n_and_logprobs(client):
         assert token.logprob == values[0]  # greedy picks the most likely
 
 
+def test_the_largest_seed_serves_every_sample(client):
+    """n samples take seeds seed, seed + 1, ...: at the top of the range each still gets its tokens (a seed past
+    what a generator takes used to give a 200 with an empty second choice and no finish reason)."""
+    response = client.completions.create(model="m", prompt=PROMPT, max_tokens=3, n=2, seed=2**63 - 1,
+                                         extra_body={"ignore_eos": True})
+    assert [c.finish_reason for c in response.choices] == ["length", "length"]
+    assert all(c.text for c in response.choices) and response.usage.completion_tokens == 6
+
+
 def test_64_concurrent_streams_each_equal_its_solo_run(server):
     rng = random.Random(0)
     words = ["red", "fox", "jumps", "over", "lazy", "dog", "7"]

@@ -132,9 +132,13 @@ def test_soak_with_a_far_too_small_kv_pool(soak_server: RunningServer, capsys):
     aborted = soak_server.metric("plugserve_requests_total", '{finish_reason="abort"}')
     kinds = Counter(o.kind for o in outcomes)
     left = sum(o.ended_by_client for o in outcomes)
+    allocator = engine.runner.allocator
+    # Idle, every page is free or in the prefix cache: the rest leaked.
+    leaked = allocator.num_pages - allocator.num_free - engine.radix.cached_pages
     with capsys.disabled():
         print(f"\nsoak: {len(outcomes)} requests in {elapsed:.0f} s ({dict(kinds)}); {left} clients left early, "
-              f"{aborted:.0f} requests aborted; {engine.metrics.retractions._value.get():.0f} retractions")
+              f"{aborted:.0f} requests aborted; {engine.metrics.retractions._value.get():.0f} retractions; "
+              f"{leaked} pages leaked")
 
     assert engine.num_outstanding == 0, "requests still running after their clients were done"
     assert soak_server.metric("plugserve_requests_total", '{finish_reason="error"}') == errors_before
@@ -148,7 +152,7 @@ def test_soak_with_a_far_too_small_kv_pool(soak_server: RunningServer, capsys):
     compared = [o for o in outcomes if o.key is not None]
     assert len(compared) > 30 and all(o.texts == (solo[o.key],) for o in compared)
     # Every page is back: free or in an evictable cache node, and each has exactly one owner.
+    assert leaked == 0
     engine.check_pool_accounting()
-    allocator = engine.runner.allocator
     assert engine.radix.protected_pages == 0
     assert allocator.num_free + engine.radix.evictable_pages == allocator.num_pages
