@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 import threading
 import time
 import types
@@ -106,7 +107,7 @@ def server_args_from(namespace: argparse.Namespace, parser: argparse.ArgumentPar
 
 def serve(args: ServerArgs) -> None:
     """Serve until SIGTERM / SIGINT (exit 0 after the graceful shutdown) or until the scheduler loop dies
-    (exit 1, so that a supervisor restarts the server)."""
+    (exit 1, so that a supervisor restarts the server). Ends the process."""
     from plugserve.core.engine import Engine
     from plugserve.registry import SelectionError
     from plugserve.server.app import create_app
@@ -126,10 +127,21 @@ def serve(args: ServerArgs) -> None:
     finally:
         engine.shutdown()
     if engine.error is not None:
-        raise SystemExit(f"plugserve serve: {engine.error}")
+        print(f"plugserve serve: {engine.error}", file=sys.stderr)
+    # Not through the interpreter's teardown of torch and the model: 1.5 s on a CPU, more under load, past the
+    # grace period, where the watchdog (a daemon thread) could no longer end the process.
+    _exit(0 if engine.error is None else 1)
 
 
-SHUTDOWN_MARGIN_S = 2.0  # of the grace period, kept for the last responses and the teardown (about 1 s on a CPU)
+def _exit(status: int) -> None:
+    """End the process now, its logs and output flushed."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+SHUTDOWN_MARGIN_S = 2.0  # of the grace period, kept for the last responses and the engine's shutdown
 
 
 class GracefulServer(uvicorn.Server):
@@ -170,8 +182,7 @@ class GracefulServer(uvicorn.Server):
 
     def _overdue(self) -> None:
         logger.error("the shutdown outlasted --graceful-shutdown-timeout (%g s): exiting now", self.grace)
-        logging.shutdown()
-        os._exit(1)
+        _exit(1)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
