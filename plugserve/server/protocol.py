@@ -15,9 +15,9 @@ SEED_LIMIT = 2**63  # seeds are int64 on the device
 MAX_N = 64
 MAX_STOPS = 16
 MAX_TOP_LOGPROBS = 20
-# JSON types are strict: "0.5", "hot" or true where a number belongs is refused, never coerced. (A strict float
-# takes JSON integers: temperature 1 is 1.0.)
-Number = StrictFloat
+# JSON types are strict: "0.5", "hot" or true where a number belongs is refused, never coerced (a strict float
+# takes JSON integers: temperature 1 is 1.0); so are NaN and Infinity, which Python's JSON parser accepts.
+Number = Annotated[StrictFloat, Field(allow_inf_nan=False)]
 Seed = Annotated[StrictInt, Field(ge=0, lt=SEED_LIMIT)]
 TokenId = Annotated[StrictInt, Field(ge=0)]  # the vocabulary's upper bound is checked against the model
 Penalty = Annotated[Number, Field(ge=-2, le=2)]

@@ -175,6 +175,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": MESSAGES, "stop": [5]}, "stop.0"),
     ("/v1/completions", {"prompt": PROMPT, "stop": ""}, "stop.0"),
     ("/v1/completions", {"prompt": PROMPT, "stop": 5}, "stop"),
+    ("/v1/completions", '{"prompt": "hi", "repetition_penalty": Infinity}', "repetition_penalty"),
 ]
 
 
