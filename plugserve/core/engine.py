@@ -305,6 +305,9 @@ class Engine:
         """Run prompts to completion, n samples each: len(prompts) * n results, prompt-major."""
         params = params or SamplingParams()
         params.validate()
+        samples = self.expand(params)
+        for sample in samples:  # seed + i too: nothing is submitted unless every sample is valid
+            sample.validate()
         single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
         batch = [prompts] if single else list(prompts)
         results = [GenerateResult() for _ in range(len(batch) * params.n)]
@@ -317,8 +320,7 @@ class Engine:
                     done.release()
             return on_output
 
-        for result, (prompt, sample_params) in zip(results, itertools.product(batch, self.expand(params)),
-                                                   strict=True):
+        for result, (prompt, sample_params) in zip(results, itertools.product(batch, samples), strict=True):
             self.submit(prompt, sample_params, collect(result))
         for _ in results:
             done.acquire()

@@ -46,7 +46,7 @@ class SamplingParams:
             ("repetition_penalty", self.repetition_penalty > 0, "> 0"),
             ("n", 1 <= self.n <= 64, "in [1, 64]"),
             ("top_logprobs", 0 <= self.top_logprobs <= 20, "in [0, 20]"),
-            ("seed", self.seed is None or self.seed >= 0, "None or >= 0"),
+            ("seed", self.seed is None or 0 <= self.seed < 2**64, "None or in [0, 2^64) (a torch generator's)"),
             ("stop", len(self.stop) <= 16 and all(self.stop), "at most 16 non-empty strings"),
         ]
         for name, ok, allowed in rules:

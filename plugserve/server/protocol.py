@@ -11,7 +11,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, 
 
 from plugserve.core.sampling import SamplingParams
 
-SEED_LIMIT = 2**63  # seeds are int64 on the device
+SEED_LIMIT = 2**63  # int64, as OpenAI's; n samples take seed + i, which stays below a torch generator's 2^64
 MAX_N = 64
 MAX_STOPS = 16
 MAX_TOP_LOGPROBS = 20

@@ -106,6 +106,13 @@ def test_seeded_sampling_is_reproducible_and_n_expands(engine):
     assert len({tuple(r.token_ids) for r in first}) > 1  # seeds 7, 8, 9 differ
 
 
+def test_samples_whose_seeds_leave_the_generators_range_are_refused_before_any_runs(engine):
+    """n samples take seeds seed, seed + 1, ...: the second one here used to fail in torch after the first ran."""
+    with pytest.raises(ValueError, match=r"seed must be None or in \[0, 2\^64\)"):
+        engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=2, seed=2**64 - 1, n=2))
+    assert engine.num_outstanding == 0
+
+
 def test_abort_frees_the_request(engine):
     done = threading.Event()
     outputs = []
