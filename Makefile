@@ -36,7 +36,7 @@ test: install
 		--plugserve-device cpu --plugserve-dtypes float16,float32
 
 lint: install
-	$(VENV)/bin/ruff check plugserve tests benchmarks examples tools
+	$(VENV)/bin/ruff check plugserve tests benchmarks examples tools training
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -225,13 +225,18 @@ def build(output_dir: Path) -> None:
     print(f"training on {len(texts)} documents, {sum(map(len, texts)):,} characters", file=sys.stderr)
     tokenizer = build_tokenizer(texts)
     assert len(tokenizer) == VOCAB_SIZE, f"vocabulary has {len(tokenizer)} tokens, expected {VOCAB_SIZE}"
+    for path in save_tokenizer(tokenizer, output_dir):
+        print(f"wrote {path} ({Path(path).stat().st_size:,} bytes)", file=sys.stderr)
+
+
+def save_tokenizer(tokenizer: PreTrainedTokenizerFast, output_dir: Path) -> list[str]:
+    """Write tokenizer.json and tokenizer_config.json into `output_dir`; returns the paths written."""
     output_dir.mkdir(parents=True, exist_ok=True)
     # save_jinja_files=False: the chat template goes into tokenizer_config.json (as DeepSeek-V3 ships it), which
     # every transformers release reads; chat_template.jinja is only read by newer ones.
     saved = tokenizer.save_pretrained(output_dir, save_jinja_files=False)
     _finish_config(output_dir / "tokenizer_config.json")
-    for path in saved:
-        print(f"wrote {path} ({Path(path).stat().st_size:,} bytes)", file=sys.stderr)
+    return [str(path) for path in saved]
 
 
 def _finish_config(path: Path) -> None:
