@@ -17,7 +17,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -49,8 +49,31 @@ class ScheduledBatch:
 
 @dataclass
 class BatchResult:
-    token_ids: torch.Tensor  # [sum(sampled)] int64, on the device
-    sample: SampleOutput
+    """A batch's sampled tokens: `token_ids` [sum(sampled)] int64 on the device (the next batch's inputs
+    under overlap), and the whole SampleOutput copied to (pinned) host memory, valid once `ready` fired."""
+
+    token_ids: torch.Tensor
+    host: SampleOutput
+    ready: torch.cuda.Event | None
+
+    @classmethod
+    def of(cls, sampled: SampleOutput) -> BatchResult:
+        """Start the copy to the host without waiting for it."""
+        if sampled.token_ids.device.type != "cuda":
+            return cls(sampled.token_ids, sampled, None)
+        tensors = (getattr(sampled, f.name) for f in fields(SampleOutput))
+        host = SampleOutput(*(None if t is None else t.to("cpu", non_blocking=True) for t in tensors))
+        ready = torch.cuda.Event()
+        ready.record()
+        return cls(sampled.token_ids, host, ready)
+
+    def wait(self) -> SampleOutput:
+        """The host copy, once the batch has run. Waiting on the event releases the GIL; Tensor.tolist on a
+        GPU tensor waits holding it, which stalled the overlap thread's planning and the HTTP loop for
+        the whole forward."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host
 
 
 class Scheduler:
@@ -304,7 +327,7 @@ class Scheduler:
         requests = [r for r, s in zip(batch.requests, batch.sampled, strict=True) if s]
         if not requests:  # a prefill chunk in the middle of a prompt: nothing to sample
             empty = torch.zeros(0, dtype=torch.int64, device=logits.device)
-            return BatchResult(empty, SampleOutput(empty, None, None, None))
+            return BatchResult.of(SampleOutput(empty, None, None, None))
         # Penalties see the tokens known when the batch was planned (with overlap, not the one in flight).
         sampled = sample(
             logits,
@@ -314,13 +337,13 @@ class Scheduler:
             [r.generator for r in requests],
             self.runner.sampling_generator,
         )
-        return BatchResult(sampled.token_ids, sampled)
+        return BatchResult.of(sampled)
 
     # -- results -------------------------------------------------------------------------------------
 
     def _process(self, batch: ScheduledBatch, result: BatchResult) -> None:
-        tokens = result.token_ids.tolist()
-        sample = result.sample
+        sample = result.wait()
+        tokens = sample.token_ids.tolist()
         logprobs = sample.logprobs.tolist() if sample.logprobs is not None else None
         top_ids = sample.top_logprob_ids.tolist() if sample.top_logprob_ids is not None else None
         top_values = sample.top_logprob_values.tolist() if sample.top_logprob_values is not None else None
