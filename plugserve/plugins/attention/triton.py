@@ -38,8 +38,10 @@ class TritonAttention(AttentionBackend):
 
     Activations fp16 / bf16 / fp32, the KV cache in the activation dtype, any head count, head dims
     and page size. Accumulation is float32; fp32 dots are exact (no TF32), and slow: fp32 is for accuracy checks.
-    Under CUDA graphs the split count is fixed at capture for the longest possible sequence (splits past
-    a shorter sequence's end are empty and cost one early exit)."""
+    forward_mla's launch parameters and KV split count are chosen on the host from the shape only
+    (`triton_kernels.mla_config`, `mla_num_splits`). Under CUDA graphs the split count of each captured
+    size is fixed for the longest sequence a graph serves (splits past a shorter sequence's end are empty
+    and cost one early exit), and the splits' partials go to one workspace allocated by init_cuda_graph."""
 
     name: ClassVar[str] = "triton"
     capabilities: ClassVar[AttentionCapabilities] = AttentionCapabilities(
@@ -55,9 +57,14 @@ class TritonAttention(AttentionBackend):
         from plugserve.plugins.attention import triton_kernels  # lazily: see the module docstring
 
         self._kernels: ModuleType = triton_kernels
-        self._multiprocessors = Hardware.detect(device).multiprocessors
+        hardware = Hardware.detect(device)
+        self._multiprocessors = hardware.multiprocessors
+        self._mla_config = triton_kernels.mla_config(spec.num_heads, spec.kv_cache_dtype or spec.dtype,
+                                                     hardware.capability)
+        self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None  # forward_mla's split partials
         self._graph_token_req: torch.Tensor | None = None  # [max_num_tokens] int32, set by init_cuda_graph
         self._graph_token_kv_len: torch.Tensor | None = None
+        self._graph_workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         self._graph_max_kv_len = 0
         self._graph_splits: dict[int, int] = {}  # KV splits of each captured token count
 
@@ -81,29 +88,37 @@ class TritonAttention(AttentionBackend):
             output_size=num_tokens,
         )
         self._token_kv_len = (batch.positions + 1).to(torch.int32)
-        self._num_splits = self._kernels.mla_num_splits(
-            max(batch.seq_lens_cpu, default=0), num_tokens, self.spec.num_heads, self.spec.kv_lora_rank,
-            self._multiprocessors,
-        )
+        self._num_splits = self._mla_splits(num_tokens, max(batch.seq_lens_cpu, default=0))
+        self._workspace = None  # forward_mla allocates its partials
         self._max_q_len = max(batch.extend_lens_cpu, default=0)
         if batch.attn_method is AttnForwardMethod.MHA_CHUNKED_KV:
             self._causal_kv_lens, self._cu_causal_kv = batch.extend_lens_cpu, batch.cu_extend_lens
         else:
             self._causal_kv_lens, self._cu_causal_kv = batch.seq_lens_cpu, _cumsum_with_zero(batch.seq_lens)
 
+    def _mla_splits(self, num_tokens: int, max_kv_len: int) -> int:
+        """KV splits for num_tokens query rows times the config's head blocks (host-side, no sync)."""
+        head_blocks = -(-self.spec.num_heads // self._mla_config.block_h)
+        return self._kernels.mla_num_splits(num_tokens * head_blocks, max_kv_len, self._multiprocessors)
+
     def init_cuda_graph(self, max_batch_size: int, max_num_tokens: int, max_pages: int) -> None:
-        """Fixed token_req / token_kv_len [max_num_tokens] int32; splits sized for max_pages full pages."""
+        """Fixed token_req / token_kv_len [max_num_tokens] int32; splits sized for max_pages full pages,
+        and one workspace for the split partials of any token count up to max_num_tokens (two flat
+        float32 buffers: [rows * R] outputs, [rows] log-sum-exps)."""
         self._graph_token_req = torch.zeros(max_num_tokens, dtype=torch.int32, device=self.device)
         self._graph_token_kv_len = torch.ones(max_num_tokens, dtype=torch.int32, device=self.device)
         self._graph_max_kv_len = max_pages * (self.spec.page_size or 1)
+        rows = max(self._kernels.mla_workspace_size(t, self.spec.num_heads, self._mla_splits(t, self._graph_max_kv_len))
+                   for t in range(1, max_num_tokens + 1))
+        self._graph_workspace = (
+            torch.empty(rows * self.spec.kv_lora_rank, dtype=torch.float32, device=self.device),
+            torch.empty(rows, dtype=torch.float32, device=self.device),
+        )
 
     def plan_capture(self, batch: ForwardBatch) -> None:
         if self._graph_token_req is None or self._graph_token_kv_len is None:
             raise RuntimeError("plan_capture before init_cuda_graph")
-        self._graph_splits[batch.num_tokens] = self._kernels.mla_num_splits(
-            self._graph_max_kv_len, batch.num_tokens, self.spec.num_heads, self.spec.kv_lora_rank,
-            self._multiprocessors,
-        )
+        self._graph_splits[batch.num_tokens] = self._mla_splits(batch.num_tokens, self._graph_max_kv_len)
         self.plan_replay(batch)
 
     def plan_replay(self, batch: ForwardBatch) -> None:
@@ -114,6 +129,7 @@ class TritonAttention(AttentionBackend):
         self._token_req = self._graph_token_req[:num_tokens]  # type: ignore[index]
         self._token_kv_len = self._graph_token_kv_len[:num_tokens]  # type: ignore[index]
         self._num_splits = self._graph_splits[num_tokens]
+        self._workspace = self._graph_workspace
         self._token_req.copy_(torch.repeat_interleave(
             torch.arange(batch.batch_size, dtype=torch.int32, device=self.device), batch.extend_lens,
             output_size=num_tokens,
@@ -131,7 +147,7 @@ class TritonAttention(AttentionBackend):
         self.check_mla_inputs(q_nope, q_rope)
         return self._kernels.mla_attention(
             q_nope, q_rope, pool.buffer(layer_id), batch.block_table, self._token_req, self._token_kv_len,
-            pool.page_size, self.spec.softmax_scale, self._num_splits,
+            pool.page_size, self.spec.softmax_scale, self._mla_config, self._num_splits, self._workspace,
         )
 
     def forward_mha(

@@ -7,7 +7,7 @@ module must not be imported before that variable is set.
 Kernels:
     _set_kv_kernel        latent ++ rope key of n tokens into their pool rows, one program per token
     _mla_kernel           absorbed MLA over the paged latent cache, one program per
-                          (query token, block of heads, KV split); partial outputs + log2-sum-exp2
+                          (query token, KV split, block of heads); partial outputs + log2-sum-exp2
     _mla_reduce_kernel    combines the KV splits of one (token, head)
     _mha_kernel           flash attention over packed (varlen) requests, causal bottom-right or not
     _merge_kernel         log-sum-exp merge of two attention states
@@ -21,19 +21,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 LOG2E = math.log2(math.e)
 # tl.dot needs every operand dimension >= 16.
 MIN_DOT = 16
 MLA_MIN_KEYS_PER_SPLIT = 256
-MLA_MAX_SPLITS = 64
-# The MLA accumulator [BLOCK_H, R] fp32 held in registers: 64 heads x 512 on 8 warps.
-MLA_ACC_ELEMENTS = 64 * 512
+MLA_MAX_SPLITS = 128
+# The fraction of the SMs a split count must keep busy in every wave of MLA programs.
+MLA_MIN_FILL = 0.8
+# Splits the MLA reduce merges per step ([16, 512] fp32 partials: 64 registers a thread on 4 warps).
+MLA_REDUCE_SPLITS = 16
 
 
 def _pow2_at_least(n: int, floor: int = 1) -> int:
@@ -52,17 +56,17 @@ def _input_precision(dtype: torch.dtype) -> str:
 _FITTING_CONFIG: dict[tuple, int] = {}
 
 
-def _launch_first_fitting(kernel, grid: tuple[int, ...] | Callable[[dict], tuple[int, ...]], args: tuple,
-                          configs: list[dict], key: tuple) -> None:
+def _launch_first_fitting(kernel, grid: tuple[int, ...] | Callable[[dict], tuple[int, ...]],
+                          args: tuple | Callable[[dict], tuple], configs: list[dict], key: tuple) -> None:
     """Launch `kernel[grid](*args, **config)` with the first of `configs` (block sizes, num_warps,
-    num_stages; largest first) whose shared memory this GPU holds (`grid` may be a function of the
-    config). Tiles
-    tuned on H100 (228 KB) overflow smaller GPUs (~100 KB on sm86 / sm89) and wide or fp32 heads;
-    Triton raises OutOfResources before launching, so a refused config had no effect."""
+    num_stages; largest first) whose shared memory this GPU holds (`grid` and `args` may be functions
+    of the config). Tiles tuned on H100 (228 KB) overflow smaller GPUs (~100 KB on sm86 / sm89) and wide
+    or fp32 heads; Triton raises OutOfResources before launching, so a refused config had no effect."""
     refused: OutOfResources | None = None
     for index in range(_FITTING_CONFIG.get(key, 0), len(configs)):
+        config = configs[index]
         try:
-            kernel[grid](*args, **configs[index])
+            kernel[grid](*(args(config) if callable(args) else args), **config)
         except OutOfResources as exc:
             refused = exc
             continue
@@ -113,95 +117,276 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------------------------------
 # Absorbed MLA over the paged latent cache
+#
+# Stage 1 (`_mla_kernel`): one program per (query token, KV split, block of BLOCK_H heads), head blocks
+# fastest so that the programs sharing a split's KV tiles run side by side and the second one reads them
+# from L2. All heads of a block share every KV tile (MQA over the latent), so a block is the M of both
+# dots: scores [BLOCK_H, BLOCK_N] = q_nope . latent^T + q_rope . rope^T, then out += probs . latent. The
+# 512-wide latent is handled as two halves (the [BLOCK_H, R] fp32 accumulator is two [BLOCK_H, R/2]
+# ones, and TMA boxes are at most 256 wide). KV blocks are num_stages-deep software-pipelined loads
+# (cp.async through pointers, or TMA boxes when a block lies inside one page). Only the last block of a
+# sequence is masked. Stage 2 (`_mla_reduce_kernel`) merges the splits' partial outputs by their
+# log-sum-exps. Launch parameters are `MlaConfig`; the host picks them and the split count by shape only,
+# never from tensor contents, so a CUDA graph captured for a batch size stays valid for any lengths.
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """Launch parameters of `_mla_kernel`.
+
+    block_h: heads per program (the M of both dots; 64 takes sm90's wgmma, 16 / 32 mma.sync); block_n:
+    keys per pipelined KV block; num_warps, num_stages: as in Triton; tma: load full KV blocks as TMA
+    boxes through tensor descriptors (`mla_tma_fits`) instead of cp.async through pointers; reload_q:
+    load the query block again for every KV block rather than hold it (mma.sync keeps it in registers)."""
+
+    block_h: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    tma: bool = False
+    reload_q: bool = False
+
+    def __str__(self) -> str:
+        return (f"h{self.block_h}-n{self.block_n}-w{self.num_warps}-s{self.num_stages}"
+                + ("-tma" if self.tma else "") + ("-reloadq" if self.reload_q else ""))
+
+
+def mla_block_h(num_heads: int, dtype: torch.dtype, capability: tuple[int, int] | None) -> int:
+    """Heads per program. Every head of a block reuses each KV tile the block loads, so larger blocks
+    read less (128 heads in blocks of 64: each tile is read twice, once from DRAM, once from L2).
+    64 is the most a program holds, its [64, 512] fp32 accumulator taking 128 registers a thread on 8
+    warps, and only with sm90's wgmma; with mma.sync (sm80 / sm89) 64 heads leave no registers for the
+    operands, so 32 there. fp32 (FMA dots, accuracy checks only): 16. In the interpreter (None) the
+    largest block runs the fewest Python steps. At least 16, tl.dot's smallest M; a partial last block
+    is masked."""
+    if dtype == torch.float32 and capability is not None:
+        return MIN_DOT
+    most = 64 if capability is None or capability >= (9, 0) else 32
+    return min(most, _pow2_at_least(num_heads, MIN_DOT))
+
+
+def mla_config(num_heads: int, dtype: torch.dtype, capability: tuple[int, int] | None) -> MlaConfig:
+    """Launch parameters by shape, chosen from ptxas' register counts (none spill) and shared memory
+    for sm90 (Triton 3.6), until the H100 sweep (benchmarks/sweep_triton_mla.py) says better:
+    - 5 stages everywhere on the GPU: the pipeliner shares num_stages - 1 between the page-index load
+      and the KV load that depends on it, so 5 gives each 2: three KV buffers, each block's tile in
+      flight during the whole block before it. At 2 or 3 stages a tile is issued after the block
+      before it and waited for at once, its latency exposed every block.
+    - 64 heads (wgmma): 32-key blocks (3 x 37 KB next to the 72 KB query block: 185 KB, 218
+      registers). Triton gives a chained dot's warps all to M, so both warpgroups of the 8 compute the
+      same [64, 32] scores; the [64, 512] accumulator is split between them.
+    - 16 / 32 heads (mma.sync): its A operand sits in registers in every warp, 144 of them for a
+      [16, 576] query, so the query is reloaded each block (from L1 / L2) instead. Keys must be more
+      than the heads and at least 8 a warp, else Triton duplicates rows across warps: 16 x 32 keys on
+      4 warps (190 registers, 94 KB: two programs an SM), 32 x 64 on 8.
+    - fp32 (FMA dots, accuracy checks only): 16 x 16, one stage.
+    TMA boxes stay off until the sweep shows them ahead. The interpreter runs every program in
+    Python: the biggest blocks, one warp."""
+    block_h = mla_block_h(num_heads, dtype, capability)
+    if capability is None:
+        return MlaConfig(block_h, 64, 1, 1)
+    if dtype == torch.float32:
+        return MlaConfig(block_h, 16, 4, 1, reload_q=True)
+    if block_h == 64:
+        return MlaConfig(64, 32, 8, 5)
+    return MlaConfig(block_h, 2 * block_h, 4 if block_h == MIN_DOT else 8, 5, reload_q=True)
+
+
+def mla_tma_fits(config: MlaConfig, kv_lora_rank: int, rope_dim: int, page_size: int,
+                 capability: tuple[int, int] | None) -> bool:
+    """Can the KV blocks be TMA boxes: a block inside one page (its rows contiguous), boxes that cover
+    the latent halves and the rope key exactly, and sm90+ (None: the interpreter, which emulates them)."""
+    half_r = _pow2_at_least(kv_lora_rank, 2 * MIN_DOT) // 2
+    return (page_size % config.block_n == 0 and kv_lora_rank == 2 * half_r
+            and rope_dim == _pow2_at_least(rope_dim, MIN_DOT) and (capability is None or capability >= (9, 0)))
+
+
+def mla_num_splits(rows: int, max_kv_len: int, multiprocessors: int) -> int:
+    """KV splits for `rows` (query token, head block) rows: the fewest whose programs fill at least
+    MLA_MIN_FILL of the SMs in every wave (one resident program per SM, the big-block configs' case),
+    at most MLA_MAX_SPLITS and at least MLA_MIN_KEYS_PER_SPLIT keys each (shorter splits cost more in
+    partials and the reduce than they win). On 132 SMs: 128 heads in blocks of 64 at batch 1 -> 53
+    splits (106 programs), batch 32 -> 2 (128), batch 64 and up -> 1. Under CUDA graphs `max_kv_len` is
+    the longest a graph serves, so the count depends on the batch size only."""
+    limit = max(1, min(MLA_MAX_SPLITS, triton.cdiv(max_kv_len, MLA_MIN_KEYS_PER_SPLIT)))
+    for splits in range(1, limit + 1):
+        programs = rows * splits
+        if programs >= MLA_MIN_FILL * triton.cdiv(programs, multiprocessors) * multiprocessors:
+            return splits
+    return limit
+
+
+def mla_workspace_size(num_tokens: int, num_heads: int, num_splits: int) -> int:
+    """Partial outputs ([T, H, splits] rows of R fp32 and one log-sum-exp each) a launch needs; 0 for one split."""
+    return num_tokens * num_heads * num_splits if num_splits > 1 else 0
+
+
+@triton.jit
+def _mla_load_q(q_rows, q_rope_rows, head_mask, R: tl.constexpr, P: tl.constexpr, HALF_R: tl.constexpr,
+                BLOCK_P: tl.constexpr):
+    """The query block: latent halves [BLOCK_H, HALF_R] and rope [BLOCK_H, BLOCK_P] from its rows' pointers
+    [BLOCK_H, 1]; masked heads and columns are 0."""
+    r = tl.arange(0, HALF_R)
+    p = tl.arange(0, BLOCK_P)
+    q_lo = tl.load(q_rows + r[None, :], mask=head_mask[:, None], other=0.0)
+    q_hi = tl.load(q_rows + HALF_R + r[None, :], mask=head_mask[:, None] & (HALF_R + r < R)[None, :], other=0.0)
+    q_rope = tl.load(q_rope_rows + p[None, :], mask=head_mask[:, None] & (p < P)[None, :], other=0.0)
+    return q_lo, q_hi, q_rope
+
+
+@triton.jit
+def _mla_block(
+    q_lo, q_hi, q_rope, q_rows, q_rope_rows, head_mask, kv_ptr, kv, kv_rope, block_table_row, stride_kv, b, kv_len,
+    m, denom, acc_lo, acc_hi, qk_scale,
+    R: tl.constexpr, P: tl.constexpr, HALF_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr, RELOAD_Q: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    """Online softmax over key block b (keys b * BLOCK_N ...): returns the updated row max m and denominator
+    [BLOCK_H] and accumulator halves [BLOCK_H, HALF_R], all float32 and base 2. MASKED: keys from kv_len
+    on are dropped (only the sequence's last block has any); that block is read through pointers even
+    under TMA, so that nothing past kv_len enters the dots (0 * inf would poison them). RELOAD_Q: the
+    query block is loaded here (q_lo, q_hi, q_rope are None), not held across blocks."""
+    if RELOAD_Q:
+        q_lo, q_hi, q_rope = _mla_load_q(q_rows, q_rope_rows, head_mask, R, P, HALF_R, BLOCK_P)
+    n = b * BLOCK_N + tl.arange(0, BLOCK_N)
+    if TMA and not MASKED:
+        # The block lies inside one page, so its rows are contiguous: one page lookup, three boxes.
+        first = b * BLOCK_N
+        row = tl.load(block_table_row + first // PAGE_SIZE) * PAGE_SIZE + first % PAGE_SIZE
+        lo = kv.load([row, 0])
+        hi = kv.load([row, HALF_R])
+        rope = kv_rope.load([row, R])
+    else:
+        r = tl.arange(0, HALF_R)
+        p = tl.arange(0, BLOCK_P)
+        if MASKED:
+            valid = (n < kv_len)[:, None]
+            page = tl.load(block_table_row + n // PAGE_SIZE, mask=n < kv_len, other=0)
+        else:
+            valid = tl.full([BLOCK_N, 1], 1, tl.int1)
+            page = tl.load(block_table_row + n // PAGE_SIZE)
+        rows = kv_ptr + (page.to(tl.int64) * PAGE_SIZE + n % PAGE_SIZE)[:, None] * stride_kv
+        lo = tl.load(rows + r[None, :], mask=valid, other=0.0)
+        hi = tl.load(rows + HALF_R + r[None, :], mask=valid & (HALF_R + r < R)[None, :], other=0.0)
+        rope = tl.load(rows + R + p[None, :], mask=valid & (p < P)[None, :], other=0.0)
+
+    scores = tl.dot(q_lo, tl.trans(lo), input_precision=INPUT_PRECISION)
+    scores = tl.dot(q_hi, tl.trans(hi), scores, input_precision=INPUT_PRECISION)
+    scores = tl.dot(q_rope, tl.trans(rope), scores, input_precision=INPUT_PRECISION) * qk_scale
+    if MASKED:
+        scores = tl.where((n < kv_len)[None, :], scores, float("-inf"))
+    # Every block holds a visible key, so m_new is finite from the first block on (alpha = 0 there).
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    alpha = tl.exp2(m - m_new)
+    probs = tl.exp2(scores - m_new[:, None])
+    denom = denom * alpha + tl.sum(probs, 1)
+    probs = probs.to(lo.dtype)
+    acc_lo = tl.dot(probs, lo, acc_lo * alpha[:, None], input_precision=INPUT_PRECISION)
+    acc_hi = tl.dot(probs, hi, acc_hi * alpha[:, None], input_precision=INPUT_PRECISION)
+    return m_new, denom, acc_lo, acc_hi
 
 
 @triton.jit
 def _mla_kernel(
-    q_nope_ptr, q_rope_ptr, kv_ptr, block_table_ptr, token_req_ptr, token_kv_len_ptr, out_ptr, lse_ptr,
+    q_nope_ptr, q_rope_ptr, kv_ptr, kv, kv_rope, block_table_ptr, token_req_ptr, token_kv_len_ptr, out_ptr, lse_ptr,
     stride_qn_t, stride_qn_h, stride_qr_t, stride_qr_h, stride_kv, stride_bt,
     stride_o_t, stride_o_h, stride_o_s, stride_lse_t, stride_lse_h,
-    num_heads, page_size, qk_scale,
-    R: tl.constexpr, P: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    STORE_LSE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    num_heads, num_splits, qk_scale,
+    R: tl.constexpr, P: tl.constexpr, HALF_R: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    SPLIT: tl.constexpr, TMA: tl.constexpr, RELOAD_Q: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
-    # One query token, BLOCK_H of its heads, one contiguous range (split) of the keys it sees.
-    t = tl.program_id(0).to(tl.int64)
-    head_block = tl.program_id(1)
-    split = tl.program_id(2)
-    num_splits = tl.num_programs(2)
+    # kv_ptr: the pool [num_slots, R + P]; kv / kv_rope (TMA, else None): descriptors of its [BLOCK_N, HALF_R]
+    # and [BLOCK_N, BLOCK_P] boxes. SPLIT: out_ptr / lse_ptr are float32 partials and base-2 log-sum-exps,
+    # else out_ptr is the output and no lse is kept.
+    pid = tl.program_id(0)
+    head_blocks = tl.cdiv(num_heads, BLOCK_H)
+    head_block = pid % head_blocks
+    split = (pid // head_blocks) % num_splits
+    t = (pid // head_blocks // num_splits).to(tl.int64)
     req = tl.load(token_req_ptr + t).to(tl.int64)
     kv_len = tl.load(token_kv_len_ptr + t)
-    # Splits of whole BLOCK_N blocks; the last ones may be empty when kv_len is short.
-    split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
-    end = tl.minimum(start + split_len, kv_len)
+    # Splits of whole blocks: only the last block of the sequence is partial, and late splits of a short
+    # sequence are empty.
+    num_blocks = tl.cdiv(kv_len, BLOCK_N)
+    per_split = tl.cdiv(num_blocks, num_splits)
+    first = split * per_split
+    last = tl.minimum(first + per_split, num_blocks)
 
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     head_mask = heads < num_heads
-    r = tl.arange(0, BLOCK_R)
-    p = tl.arange(0, BLOCK_P)
-    q_nope = tl.load(
-        q_nope_ptr + t * stride_qn_t + heads[:, None] * stride_qn_h + r[None, :],
-        mask=head_mask[:, None] & (r[None, :] < R), other=0.0,
-    )
-    q_rope = tl.load(
-        q_rope_ptr + t * stride_qr_t + heads[:, None] * stride_qr_h + p[None, :],
-        mask=head_mask[:, None] & (p[None, :] < P), other=0.0,
-    )
+    lse_ptrs = lse_ptr + t * stride_lse_t + heads * stride_lse_h + split
+    if first >= last:
+        if SPLIT:
+            tl.store(lse_ptrs, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=head_mask)  # weight 0
+        return
 
+    q_rows = q_nope_ptr + t * stride_qn_t + heads[:, None] * stride_qn_h
+    q_rope_rows = q_rope_ptr + t * stride_qr_t + heads[:, None] * stride_qr_h
+    if RELOAD_Q:
+        q_lo, q_hi, q_rope = None, None, None
+    else:
+        q_lo, q_hi, q_rope = _mla_load_q(q_rows, q_rope_rows, head_mask, R, P, HALF_R, BLOCK_P)
+    block_table_row = block_table_ptr + req * stride_bt
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
-    for block_start in range(start, end, BLOCK_N):
-        n = block_start + tl.arange(0, BLOCK_N)
-        key_mask = n < end
-        page = tl.load(block_table_ptr + req * stride_bt + n // page_size, mask=key_mask, other=0)
-        rows = kv_ptr + (page.to(tl.int64) * page_size + n % page_size)[:, None] * stride_kv
-        latent = tl.load(rows + r[None, :], mask=key_mask[:, None] & (r[None, :] < R), other=0.0)  # [N, R]
-        k_rope = tl.load(rows + R + p[None, :], mask=key_mask[:, None] & (p[None, :] < P), other=0.0)  # [N, P]
-        scores = tl.dot(q_nope, tl.trans(latent), input_precision=INPUT_PRECISION)
-        scores += tl.dot(q_rope, tl.trans(k_rope), input_precision=INPUT_PRECISION)
-        scores = tl.where(key_mask[None, :], scores * qk_scale, float("-inf"))
-        # Every block holds at least one visible key, so m_new is finite from the first block on.
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        alpha = tl.exp2(m - m_new)
-        probs = tl.exp2(scores - m_new[:, None])
-        denom = denom * alpha + tl.sum(probs, 1)
-        acc = acc * alpha[:, None] + tl.dot(probs.to(latent.dtype), latent, input_precision=INPUT_PRECISION)
-        m = m_new
+    acc_lo = tl.zeros([BLOCK_H, HALF_R], tl.float32)
+    acc_hi = tl.zeros([BLOCK_H, HALF_R], tl.float32)
+    full = tl.minimum(last, kv_len // BLOCK_N)
+    for b in range(first, full):
+        m, denom, acc_lo, acc_hi = _mla_block(
+            q_lo, q_hi, q_rope, q_rows, q_rope_rows, head_mask, kv_ptr, kv, kv_rope, block_table_row, stride_kv, b,
+            kv_len, m, denom, acc_lo, acc_hi, qk_scale,
+            R, P, HALF_R, BLOCK_P, BLOCK_N, PAGE_SIZE, False, TMA, RELOAD_Q, INPUT_PRECISION,
+        )
+    if full < last:
+        m, denom, acc_lo, acc_hi = _mla_block(
+            q_lo, q_hi, q_rope, q_rows, q_rope_rows, head_mask, kv_ptr, kv, kv_rope, block_table_row, stride_kv, full,
+            kv_len, m, denom, acc_lo, acc_hi, qk_scale,
+            R, P, HALF_R, BLOCK_P, BLOCK_N, PAGE_SIZE, True, TMA, RELOAD_Q, INPUT_PRECISION,
+        )
 
-    # An empty split (start >= end) writes out 0 and lse -inf, which the reduce weights by 0.
-    seen = denom > 0
-    out = acc / tl.where(seen, denom, 1.0)[:, None]
-    tl.store(
-        out_ptr + t * stride_o_t + heads[:, None] * stride_o_h + split * stride_o_s + r[None, :],
-        out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None] & (r[None, :] < R),
-    )
-    if STORE_LSE:
-        lse2 = tl.where(seen, m + tl.log2(tl.where(seen, denom, 1.0)), float("-inf"))
-        tl.store(lse_ptr + t * stride_lse_t + heads * stride_lse_h + split, lse2, mask=head_mask)
+    r = tl.arange(0, HALF_R)
+    out_rows = out_ptr + t * stride_o_t + heads[:, None] * stride_o_h + split * stride_o_s
+    tl.store(out_rows + r[None, :], (acc_lo / denom[:, None]).to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
+    tl.store(out_rows + HALF_R + r[None, :], (acc_hi / denom[:, None]).to(out_ptr.dtype.element_ty),
+             mask=head_mask[:, None] & (HALF_R + r < R)[None, :])
+    if SPLIT:
+        tl.store(lse_ptrs, m + tl.log2(denom), mask=head_mask)
 
 
 @triton.jit
 def _mla_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr,
     stride_po_t, stride_po_h, stride_po_s, stride_pl_t, stride_pl_h, stride_o_t, stride_o_h,
-    NUM_SPLITS: tl.constexpr, R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
+    num_splits,
+    R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
+    # One (token, head): an online log-sum-exp merge over the splits, BLOCK_S at a time. Empty splits
+    # have lse -inf, weight 0, and their (unwritten) partials are not read.
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     r = tl.arange(0, BLOCK_R)
-    lse2 = tl.load(part_lse_ptr + t * stride_pl_t + h * stride_pl_h + s, mask=s < NUM_SPLITS, other=float("-inf"))
-    # Split 0 always holds key 0, so the max is finite; empty splits get weight exp2(-inf) = 0.
-    weights = tl.exp2(lse2 - tl.max(lse2, 0))
-    parts = tl.load(
-        part_out_ptr + t * stride_po_t + h * stride_po_h + s[:, None] * stride_po_s + r[None, :],
-        mask=(s[:, None] < NUM_SPLITS) & (r[None, :] < R), other=0.0,
-    )
-    out = tl.sum(weights[:, None] * parts, 0) / tl.sum(weights, 0)
-    tl.store(out_ptr + t * stride_o_t + h * stride_o_h + r, out.to(out_ptr.dtype.element_ty), mask=r < R)
+    parts_ptr = part_out_ptr + t * stride_po_t + h * stride_po_h + r[None, :]
+    lse_ptr = part_lse_ptr + t * stride_pl_t + h * stride_pl_h
+    m = tl.full([], float("-inf"), tl.float32)
+    total = tl.zeros([], tl.float32)
+    acc = tl.zeros([BLOCK_R], tl.float32)
+    for first in range(0, num_splits, BLOCK_S):
+        splits = first + s
+        lse2 = tl.load(lse_ptr + splits, mask=splits < num_splits, other=float("-inf"))
+        # Split 0 holds key 0, so m is finite after the first chunk.
+        m_new = tl.maximum(m, tl.max(lse2, 0))
+        scale = tl.exp2(m - m_new)
+        weights = tl.exp2(lse2 - m_new)
+        parts = tl.load(parts_ptr + splits[:, None] * stride_po_s, mask=(weights > 0)[:, None] & (r < R)[None, :],
+                        other=0.0)
+        acc = acc * scale + tl.sum(weights[:, None] * parts, 0)
+        total = total * scale + tl.sum(weights, 0)
+        m = m_new
+    tl.store(out_ptr + t * stride_o_t + h * stride_o_h + r, (acc / total).to(out_ptr.dtype.element_ty), mask=r < R)
 
 
 def mla_attention(
@@ -213,88 +398,87 @@ def mla_attention(
     token_kv_len: torch.Tensor,
     page_size: int,
     sm_scale: float,
+    config: MlaConfig,
     num_splits: int,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Absorbed MLA, one row per query token.
 
     q_nope [T, H, R], q_rope [T, H, P] (fp16 / bf16 / fp32, last dim contiguous); kv_buffer
     [num_slots, R + P] of q's dtype (latent, then rope key); block_table [B, max_pages] int32;
     token_req [T] int32 (each token's block-table row); token_kv_len [T] int32 (keys the token sees:
-    positions 0..len-1 of its request). `num_splits` >= 1 KV splits per token; with more than one,
-    float32 partials [T, H, num_splits, R] are reduced by a second kernel.
-    Returns out [T, H, R] in q's dtype.
+    positions 0..len-1 of its request, at least 1). `config`: launch parameters (`mla_config`);
+    `num_splits` >= 1 KV splits per token (`mla_num_splits`): with more than one, float32 partials
+    [T, H, splits, R] and log-sum-exps [T, H, splits] go to `workspace` (two flat float32 buffers of at
+    least `mla_workspace_size` rows times R, and rows; allocated here when None), then a second kernel
+    reduces them. Returns out [T, H, R] in q's dtype.
     """
     t, h, r = q_nope.shape
     p = q_rope.shape[2]
-    out = torch.empty(t, h, r, dtype=q_nope.dtype, device=q_nope.device)
+    device = q_nope.device
+    out = torch.empty(t, h, r, dtype=q_nope.dtype, device=device)
     if t == 0:
         return out
     q_nope, q_rope = _last_dim_contiguous(q_nope), _last_dim_contiguous(q_rope)
     block_table = _last_dim_contiguous(block_table)
-    block_h = mla_block_h(h, r)
-    grid = (t, triton.cdiv(h, block_h), num_splits)
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" and config.tma else None
+    if config.tma and not mla_tma_fits(config, r, p, page_size, capability):
+        raise ValueError(f"MLA config {config} cannot use TMA with page size {page_size}, latent {r}, rope {p}")
     if num_splits == 1:
         # Written straight into `out`: the split dim has stride 0 and no lse is kept.
         part_out, part_lse = out, out
-        o_strides = (out.stride(0), out.stride(1), 0)
-        lse_strides = (0, 0)
+        o_strides, lse_strides = (out.stride(0), out.stride(1), 0), (0, 0)
     else:
-        part_out = torch.empty(t, h, num_splits, r, dtype=torch.float32, device=q_nope.device)
-        part_lse = torch.empty(t, h, num_splits, dtype=torch.float32, device=q_nope.device)
-        o_strides = part_out.stride()[:3]
-        lse_strides = part_lse.stride()[:2]
-    args = (
-        q_nope, q_rope, kv_buffer, block_table, token_req, token_kv_len, part_out, part_lse,
-        q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), kv_buffer.stride(0),
-        block_table.stride(0), *o_strides, *lse_strides,
-        h, page_size, sm_scale * LOG2E,
-    )
-    shape = dict(R=r, P=p, BLOCK_H=block_h, BLOCK_R=_pow2_at_least(r, MIN_DOT), BLOCK_P=_pow2_at_least(p, MIN_DOT),
-                 STORE_LSE=num_splits > 1, INPUT_PRECISION=_input_precision(q_nope.dtype))
-    configs = [shape | dict(BLOCK_N=n, num_warps=w, num_stages=st)
-               for n, w, st in _mla_configs(q_nope.is_cuda, block_h)]
-    _launch_first_fitting(_mla_kernel, grid, args, configs,
-                          ("mla", q_nope.device, q_nope.dtype, r, p, block_h, num_splits > 1))
+        rows = mla_workspace_size(t, h, num_splits)
+        if workspace is None:
+            workspace = (torch.empty(rows * r, dtype=torch.float32, device=device),
+                         torch.empty(rows, dtype=torch.float32, device=device))
+        if workspace[0].numel() < rows * r or workspace[1].numel() < rows:
+            raise ValueError(f"MLA workspace of {workspace[1].numel()} rows is too small for {t} tokens x {h} heads "
+                             f"x {num_splits} splits")
+        part_out = workspace[0][: rows * r].view(t, h, num_splits, r)
+        part_lse = workspace[1][:rows].view(t, h, num_splits)
+        o_strides, lse_strides = part_out.stride()[:3], part_lse.stride()[:2]
+    half_r = _pow2_at_least(r, 2 * MIN_DOT) // 2
+    block_p = _pow2_at_least(p, MIN_DOT)
+    shape = dict(R=r, P=p, HALF_R=half_r, BLOCK_P=block_p, BLOCK_H=config.block_h, PAGE_SIZE=page_size,
+                 SPLIT=num_splits > 1, INPUT_PRECISION=_input_precision(q_nope.dtype))
+
+    def args(launch: dict) -> tuple:
+        if launch["TMA"]:
+            kv = TensorDescriptor.from_tensor(kv_buffer, [launch["BLOCK_N"], half_r])
+            kv_rope = TensorDescriptor.from_tensor(kv_buffer, [launch["BLOCK_N"], block_p])
+        else:
+            kv, kv_rope = None, None
+        return (q_nope, q_rope, kv_buffer, kv, kv_rope, block_table, token_req, token_kv_len, part_out, part_lse,
+                q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), kv_buffer.stride(0),
+                block_table.stride(0), *o_strides, *lse_strides, h, num_splits, sm_scale * LOG2E)
+
+    launches = [shape | dict(BLOCK_N=c.block_n, TMA=c.tma, RELOAD_Q=c.reload_q, num_warps=c.num_warps,
+                             num_stages=c.num_stages)
+                for c in _mla_fallbacks(config)]
+    grid = (t * num_splits * triton.cdiv(h, config.block_h),)
+    _launch_first_fitting(_mla_kernel, grid, args, launches,
+                          ("mla", device, q_nope.dtype, r, p, page_size, config, num_splits > 1))
     if num_splits > 1:
         _mla_reduce_kernel[(t, h)](
             part_out, part_lse, out,
-            *part_out.stride()[:3], *part_lse.stride()[:2], out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, R=r, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_R=triton.next_power_of_2(r),
+            *part_out.stride()[:3], *part_lse.stride()[:2], out.stride(0), out.stride(1), num_splits,
+            R=r, BLOCK_S=min(MLA_REDUCE_SPLITS, triton.next_power_of_2(num_splits)), BLOCK_R=triton.next_power_of_2(r),
         )
     return out
 
 
-def mla_block_h(num_heads: int, kv_lora_rank: int) -> int:
-    """Heads per MLA program (the M of its dots). All heads of a program share every K tile it reads,
-    so more heads mean less KV traffic, until the [BLOCK_H, R] fp32 accumulator outgrows registers:
-    64 x 512 (H100, 8 warps: 64 heads ran 2x faster than 16 at batch 64 x 4k keys). At least 16,
-    tl.dot's smallest M; a partial last block is masked."""
-    fits = max(MIN_DOT, MLA_ACC_ELEMENTS // _pow2_at_least(kv_lora_rank, MIN_DOT))
-    return min(fits, _pow2_at_least(num_heads, MIN_DOT))
-
-
-def _mla_configs(on_gpu: bool, block_h: int) -> list[tuple[int, int, int]]:
-    """(BLOCK_N, num_warps, num_stages), the fastest first: the first two led a sweep on H100 at 128
-    heads in bf16 (64 heads x 64 keys on 8 warps, 2 stages: 0.38 ms at batch 64 x 4k keys against
-    0.79 ms for 16 heads x 32 keys on 4); smaller ones for smaller shared memories and fp32 tiles.
-    The interpreter runs programs one after another, so there bigger key blocks mean fewer Python
-    steps."""
-    if not on_gpu:
-        return [(64, 1, 1)]
-    if block_h >= 64:
-        return [(64, 8, 2), (32, 8, 2), (32, 8, 1), (16, 8, 1)]
-    return [(32, 4, 2), (32, 4, 1), (16, 4, 1)]
-
-
-def mla_num_splits(max_kv_len: int, num_tokens: int, num_heads: int, kv_lora_rank: int, multiprocessors: int
-                   ) -> int:
-    """KV splits per token so that tokens x head blocks x splits programs fill about two waves of
-    `multiprocessors`, with at least MLA_MIN_KEYS_PER_SPLIT keys a split (shorter splits cost more in
-    partial traffic and the reduce than they win) and at most MLA_MAX_SPLITS. Batch 1 at 32k keys
-    and 128 heads on 132 SMs: 2 head blocks x 64 splits of 512 keys."""
-    rows = num_tokens * triton.cdiv(num_heads, mla_block_h(num_heads, kv_lora_rank))
-    wanted = triton.cdiv(2 * multiprocessors, max(rows, 1))
-    return max(1, min(wanted, triton.cdiv(max_kv_len, MLA_MIN_KEYS_PER_SPLIT), MLA_MAX_SPLITS))
+def _mla_fallbacks(config: MlaConfig) -> list[MlaConfig]:
+    """`config`, then smaller ones for GPUs with less shared memory (~100 KB on sm86 / sm89): fewer stages,
+    then smaller key blocks, down to 16 keys unpipelined. block_h stays: the split count and the graph
+    workspace were sized for it."""
+    smaller = [replace(config, num_stages=s) for s in range(config.num_stages - 1, 0, -1)]
+    n = config.block_n // 2
+    while n >= MIN_DOT:
+        smaller.append(replace(config, block_n=n, num_stages=1))
+        n //= 2
+    return [config, *smaller]
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ tl.dot mishandles bf16, which the conformance kit checks on the GPU.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import subprocess
@@ -26,6 +27,7 @@ from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import AttentionSpec
 from plugserve.plugins.attention.torch_ref import TorchRefAttention, merge_attn_states, ragged_attention
 from plugserve.plugins.attention.triton import TritonAttention
+from plugserve.testing import oracle
 from plugserve.testing.batches import random_batch
 from plugserve.testing.tolerances import assert_close, assert_lse_close
 
@@ -129,30 +131,91 @@ def test_forward_mla(case: str, page: int, dtype: torch.dtype) -> None:
     assert_close(out, reference.forward_mla(q_nope, q_rope, LAYER), dtype, f"forward_mla {case} page {page}")
 
 
+def new_tokens(spec: AttentionSpec, batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
+    """Random q_nope [T, H, R], q_rope [T, H, P], and the new tokens' latent [T, R] and rope key [T, P]."""
+    t, dtype = batch.num_tokens, spec.dtype
+    return (torch.randn(t, spec.num_heads, R, dtype=dtype), torch.randn(t, spec.num_heads, P, dtype=dtype),
+            torch.randn(t, R, dtype=dtype), torch.randn(t, P, dtype=dtype))
+
+
 @interpreted
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_split_kv_matches_one_split(kernels: ModuleType, dtype: torch.dtype) -> None:
-    # 64-key blocks on the CPU: 300 keys make 5 non-empty splits; 16 splits leave most of them empty,
-    # and the 1-key request leaves every split but the first empty.
+def test_mla_launches_against_the_oracle(kernels: ModuleType, dtype: torch.dtype) -> None:
+    """Head blocks of 16 (two for 20 heads, the second partial), 32 and 64 (one, mostly masked); key blocks
+    of 16 and 64, through pointers and TMA boxes, the query held or reloaded per block; each at 1, 3
+    and 16 KV splits. Page 16 over 1, 300 and 129 keys: 16 splits leave most of them empty, the 1-key
+    request every split but the first; 300 and 129 end in a partial key block, 128 (the verify row
+    before it) on a whole one."""
     spec = spec_of(dtype, page_size=16)
     batch = random_batch(ForwardMode.TARGET_VERIFY, [1, 300, 129], [1, 3, 2], spec, CPU)
-    backend, reference = backends(spec, batch)
-    q_nope, q_rope = mla_inputs(spec, batch, backend)
-    expected = reference.forward_mla(q_nope, q_rope, LAYER)
-    for splits in (2, 5, 16):
-        out = kernels.mla_attention(q_nope, q_rope, batch.kv_pool.buffer(LAYER), batch.block_table,
-                                    backend._token_req, backend._token_kv_len, 16, spec.softmax_scale, splits)
-        assert_close(out, expected, dtype, f"forward_mla with {splits} KV splits")
+    backend, _ = backends(spec, batch)
+    q_nope, q_rope, latent, k_rope = new_tokens(spec, batch)
+    expected, _ = oracle.mla(batch, LAYER, q_nope, q_rope, latent, k_rope, oracle.softmax_scale(spec))
+    backend.set_kv(LAYER, batch.out_cache_loc, latent, k_rope)
+    MlaConfig = kernels.MlaConfig
+    configs = [MlaConfig(16, 16, 1, 1, tma=True), MlaConfig(32, 64, 1, 1, reload_q=True),
+               MlaConfig(64, 16, 1, 1, tma=True, reload_q=True)]
+    for config in configs:
+        for splits in (1, 3, 16):
+            out = kernels.mla_attention(q_nope, q_rope, batch.kv_pool.buffer(LAYER), batch.block_table,
+                                        backend._token_req, backend._token_kv_len, 16, spec.softmax_scale, config,
+                                        splits)
+            assert_close(out, expected, dtype, f"forward_mla, {config}, {splits} KV splits")
 
 
 @interpreted
-def test_split_heuristic(kernels: ModuleType) -> None:
-    h100 = 132
-    assert kernels.mla_block_h(128, 512) == 64 and kernels.mla_block_h(20, 512) == 32
-    assert kernels.mla_num_splits(32768, 1, 128, 512, h100) == 64  # batch 1, 2 head blocks: fill 2 waves
-    assert kernels.mla_num_splits(32768, 512, 128, 512, h100) == 1  # enough programs without splitting
-    assert kernels.mla_num_splits(600, 1, 128, 512, h100) == 3  # never below 256 keys a split
-    assert kernels.mla_num_splits(1 << 20, 1, 16, 512, h100) == 64  # capped
+def test_mla_refuses_what_does_not_fit(kernels: ModuleType) -> None:
+    spec = spec_of(torch.float16, page_size=16)
+    batch = random_batch(ForwardMode.DECODE, [40, 9], [1, 1], spec, CPU)
+    backend, _ = backends(spec, batch)
+    q_nope, q_rope, _, _ = new_tokens(spec, batch)
+    call = functools.partial(kernels.mla_attention, q_nope, q_rope, batch.kv_pool.buffer(LAYER), batch.block_table,
+                             backend._token_req, backend._token_kv_len, 16, spec.softmax_scale)
+    with pytest.raises(ValueError, match="cannot use TMA"):  # 64-key blocks span pages of 16
+        call(kernels.MlaConfig(16, 64, 1, 1, tma=True), 1)
+    rows = kernels.mla_workspace_size(2, HEADS, 3)
+    with pytest.raises(ValueError, match="too small"):
+        call(kernels.MlaConfig(16, 16, 1, 1), 3, (torch.empty(rows * R - 1), torch.empty(rows)))
+
+
+@interpreted
+def test_launch_heuristics(kernels: ModuleType) -> None:
+    h100, sm90, sm80, bf16 = 132, (9, 0), (8, 0), torch.bfloat16
+    assert kernels.mla_block_h(128, bf16, sm90) == 64 and kernels.mla_block_h(128, bf16, sm80) == 32
+    assert kernels.mla_block_h(20, bf16, sm90) == 32 and kernels.mla_block_h(128, torch.float32, sm90) == 16
+    assert kernels.mla_config(128, bf16, sm90) == kernels.MlaConfig(64, 32, 8, 5)
+    assert kernels.mla_config(16, bf16, sm90) == kernels.MlaConfig(16, 32, 4, 5, reload_q=True)
+    # (token, head block) rows -> splits filling 80% of every wave on 132 SMs.
+    assert kernels.mla_num_splits(2, 32768, h100) == 53  # batch 1, 128 heads in 2 blocks: 106 programs
+    assert kernels.mla_num_splits(64, 32768, h100) == 2  # batch 32: 128 programs
+    assert kernels.mla_num_splits(128, 32768, h100) == 1  # batch 64: one wave without splitting
+    assert kernels.mla_num_splits(32, 8192, h100) == 4  # batch 32, 16 heads in one block
+    assert kernels.mla_num_splits(2, 600, h100) == 3  # never below 256 keys a split
+    assert kernels.mla_num_splits(1, 1 << 20, h100) == 106
+    assert kernels.mla_workspace_size(32, 128, 1) == 0 and kernels.mla_workspace_size(32, 128, 2) == 32 * 128 * 2
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_graph_replays_write_partials_to_the_workspace(dtype: torch.dtype) -> None:
+    """plan_capture / plan_replay as the graph runner calls them (eagerly on the CPU), on a backend that
+    believes it has an H100's 132 SMs, so that small batches split: the partials go to the workspace
+    init_cuda_graph allocated, and the result still matches the oracle."""
+    spec = spec_of(dtype, page_size=16)
+    batch = random_batch(ForwardMode.DECODE, [300, 77], [1, 1], spec, CPU)
+    backend = TritonAttention(spec, CPU)
+    backend._multiprocessors = 132
+    backend.init_cuda_graph(max_batch_size=4, max_num_tokens=4, max_pages=batch.block_table.shape[1])
+    lse_workspace = backend._graph_workspace[1]
+    lse_workspace.fill_(float("nan"))
+    backend.plan_capture(batch)
+    assert backend._num_splits > 1
+    q_nope, q_rope, latent, k_rope = new_tokens(spec, batch)
+    expected, _ = oracle.mla(batch, LAYER, q_nope, q_rope, latent, k_rope, oracle.softmax_scale(spec))
+    backend.set_kv(LAYER, batch.out_cache_loc, latent, k_rope)
+    assert_close(backend.forward_mla(q_nope, q_rope, LAYER), expected, dtype, "forward_mla from a graph plan")
+    rows = backend._kernels.mla_workspace_size(batch.num_tokens, HEADS, backend._num_splits)
+    assert not torch.isnan(lse_workspace[:rows]).any()
 
 
 @interpreted
