@@ -37,7 +37,7 @@ MlaConfig = kernels.MlaConfig
 
 def candidates(heads: int, quick: bool) -> list[MlaConfig]:
     """Configs worth timing for `heads` on sm90. 64-head blocks take wgmma; blocks of 16 / 32 mma.sync,
-    which wants the query reloaded per block (see `mla_config`)."""
+    which wants the query loaded inside the KV loop (`MlaConfig.reload_q`)."""
     wide = [MlaConfig(64, 32, 8, 5, tma) for tma in (False, True)]
     narrow = [MlaConfig(16, 32, 4, 5, tma, reload_q=True) for tma in (False, True)]
     if quick:

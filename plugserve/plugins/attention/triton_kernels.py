@@ -137,7 +137,9 @@ class MlaConfig:
     block_h: heads per program (the M of both dots; 64 takes sm90's wgmma, 16 / 32 mma.sync); block_n:
     keys per pipelined KV block; num_warps, num_stages: as in Triton; tma: load full KV blocks as TMA
     boxes through tensor descriptors (`mla_tma_fits`) instead of cp.async through pointers; reload_q:
-    load the query block again for every KV block rather than hold it (mma.sync keeps it in registers)."""
+    load the query block inside the KV loop. Triton then hoists the load and keeps the block in shared
+    memory, reading it into registers for each KV block; held from outside the loop, it stays in
+    registers throughout, which mma.sync (operand A in registers in every warp) cannot afford."""
 
     block_h: int
     block_n: int
@@ -176,9 +178,10 @@ def mla_config(num_heads: int, dtype: torch.dtype, capability: tuple[int, int] |
       registers). Triton gives a chained dot's warps all to M, so both warpgroups of the 8 compute the
       same [64, 32] scores; the [64, 512] accumulator is split between them.
     - 16 / 32 heads (mma.sync): its A operand sits in registers in every warp, 144 of them for a
-      [16, 576] query, so the query is reloaded each block (from L1 / L2) instead. Keys must be more
-      than the heads and at least 8 a warp, else Triton duplicates rows across warps: 16 x 32 keys on
-      4 warps (190 registers, 94 KB: two programs an SM), 32 x 64 on 8.
+      [16, 576] query held across the loop, so the query is loaded in the loop instead (`reload_q`:
+      kept in shared memory, read per block). Keys must be more than the heads and at least 8 a warp,
+      else Triton duplicates rows across warps: 16 x 32 keys on 4 warps (190 registers, 94 KB: two
+      programs an SM), 32 x 64 on 8.
     - fp32 (FMA dots, accuracy checks only): 16 x 16, one stage.
     TMA boxes stay off until the sweep shows them ahead. The interpreter runs every program in
     Python: the biggest blocks, one warp."""
@@ -246,7 +249,7 @@ def _mla_block(
     [BLOCK_H] and accumulator halves [BLOCK_H, HALF_R], all float32 and base 2. MASKED: keys from kv_len
     on are dropped (only the sequence's last block has any); that block is read through pointers even
     under TMA, so that nothing past kv_len enters the dots (0 * inf would poison them). RELOAD_Q: the
-    query block is loaded here (q_lo, q_hi, q_rope are None), not held across blocks."""
+    query block is loaded here (q_lo, q_hi, q_rope are None), see `MlaConfig.reload_q`."""
     if RELOAD_Q:
         q_lo, q_hi, q_rope = _mla_load_q(q_rows, q_rope_rows, head_mask, R, P, HALF_R, BLOCK_P)
     n = b * BLOCK_N + tl.arange(0, BLOCK_N)
