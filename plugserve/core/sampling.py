@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from plugserve.core.block_table import to_device
+
 # Temperatures below this sample greedily, as in SGLang: dividing float32 logits by a smaller one overflows.
 GREEDY_TEMPERATURE = 1e-6
 _F32 = torch.finfo(torch.float32)
@@ -106,7 +108,7 @@ def sample(
     token_ids = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if rows:
-        index = torch.tensor(rows, device=logits.device)
+        index = to_device(torch.tensor(rows), logits.device)
         sampled = _sample_rows(logits[index], [params[i] for i in rows], [generators[i] for i in rows],
                                default_generator)
         token_ids = token_ids.index_copy(0, index, sampled)
@@ -148,7 +150,7 @@ def _filter(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """
     vocab, device = probs.shape[-1], probs.device
     top_ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]  # 0: disabled
-    top_k = torch.tensor(top_ks, device=device)[:, None] if any(top_ks) else None
+    top_k = to_device(torch.tensor(top_ks), device)[:, None] if any(top_ks) else None
     if any(p.top_p < 1 for p in params):
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         if top_k is not None:
@@ -189,7 +191,7 @@ def _apply_penalties(
     vocab, device = logits.shape[-1], logits.device
     rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1]
     if rows:
-        index = torch.tensor(rows, device=device)
+        index = to_device(torch.tensor(rows), device)
         # Extreme penalties (1e-300, 1e300) stay finite in float32, and so do the logits they scale: an inf or
         # NaN logit would be sampled and reported as a logprob that JSON cannot carry.
         penalty = _column([params[i].repetition_penalty for i in rows], device).clamp(_F32.tiny, _F32.max)
@@ -200,7 +202,7 @@ def _apply_penalties(
         logits = logits.index_copy(0, index, picked)
     rows = [i for i, p in enumerate(params) if p.frequency_penalty != 0 or p.presence_penalty != 0]
     if rows:
-        index = torch.tensor(rows, device=device)
+        index = to_device(torch.tensor(rows), device)
         frequency = _column([params[i].frequency_penalty for i in rows], device)
         presence = _column([params[i].presence_penalty for i in rows], device)
         counts = _token_counts([output_ids[i] for i in rows], vocab, device)
@@ -211,8 +213,8 @@ def _apply_penalties(
 def _token_counts(ids: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
     """How often each token occurs in each row of `ids` (ragged): [R, V] float32."""
     width = max(map(len, ids))
-    padded = torch.tensor([row + [0] * (width - len(row)) for row in ids], dtype=torch.int64, device=device)
-    lengths = torch.tensor([len(row) for row in ids], device=device)
+    padded = to_device(torch.tensor([row + [0] * (width - len(row)) for row in ids], dtype=torch.int64), device)
+    lengths = to_device(torch.tensor([len(row) for row in ids]), device)
     # Padding points at token 0 but adds 0 to it.
     valid = (torch.arange(width, device=device) < lengths[:, None]).float()
     return torch.zeros(len(ids), vocab, device=device).scatter_add_(1, padded, valid)
@@ -220,4 +222,4 @@ def _token_counts(ids: list[list[int]], vocab: int, device: torch.device) -> tor
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
     """One float per row -> [R, 1] float32, to broadcast over the vocab."""
-    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+    return to_device(torch.tensor(values, dtype=torch.float32), device)[:, None]

@@ -321,8 +321,9 @@ class Scheduler:
             assert prior is not None, "PENDING inputs without a batch in flight"
             rows, sources = zip(*batch.resolve, strict=True)
             input_ids = input_ids.clone()
-            input_ids[torch.tensor(rows, device=input_ids.device)] = prior.result().token_ids[
-                torch.tensor(sources, device=input_ids.device)]
+            # Stream-ordered index uploads: a blocking one would wait for the batch in flight.
+            input_ids[to_device(torch.tensor(rows), input_ids.device)] = prior.result().token_ids[
+                to_device(torch.tensor(sources), input_ids.device)]
         logits = self.runner.forward(input_ids, batch.forward_batch, batch.sample_rows)
         requests = [r for r, s in zip(batch.requests, batch.sampled, strict=True) if s]
         if not requests:  # a prefill chunk in the middle of a prompt: nothing to sample
