@@ -32,10 +32,13 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 LOG2E = math.log2(math.e)
 # tl.dot needs every operand dimension >= 16.
 MIN_DOT = 16
+# KV splits: at least this many keys each (also enforced in the kernel, for CUDA graphs sized for the
+# longest sequence), at most MLA_MAX_SPLITS, programs filling MLA_MIN_FILL of the SMs in each of at
+# most MLA_MAX_WAVES waves.
 MLA_MIN_KEYS_PER_SPLIT = 256
 MLA_MAX_SPLITS = 128
-# The fraction of the SMs a split count must keep busy in every wave of MLA programs.
 MLA_MIN_FILL = 0.8
+MLA_MAX_WAVES = 2
 # Splits the MLA reduce merges per step ([16, 512] fp32 partials: 64 registers a thread on 4 warps).
 MLA_REDUCE_SPLITS = 16
 
@@ -207,15 +210,20 @@ def mla_tma_fits(config: MlaConfig, kv_lora_rank: int, rope_dim: int, page_size:
 def mla_num_splits(rows: int, max_kv_len: int, multiprocessors: int) -> int:
     """KV splits for `rows` (query token, head block) rows: the fewest whose programs fill at least
     MLA_MIN_FILL of the SMs in every wave (one resident program per SM, the big-block configs' case),
-    at most MLA_MAX_SPLITS and at least MLA_MIN_KEYS_PER_SPLIT keys each (shorter splits cost more in
-    partials and the reduce than they win). On 132 SMs: 128 heads in blocks of 64 at batch 1 -> 53
-    splits (106 programs), batch 32 -> 2 (128), batch 64 and up -> 1. Under CUDA graphs `max_kv_len` is
-    the longest a graph serves, so the count depends on the batch size only."""
+    or 1 if those take more than MLA_MAX_WAVES waves; at most MLA_MAX_SPLITS (the most there are if
+    none fills), and at least MLA_MIN_KEYS_PER_SPLIT keys each. Splitting costs partials written and
+    read again ([H, R] fp32 per token and split: as much as the KV of ~230 keys at 128 heads), so it is
+    for batches that leave SMs idle, and the wave bound keeps a launch's partials near 2 x SMs x 128
+    KB (in L2). On 132 SMs: 128 heads in blocks of 64 at batch 1 -> 53 splits (106 programs), batch 32
+    -> 2 (128), batch 50 -> 1 (5 would fill 4 waves), 64 and up -> 1. Under CUDA graphs `max_kv_len`
+    is the longest a graph serves, so the count depends on the batch size only; the kernel itself
+    keeps splits at MLA_MIN_KEYS_PER_SPLIT keys and leaves the rest empty on shorter sequences."""
     limit = max(1, min(MLA_MAX_SPLITS, triton.cdiv(max_kv_len, MLA_MIN_KEYS_PER_SPLIT)))
     for splits in range(1, limit + 1):
         programs = rows * splits
-        if programs >= MLA_MIN_FILL * triton.cdiv(programs, multiprocessors) * multiprocessors:
-            return splits
+        waves = triton.cdiv(programs, multiprocessors)
+        if programs >= MLA_MIN_FILL * waves * multiprocessors:
+            return splits if waves <= MLA_MAX_WAVES else 1
     return limit
 
 
@@ -295,14 +303,14 @@ def _mla_kernel(
     q_nope_ptr, q_rope_ptr, kv_ptr, kv, kv_rope, block_table_ptr, token_req_ptr, token_kv_len_ptr, out_ptr, lse_ptr,
     stride_qn_t, stride_qn_h, stride_qr_t, stride_qr_h, stride_kv, stride_bt,
     stride_o_t, stride_o_h, stride_o_s, stride_lse_t, stride_lse_h,
-    num_heads, num_splits, qk_scale,
+    num_heads, num_splits, min_split_blocks, qk_scale,
     R: tl.constexpr, P: tl.constexpr, HALF_R: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SPLIT: tl.constexpr, TMA: tl.constexpr, RELOAD_Q: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
     # kv_ptr: the pool [num_slots, R + P]; kv / kv_rope (TMA, else None): descriptors of its [BLOCK_N, HALF_R]
-    # and [BLOCK_N, BLOCK_P] boxes. SPLIT: out_ptr / lse_ptr are float32 partials and base-2 log-sum-exps,
-    # else out_ptr is the output and no lse is kept.
+    # and [BLOCK_N, BLOCK_P] boxes. SPLIT: out_ptr / lse_ptr are float32 partials and base-2 log-sum-exps
+    # (unit stride over splits), else out_ptr is the output and no lse is kept.
     pid = tl.program_id(0)
     head_blocks = tl.cdiv(num_heads, BLOCK_H)
     head_block = pid % head_blocks
@@ -310,10 +318,10 @@ def _mla_kernel(
     t = (pid // head_blocks // num_splits).to(tl.int64)
     req = tl.load(token_req_ptr + t).to(tl.int64)
     kv_len = tl.load(token_kv_len_ptr + t)
-    # Splits of whole blocks: only the last block of the sequence is partial, and late splits of a short
-    # sequence are empty.
+    # Splits of whole blocks, at least min_split_blocks each: only the last block of the sequence is
+    # partial, and the late splits of a short sequence are empty.
     num_blocks = tl.cdiv(kv_len, BLOCK_N)
-    per_split = tl.cdiv(num_blocks, num_splits)
+    per_split = tl.maximum(tl.cdiv(num_blocks, num_splits), min_split_blocks)
     first = split * per_split
     last = tl.minimum(first + per_split, num_blocks)
 
@@ -455,7 +463,8 @@ def mla_attention(
             kv, kv_rope = None, None
         return (q_nope, q_rope, kv_buffer, kv, kv_rope, block_table, token_req, token_kv_len, part_out, part_lse,
                 q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), kv_buffer.stride(0),
-                block_table.stride(0), *o_strides, *lse_strides, h, num_splits, sm_scale * LOG2E)
+                block_table.stride(0), *o_strides, *lse_strides, h, num_splits,
+                triton.cdiv(MLA_MIN_KEYS_PER_SPLIT, launch["BLOCK_N"]), sm_scale * LOG2E)
 
     launches = [shape | dict(BLOCK_N=c.block_n, TMA=c.tma, RELOAD_Q=c.reload_q, num_warps=c.num_warps,
                              num_stages=c.num_stages)

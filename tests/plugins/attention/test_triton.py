@@ -141,12 +141,14 @@ def new_tokens(spec: AttentionSpec, batch: ForwardBatch) -> tuple[torch.Tensor, 
 
 @interpreted
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_mla_launches_against_the_oracle(kernels: ModuleType, dtype: torch.dtype) -> None:
+def test_mla_launches_against_the_oracle(kernels: ModuleType, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+                                        ) -> None:
     """Head blocks of 16 (two for 20 heads, the second partial), 32 and 64 (one, mostly masked); key blocks
-    of 16 and 64, through pointers and TMA boxes, the query held or reloaded per block; each at 1 and 3
-    KV splits, the first also at 16. Page 16 over 1, 300 and 129 keys: 16 splits leave most of them
-    empty, the 1-key request every split but the first; 300 and 129 end in a partial key block, 128 (the
-    verify row before it) on a whole one."""
+    of 16 and 64, through pointers and TMA boxes, the query held or loaded per block; each at 1 and 3
+    KV splits, the first also at 16. Page 16 over 1, 300 and 129 keys, splits down to one key block (not
+    256 keys): 16 splits of 300 keys leave 6 empty, the 1-key request every split but the first; 300 and
+    129 end in a partial key block, 128 (the verify row before it) on a whole one."""
+    monkeypatch.setattr(kernels, "MLA_MIN_KEYS_PER_SPLIT", 1)
     spec = spec_of(dtype, page_size=16)
     batch = random_batch(ForwardMode.TARGET_VERIFY, [1, 300, 129], [1, 3, 2], spec, CPU)
     backend, _ = backends(spec, batch)
@@ -191,6 +193,8 @@ def test_launch_heuristics(kernels: ModuleType) -> None:
     assert kernels.mla_num_splits(32, 8192, h100) == 4  # batch 32, 16 heads in one block
     assert kernels.mla_num_splits(2, 600, h100) == 3  # never below 256 keys a split
     assert kernels.mla_num_splits(1, 1 << 20, h100) == 106
+    assert kernels.mla_num_splits(100, 1 << 20, h100) == 1  # 2 splits fill no better, 5 take 4 waves
+    assert kernels.mla_num_splits(80, 1 << 20, h100) == 3  # 240 programs: 2 waves, 91% full
     assert kernels.mla_workspace_size(32, 128, 1) == 0 and kernels.mla_workspace_size(32, 128, 2) == 32 * 128 * 2
 
 
@@ -204,17 +208,21 @@ def test_graph_replays_write_partials_to_the_workspace(dtype: torch.dtype) -> No
     batch = random_batch(ForwardMode.DECODE, [300, 77], [1, 1], spec, CPU)
     backend = TritonAttention(spec, CPU)
     backend._multiprocessors = 132
-    backend.init_cuda_graph(max_batch_size=4, max_num_tokens=4, max_pages=batch.block_table.shape[1])
+    backend.init_cuda_graph(max_batch_size=4, max_num_tokens=4, max_pages=64)  # graphs for up to 1024 keys
     lse_workspace = backend._graph_workspace[1]
     lse_workspace.fill_(float("nan"))
     backend.plan_capture(batch)
-    assert backend._num_splits > 1
+    splits = backend._num_splits
+    assert splits == 4  # 2 programs cannot fill 132 SMs: as many splits as 1024 keys allow
     q_nope, q_rope, latent, k_rope = new_tokens(spec, batch)
     expected, _ = oracle.mla(batch, LAYER, q_nope, q_rope, latent, k_rope, oracle.softmax_scale(spec))
     backend.set_kv(LAYER, batch.out_cache_loc, latent, k_rope)
     assert_close(backend.forward_mla(q_nope, q_rope, LAYER), expected, dtype, "forward_mla from a graph plan")
-    rows = backend._kernels.mla_workspace_size(batch.num_tokens, HEADS, backend._num_splits)
-    assert not torch.isnan(lse_workspace[:rows]).any()
+    # Splits keep 256 keys (4 blocks of 64) however many there are: 300 keys fill 2, 77 keys 1; the rest
+    # write only their -inf log-sum-exps.
+    lse = lse_workspace[: backend._kernels.mla_workspace_size(2, HEADS, splits)].view(2, HEADS, splits)
+    assert torch.equal(torch.isfinite(lse).sum(-1), torch.tensor([[2] * HEADS, [1] * HEADS]))
+    assert not torch.isnan(lse).any()
 
 
 @interpreted
