@@ -175,6 +175,10 @@ class ModelRunner:
         if config.n_routed_experts:
             moe = self._build_packed("moe", args.moe_runner_backend, config.moe_spec(self.dtype), max_batch,
                                      prefill_tokens, self._fuse_shared_experts)
+        if args.enable_shared_experts_fusion and not (moe is not None and moe.spec.num_shared_experts):
+            why = (f"the moe backend {moe.name} does not fuse them (triton does: {flag('moe_runner_backend')} "
+                   "triton)" if moe is not None and config.n_shared_experts else "the model has no shared experts")
+            raise ValueError(f"{flag('enable_shared_experts_fusion')}: {why}")
         if config.fp8_block:
             gemm = self._build_packed("gemm", args.fp8_gemm_backend, config.gemm_spec(self.dtype), max_batch,
                                       prefill_tokens)
@@ -182,10 +186,10 @@ class ModelRunner:
         return backends, spec.page_size
 
     def _fuse_shared_experts(self, cls: type, spec: MoESpec) -> MoESpec:
-        """The MoE spec a candidate backend is built with: the shared experts fused into its GEMMs when it
-        can and --disable-shared-experts-fusion is not given."""
+        """The MoE spec a candidate backend is built with: the shared experts fused into its GEMMs under
+        --enable-shared-experts-fusion when it can."""
         shared = self.config.n_shared_experts
-        if not shared or self.args.disable_shared_experts_fusion or not cls.capabilities.shared_experts_fusion:
+        if not shared or not self.args.enable_shared_experts_fusion or not cls.capabilities.shared_experts_fusion:
             return spec
         return dataclasses.replace(spec, num_shared_experts=shared)
 
@@ -197,11 +201,9 @@ class ModelRunner:
             return "none"
         if moe.spec.num_shared_experts:
             return f"fused into the {moe.name} MoE backend's GEMMs"
-        reason = ("--disable-shared-experts-fusion" if self.args.disable_shared_experts_fusion
-                  else f"{moe.name} does not fuse them")
         overlap = self.device.type == "cuda" and not self.args.disable_shared_experts_overlap
         stream = "on a second CUDA stream" if overlap else "on the main stream"
-        return f"own MLP {stream} ({reason})"
+        return f"own MLP {stream}"
 
     def _build_packed(self, kind: str, requested: str, spec: Any, max_batch: int, prefill_tokens: int,
                       fit_spec: Callable[[type, Any], Any] | None = None) -> Any:

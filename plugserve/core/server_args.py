@@ -61,7 +61,7 @@ class ServerArgs(BaseModel):
     enable_torch_compile: bool = False
     torch_compile_max_bs: int = Field(32, ge=1)
     disable_shared_experts_overlap: bool = False
-    disable_shared_experts_fusion: bool = False
+    enable_shared_experts_fusion: bool = False
     # misc
     log_level: str = "info"
     seed: int = Field(0, ge=0)

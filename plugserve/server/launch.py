@@ -61,8 +61,9 @@ HELP = {
                             "fused by Inductor, inside the CUDA graphs",
     "torch_compile_max_bs": "largest batch (in tokens) that runs the compiled ops; larger ones run eagerly",
     "disable_shared_experts_overlap": "run the shared experts on the main CUDA stream instead of a second one",
-    "disable_shared_experts_fusion": "run the shared experts as their own MLP, not as extra experts inside the MoE "
-                                     "backend's GEMMs (fused when the backend can)",
+    "enable_shared_experts_fusion": "run the shared experts as extra experts inside the MoE backend's GEMMs (one that "
+                                    "can: triton) instead of their own MLP; off by default: slower on the H100 for "
+                                    "V2-Lite and V3 (benchmarks/results/.../fast_path/session3)",
     "log_level": "logging level",
     "seed": "random seed of unseeded sampling and of dummy weights (alias --random-seed)",
 }

@@ -106,17 +106,18 @@ def test_a_plugin_that_fails_to_load_is_logged_at_start(monkeypatch, caplog):
 
 
 def test_shared_experts_fuse_into_a_backend_that_can_and_give_the_same_logits():
-    """The embedded model's shared experts as extra experts of the triton MoE (interpreted here) or as their
-    own MLP (--disable-shared-experts-fusion): the same logits, and /server_info's line says which."""
+    """--enable-shared-experts-fusion: the embedded model's shared experts as extra experts of the triton MoE
+    (interpreted here), the same logits as their own MLP; /server_info's line says which. A backend that
+    cannot fuse is an error naming the flag."""
     common = {"moe_runner_backend": "triton", "dtype": "float32", "max_total_tokens": 64}
-    fused = ModelRunner(ServerArgs(**common))
-    plain = ModelRunner(ServerArgs(disable_shared_experts_fusion=True, **common))
+    fused = ModelRunner(ServerArgs(enable_shared_experts_fusion=True, **common))
+    plain = ModelRunner(ServerArgs(**common))
     assert fused.model.backends.moe.spec.num_shared_experts == fused.config.n_shared_experts > 0
     assert fused.shared_experts_mode == "fused into the triton MoE backend's GEMMs"
     assert plain.model.backends.moe.spec.num_shared_experts == 0
-    assert plain.shared_experts_mode == "own MLP on the main stream (--disable-shared-experts-fusion)"
-    assert ModelRunner(ServerArgs(max_total_tokens=64)).shared_experts_mode == (
-        "own MLP on the main stream (torch_ref does not fuse them)")
+    assert plain.shared_experts_mode == "own MLP on the main stream"
+    with pytest.raises(ValueError, match="--enable-shared-experts-fusion: the moe backend torch_ref does not fuse"):
+        ModelRunner(ServerArgs(enable_shared_experts_fusion=True, max_total_tokens=64))
     ids = torch.tensor([5, 17, 42, 7, 99])
     logits = []
     for runner in (fused, plain):
