@@ -283,12 +283,43 @@ class PlanMetadata:
         return cls(qo_indptr, kv_indptr, kv_indices, kv_len_arr)
 
 
+class FakeCompiledPlanner:
+    """0.7.2.post1's compiled MLA planner (`wrapper._planned_backend._cached_module._module.plan`): it writes a
+    schedule into the pinned int workspace and returns (plan_info, bytes to upload); the captured kernel reads
+    the schedule from the device int workspace and bakes plan_info (grid, workspace offsets) in. Here the
+    schedule is the CSR metadata itself, and plan_info depends on the batch size and `layout` only."""
+
+    def __init__(self) -> None:
+        self.calls, self.layout = 0, 0
+
+    def plan(self, float_workspace, int_workspace, pinned, qo_indptr, kv_indptr, kv_len, num_heads, head_dim_ckv,
+             causal) -> tuple[list[int], int]:
+        for t in (qo_indptr, kv_indptr, kv_len):
+            assert t.device.type == "cpu" and t.dtype == torch.int32, "the planner reads these on the host"
+        schedule = torch.cat([qo_indptr, kv_indptr, kv_len])
+        pinned.view(torch.int32)[: schedule.numel()] = schedule
+        self.calls += 1
+        return [kv_len.numel(), int(causal), num_heads, head_dim_ckv, self.layout], schedule.numel() * 4
+
+
+class FakePlannedBackend:
+    """What wrapper.plan leaves in 0.7.2.post1: the compiled module, the workspaces, the launch layout."""
+
+    def __init__(self, planner: FakeCompiledPlanner, plan_info: list[int], size: int) -> None:
+        self._cached_module = SimpleNamespace(_module=planner)
+        self._float_workspace_buffer = torch.empty(16, dtype=torch.uint8)
+        self._int_workspace_buffer = torch.zeros(4 * (3 * size + 2), dtype=torch.uint8)
+        self._pin_memory_int_workspace_buffer = torch.zeros_like(self._int_workspace_buffer)
+        self._plan_info = plan_info
+
+
 class FakeMLAWrapper:
     """BatchMLAPagedAttentionWrapper's contract: CSR pages, causal bottom-right over kv_len keys. In graph mode
     (`use_cuda_graph`, 0.7.2.post1's `_fa_common.py`): reserved int32 buffers, qo_indptr / kv_indptr / kv_len_arr
     of the planned batch's exact sizes and kv_indices at least as long as the batch's pages, into which plan()
-    copies the metadata; the kernel then reads the page ids from the reserved kv_indices at run time, and the
-    rest from the schedule planned on the host (here: the host metadata kept at plan)."""
+    copies the metadata; plan() also leaves the compiled planner's backend behind (`_planned_backend`), and the
+    kernel then reads the page ids from the reserved kv_indices and the schedule from the device int workspace,
+    as a captured launch would."""
 
     def __init__(self, workspace: torch.Tensor, use_cuda_graph: bool = False, qo_indptr=None, kv_indptr=None,
                  kv_indices=None, kv_len_arr=None, *, backend: str) -> None:
@@ -313,6 +344,14 @@ class FakeMLAWrapper:
                 assert buffer.shape[0] >= source.shape[0] if i == 2 else buffer.shape == source.shape, \
                     "CUDA graph reserved buffer has insufficient or incompatible capacity"
                 buffer[: source.shape[0]].copy_(source)
+            planner = FakeCompiledPlanner()
+            size = metadata.kv_len_arr.numel()
+            backend = self._planned_backend = FakePlannedBackend(planner, [], size)
+            int_workspace, pinned = backend._int_workspace_buffer, backend._pin_memory_int_workspace_buffer
+            backend._plan_info, staged = planner.plan(
+                backend._float_workspace_buffer, int_workspace, pinned, metadata.qo_indptr, metadata.kv_indptr,
+                metadata.kv_len_arr, num_heads, head_dim_ckv, causal)
+            int_workspace[:staged].copy_(pinned[:staged])
             metadata = PlanMetadata(metadata.qo_indptr.clone(), metadata.kv_indptr.clone(), self.buffers[2],
                                     metadata.kv_len_arr.clone())
         self.meta, self.causal, self.sm_scale, self.num_heads = metadata, causal, sm_scale, num_heads
@@ -327,6 +366,10 @@ class FakeMLAWrapper:
         assert q_nope.dtype == self.dtypes[0] and ckv.dtype == self.dtypes[1] and q_nope.shape[1] == self.num_heads
         qo, kv = self.meta.qo_indptr.tolist(), self.meta.kv_indptr.tolist()
         indices, lens = self.meta.kv_indices.long(), self.meta.kv_len_arr.tolist()
+        if self.use_cuda_graph:  # the schedule as the device holds it, whoever planned it
+            size = len(lens)
+            schedule = self._planned_backend._int_workspace_buffer.view(torch.int32).tolist()
+            qo, kv, lens = schedule[: size + 1], schedule[size + 1: 2 * size + 2], schedule[2 * size + 2: 3 * size + 2]
         self.kv_indices_read.append(self.meta.kv_indices.data_ptr())
         out = torch.empty_like(q_nope)
         for b, kv_len in enumerate(lens):
@@ -561,9 +604,14 @@ def test_cuda_graph_capture_and_replay(mode: ForwardMode, per_request: int) -> N
         real = _real_batch(mode, seq_lens, per_request, pool)
         static = inputs.load(torch.zeros(real.num_tokens, dtype=torch.int64), real, size)
         wrapper = wrappers[size]
-        plans = wrapper.plans
+        planner = wrapper._planned_backend._cached_module._module
+        plans, calls, upload = wrapper.plans, planner.calls, backend._uploads.get(id(wrapper))
+        waits = upload.synchronized if upload is not None else 0
         backend.plan_replay(static)
-        assert backend._planned_mla is wrapper and wrapper.plans == plans + 1
+        # Straight through the compiled planner, after the previous upload out of its pinned buffer ran.
+        assert backend._planned_mla is wrapper and (wrapper.plans, planner.calls) == (plans, calls + 1)
+        assert upload is None or upload.synchronized == waits + 1
+        assert backend._uploads[id(wrapper)] is not upload  # this re-plan's upload, awaited by the next
         # Real rows' pages, then one padding page per padding row (seq_len = per_request), in the fixed buffer.
         expected = paged_kv_indices(real.block_table, seq_lens, page_size).kv_indices.tolist()
         expected += [padding_page] * (size - len(seq_lens))
@@ -580,3 +628,26 @@ def test_cuda_graph_capture_and_replay(mode: ForwardMode, per_request: int) -> N
     decode = random_batch(ForwardMode.DECODE, [40, 9], [1, 1], spec, CPU)
     backend.plan(decode)  # eager forwards keep their own wrapper
     assert backend._planned_mla is backend._mla and not backend._mla.use_cuda_graph
+
+
+@pytest.mark.usefixtures("fake_flashinfer")
+def test_graph_replan_refuses_a_new_launch_layout_and_falls_back_without_the_compiled_planner() -> None:
+    """A re-plan may change only the schedule a captured launch reads: a planner returning another plan_info
+    is an error. A FlashInfer not laid out as 0.7.2.post1 (no compiled planner) is re-planned through
+    wrapper.plan."""
+    page_size, size, max_pages = 16, 2, 4
+    pool = _graph_pool(size * max_pages + 1, page_size)
+    inputs = GraphInputs(size, 1, max_pages, pool, pool.num_pages - 1)
+    backend = FlashInferMLAAttention(_spec(page_size), CPU)
+    backend.init_cuda_graph(size, size, max_pages)
+    backend.plan_capture(inputs.batch(ForwardMode.DECODE, size))
+    wrapper = backend._planned_mla
+    real = _real_batch(ForwardMode.DECODE, [30, 7], 1, pool)
+    static = inputs.load(torch.zeros(2, dtype=torch.int64), real, size)
+    wrapper._planned_backend._cached_module._module.layout = 1
+    with pytest.raises(RuntimeError, match="another launch layout"):
+        backend.plan_replay(static)
+    del wrapper._planned_backend
+    plans = wrapper.plans
+    backend.plan_replay(static)
+    assert wrapper.plans == plans + 1
