@@ -13,7 +13,8 @@ into sections at its headings. A section becomes one training sample: half of th
 chat template; the rest as plain text. A file whose path hashes to 0 mod 20 goes to the held-out split.
 
 Writes: train.bin / val.bin (uint16 token ids, samples back to back), heldout.txt (the held-out files' plain
-text, for the accuracy harness), tokenizer/ (byte-level BPE, 4096 tokens, DeepSeek-V3's special tokens and chat
+text, for the accuracy harness), LICENSES.txt (both sources' licence texts, to ship beside what derives from
+them), tokenizer/ (byte-level BPE, 4096 tokens, DeepSeek-V3's special tokens and chat
 template), corpus.json (sources, sizes, the unigram baseline's held-out perplexity).
 """
 
@@ -53,6 +54,7 @@ class Source:
     licence: str
     fetch: Callable[[Path], Path]  # download folder -> the folder of the reST files
     pattern: str
+    licence_file: str  # the licence's full text, relative to that folder
     exclude: tuple[str, ...] = ()  # path prefixes, relative to that folder
 
 
@@ -81,25 +83,26 @@ DJANGO = "django==5.2.19"
 
 
 def fetch_django_docs(downloads: Path) -> Path:
-    """The docs/ folder of Django's source distribution."""
+    """The docs/ folder of Django's source distribution, and its LICENSE."""
     root = downloads / "django-docs"
     if not root.is_dir():
         _run(sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", "-d", ".", DJANGO,
              cwd=downloads)
         sdist = max(downloads.glob("django-*.tar.gz"))
         with tarfile.open(sdist) as tar:
-            members = [m for m in tar.getmembers() if m.isfile() and "/docs/" in m.name]
-            for member in members:
-                member.name = member.name.split("/docs/", 1)[1]
+            members = [m for m in tar.getmembers()
+                       if m.isfile() and m.name.split("/", 1)[1].startswith(("docs/", "LICENSE"))]
+            for member in members:  # django-5.2.19/docs/x.txt -> x.txt
+                member.name = member.name.split("/", 1)[1].removeprefix("docs/")
             tar.extractall(root, members=members, filter="data")
     return root
 
 
 SOURCES = (
     Source("Python 3.11 documentation", "Debian python3.11-doc", "PSF-2.0 (Python Software Foundation License)",
-           fetch_python_docs, "**/*.rst.txt"),
+           fetch_python_docs, "**/*.rst.txt", "license.rst.txt"),
     Source("Django 5.2 documentation", f"PyPI {DJANGO} (sdist, docs/)", "BSD-3-Clause", fetch_django_docs,
-           "**/*.txt", exclude=("releases/", "_ext/", "_theme/", "spelling_wordlist", "requirements.txt")),
+           "**/*.txt", "LICENSE", exclude=("releases/", "_ext/", "_theme/", "spelling_wordlist", "requirements.txt")),
 )
 
 # -- reStructuredText to plain text -----------------------------------------------------------------
@@ -266,9 +269,10 @@ def unigram_perplexity(train: np.ndarray, heldout: np.ndarray, vocab_size: int) 
 
 
 def prepare(sections: dict[str, list[Section]], output: Path, tokenizer: PreTrainedTokenizerFast | None = None,
-            sources: list[dict[str, str]] | None = None) -> dict:
+            sources: list[dict[str, str]] | None = None, licences: str = "") -> dict:
     """Split `sections` (by document name), train the tokenizer on the training split unless one is given, and
-    write the corpus files into `output`. Returns what corpus.json records."""
+    write the corpus files (and `licences`, the sources' licence texts) into `output`. Returns what corpus.json
+    records."""
     train = [s for name, secs in sections.items() if not is_heldout(name) for s in secs]
     heldout = [s for name, secs in sections.items() if is_heldout(name) for s in secs]
     if not train or not heldout:
@@ -281,6 +285,7 @@ def prepare(sections: dict[str, list[Section]], output: Path, tokenizer: PreTrai
     train_ids.tofile(output / "train.bin")
     val_ids.tofile(output / "val.bin")
     (output / "heldout.txt").write_text("\n\n".join(plain_text(s) for s in heldout) + "\n", encoding="utf-8")
+    (output / "LICENSES.txt").write_text(licences, encoding="utf-8")
     summary = {
         "sources": sources or [],
         "documents": {"train": sum(not is_heldout(n) for n in sections), "heldout": sum(map(is_heldout, sections))},
@@ -304,7 +309,10 @@ def main(argv: list[str] | None = None) -> int:
     args.downloads.mkdir(parents=True, exist_ok=True)
     sections = {name: secs for source in SOURCES for name, secs in documents(source, args.downloads)}
     sources = [{"name": s.name, "package": s.package, "licence": s.licence} for s in SOURCES]
-    summary = prepare(sections, args.output, sources=sources)
+    licences = "".join(f"{'=' * 78}\n{s.name} ({s.package}): {s.licence}\n{'=' * 78}\n\n"
+                       + (s.fetch(args.downloads) / s.licence_file).read_text(encoding="utf-8") + "\n"
+                       for s in SOURCES)
+    summary = prepare(sections, args.output, sources=sources, licences=licences)
     print(json.dumps(summary, indent=2))
     return 0
 

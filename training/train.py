@@ -49,7 +49,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--grad-clip", type=float, default=1.0)
     parser.add_argument("--mtp-weight", type=float, default=0.3, help="lambda of DeepSeek-V3's MTP loss")
     parser.add_argument("--balance-alpha", type=float, default=1e-4, help="weight of the sequence-wise balance loss")
-    parser.add_argument("--bias-rate", type=float, default=1e-3, help="gamma of the routers' bias updates")
+    # DeepSeek-V3's gamma is 1e-3 over ~10^5 steps. Here, while the model is near its unigram stage, every token's
+    # router input points the same way and each router sends all tokens to one expert; the biases must then move by
+    # tenths within the run's ~1300 steps (at 1e-3 they had moved 0.06 after 60 steps, all routers still collapsed;
+    # at 1e-2 every router was balanced again by step 110 of a small CPU run).
+    parser.add_argument("--bias-rate", type=float, default=1e-2, help="gamma of the routers' bias updates")
     parser.add_argument("--evals", type=int, default=16, help="evaluations of the held-out split over the run")
     parser.add_argument("--eval-windows", type=int, default=256, help="held-out windows per evaluation at most")
     parser.add_argument("--seed", type=int, default=0)

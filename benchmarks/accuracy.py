@@ -1,0 +1,264 @@
+"""Accuracy of backend combinations against the torch reference in float32, on one model (issue 15).
+
+    python -m benchmarks.accuracy --model-path DIR [--text FILE] [--combos reference auto gemm=triton ...]
+        [--device cuda] [--dtype bfloat16] [--max-text-tokens 16384] [--result-filename accuracy.json]
+
+Each combination (attention, FP8 GEMM and MoE backends and a dtype; every other server flag is shared) loads the
+model through plugserve's ModelRunner and Engine, as serving does, and is measured on:
+- perplexity of held-out text (windows of --window tokens, one EXTEND forward each: the prefill backends),
+  and its change against the reference;
+- top-1: the share of those text positions where its argmax is the reference's;
+- greedy: greedy continuations of a fixed prompt set through the engine (prefill, then decode backends), the share
+  of generated tokens equal to the reference's before the first difference;
+- NextN (models with an MTP layer): the share of positions where the NextN layer's top-1 for the token after next
+  is the main model's greedy choice there (what speculative decoding can accept).
+
+A combination is `reference` (every kind torch_ref, float32), `auto` (what serving picks, at --dtype), or
+comma-separated `kind=name` pairs over attention, prefill_attention, decode_attention, gemm, moe and dtype, the kinds
+not named torch_ref (e.g. `gemm=triton,dtype=bfloat16`). Without --combos: reference, torch_ref at --dtype, auto,
+and each registered backend alone with the other kinds torch_ref, at --dtype; those that cannot run here are listed
+with the reason. Prints a table and writes --result-filename (JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from plugserve.core.dispatch import AttnForwardMethod
+from plugserve.core.engine import Engine
+from plugserve.core.forward_batch import ForwardBatch, ForwardMode
+from plugserve.core.kv_cache import pages_needed
+from plugserve.core.model_runner import ModelRunner
+from plugserve.core.sampling import SamplingParams
+from plugserve.core.server_args import ServerArgs
+from plugserve.core.tokenizer import EMBEDDED_MODEL_DIR, load_tokenizer
+from plugserve.registry import SelectionError, get_registry
+from plugserve.server.launch import add_server_args, server_args_from
+
+DEFAULT_TEXT = Path(__file__).resolve().parent / "data" / "heldout_docs.txt"
+FLAGS = {"attention": "attention_backend", "prefill_attention": "prefill_attention_backend",
+         "decode_attention": "decode_attention_backend", "gemm": "fp8_gemm_backend", "moe": "moe_runner_backend",
+         "dtype": "dtype"}
+REFERENCE = {"attention": "torch_ref", "gemm": "torch_ref", "moe": "torch_ref", "dtype": "float32"}
+# Plain text to continue and chat turns (rendered with the model's chat template when it has one).
+PROMPTS = (
+    "The for statement in Python",
+    "A decorator is",
+    "Django's session framework",
+    "To create a virtual environment,",
+    "The json module",
+    "Exceptions are",
+)
+CHAT_PROMPTS = (
+    "What is a list comprehension?",
+    "Explain Django middleware.",
+    "Tell me about the datetime module.",
+    "How do I read a file line by line?",
+)
+
+
+@dataclass
+class Row:
+    combination: str
+    backends: str = ""  # what each kind and phase ran, as the runner chose
+    perplexity: float = math.nan
+    delta: float = math.nan  # relative change of perplexity against the reference
+    top1: float = math.nan  # text positions whose argmax is the reference's
+    greedy: float = math.nan  # generated tokens equal to the reference's before the first difference
+    nextn: float = math.nan  # NextN top-1 == the main model's greedy choice at the next position
+    skipped: str = ""  # why the combination cannot run here
+
+
+@dataclass
+class Measured:
+    nll: torch.Tensor  # [N] float64: -log p(token) over the text's predicted positions
+    top1: torch.Tensor  # [N] int64: the argmax at each
+    nextn: float
+    greedy: list[list[int]]
+
+
+def parse_combination(text: str, dtype: str) -> dict[str, str]:
+    """`reference`, `auto`, or kind=name pairs -> {key of FLAGS: value}; kinds not named run torch_ref."""
+    if text == "reference":
+        return dict(REFERENCE)
+    if text == "auto":
+        return {"attention": "auto", "gemm": "auto", "moe": "auto", "dtype": dtype}
+    pairs = dict(pair.split("=", 1) for pair in text.split(","))
+    unknown = set(pairs) - set(FLAGS)
+    if unknown:
+        raise ValueError(f"combination {text!r}: unknown keys {sorted(unknown)} (known: {', '.join(FLAGS)})")
+    return REFERENCE | {"dtype": dtype} | pairs
+
+
+def default_combinations(dtype: str) -> list[str]:
+    """reference, torch_ref at `dtype`, auto, and each registered backend alone (the other kinds torch_ref) at
+    `dtype`; an attention backend without absorbed MLA runs prefill only (decode needs MLA)."""
+    alone = []
+    for kind, entries in get_registry().backends.items():
+        for name, entry in sorted(entries.items()):
+            if name == "torch_ref":
+                continue
+            prefill_only = kind == "attention" and AttnForwardMethod.MLA not in entry.cls.capabilities.methods
+            alone.append(f"{'prefill_attention' if prefill_only else kind}={name},dtype={dtype}")
+    return ["reference", *([f"dtype={dtype}"] if dtype != "float32" else []), "auto", *alone]
+
+
+def server_args(base: ServerArgs, combination: dict[str, str]) -> ServerArgs:
+    return ServerArgs(**(base.model_dump() | {FLAGS[key]: value for key, value in combination.items()}))
+
+
+def text_tokens(base: ServerArgs, path: Path, limit: int) -> list[int]:
+    tokenizer = load_tokenizer(base.tokenizer_path or base.model_path or EMBEDDED_MODEL_DIR)
+    return tokenizer.encode(path.read_text(encoding="utf-8"))[: limit + 1]
+
+
+def prompt_tokens(base: ServerArgs) -> list[list[int]]:
+    tokenizer = load_tokenizer(base.tokenizer_path or base.model_path or EMBEDDED_MODEL_DIR)
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    if tokenizer.chat_template:
+        prompts += [list(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                       tokenize=True, return_dict=False)) for p in CHAT_PROMPTS]
+    return prompts
+
+
+@torch.inference_mode()
+def score_text(runner: ModelRunner, tokens: list[int], window: int, batch: int) -> tuple[torch.Tensor, ...]:
+    """Windows of `tokens`, `batch` at a time, each one EXTEND forward from position 0 -> nll [N] float64 and
+    argmax [N] of each predicted position, and the NextN agreement (nan without a NextN layer)."""
+    model, device = runner.model, runner.device
+    starts = list(range(0, len(tokens) - 1, window))
+    nll, top1, agree, count = [], [], 0, 0
+    pages_per = pages_needed(window, runner.page_size)
+    pages = runner.allocator.alloc(pages_per * batch)
+    try:
+        for first in range(0, len(starts), batch):
+            chunks = [tokens[s : s + window + 1] for s in starts[first : first + batch]]
+            lens = [len(c) - 1 for c in chunks]
+            table = torch.tensor([pages[i * pages_per : (i + 1) * pages_per] for i in range(len(chunks))],
+                                 dtype=torch.int32, device=device)
+            forward_batch = runner.prepare(ForwardBatch.build(ForwardMode.EXTEND, lens, lens, table, runner.pool))
+            inputs = torch.tensor([t for c in chunks for t in c[:-1]], device=device)
+            targets = torch.tensor([t for c in chunks for t in c[1:]], device=device)
+            attention = runner.attention_for(forward_batch)
+            attention.plan(forward_batch)
+            hidden = model(inputs, forward_batch, attention)
+            logits = model.compute_logits(hidden)[:, : runner.sample_vocab].double()
+            nll.append(-logits.log_softmax(-1).gather(1, targets[:, None]).squeeze(1).cpu())
+            top1.append(logits.argmax(-1).cpu())
+            if model.nextn is not None:
+                # Position i's NextN guess for token i + 2 against the main model's choice at i + 1, per window.
+                guess = model.compute_logits(model.forward_nextn(targets, hidden, forward_batch, attention)).argmax(-1)
+                greedy = top1[-1].to(device)
+                for begin, n in zip(itertools.accumulate(lens[:-1], initial=0), lens, strict=True):
+                    agree += int((guess[begin : begin + n - 1] == greedy[begin + 1 : begin + n]).sum())
+                    count += n - 1
+    finally:
+        runner.allocator.free(pages)
+    return torch.cat(nll), torch.cat(top1), torch.tensor(agree / count if count else math.nan)
+
+
+def measure(args: ServerArgs, tokens: list[int], prompts: list[list[int]], window: int, batch: int,
+            max_new_tokens: int) -> tuple[Measured, str]:
+    """One combination: the text through a ModelRunner, then the prompts through an Engine (each loads the model)."""
+    runner = ModelRunner(args)
+    chosen = ", ".join(f"{c.kind} {c.phase}: {c.name}" for c in runner.chosen)
+    nll, top1, nextn = score_text(runner, tokens, window, batch)
+    del runner
+    gc.collect()
+    engine = Engine(args)
+    try:
+        results = engine.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens, temperature=0,
+                                                          ignore_eos=True))
+    finally:
+        engine.shutdown()
+    errors = [r.error for r in results if r.error]
+    if errors:
+        raise RuntimeError(errors[0])
+    return Measured(nll, top1, float(nextn), [r.token_ids for r in results]), chosen
+
+
+def prefix_agreement(ours: list[list[int]], reference: list[list[int]]) -> float:
+    same = total = 0
+    for a, b in zip(ours, reference, strict=True):
+        same += next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(b))
+        total += len(b)
+    return same / total
+
+
+def run(base: ServerArgs, combinations: list[str], text: Path, max_text_tokens: int, window: int, batch: int,
+        max_new_tokens: int, num_prompts: int | None, dtype: str) -> list[Row]:
+    """Every combination against the first, which is the reference."""
+    tokens = text_tokens(base, text, max_text_tokens)
+    prompts = prompt_tokens(base)[:num_prompts]
+    rows, reference = [], None
+    for combination in combinations:
+        row = Row(combination)
+        try:
+            measured, row.backends = measure(server_args(base, parse_combination(combination, dtype)), tokens,
+                                             prompts, window, batch, max_new_tokens)
+        except SelectionError as exc:
+            row.skipped = str(exc).split(". ")[0]
+            rows.append(row)
+            continue
+        if reference is None:
+            reference = measured
+        row.perplexity = math.exp(measured.nll.mean().item())
+        row.delta = row.perplexity / math.exp(reference.nll.mean().item()) - 1
+        row.top1 = (measured.top1 == reference.top1).double().mean().item()
+        row.greedy = prefix_agreement(measured.greedy, reference.greedy)
+        row.nextn = measured.nextn
+        rows.append(row)
+        print(format_row(row), flush=True)
+    return rows
+
+
+def format_row(row: Row) -> str:
+    return (f"{row.combination:44s} {row.perplexity:10.3f} {row.delta:+9.3%} {row.top1:8.2%} {row.greedy:8.2%} "
+            f"{row.nextn:8.2%}")
+
+
+def table(rows: list[Row]) -> str:
+    lines = [f"{'combination':44s} {'perplexity':>10s} {'delta':>9s} {'top-1':>8s} {'greedy':>8s} {'NextN':>8s}"]
+    lines += [format_row(r) for r in rows if not r.skipped]
+    lines += [f"{r.combination:44s} cannot run here: {r.skipped}" for r in rows if r.skipped]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_server_args(parser)
+    parser.add_argument("--combos", nargs="+", help="combinations to measure after the reference (default: all)")
+    parser.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="held-out text (default: %(default)s)")
+    parser.add_argument("--max-text-tokens", type=int, default=16384)
+    parser.add_argument("--window", type=int, default=512, help="tokens per perplexity window")
+    parser.add_argument("--text-batch", type=int, default=8, help="windows per forward")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="greedy tokens per prompt")
+    parser.add_argument("--num-prompts", type=int, help="the first N prompts of the set only")
+    parser.add_argument("--result-filename", type=Path, help="write the rows here as JSON")
+    namespace = parser.parse_args(argv)
+    base = server_args_from(namespace, parser)
+    device = base.device if base.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = base.dtype if base.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    combinations = ["reference", *[c for c in (namespace.combos or default_combinations(dtype)[1:])
+                                   if c != "reference"]]
+    rows = run(base, combinations, namespace.text, namespace.max_text_tokens, namespace.window,
+               namespace.text_batch, namespace.max_new_tokens, namespace.num_prompts, dtype)
+    print(table(rows))
+    if namespace.result_filename:
+        namespace.result_filename.write_text(json.dumps({"model": base.model_path or base.model_preset or "embedded",
+                                                         "device": device, "rows": [asdict(r) for r in rows]},
+                                                        indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
