@@ -174,6 +174,11 @@ def measure(args: ServerArgs, tokens: list[int], prompts: list[list[int]], windo
     nll, top1, nextn = score_text(runner, tokens, window, batch)
     del runner
     gc.collect()
+    return Measured(nll, top1, float(nextn), greedy_continuations(args, prompts, max_new_tokens)), chosen
+
+
+def greedy_continuations(args: ServerArgs, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuations [len(prompts)][max_new_tokens] from an Engine of `args` (EOS ignored)."""
     engine = Engine(args)
     try:
         results = engine.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens, temperature=0,
@@ -182,8 +187,8 @@ def measure(args: ServerArgs, tokens: list[int], prompts: list[list[int]], windo
         engine.shutdown()
     errors = [r.error for r in results if r.error]
     if errors:
-        raise RuntimeError(errors[0])
-    return Measured(nll, top1, float(nextn), [r.token_ids for r in results]), chosen
+        raise RuntimeError(f"plugserve failed to generate: {errors[0]}")
+    return [r.token_ids for r in results]
 
 
 def prefix_agreement(ours: list[list[int]], reference: list[list[int]]) -> float:

@@ -63,20 +63,11 @@ def prompt_ids(model_dir: Path) -> list[list[int]]:
 def plugserve_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int, device: str
                      ) -> list[list[int]]:
     """Greedy continuations [len(prompts)][max_new_tokens] from plugserve's engine (EOS ignored)."""
-    from plugserve.core.engine import Engine
-    from plugserve.core.sampling import SamplingParams
+    from benchmarks.accuracy import greedy_continuations
     from plugserve.core.server_args import ServerArgs
 
-    engine = Engine(ServerArgs(model_path=str(model_dir), device=device, log_level="warning"))
-    try:
-        results = engine.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens, temperature=0,
-                                                          ignore_eos=True))
-    finally:
-        engine.shutdown()
-    errors = [r.error for r in results if r.error]
-    if errors:
-        raise RuntimeError(f"plugserve failed to generate: {errors[0]}")
-    return [r.token_ids for r in results]
+    return greedy_continuations(ServerArgs(model_path=str(model_dir), device=device, log_level="warning"), prompts,
+                                max_new_tokens)
 
 
 def transformers_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int, device: str
