@@ -1,0 +1,96 @@
+"""Process groups over torch.distributed: NCCL on GPUs, gloo on the CPU.
+
+A `ParallelGroup` is the set of ranks a layer splits its work over (the tensor-parallel group). Its
+collectives return their input untouched at world size 1, so single-device code that goes through
+them pays one integer comparison and no communication.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 renamed all_gather_into_tensor (the old name warns on every call); torch 2.4 has only the old one.
+_all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass(frozen=True)
+class ParallelGroup:
+    """Rank `rank` of `world_size` ranks. `group`: their torch.distributed process group (None: the
+    default group, or no torch.distributed at all at world size 1)."""
+
+    rank: int = 0
+    world_size: int = 1
+    group: dist.ProcessGroup | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside a world of size {self.world_size}")
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum x over the ranks, in place; returns x (any shape and dtype, the same on every rank)."""
+        if self.world_size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """x [..., n, ...] on each rank -> [..., world_size * n, ...], the ranks' tensors concatenated
+        along `dim` in rank order (x itself at world size 1)."""
+        if self.world_size == 1:
+            return x
+        # The collective concatenates along dim 0: gather there, then move the rank blocks into `dim`.
+        dim = dim % x.dim()
+        moved = x.movedim(dim, 0).contiguous()
+        out = moved.new_empty((self.world_size * moved.shape[0], *moved.shape[1:]))
+        _all_gather_into_tensor(out, moved, group=self.group)
+        return out.movedim(0, dim)
+
+
+SINGLE = ParallelGroup()  # one process, no torch.distributed
+
+
+def default_backend(device: torch.device | str) -> str:
+    """The torch.distributed backend for tensors on `device`: "nccl" on CUDA, else "gloo"."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def init_parallel_group(
+    rank: int,
+    world_size: int,
+    init_method: str,
+    device: torch.device | str,
+    backend: str | None = None,
+    timeout_s: float = 600.0,
+) -> ParallelGroup:
+    """Join the world of `world_size` processes as `rank` and return it as one group.
+
+    `init_method`: "tcp://addr:port" of rank 0's store (every rank, on every node, passes the same one).
+    `backend`: None picks `default_backend(device)`. `timeout_s` bounds the rendezvous and, on gloo,
+    every collective: a rank that died makes the others fail after it rather than hang. The process
+    group is initialized at world size 1 too, so that one rank runs the code path of many.
+    """
+    backend = backend or default_backend(device)
+    if backend == "nccl":
+        # NCCL communicators belong to a device: bind this process's before the first collective.
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+    return ParallelGroup(rank, world_size, dist.group.WORLD)
+
+
+def destroy_parallel_group() -> None:
+    """Leave the world joined by `init_parallel_group` (nothing if none was joined)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def pick_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now, for a single-node rendezvous (another process may take it before
+    rank 0 binds it: callers retry or accept that race)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -1,0 +1,42 @@
+"""Runs a test function on several ranks: spawned processes joined over gloo on the CPU."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from plugserve.core.distributed import destroy_parallel_group, init_parallel_group, pick_free_port
+
+# Short enough that a collective whose peer never comes fails the test quickly, long enough for a rank
+# that is slow to start on a loaded 2-core machine.
+COLLECTIVE_TIMEOUT_S = 15.0
+JOIN_TIMEOUT_S = 60.0
+
+
+def _rank_main(rank: int, fn: Callable[..., None], world_size: int, init_method: str, args: tuple[Any, ...]) -> None:
+    torch.set_num_threads(1)  # the ranks share the machine's cores
+    group = init_parallel_group(rank, world_size, init_method, "cpu", timeout_s=COLLECTIVE_TIMEOUT_S)
+    try:
+        fn(group, *args)
+    finally:
+        destroy_parallel_group()
+
+
+def run_ranks(fn: Callable[..., None], *args: Any, world_size: int = 2) -> None:
+    """fn(group: ParallelGroup, *args) on `world_size` spawned ranks (fn and args must pickle: a module-level
+    function). A rank's exception fails the test with its traceback; ranks that outlast JOIN_TIMEOUT_S are
+    killed and the test fails."""
+    init_method = f"tcp://127.0.0.1:{pick_free_port()}"
+    context = mp.spawn(_rank_main, args=(fn, world_size, init_method, args), nprocs=world_size, join=False)
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"ranks still running after {JOIN_TIMEOUT_S} s")
+
