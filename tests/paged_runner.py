@@ -8,6 +8,7 @@ import torch
 
 from plugserve.core.config import ModelConfig
 from plugserve.core.dispatch import prepare_attention
+from plugserve.core.distributed import SINGLE, ParallelGroup
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode
 from plugserve.core.kv_cache import MLAKVPool, PageAllocator, pages_needed
 from plugserve.core.loader import load_model, read_config
@@ -26,7 +27,7 @@ class Request:
 class PagedRunner:
     def __init__(self, model: DeepseekForCausalLM, page_size: int = 4, num_pages: int = 256) -> None:
         config = model.config
-        dtype, device = model.embed_tokens.dtype, model.embed_tokens.device
+        dtype, device = model.embed_tokens.weight.dtype, model.embed_tokens.weight.device
         self.model, self.page_size, self.device = model, page_size, device
         self.pool = MLAKVPool(model.num_kv_layers, num_pages, page_size, config.kv_lora_rank, config.qk_rope_head_dim,
                               dtype, device)
@@ -56,21 +57,24 @@ class PagedRunner:
         return logits
 
 
-def reference_backends(config: ModelConfig, dtype: torch.dtype, device: str = "cpu") -> ModelBackends:
-    """The torch reference backend of every kind, built for `config`."""
+def reference_backends(config: ModelConfig, dtype: torch.dtype, device: str = "cpu", tp_size: int = 1
+                       ) -> ModelBackends:
+    """The torch reference backend of every kind, built for `config` split over `tp_size` ranks."""
     dev = torch.device(device)
+    attention = config.attention_spec(dtype, tp_size=tp_size)
     return ModelBackends(
-        attention_prefill=TorchRefAttention(config.attention_spec(dtype), dev),
-        attention_decode=TorchRefAttention(config.attention_spec(dtype), dev),
-        moe=TorchRefMoE(config.moe_spec(dtype), dev) if config.n_routed_experts else None,
+        attention_prefill=TorchRefAttention(attention, dev),
+        attention_decode=TorchRefAttention(attention, dev),
+        moe=TorchRefMoE(config.moe_spec(dtype, tp_size), dev) if config.n_routed_experts else None,
         gemm=TorchRefFp8Gemm(config.gemm_spec(dtype), dev) if config.fp8_block else None,
     )
 
 
 def load_reference_model(model_dir, dtype: torch.dtype = torch.float32, load_format: str = "auto",
-                         **read) -> DeepseekForCausalLM:
-    """read_config(**read) + load_model from `model_dir` on the CPU with the reference backends."""
+                         group: ParallelGroup = SINGLE, **read) -> DeepseekForCausalLM:
+    """read_config(**read) + load_model from `model_dir` on the CPU with the reference backends: this rank's
+    part of the model split over `group`."""
     config, checkpoint_layers = read_config(str(model_dir), None, **read)
-    return load_model(config, reference_backends(config, dtype), model_path=str(model_dir),
+    return load_model(config, reference_backends(config, dtype, tp_size=group.world_size), model_path=str(model_dir),
                       checkpoint_layers=checkpoint_layers, load_format=load_format, dtype=dtype,
-                      device=torch.device("cpu"))
+                      device=torch.device("cpu"), group=group)

@@ -208,9 +208,10 @@ class ModelConfig:
         )
 
     def attention_spec(self, dtype: torch.dtype, page_size: int | None = None,
-                       kv_cache_dtype: torch.dtype | None = None) -> AttentionSpec:
+                       kv_cache_dtype: torch.dtype | None = None, tp_size: int = 1) -> AttentionSpec:
+        """One rank's attention: the heads split over `tp_size` ranks."""
         return AttentionSpec(
-            num_heads=self.num_attention_heads,
+            num_heads=_per_rank("num_attention_heads", self.num_attention_heads, tp_size),
             kv_lora_rank=self.kv_lora_rank,
             qk_nope_head_dim=self.qk_nope_head_dim,
             qk_rope_head_dim=self.qk_rope_head_dim,
@@ -224,10 +225,11 @@ class ModelConfig:
     def gemm_spec(self, dtype: torch.dtype) -> GemmSpec:
         return GemmSpec(dtype=dtype, block_shape=self.fp8_block or (128, 128))
 
-    def moe_spec(self, dtype: torch.dtype) -> MoESpec:
+    def moe_spec(self, dtype: torch.dtype, tp_size: int = 1) -> MoESpec:
+        """One rank's routed experts: each expert's intermediate width split over `tp_size` ranks."""
         return MoESpec(
             hidden_size=self.hidden_size,
-            intermediate_size=self.moe_intermediate_size,
+            intermediate_size=_per_rank("moe_intermediate_size", self.moe_intermediate_size, tp_size),
             dtype=dtype,
             weight_dtype=torch.float8_e4m3fn if self.fp8_block else None,
             block_shape=self.fp8_block or (128, 128),
@@ -243,6 +245,12 @@ class ModelConfig:
     def quantized_fp8(self, block: tuple[int, int] = (128, 128)) -> ModelConfig:
         """The same model with its linear layers stored as block-FP8 (quantize-on-load)."""
         return replace(self, fp8_block=block)
+
+
+def _per_rank(what: str, size: int, tp_size: int) -> int:
+    if size % tp_size:
+        raise ModelConfigError(f"{what} {size} does not split over {tp_size} tensor-parallel ranks")
+    return size // tp_size
 
 
 def _fp8_block(quantization_config: Any) -> tuple[int, int] | None:

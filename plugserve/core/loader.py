@@ -11,13 +11,16 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
 from plugserve.core.config import ModelConfig, preset_config
+from plugserve.core.distributed import SINGLE, ParallelGroup
 from plugserve.core.layers.linear import Linear, WeightLoadError
+from plugserve.core.layers.parallel import LazySlice
 from plugserve.core.layers.quant import FP8_DTYPE, FP8_MAX
 from plugserve.core.models.deepseek import DeepseekForCausalLM, ModelBackends
 
@@ -51,16 +54,23 @@ class SafetensorsCheckpoint:
             for path in paths:
                 with safe_open(path, "pt") as f:
                     self._files |= dict.fromkeys(f.keys(), path)
-        self._open: dict[Path, object] = {}
+        self._open: dict[Path, Any] = {}  # safe_open handles
 
     def names(self) -> set[str]:
         return set(self._files)
 
-    def get(self, name: str) -> torch.Tensor:
+    def _file(self, name: str) -> Any:
         path = self._files[name]
         if path not in self._open:
             self._open[path] = safe_open(path, "pt")
-        return self._open[path].get_tensor(name)  # type: ignore[attr-defined]
+        return self._open[path]
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._file(name).get_tensor(name)
+
+    def get_slice(self, name: str) -> LazySlice:
+        """Tensor `name`, not read yet: indexing it reads only the rows or columns indexed."""
+        return self._file(name).get_slice(name)
 
 
 def load_checkpoint(model: DeepseekForCausalLM, checkpoint: SafetensorsCheckpoint, checkpoint_layers: int) -> None:
@@ -80,7 +90,7 @@ def load_checkpoint(model: DeepseekForCausalLM, checkpoint: SafetensorsCheckpoin
     for name, target in tqdm(expected.items(), desc="loading weights", unit="tensor", disable=None):
         scale_name = name + SCALE_SUFFIX
         scale = checkpoint.get(scale_name) if scale_name in available else None
-        target.load(name, checkpoint.get(name), scale)
+        target.load(name, checkpoint.get_slice(name) if target.lazy else checkpoint.get(name), scale)
         used.update((name, scale_name))
     unexpected = sorted(
         name for name in available - used
@@ -94,8 +104,9 @@ def load_checkpoint(model: DeepseekForCausalLM, checkpoint: SafetensorsCheckpoin
 def init_dummy_weights(model: DeepseekForCausalLM, seed: int = 0, std: float = 0.02) -> None:
     """Random weights with the model's real shapes: N(0, std) for float tensors (norm weights stay 1,
     the router bias 0), and for block-FP8 layers e4m3 values with scales that dequantize to N(0, std).
-    Drawn on the model's device (a 15B model in seconds on a GPU); the seed fixes them per device type."""
-    device = model.embed_tokens.device
+    Drawn on the model's device (a 15B model in seconds on a GPU); the seed fixes them per device type.
+    Each rank of a tensor-parallel model draws its own slices: the weights depend on the world size."""
+    device = model.embed_tokens.weight.device
     generator = torch.Generator(device=device).manual_seed(seed)
     fp8_spread = FP8_MAX / 4  # keeps e4m3 values well inside the +-448 range
 
@@ -119,8 +130,8 @@ def init_dummy_weights(model: DeepseekForCausalLM, seed: int = 0, std: float = 0
             else:
                 fill(module.weight, fp8_spread)
                 module.weight_scale_inv.data.fill_(std / fp8_spread)
-    fill(model.embed_tokens, std)
-    fill(model.lm_head, std)
+    fill(model.embed_tokens.weight, std)
+    fill(model.lm_head.weight, std)
     for layer in model.layers:
         gate = getattr(layer.mlp, "gate", None)
         if gate is not None:
@@ -165,8 +176,10 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     seed: int = 0,
+    group: ParallelGroup = SINGLE,
 ) -> DeepseekForCausalLM:
-    """Build the model, fill its weights, and pack them for `backends`."""
+    """Build the model (this rank's part of it, split over `group`), fill its weights, and pack them for
+    `backends` (built for this rank's shapes: `ModelConfig.attention_spec` / `moe_spec` with the world size)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"--load-format {load_format!r} is not supported (choose from {', '.join(LOAD_FORMATS)})")
     dummy = load_format == "dummy" or model_path is None
@@ -176,7 +189,7 @@ def load_model(
         and config.num_nextn_predict_layers > 0
         and f"model.layers.{checkpoint_layers}.eh_proj.weight" in checkpoint.names()
     )
-    model = DeepseekForCausalLM(config, dtype, device, with_nextn=with_nextn)
+    model = DeepseekForCausalLM(config, dtype, device, with_nextn=with_nextn, group=group)
     if checkpoint is None:
         init_dummy_weights(model, seed)
     else:

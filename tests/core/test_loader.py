@@ -72,8 +72,8 @@ def test_sharded_checkpoint_loads_hf_tensors(v3_hf, v3_sharded_dir: Path) -> Non
 
     model = load_reference_model(v3_sharded_dir)
     hf = dict(v3_hf.named_parameters())
-    assert _same(model.embed_tokens, hf["model.embed_tokens.weight"])
-    assert _same(model.lm_head, hf["lm_head.weight"])
+    assert _same(model.embed_tokens.weight, hf["model.embed_tokens.weight"])
+    assert _same(model.lm_head.weight, hf["lm_head.weight"])
     assert _same(model.norm.weight, hf["model.norm.weight"])
     layer0, layer1 = model.layers[0], model.layers[1]
     assert _same(layer1.input_layernorm.weight, hf["model.layers.1.input_layernorm.weight"])
@@ -130,16 +130,16 @@ def test_single_file_and_sharded_give_the_same_model(v3_model: DeepseekForCausal
 
 def test_safetensors_load_format_and_dtype(v3_dir: Path, v3_model: DeepseekForCausalLM) -> None:
     model = load_reference_model(v3_dir, dtype=torch.bfloat16, load_format="safetensors")
-    assert model.embed_tokens.dtype == torch.bfloat16
+    assert model.embed_tokens.weight.dtype == torch.bfloat16
     assert model.layers[0].self_attn.o_proj.weight.dtype == torch.bfloat16
     assert model.layers[1].mlp._packed.w13.dtype == torch.bfloat16
-    assert torch.equal(model.embed_tokens, v3_model.embed_tokens.to(torch.bfloat16))
+    assert torch.equal(model.embed_tokens.weight, v3_model.embed_tokens.weight.to(torch.bfloat16))
 
 
 def test_dummy_format_ignores_the_checkpoint(v3_dir: Path, v3_model: DeepseekForCausalLM) -> None:
     model = load_reference_model(v3_dir, load_format="dummy")
-    assert model.embed_tokens.shape == v3_model.embed_tokens.shape
-    assert not torch.equal(model.embed_tokens, v3_model.embed_tokens)
+    assert model.embed_tokens.weight.shape == v3_model.embed_tokens.weight.shape
+    assert not torch.equal(model.embed_tokens.weight, v3_model.embed_tokens.weight)
     assert torch.all(model.norm.weight == 1)
 
 
@@ -237,7 +237,7 @@ def test_num_layers_skips_later_layers(v3_dir: Path, v3_model: DeepseekForCausal
                  v3_model.layers[1].self_attn.fused_qkv_a_proj.weight)
     assert _same(model.layers[1].mlp._packed.w13, v3_model.layers[1].mlp._packed.w13)
     assert _same(model.norm.weight, v3_model.norm.weight)
-    assert _same(model.lm_head, v3_model.lm_head)
+    assert _same(model.lm_head.weight, v3_model.lm_head.weight)
 
 
 def test_num_layers_out_of_range(v3_dir: Path) -> None:
@@ -300,7 +300,7 @@ def test_fp8_checkpoint(fp8_dirs: tuple[Path, Path]) -> None:
     assert _same(packed.w2_scale_inv, torch.stack([ckpt[f"{m}.experts.{e}.down_proj.weight_scale_inv"]
                                                    for e in range(8)]))
     assert _same(model.layers[1].mlp.gate, ckpt[f"{m}.gate.weight"])
-    assert _same(model.embed_tokens, ckpt["model.embed_tokens.weight"])
+    assert _same(model.embed_tokens.weight, ckpt["model.embed_tokens.weight"])
 
     # the GEMM backend got the weights: o_proj(x) = x W^T up to activation quantization
     o_proj = model.layers[0].self_attn.o_proj
@@ -385,7 +385,7 @@ def test_quantize_onload_reference_model(fp8_dirs: tuple[Path, Path]) -> None:
     packed = model.layers[1].mlp._packed
     assert packed.w13.dtype == FP8_DTYPE and packed.w13.shape == (8, 64, 64)
     assert packed.w13_scale_inv.shape == (8, 1, 1)
-    assert model.embed_tokens.dtype == torch.float32
+    assert model.embed_tokens.weight.dtype == torch.float32
 
 
 def test_unsupported_quantization(v3_dir: Path) -> None:
@@ -419,16 +419,16 @@ def test_dummy_deepseek_v3() -> None:
     mlp = model.layers[1].mlp  # first_k_dense_replace = 3: both layers dense
     assert mlp.gate_up_proj.weight.shape == (2 * 18432, 7168) and mlp.gate_up_proj.weight.dtype == FP8_DTYPE
     assert mlp.down_proj.weight.shape == (7168, 18432)
-    assert model.embed_tokens.shape == (129280, 7168) and model.embed_tokens.dtype == dtype
-    assert model.lm_head.shape == (129280, 7168)
+    assert model.embed_tokens.weight.shape == (129280, 7168) and model.embed_tokens.weight.dtype == dtype
+    assert model.lm_head.weight.shape == (129280, 7168)
     for t in (attn.fused_qkv_a_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight,
-              model.embed_tokens, model.lm_head, attn.w_kc, attn.fused_qkv_a_proj.weight_scale_inv):
+              model.embed_tokens.weight, model.lm_head.weight, attn.w_kc, attn.fused_qkv_a_proj.weight_scale_inv):
         assert _finite(t)
-    assert _finite(model.embed_tokens[-64:]) and _finite(mlp.gate_up_proj.weight[-64:])
+    assert _finite(model.embed_tokens.weight[-64:]) and _finite(mlp.gate_up_proj.weight[-64:])
     # the random weights are not all zero, and dequantize to about N(0, 0.02)
     w = dequantize_block_fp8(attn.o_proj.weight[:256], attn.o_proj.weight_scale_inv[:2], (128, 128))
     assert 0.01 < w.std().item() < 0.04
-    assert 0.01 < model.embed_tokens[:256].float().std().item() < 0.04
+    assert 0.01 < model.embed_tokens.weight[:256].float().std().item() < 0.04
 
 
 def test_dummy_deepseek_v2_lite() -> None:

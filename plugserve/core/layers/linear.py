@@ -56,6 +56,11 @@ class Linear(nn.Module):
         self._gemm: Fp8GemmBackend | None = None
         self._packed: Any = None
 
+    def checkpoint_shape(self, shard: int) -> tuple[int, int]:
+        """Shape of the checkpoint tensor of `shard`: [output_sizes[shard], in_features] here; the whole
+        tensor, of which they hold a slice, in the tensor-parallel subclasses."""
+        return self.output_sizes[shard], self.in_features
+
     def load_shard(self, shard: int, name: str, weight: torch.Tensor, scale_inv: torch.Tensor | None = None) -> None:
         """Copy checkpoint tensor `name` ([output_sizes[shard], in_features], with its block scales when it is
         e4m3) into its rows of this layer."""

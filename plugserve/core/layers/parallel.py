@@ -89,12 +89,14 @@ def _read_slice(name: str, source: TensorSource, scale_inv: torch.Tensor | None,
 
 class ColumnParallelLinear(Linear):
     """y_r = x W_r^T: rank r of `group` holds rows [r n/P, (r+1) n/P) of each shard of n rows (P = world
-    size), the shards fused in order: weight [sum(output_sizes) / P, in_features] = shard0_r ++ shard1_r ++ ...
-    (gate_r ++ up_r), with `weight_scale_inv` [ceil(rows/bn), ceil(K/bk)] when block-FP8.
+    size), the shards fused in order: weight [sum(self.output_sizes), in_features] = shard0_r ++ shard1_r ++ ...
+    (gate_r ++ up_r), with `weight_scale_inv` [ceil(rows/bn), ceil(K/bk)] when block-FP8. The shards listed
+    in `replicated` are held whole by every rank (kv_a_proj_with_mqa, every head's latent, fused with the
+    q_proj that is split by heads).
 
-    `output_sizes` are the checkpoint's (full) shard sizes, each a multiple of P (ValueError naming
+    `output_sizes` are the checkpoint's (full) shard sizes, those split a multiple of P (ValueError naming
     `name` otherwise); `self.output_sizes` are this rank's. forward: x [..., K] (the same on every rank)
-    -> [..., sum(output_sizes) / P] in the model dtype, this rank's columns, no communication: the next
+    -> [..., sum(self.output_sizes)] in the model dtype, this rank's columns, no communication: the next
     layer is row-parallel, or splits the columns by head.
     """
 
@@ -108,18 +110,24 @@ class ColumnParallelLinear(Linear):
         *,
         group: ParallelGroup,
         name: str,
+        replicated: Sequence[int] = (),
     ) -> None:
-        local = [_local_size(name, "output size", n, group) for n in output_sizes]
+        local = [n if i in replicated else _local_size(name, "output size", n, group)
+                 for i, n in enumerate(output_sizes)]
         super().__init__(in_features, local, dtype, device, fp8_block)
-        self.group, self.name = group, name
+        self.group, self.name, self.replicated = group, name, frozenset(replicated)
         self.full_output_sizes = list(output_sizes)
+
+    def checkpoint_shape(self, shard: int) -> tuple[int, int]:
+        return self.full_output_sizes[shard], self.in_features
 
     def load_shard(self, shard: int, name: str, weight: TensorSource, scale_inv: torch.Tensor | None = None) -> None:
         """This rank's rows of checkpoint tensor `name` [full_output_sizes[shard], in_features] (e4m3 with its
         full `scale_inv`, or float), read from the tensor or lazy slice `weight`."""
-        _check_shape(name, weight, (self.full_output_sizes[shard], self.in_features))
+        _check_shape(name, weight, self.checkpoint_shape(shard))
         rows = self.output_sizes[shard]
-        local, local_scale = _read_slice(name, weight, scale_inv, 0, self.group.rank * rows, rows, self.fp8_block)
+        start = 0 if shard in self.replicated else self.group.rank * rows
+        local, local_scale = _read_slice(name, weight, scale_inv, 0, start, rows, self.fp8_block)
         super().load_shard(shard, name, local, local_scale)
 
 
@@ -149,10 +157,13 @@ class RowParallelLinear(Linear):
         self.group, self.name, self.reduce_output = group, name, reduce_output
         self.full_in_features = in_features
 
+    def checkpoint_shape(self, shard: int) -> tuple[int, int]:
+        return self.output_sizes[shard], self.full_in_features
+
     def load_shard(self, shard: int, name: str, weight: TensorSource, scale_inv: torch.Tensor | None = None) -> None:
         """This rank's columns of checkpoint tensor `name` [output_sizes[shard], full_in_features] (e4m3 with
         its full `scale_inv`, or float), read from the tensor or lazy slice `weight`."""
-        _check_shape(name, weight, (self.output_sizes[shard], self.full_in_features))
+        _check_shape(name, weight, self.checkpoint_shape(shard))
         cols = self.in_features
         local, local_scale = _read_slice(name, weight, scale_inv, 1, self.group.rank * cols, cols, self.fp8_block)
         super().load_shard(shard, name, local, local_scale)

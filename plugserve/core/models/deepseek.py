@@ -5,6 +5,14 @@ Every attention, block-FP8 GEMM and MoE call goes through the backends the regis
 for each, its shape and where it goes (q_a_proj and kv_a_proj_with_mqa fill one fused GEMM;
 gate_proj and up_proj one; experts are stacked for the MoE backend; kv_b_proj is also split into
 W_UK / W_UV for the absorbed path at `finalize`).
+
+Tensor parallelism over a `ParallelGroup` of P ranks (P = 1: one process, no collectives): each rank holds
+H / P attention heads (q_b_proj, or q_proj, and kv_b_proj split by heads, o_proj by its input columns)
+over the whole latent (q_a_proj and kv_a_proj_with_mqa replicated, so every rank caches the same latent
+KV); dense MLPs, shared experts and every routed expert split their intermediate width (gate_up by rows,
+down by columns); the embedding and LM head split the vocabulary. One all-reduce after attention and one
+after each MLP or MoE block (routed and shared experts summed first); the logits are all-gathered.
+Each rank reads only its slices of the checkpoint tensors.
 """
 
 from __future__ import annotations
@@ -18,10 +26,18 @@ from torch import nn
 
 from plugserve.core.config import ModelConfig
 from plugserve.core.dispatch import AttnForwardMethod
+from plugserve.core.distributed import SINGLE, ParallelGroup
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode
 from plugserve.core.interfaces import AttentionBackend, Fp8GemmBackend, MoEBackend
 from plugserve.core.layers.linear import Linear, WeightLoadError
 from plugserve.core.layers.norm import RMSNorm
+from plugserve.core.layers.parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    TensorSource,
+    VocabParallelEmbedding,
+)
 from plugserve.core.layers.rotary import RotaryEmbedding
 from plugserve.core.layers.small_ops import EAGER, SmallOps
 
@@ -43,11 +59,13 @@ class ModelBackends:
 
 @dataclass(frozen=True)
 class CheckpointTensor:
-    """One tensor the checkpoint must hold: its shape and how to load it. `load(name, tensor, scale_inv)`
-    gets the `{name}_scale_inv` tensor too when the checkpoint stores the weight as block-FP8."""
+    """One tensor the checkpoint must hold: its (whole) shape and how to load it. `load(name, tensor,
+    scale_inv)` gets the `{name}_scale_inv` tensor too when the checkpoint stores the weight as block-FP8.
+    `lazy`: `load` takes a lazy safetensors slice as well as a tensor and reads only what this rank holds."""
 
     shape: tuple[int, ...]
-    load: Callable[[str, torch.Tensor, torch.Tensor | None], None]
+    load: Callable[[str, TensorSource, torch.Tensor | None], None]
+    lazy: bool = False
 
 
 def _copy_into(param: torch.Tensor) -> Callable[[str, torch.Tensor, torch.Tensor | None], None]:
@@ -64,36 +82,53 @@ def _copy_into(param: torch.Tensor) -> Callable[[str, torch.Tensor, torch.Tensor
 
 def _linear_tensors(prefix: str, linear: Linear, names: list[str]) -> dict[str, CheckpointTensor]:
     """Checkpoint names of the shards of `linear`, in order."""
+    lazy = isinstance(linear, ColumnParallelLinear | RowParallelLinear)
     return {
         f"{prefix}.{name}.weight": CheckpointTensor(
-            (rows, linear.in_features),
+            linear.checkpoint_shape(shard),
             lambda n, t, s, shard=shard: linear.load_shard(shard, n, t, s),
+            lazy,
         )
-        for shard, (name, rows) in enumerate(zip(names, linear.output_sizes, strict=True))
+        for shard, (name, _) in enumerate(zip(names, linear.output_sizes, strict=True))
     }
 
 
 class Parameters:
-    """Creates the model's tensors on one device and dtype."""
+    """Creates the model's tensors on one device and dtype: replicated, or split over the ranks of `group`."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
-        self.config, self.dtype, self.device = config, dtype, torch.device(device)
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                 group: ParallelGroup) -> None:
+        self.config, self.dtype, self.device, self.group = config, dtype, torch.device(device), group
 
     def linear(self, in_features: int, *output_sizes: int) -> Linear:
+        """Every rank holds the whole layer."""
         return Linear(in_features, output_sizes, self.dtype, self.device, self.config.fp8_block)
+
+    def column(self, name: str, in_features: int, *output_sizes: int, replicated: tuple[int, ...] = ()
+               ) -> ColumnParallelLinear:
+        """Output rows split over the ranks (the shards in `replicated` held whole); `name` for errors."""
+        return ColumnParallelLinear(in_features, output_sizes, self.dtype, self.device, self.config.fp8_block,
+                                    group=self.group, name=name, replicated=replicated)
+
+    def row(self, name: str, in_features: int, out_features: int, reduce_output: bool = True) -> RowParallelLinear:
+        """Input columns split over the ranks, outputs all-reduced unless `reduce_output` is False."""
+        return RowParallelLinear(in_features, [out_features], self.dtype, self.device, self.config.fp8_block,
+                                 group=self.group, name=name, reduce_output=reduce_output)
 
     def norm(self, size: int, eps: float | None = None) -> RMSNorm:
         return RMSNorm(size, self.config.rms_norm_eps if eps is None else eps, self.dtype, self.device)
 
 
 class DenseMLP(nn.Module):
-    """silu(x W_gate^T) * (x W_up^T), then W_down; gate and up run as one GEMM."""
+    """silu(x W_gate^T) * (x W_up^T), then W_down; gate and up run as one GEMM. Each rank holds a slice of
+    the intermediate width; `reduce_output` False leaves the all-reduce of W_down's partial sums to the
+    caller (an MoE block reduces its routed and shared experts at once)."""
 
-    def __init__(self, p: Parameters, intermediate_size: int) -> None:
+    def __init__(self, p: Parameters, intermediate_size: int, name: str, reduce_output: bool = True) -> None:
         super().__init__()
         hidden = p.config.hidden_size
-        self.gate_up_proj = p.linear(hidden, intermediate_size, intermediate_size)
-        self.down_proj = p.linear(intermediate_size, hidden)
+        self.gate_up_proj = p.column(f"{name}.gate_up_proj", hidden, intermediate_size, intermediate_size)
+        self.down_proj = p.row(f"{name}.down_proj", intermediate_size, hidden, reduce_output)
         self.ops: SmallOps = EAGER
 
     def checkpoint_tensors(self, prefix: str) -> dict[str, CheckpointTensor]:
@@ -115,19 +150,23 @@ class DeepseekMoE(nn.Module):
     CUDA stream when `shared_stream` is set), or extra experts inside the backend's GEMMs when its spec has
     `num_shared_experts`."""
 
-    def __init__(self, p: Parameters) -> None:
+    def __init__(self, p: Parameters, name: str) -> None:
         super().__init__()
         c = p.config
         experts, hidden, inter = c.n_routed_experts or 0, c.hidden_size, c.moe_intermediate_size
+        self.group = p.group
         self.routed_scaling_factor = c.routed_scaling_factor
         self.gate = nn.Parameter(torch.empty(experts, hidden, dtype=p.dtype, device=p.device), requires_grad=False)
         self.e_score_correction_bias = (
             nn.Parameter(torch.zeros(experts, dtype=torch.float32, device=p.device), requires_grad=False)
             if c.topk_method == "noaux_tc" else None
         )
-        # Loaded per expert, then stacked into w13 [E, 2I, H] / w2 [E, H, I] for the backend at finalize.
-        self.experts = nn.ModuleList(DenseMLP(p, inter) for _ in range(experts))
-        self.shared_experts = DenseMLP(p, inter * c.n_shared_experts) if c.n_shared_experts else None
+        # Loaded per expert, then stacked into w13 [E, 2I/P, H] / w2 [E, H, I/P] for the backend at finalize
+        # (P ranks: the backend's spec has this rank's intermediate width I/P).
+        self.experts = nn.ModuleList(DenseMLP(p, inter, f"{name}.experts.{e}", reduce_output=False)
+                                     for e in range(experts))
+        self.shared_experts = (DenseMLP(p, inter * c.n_shared_experts, f"{name}.shared_experts", reduce_output=False)
+                               if c.n_shared_experts else None)
         self._moe: MoEBackend | None = None
         self._packed: object = None
         self.shared_stream: torch.cuda.Stream | None = None  # set by DeepseekForCausalLM.overlap_shared_experts
@@ -178,7 +217,11 @@ class DeepseekMoE(nn.Module):
         return fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]."""
+        """x [T, hidden] -> [T, hidden]: this rank's partial sums of the routed and shared experts, then one
+        all-reduce for both."""
+        return self.group.all_reduce(self._partial(x))
+
+    def _partial(self, x: torch.Tensor) -> torch.Tensor:
         if self._moe is None:
             raise RuntimeError("DeepseekMoE used before finalize()")
         if self.shared_experts is None:
@@ -218,24 +261,33 @@ class MLAAttention(nn.Module):
     MHA_CHUNKED_KV: the cached prefix de-compressed chunk by chunk, merged by log-sum-exp.
     MLA (decode, verify, short-prefix extend): W_UK absorbed into q, MQA over the latent cache,
     W_UV applied to the latent-space output.
+
+    Under tensor parallelism H below is this rank's heads (num_attention_heads / P); the latent, the rope
+    key and so the KV cache are every head's, the same on every rank.
     """
 
     def __init__(self, p: Parameters, layer_id: int) -> None:
         super().__init__()
         c = p.config
-        self.layer_id = layer_id
-        self.num_heads, self.kv_lora_rank, self.rope_dim = c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim
+        name, heads = f"model.layers.{layer_id}.self_attn", c.num_attention_heads
+        if heads % p.group.world_size:
+            raise ValueError(f"{name}: {heads} attention heads do not split over {p.group.world_size} ranks")
+        self.layer_id, self.num_heads = layer_id, heads // p.group.world_size
+        self.kv_lora_rank, self.rope_dim = c.kv_lora_rank, c.qk_rope_head_dim
         self.nope_dim, self.v_dim, self.q_lora_rank = c.qk_nope_head_dim, c.v_head_dim, c.q_lora_rank
-        q_out, kv_a_out = c.num_attention_heads * c.qk_head_dim, c.kv_lora_rank + c.qk_rope_head_dim
+        q_out, kv_a_out = heads * c.qk_head_dim, c.kv_lora_rank + c.qk_rope_head_dim
         # The projections of the input (q_a_proj or q_proj, and kv_a_proj_with_mqa) read the same x: one GEMM.
-        self.q_in_width = c.q_lora_rank if c.q_lora_rank is not None else q_out
-        self.fused_qkv_a_proj = p.linear(c.hidden_size, self.q_in_width, kv_a_out)
         if c.q_lora_rank is not None:
+            self.q_in_width = c.q_lora_rank
+            self.fused_qkv_a_proj: Linear = p.linear(c.hidden_size, c.q_lora_rank, kv_a_out)
             self.q_a_layernorm = p.norm(c.q_lora_rank, eps=1e-6)
-            self.q_b_proj = p.linear(c.q_lora_rank, q_out)
+            self.q_b_proj = p.column(f"{name}.q_b_proj", c.q_lora_rank, q_out)
+        else:  # q_proj split by heads beside the whole kv_a_proj_with_mqa
+            self.fused_qkv_a_proj = p.column(f"{name}.q_proj", c.hidden_size, q_out, kv_a_out, replicated=(1,))
+            self.q_in_width = self.fused_qkv_a_proj.output_sizes[0]
         self.kv_a_layernorm = p.norm(c.kv_lora_rank, eps=1e-6)
-        self.kv_b_proj = p.linear(c.kv_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim))
-        self.o_proj = p.linear(c.num_attention_heads * c.v_head_dim, c.hidden_size)
+        self.kv_b_proj = p.column(f"{name}.kv_b_proj", c.kv_lora_rank, heads * (c.qk_nope_head_dim + c.v_head_dim))
+        self.o_proj = p.row(f"{name}.o_proj", heads * c.v_head_dim, c.hidden_size)
         self.w_kc: torch.Tensor  # [H, nope, R], set at finalize
         self.w_vc: torch.Tensor  # [H, R, v]
 
@@ -311,8 +363,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = p.norm(p.config.hidden_size)
         self.self_attn = MLAAttention(p, layer_id)
         self.post_attention_layernorm = p.norm(p.config.hidden_size)
+        name = f"model.layers.{layer_id}.mlp"
         self.mlp: DenseMLP | DeepseekMoE = (
-            DeepseekMoE(p) if p.config.is_moe_layer(layer_id) else DenseMLP(p, p.config.intermediate_size)
+            DeepseekMoE(p, name) if p.config.is_moe_layer(layer_id) else DenseMLP(p, p.config.intermediate_size, name)
         )
 
     def checkpoint_tensors(self, prefix: str) -> dict[str, CheckpointTensor]:
@@ -350,7 +403,7 @@ class NextNLayer(nn.Module):
     """DeepSeek-V3's multi-token-prediction layer: from the main model's last hidden state at position
     i and the embedding of token i + 1, a full decoder layer predicts token i + 2. Checkpoint prefix:
     `model.layers.{num_hidden_layers}`. The embedding and head are the main model's (the checkpoint
-    repeats them; the copies are checked for shape and dropped)."""
+    repeats them; the copies are checked for shape and dropped). `eh_proj` is replicated (one small GEMM)."""
 
     def __init__(self, p: Parameters, layer_id: int) -> None:
         super().__init__()
@@ -366,7 +419,7 @@ class NextNLayer(nn.Module):
             tensors[f"{prefix}.{name}.weight"] = CheckpointTensor(tuple(norm.weight.shape), _copy_into(norm.weight))
         shared = (vocab_size, self.enorm.weight.shape[0])
         for name in ("embed_tokens.weight", "shared_head.head.weight"):
-            tensors[f"{prefix}.{name}"] = CheckpointTensor(shared, lambda n, t, s: None)
+            tensors[f"{prefix}.{name}"] = CheckpointTensor(shared, lambda n, t, s: None, lazy=True)  # never read
         return tensors
 
     def forward(self, embeddings: torch.Tensor, hidden: torch.Tensor, rope: RotaryEmbedding, cos_sin: CosSin,
@@ -379,19 +432,20 @@ class NextNLayer(nn.Module):
 
 
 class DeepseekForCausalLM(nn.Module):
-    """The decoder stack plus lm head. KV-pool layer ids: decoder layers 0..L-1, then the NextN layer."""
+    """The decoder stack plus lm head. KV-pool layer ids: decoder layers 0..L-1, then the NextN layer.
+    `group`: the ranks this model is split over (module docstring); every rank runs every forward on the
+    same inputs."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-                 with_nextn: bool = False) -> None:
+                 with_nextn: bool = False, group: ParallelGroup = SINGLE) -> None:
         super().__init__()
-        p = Parameters(config, dtype, device)
-        self.config = config
-        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype,
-                                                     device=device), requires_grad=False)
+        p = Parameters(config, dtype, device, group)
+        self.config, self.group = config, group
+        vocab = (config.vocab_size, config.hidden_size, dtype, device)
+        self.embed_tokens = VocabParallelEmbedding(*vocab, group=group, name="model.embed_tokens")
         self.layers = nn.ModuleList(DecoderLayer(p, i) for i in range(config.num_hidden_layers))
         self.norm = p.norm(config.hidden_size)
-        self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
-                                    requires_grad=False)
+        self.lm_head = ParallelLMHead(*vocab, group=group, name="lm_head")
         self.nextn = NextNLayer(p, config.num_hidden_layers) if with_nextn else None
         # One rope for every layer: the rope dims and scaling are the model's.
         self.rotary = RotaryEmbedding(config.qk_rope_head_dim, config.rope_theta, config.rope_scaling, device)
@@ -404,13 +458,13 @@ class DeepseekForCausalLM(nn.Module):
     def checkpoint_tensors(self, checkpoint_layers: int | None = None) -> dict[str, CheckpointTensor]:
         """Every tensor the checkpoint must provide, by its Hugging Face name. `checkpoint_layers`: the
         checkpoint's decoder-layer count (its NextN layer follows them), when the model keeps fewer."""
+        vocab = (self.config.vocab_size, self.config.hidden_size)
         tensors = {
-            "model.embed_tokens.weight": CheckpointTensor(tuple(self.embed_tokens.shape),
-                                                          _copy_into(self.embed_tokens)),
+            "model.embed_tokens.weight": CheckpointTensor(vocab, self.embed_tokens.load, lazy=True),
             "model.norm.weight": CheckpointTensor(tuple(self.norm.weight.shape), _copy_into(self.norm.weight)),
         }
         if not self.config.tie_word_embeddings:
-            tensors["lm_head.weight"] = CheckpointTensor(tuple(self.lm_head.shape), _copy_into(self.lm_head))
+            tensors["lm_head.weight"] = CheckpointTensor(vocab, self.lm_head.load, lazy=True)
         for i, layer in enumerate(self.layers):
             tensors |= layer.checkpoint_tensors(f"model.layers.{i}")
         if self.nextn is not None:
@@ -421,7 +475,7 @@ class DeepseekForCausalLM(nn.Module):
     def finalize(self, backends: ModelBackends) -> None:
         """After loading: pack weights for the backends (FP8 GEMM layouts, stacked experts, W_UK / W_UV)."""
         if self.config.tie_word_embeddings:
-            self.lm_head = self.embed_tokens
+            self.lm_head.weight = self.embed_tokens.weight  # the same vocabulary rows on every rank
         for layer in self.layers:
             layer.finalize(backends)
         if self.nextn is not None:
@@ -437,7 +491,7 @@ class DeepseekForCausalLM(nn.Module):
 
     def overlap_shared_experts(self, enable: bool) -> None:
         """Run every MoE layer's shared experts on one second CUDA stream (or, `enable` False, inline)."""
-        stream = torch.cuda.Stream(self.embed_tokens.device) if enable else None
+        stream = torch.cuda.Stream(self.embed_tokens.weight.device) if enable else None
         for module in self.modules():
             if isinstance(module, DeepseekMoE):
                 module.shared_stream = stream
@@ -459,7 +513,7 @@ class DeepseekForCausalLM(nn.Module):
         None plans the mode's backend."""
         attn = self._attention(batch, attention)
         cos_sin = self.rotary.cos_sin(batch.positions)
-        x, residual = F.embedding(input_ids, self.embed_tokens), None
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(x, residual, self.rotary, cos_sin, batch, attn)
         return self.norm(x) if residual is None else self.norm.add_forward(x, residual)[0]
@@ -472,8 +526,9 @@ class DeepseekForCausalLM(nn.Module):
             raise RuntimeError("the model was built without its NextN layer")
         attn = self._attention(batch, attention)
         cos_sin = self.rotary.cos_sin(batch.positions)
-        return self.nextn(F.embedding(next_ids, self.embed_tokens), hidden, self.rotary, cos_sin, batch, attn)
+        return self.nextn(self.embed_tokens(next_ids), hidden, self.rotary, cos_sin, batch, attn)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, hidden] -> logits [n, vocab] float32."""
-        return F.linear(hidden, self.lm_head).float()
+        """hidden [n, hidden] -> logits [n, vocab] float32, the whole vocabulary on every rank (each rank's
+        [n, vocab / P] all-gathered: callers pass only the rows they sample)."""
+        return self.lm_head(hidden)
