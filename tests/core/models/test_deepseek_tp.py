@@ -1,0 +1,202 @@
+"""DeepseekForCausalLM split over 2 ranks (tensor parallelism) against the one-process model of the same
+checkpoint: what each rank loads of a block-FP8 checkpoint (in this process, no collectives), and logits
+and greedy continuations on 2 spawned gloo ranks (float32, torch_ref backends)."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from plugserve.core.dispatch import AttnForwardMethod
+from plugserve.core.distributed import ParallelGroup
+from plugserve.core.forward_batch import ForwardMode
+from plugserve.core.layers.parallel import LazySlice
+from plugserve.core.layers.quant import FP8_DTYPE
+from plugserve.core.loader import SafetensorsCheckpoint, load_checkpoint, read_config
+from plugserve.core.models.deepseek import DeepseekForCausalLM, DeepseekMoE, DenseMLP, MLAAttention
+from tests.checkpoints import (
+    random_hf_model,
+    save_hf_model,
+    tiny_v2_lite_config,
+    tiny_v3_config,
+    write_fp8_checkpoint,
+)
+from tests.multiprocess import run_ranks
+from tests.paged_runner import PagedRunner, Request, load_reference_model
+
+# 16 x 16 blocks: every split of the tiny models (heads, intermediate widths) falls on a block boundary, so
+# each rank keeps the checkpoint's e4m3 values and scales, and quantizes activations in the same groups.
+FP8_BLOCK = (16, 16)
+WORLD_SIZE = 2
+DECODE_STEPS = 4
+# The ranks' partial sums add up in another order than one GEMM's: float32 rounding, relative to the
+# largest logit.
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny V3 (q LoRA, a dense first layer then MoE with a shared expert), its block-FP8 copy, and a tiny
+    V2-Lite (q_proj without LoRA, two shared experts)."""
+    root = tmp_path_factory.mktemp("tp")
+    v3 = save_hf_model(random_hf_model(tiny_v3_config()), root / "v3")
+    return {"v3": v3, "v3_fp8": write_fp8_checkpoint(v3, root / "v3_fp8", block=FP8_BLOCK),
+            "v2_lite": save_hf_model(random_hf_model(tiny_v2_lite_config()), root / "v2_lite")}
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == FP8_DTYPE else torch.equal(a, b)
+
+
+def _rows(t: torch.Tensor, rank: int, dim: int = 0, parts: int = WORLD_SIZE) -> torch.Tensor:
+    """Part `rank` of `parts` equal parts of t along `dim`."""
+    return t.chunk(parts, dim)[rank]
+
+
+def _fused_rows(t: torch.Tensor, sizes: list[int], rank: int, dim: int = 0) -> torch.Tensor:
+    """Of the shards of `sizes` fused along `dim` in t, each one's part `rank`, fused again."""
+    return torch.cat([_rows(shard, rank, dim) for shard in t.split(sizes, dim)], dim)
+
+
+def _check_attention(mine: MLAAttention, full: MLAAttention, rank: int) -> None:
+    assert mine.num_heads == full.num_heads // WORLD_SIZE
+    assert _same_bits(mine.fused_qkv_a_proj.weight, full.fused_qkv_a_proj.weight)  # the latent: replicated
+    for name in ("q_b_proj", "kv_b_proj"):  # by heads: rank r's heads are rows r of the checkpoint tensor
+        assert _same_bits(getattr(mine, name).weight, _rows(getattr(full, name).weight, rank)), name
+        assert _same_bits(getattr(mine, name).weight_scale_inv, _rows(getattr(full, name).weight_scale_inv, rank))
+    assert _same_bits(mine.o_proj.weight, _rows(full.o_proj.weight, rank, dim=1))
+    assert _same_bits(mine.o_proj.weight_scale_inv, _rows(full.o_proj.weight_scale_inv, rank, dim=1))
+    assert _same_bits(mine.w_kc, _rows(full.w_kc, rank)) and _same_bits(mine.w_vc, _rows(full.w_vc, rank))
+
+
+def _check_mlp(mine: DenseMLP, full: DenseMLP, rank: int) -> None:
+    gate_up, blocks = full.gate_up_proj, full.gate_up_proj.weight_scale_inv.shape[0]
+    assert _same_bits(mine.gate_up_proj.weight, _fused_rows(gate_up.weight, gate_up.output_sizes, rank))
+    assert _same_bits(mine.gate_up_proj.weight_scale_inv,
+                      _fused_rows(gate_up.weight_scale_inv, [blocks // 2] * 2, rank))
+    assert _same_bits(mine.down_proj.weight, _rows(full.down_proj.weight, rank, dim=1))
+    assert _same_bits(mine.down_proj.weight_scale_inv, _rows(full.down_proj.weight_scale_inv, rank, dim=1))
+
+
+def _check_moe(mine: DeepseekMoE, full: DeepseekMoE, rank: int) -> None:
+    assert _same_bits(mine.gate, full.gate)
+    a, b = mine._packed, full._packed  # TorchRefMoEWeights: w13 [E, 2I, H], w2 [E, H, I]
+    inter, blocks = b.w2.shape[2], b.w13_scale_inv.shape[1]
+    assert _same_bits(a.w13, _fused_rows(b.w13, [inter, inter], rank, dim=1))
+    assert _same_bits(a.w13_scale_inv, _fused_rows(b.w13_scale_inv, [blocks // 2] * 2, rank, dim=1))
+    assert _same_bits(a.w2, _rows(b.w2, rank, dim=2))
+    assert _same_bits(a.w2_scale_inv, _rows(b.w2_scale_inv, rank, dim=2))
+    _check_mlp(mine.shared_experts, full.shared_experts, rank)  # type: ignore[arg-type]
+
+
+class RecordingCheckpoint(SafetensorsCheckpoint):
+    """Counts the elements read of each tensor, whole or through lazy slices."""
+
+    def __init__(self, model_dir: Path) -> None:
+        super().__init__(model_dir)
+        self.read: dict[str, int] = {}
+
+    def _count(self, name: str, part: torch.Tensor) -> torch.Tensor:
+        self.read[name] = self.read.get(name, 0) + part.numel()
+        return part
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._count(name, super().get(name))
+
+    def get_slice(self, name: str) -> LazySlice:
+        return _CountingSlice(super().get_slice(name), lambda part: self._count(name, part))
+
+
+class _CountingSlice:
+    def __init__(self, inner: LazySlice, count: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.inner, self.count = inner, count
+
+    def get_shape(self) -> list[int]:
+        return self.inner.get_shape()
+
+    def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor:
+        return self.count(self.inner[index])
+
+
+def test_a_rank_reads_half_of_each_split_tensor_and_the_replicated_ones_whole(checkpoints: dict[str, Path]) -> None:
+    directory = checkpoints["v3_fp8"]
+    config, layers = read_config(str(directory), None)
+    checkpoint = RecordingCheckpoint(directory)
+    load_checkpoint(DeepseekForCausalLM(config, torch.float32, "cpu", group=ParallelGroup(1, WORLD_SIZE)),
+                    checkpoint, layers)
+    split = re.compile(r"(q_b_proj|kv_b_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$|embed_tokens|lm_head")
+    for name, read in checkpoint.read.items():
+        numel = math.prod(checkpoint.get_slice(name).get_shape())
+        assert read == (numel // WORLD_SIZE if split.search(name) else numel), name
+    assert any("experts.7.down_proj.weight" in name for name in checkpoint.read)
+
+
+def test_each_rank_of_a_block_fp8_checkpoint_holds_its_slices_of_the_unsharded_model(
+        checkpoints: dict[str, Path]) -> None:
+    """Loading runs no collective: both ranks load here, each compared with the one-process model."""
+    directory = checkpoints["v3_fp8"]
+    full = load_reference_model(directory)
+    for rank in range(WORLD_SIZE):
+        mine = load_reference_model(directory, group=ParallelGroup(rank, WORLD_SIZE))
+        assert _same_bits(mine.embed_tokens.weight, _rows(full.embed_tokens.weight, rank))
+        assert _same_bits(mine.lm_head.weight, _rows(full.lm_head.weight, rank))
+        for layer, full_layer in zip(mine.layers, full.layers, strict=True):
+            _check_attention(layer.self_attn, full_layer.self_attn, rank)
+            if isinstance(layer.mlp, DeepseekMoE):
+                _check_moe(layer.mlp, full_layer.mlp, rank)  # type: ignore[arg-type]
+            else:
+                _check_mlp(layer.mlp, full_layer.mlp, rank)  # type: ignore[arg-type]
+
+
+# (new tokens of each request, dispatch arguments, the attention method they give): a prompt, then
+# extensions over the cached prefix by each method.
+EXTENDS = [
+    (slice(0, -9), {}, AttnForwardMethod.MHA),
+    (slice(-9, -6), {}, AttnForwardMethod.MLA),
+    (slice(-6, -3), {"chunked_prefix_cache_threshold": 1}, AttnForwardMethod.MHA),
+    (slice(-3, None), {"chunked_prefix_cache_threshold": 1, "prefix_chunk_capacity": 8},
+     AttnForwardMethod.MHA_CHUNKED_KV),
+]
+
+
+def _greedy_run(model: DeepseekForCausalLM, prompts: list[list[int]]) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """The prompts in EXTEND batches (EXTENDS), then DECODE_STEPS greedy DECODE batches: each batch's logits
+    [new tokens, vocab] float32, and each request's tokens."""
+    runner = PagedRunner(model, page_size=4)
+    requests = [Request() for _ in prompts]
+    logits = []
+    for part, dispatch, method in EXTENDS:
+        new = [prompt[part] for prompt in prompts]
+        logits.append(runner.step(ForwardMode.EXTEND, requests, new, **dispatch))
+        assert runner.last_batch.attn_method is method
+    last_rows = torch.tensor([len(n) for n in new]).cumsum(0) - 1
+    for _ in range(DECODE_STEPS):
+        next_tokens = logits[-1][last_rows].argmax(-1).tolist()
+        logits.append(runner.step(ForwardMode.DECODE, requests, [[t] for t in next_tokens]))
+        last_rows = torch.arange(len(requests))
+    return logits, [r.tokens for r in requests]
+
+
+def _split_models_match_one_process(group: ParallelGroup, directories: list[Path]) -> None:
+    generator = torch.Generator().manual_seed(1)
+    for directory in directories:
+        single = load_reference_model(directory)
+        prompts = [torch.randint(0, single.config.vocab_size, (n,), generator=generator).tolist() for n in (21, 12)]
+        expected, expected_tokens = _greedy_run(single, prompts)
+        split = load_reference_model(directory, group=group)
+        assert split.layers[0].self_attn.num_heads == single.layers[0].self_attn.num_heads // WORLD_SIZE
+        logits, tokens = _greedy_run(split, prompts)
+        assert tokens == expected_tokens, directory.name
+        for got, want in zip(logits, expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=TOLERANCE * want.abs().max().item())
+
+
+def test_tp2_logits_and_greedy_tokens_match_one_process(checkpoints: dict[str, Path]) -> None:
+    run_ranks(_split_models_match_one_process, [checkpoints[name] for name in ("v3", "v2_lite", "v3_fp8")])
