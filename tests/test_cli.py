@@ -48,7 +48,8 @@ def test_serve_rejects_a_bad_flag_value_naming_the_flag(capsys):
     for argv, expected in [
         (["--max-running-requests", "0"], "--max-running-requests"),
         (["--kv-cache-dtype", "int8"], "--kv-cache-dtype 'int8' is not one of: auto, bfloat16"),
-        (["--tp-size", "2"], "--tp-size 2: tensor parallelism has not landed yet"),
+        (["--tp-size", "3", "--nnodes", "2"], "--tp-size 3 does not split over --nnodes 2"),
+        (["--tp-size", "2", "--nnodes", "2"], "--nnodes 2 needs --dist-init-addr"),
         (["--dtype", "fp64"], "--dtype: invalid choice: 'fp64'"),
     ]:
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,11 +32,28 @@ class ParallelGroup:
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside a world of size {self.world_size}")
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum x over the ranks, in place; returns x (any shape and dtype, the same on every rank)."""
+    def all_reduce(self, x: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+        """Sum (or `op`) x over the ranks, in place; returns x (any shape and dtype, the same on every rank)."""
         if self.world_size > 1:
-            dist.all_reduce(x, group=self.group)
+            dist.all_reduce(x, op=op, group=self.group)
         return x
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's x into x on every rank, in place; returns x (the same shape and dtype on every rank)."""
+        if self.world_size > 1:
+            dist.broadcast(x, src=self._global(0), group=self.group)
+        return x
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's picklable `obj` (what the others pass is ignored), returned on every rank."""
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=self._global(0), group=self.group)
+        return box[0]
+
+    def _global(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """x [..., n, ...] on each rank -> [..., world_size * n, ...], the ranks' tensors concatenated

@@ -12,6 +12,10 @@ The engine never leaves a caller waiting: a failing step ends its requests with 
 on; if the loop itself dies, every outstanding request gets an error at once, later submissions raise
 `EngineStopped`, and `on_death` tells the owner (the server exits non-zero). `close` refuses new requests
 while the running ones finish (a graceful shutdown); `abort_all` ends those left.
+
+With --tp-size N the engine is rank 0 (core/ranks.py): it starts this node's other ranks, and one that
+exits kills the engine as a dying loop does (while it starts up, the process: it waits in a collective
+that only the timeout would end).
 """
 
 from __future__ import annotations
@@ -20,15 +24,18 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import queue
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
+from plugserve.core.distributed import SINGLE
 from plugserve.core.metrics import Metrics
 from plugserve.core.model_runner import ModelRunner
 from plugserve.core.radix_cache import RadixCache
+from plugserve.core.ranks import Ranks
 from plugserve.core.request import FinishReason, Request, RequestOutput, TokenLogprob
 from plugserve.core.sampling import SamplingParams, make_generator
 from plugserve.core.scheduler import Scheduler
@@ -108,7 +115,19 @@ class EngineStopped(RuntimeError):
 class Engine:
     def __init__(self, args: ServerArgs | None = None) -> None:
         self.args = args = args or ServerArgs()
-        self.runner = ModelRunner(args)
+        self.ready = threading.Event()  # before the ranks' watch, which reads it
+        if args.node_rank:
+            raise ValueError(f"--node-rank {args.node_rank}: the engine is rank 0, on node 0 (`plugserve serve` "
+                             "on the other nodes starts their ranks only)")
+        self.ranks = Ranks(args) if args.tp_size > 1 else None
+        if self.ranks is not None:
+            self.ranks.watch(self._rank_exited)
+        try:
+            self.runner = ModelRunner(args, self.ranks.group if self.ranks is not None else SINGLE)
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.stop(None)
+            raise
         self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path or EMBEDDED_MODEL_DIR)
         config = self.runner.config
         self.runner.sample_vocab = min(config.vocab_size, len(self.tokenizer))
@@ -122,7 +141,6 @@ class Engine:
         self.model_name, self.model_names = served_model_names(args)
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self.ready = threading.Event()
         self.warm_up_error: str | None = None
         self.error: str | None = None  # why the scheduler loop died, once it has
         self.closing: str | None = None  # why new requests are refused (a graceful shutdown)
@@ -156,7 +174,7 @@ class Engine:
         self._outbox.flush()
 
     def _serve(self) -> None:
-        while not self._stopped:
+        while not self._stopped and self.error is None:  # error: a tensor-parallel rank is gone
             while not self._inbox.empty():
                 command = self._inbox.get()
                 try:
@@ -193,6 +211,15 @@ class Engine:
         self._outbox.flush()
         if self.on_death is not None:
             self.on_death(error)
+
+    def _rank_exited(self, error: str) -> None:
+        if not self.ready.is_set():
+            logger.critical("%s while starting up", error)
+            logging.shutdown()
+            os._exit(1)
+        # On the loop's thread, between steps: a forward in flight fails at its next collective (gloo: at
+        # once; NCCL: its watchdog ends the process at the timeout).
+        self._call_in_loop(lambda: self._die(error))
 
     def _call_in_loop(self, command: Callable[[], None]) -> None:
         self._inbox.put(command)
@@ -339,3 +366,6 @@ class Engine:
         self._stopped = True
         self._wake.set()
         self._thread.join()
+        if self.ranks is not None:
+            # Released only after a clean run: otherwise a rank may wait in a collective rank 0 never joins.
+            self.ranks.stop(self.runner if self.ready.is_set() and self.error is None else None)

@@ -1,6 +1,10 @@
 """ModelRunner: picks the backends through the registry (per phase and batch-size bucket), loads the
 model, sizes the KV pool, warms up (JIT compiles, CUDA-graph capture) and runs one forward (plus
-picking the rows to sample) for the scheduler."""
+picking the rows to sample) for the scheduler.
+
+Under tensor parallelism every rank has a ModelRunner holding its part of the model and a whole KV pool
+of the same size. Rank 0's (the scheduler's) `forward` first sends the batch to the others, whose
+`follow` runs the same forward; `warm_up` runs on every rank alike."""
 
 from __future__ import annotations
 
@@ -12,11 +16,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from plugserve.core.block_table import DeviceBlockTable
 from plugserve.core.cuda_graph_runner import CudaGraphRunner, GraphInputs, capture_sizes
 from plugserve.core.dispatch import AttnForwardMethod, prepare_attention
+from plugserve.core.distributed import SINGLE, ParallelGroup
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode, Phase
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import AttentionBackend, AttentionSpec, MoESpec
@@ -63,11 +69,23 @@ class Bucket:
     backend: AttentionBackend
 
 
+def rank_device(args: ServerArgs, rank: int) -> torch.device:
+    """The device of tensor-parallel rank `rank`: --device (auto: CUDA when there is one), on a GPU the
+    node's GPU number rank mod ranks-per-node."""
+    name = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and args.tp_size > 1:
+        return torch.device("cuda", rank % args.ranks_per_node)
+    return torch.device(name)
+
+
 class ModelRunner:
-    def __init__(self, args: ServerArgs) -> None:
-        self.args = args
-        self.device = torch.device(args.device if args.device != "auto" else
-                                   ("cuda" if torch.cuda.is_available() else "cpu"))
+    def __init__(self, args: ServerArgs, group: ParallelGroup = SINGLE) -> None:
+        """`group`: the tensor-parallel ranks, this process's rank among them (SINGLE: one process)."""
+        if group.world_size != args.tp_size:
+            raise ValueError(f"{flag('tp_size')} {args.tp_size} needs one ModelRunner per rank, in a world of that "
+                             f"size (the Engine starts them), not one in a world of {group.world_size}")
+        self.args, self.group = args, group
+        self.device = rank_device(args, group.rank)
         self.hardware = Hardware.detect(self.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
         self.config, checkpoint_layers = read_config(args.model_path, args.model_preset, args.quantization,
@@ -83,7 +101,7 @@ class ModelRunner:
         backends, self.page_size = self._create_backends()
         self.model = load_model(self.config, backends, model_path=args.model_path,
                                 checkpoint_layers=checkpoint_layers, load_format=args.load_format, dtype=self.dtype,
-                                device=self.device, seed=args.seed)
+                                device=self.device, seed=args.seed, group=group)
         if args.enable_torch_compile:
             self.model.use_small_ops(SmallOps.compiled(args.torch_compile_max_bs))
         if self.device.type == "cuda":
@@ -161,7 +179,8 @@ class ModelRunner:
         # The backend of the largest decode batch fixes the page size; every other bucket must live with it.
         built: dict[str, Any] = {}
         decode = self._build("attention", Phase.DECODE, args.decode_attention, decode_flag,
-                             config.attention_spec(self.dtype, args.page_size, self.kv_dtype), max_batch,
+                             config.attention_spec(self.dtype, args.page_size, self.kv_dtype, self.group.world_size),
+                             max_batch,
                              with_page_size, built)
         spec = decode.spec
         self.decode_buckets = self._buckets(Phase.DECODE, args.decode_attention, decode_flag, spec, max_batch,
@@ -173,7 +192,8 @@ class ModelRunner:
                                              prefill_tokens, prefill, built)
         moe = gemm = None
         if config.n_routed_experts:
-            moe = self._build_packed("moe", args.moe_runner_backend, config.moe_spec(self.dtype), max_batch,
+            moe = self._build_packed("moe", args.moe_runner_backend, config.moe_spec(self.dtype, self.group.world_size),
+                                     max_batch,
                                      prefill_tokens, self._fuse_shared_experts)
         if args.enable_shared_experts_fusion and not (moe is not None and moe.spec.num_shared_experts):
             why = (f"the moe backend {moe.name} does not fuse them (triton does: {flag('moe_runner_backend')} "
@@ -263,6 +283,8 @@ class ModelRunner:
             tokens = int(budget // self.bytes_per_token) - self.page_size  # less the padding page
         else:
             tokens = CPU_KV_BYTES // self.bytes_per_token
+        # Every rank's pool has the scheduler's page ids: the smallest rank's size, on all of them.
+        tokens = int(self.group.all_reduce(torch.tensor([tokens], device=self.device), dist.ReduceOp.MIN).item())
         tokens = tokens // self.page_size * self.page_size
         if tokens < self.page_size * 2:
             raise ValueError(f"the KV pool would hold only {tokens} tokens: raise {flag('max_total_tokens')} or "
@@ -389,13 +411,53 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, sample_rows: torch.Tensor) -> torch.Tensor:
-        """input_ids [T] int64 -> logits [len(sample_rows), sample_vocab] float32 at the token rows to sample."""
+        """input_ids [T] int64 -> logits [len(sample_rows), sample_vocab] float32 at the token rows to sample.
+        On rank 0 of several: the other ranks (in `follow`) run it too."""
+        if self.group.world_size > 1:
+            self._send(input_ids, batch, sample_rows)
+        return self._forward(input_ids, batch, sample_rows)
+
+    def _forward(self, input_ids: torch.Tensor, batch: ForwardBatch, sample_rows: torch.Tensor) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.replay(input_ids, batch)[sample_rows, : self.sample_vocab]
         attention = self.attention_for(batch)
         attention.plan(batch)
         hidden = self.model(input_ids, batch, attention)
         return self.model.compute_logits(hidden[sample_rows])[:, : self.sample_vocab]
+
+
+    # -- tensor-parallel ranks -----------------------------------------------------------------------
+
+    def _send(self, input_ids: torch.Tensor, batch: ForwardBatch, sample_rows: torch.Tensor) -> None:
+        """Rank 0: the batch to the other ranks. Its lengths as an object, then one device tensor
+        [input_ids | sample_rows | block table] (the ids may still be being sampled: stream-ordered)."""
+        table = batch.block_table
+        self.group.broadcast_object((batch.mode, batch.seq_lens_cpu, batch.extend_lens_cpu, table.shape[1],
+                                     sample_rows.numel()))
+        self.group.broadcast(torch.cat([input_ids, sample_rows, table.flatten().to(torch.int64)]))
+
+    def _receive(self) -> tuple[torch.Tensor, ForwardBatch, torch.Tensor] | None:
+        """Ranks 1..P-1: the next batch rank 0 sends (input_ids, the batch prepared as rank 0 prepared it,
+        sample_rows), or None when rank 0 releases them."""
+        header = self.group.broadcast_object(None)
+        if header is None:
+            return None
+        mode, seq_lens, extend_lens, width, num_sampled = header
+        sizes = [sum(extend_lens), num_sampled, len(seq_lens) * width]
+        payload = self.group.broadcast(torch.empty(sum(sizes), dtype=torch.int64, device=self.device))
+        input_ids, sample_rows, table = payload.split(sizes)
+        table = table.view(len(seq_lens), width).to(torch.int32)
+        return input_ids, self.prepare(ForwardBatch.build(mode, seq_lens, extend_lens, table, self.pool)), sample_rows
+
+    @torch.inference_mode()
+    def follow(self) -> None:
+        """Ranks 1..P-1, after `warm_up`: run each forward rank 0 runs, until `release_followers`."""
+        while (received := self._receive()) is not None:
+            self._forward(*received)
+
+    def release_followers(self) -> None:
+        """Rank 0, once its forwards are over: end the other ranks' `follow`."""
+        self.group.broadcast_object(None)
 
 
 def _in_bucket(buckets: list[Bucket], size: int) -> AttentionBackend:

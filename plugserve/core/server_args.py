@@ -37,8 +37,11 @@ class ServerArgs(BaseModel):
     api_key: str | None = None
     served_model_name: str | None = None
     graceful_shutdown_timeout: float = Field(20.0, ge=0)
-    # parallelism (tensor parallelism lands with its own issue)
+    # parallelism
     tp_size: int = Field(1, ge=1)
+    nnodes: int = Field(1, ge=1)
+    node_rank: int = Field(0, ge=0)
+    dist_init_addr: str | None = None
     # backends
     attention_backend: str = "auto"
     prefill_attention_backend: str | None = None
@@ -78,8 +81,7 @@ class ServerArgs(BaseModel):
             if value not in allowed:
                 names = ", ".join(str(a) for a in allowed if a is not None)
                 raise ValueError(f"{flag(field)} {value!r} is not one of: {names}")
-        if self.tp_size != 1:
-            raise ValueError(f"{flag('tp_size')} {self.tp_size}: tensor parallelism has not landed yet, only 1 runs")
+        self._check_parallelism()
         if self.chunked_prefill_size == 0:
             raise ValueError(f"{flag('chunked_prefill_size')} must be positive, or -1 to disable chunking")
         if self.model_path is not None and self.model_preset is not None:
@@ -89,6 +91,28 @@ class ServerArgs(BaseModel):
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"{flag('device')} {self.device!r} is not one of: auto, cpu, cuda, cuda:N")
         return self
+
+    def _check_parallelism(self) -> None:
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"{flag('tp_size')} {self.tp_size} does not split over {flag('nnodes')} {self.nnodes} "
+                             "(each node runs the same number of ranks)")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"{flag('node_rank')} {self.node_rank} must be below {flag('nnodes')} {self.nnodes}")
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            raise ValueError(f"{flag('nnodes')} {self.nnodes} needs {flag('dist_init_addr')} (host:port of node 0)")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"{flag('dist_init_addr')} {self.dist_init_addr!r} is not host:port")
+            if self.tp_size == 1:
+                raise ValueError(f"{flag('dist_init_addr')} is for several ranks: give {flag('tp_size')} > 1")
+        if self.tp_size > 1 and self.device.startswith("cuda:"):
+            raise ValueError(f"{flag('device')} {self.device} names one GPU: with {flag('tp_size')} {self.tp_size} "
+                             "rank r of a node takes cuda:r (give auto or cuda)")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tp_size // self.nnodes
 
     @property
     def prefill_attention(self) -> str:

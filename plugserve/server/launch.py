@@ -39,7 +39,12 @@ HELP = {
     "graceful_shutdown_timeout": "seconds from SIGTERM (or Ctrl-C) to exit: new requests get 503 at once, running "
                                  "ones may finish until 2 s before it, then end with an error; a second signal "
                                  "exits at once",
-    "tp_size": "tensor-parallel size (1 until parallelism lands)",
+    "tp_size": "tensor-parallel size: one process and device per rank, attention heads, MLP and expert widths and "
+               "the vocabulary split over them",
+    "nnodes": "nodes the --tp-size ranks are spread over (as many on each)",
+    "node_rank": "this node's number; node 0 serves HTTP, the others run their ranks only",
+    "dist_init_addr": "host:port of node 0 where the ranks meet (needed with --nnodes > 1; default: a free local "
+                      "port)",
     "attention_backend": "attention backend for both phases (auto, or a name from `plugserve backends`)",
     "prefill_attention_backend": "attention backend for prefill (default: --attention-backend)",
     "decode_attention_backend": "attention backend for decode / verify (default: --attention-backend)",
@@ -114,6 +119,13 @@ def serve(args: ServerArgs) -> None:
     from plugserve.server.app import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.node_rank:
+        from plugserve.core.ranks import run_node
+
+        error = run_node(args)
+        if error is not None:
+            print(f"plugserve serve: {error}", file=sys.stderr)
+        _exit(0 if error is None else 1)
     try:
         engine = Engine(args)
     except (SelectionError, ValueError) as exc:

@@ -440,7 +440,7 @@ class DeepseekForCausalLM(nn.Module):
                  with_nextn: bool = False, group: ParallelGroup = SINGLE) -> None:
         super().__init__()
         p = Parameters(config, dtype, device, group)
-        self.config, self.group = config, group
+        self.config = config
         vocab = (config.vocab_size, config.hidden_size, dtype, device)
         self.embed_tokens = VocabParallelEmbedding(*vocab, group=group, name="model.embed_tokens")
         self.layers = nn.ModuleList(DecoderLayer(p, i) for i in range(config.num_hidden_layers))
