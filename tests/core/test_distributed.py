@@ -15,6 +15,8 @@ def test_world_size_one_collectives_return_their_input() -> None:
     x = torch.randn(3, 4)
     assert SINGLE.all_reduce(x) is x
     assert SINGLE.all_gather(x, dim=0) is x
+    assert SINGLE.broadcast(x) is x
+    assert SINGLE.broadcast_object(x) is x
 
 
 def test_rank_outside_the_world_is_refused() -> None:
@@ -38,9 +40,14 @@ def _collectives(group: ParallelGroup) -> None:
     both = [torch.arange(24.0).view(2, 3, 4), torch.arange(24.0).view(2, 3, 4) + 10]
     for dim in (0, 1, -1):
         assert torch.equal(group.all_gather(mine, dim=dim), torch.cat(both, dim=dim))
+    smallest = torch.tensor([5 - group.rank])
+    assert torch.equal(group.all_reduce(smallest, torch.distributed.ReduceOp.MIN), torch.tensor([4]))
+    # Rank 0's values, whatever the others hold.
+    assert torch.equal(group.broadcast(torch.full((3,), float(group.rank))), torch.zeros(3))
+    assert group.broadcast_object(("batch", [group.rank])) == ("batch", [0])
 
 
-def test_all_reduce_and_all_gather_over_gloo() -> None:
+def test_all_reduce_all_gather_and_broadcast_over_gloo() -> None:
     run_ranks(_collectives)
 
 
