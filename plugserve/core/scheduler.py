@@ -29,6 +29,7 @@ from plugserve.core.model_runner import ModelRunner
 from plugserve.core.radix_cache import RadixCache
 from plugserve.core.request import PENDING, FinishReason, Request, RequestOutput, TokenLogprob
 from plugserve.core.sampling import SampleOutput, sample
+from plugserve.core.server_args import flag
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,8 @@ class BatchResult:
 class Scheduler:
     def __init__(self, runner: ModelRunner, radix: RadixCache, tokenizer, metrics: Metrics | None = None) -> None:
         args = runner.args
+        if args.speculative is not None:
+            raise ValueError(f"{flag('speculative_algorithm')}: the scheduler does not run speculative decoding yet")
         self.runner, self.radix, self.tokenizer, self.metrics = runner, radix, tokenizer, metrics
         self.page_size = runner.page_size
         self.max_running = runner.max_running_requests
