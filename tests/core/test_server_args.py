@@ -63,9 +63,3 @@ def test_the_cli_takes_sglangs_spelling():
             "--speculative-num-draft-tokens", "3"]
     assert server_args_from(parser.parse_args(argv), parser).speculative == SpeculativeConfig("EAGLE", 2, 1, 3)
 
-
-def test_the_engine_refuses_speculation_until_the_scheduler_runs_it():
-    from plugserve.core.engine import Engine
-
-    with pytest.raises(ValueError, match="--speculative-algorithm: the scheduler does not run speculative decoding"):
-        Engine(ServerArgs(speculative_algorithm="NEXTN", max_total_tokens=64))
