@@ -17,6 +17,7 @@ from plugserve.core.kv_cache import MLAKVPool
 from plugserve.core.request import FinishReason
 from plugserve.core.sampling import SamplingParams
 from plugserve.core.server_args import ServerArgs
+from plugserve.core.speculative import verify_drafts
 from plugserve.core.tokenizer import EMBEDDED_MODEL_DIR
 from tests.checkpoints import add_mtp_layer, random_hf_model, save_hf_model, tiny_v3_config
 from tests.paged_runner import load_reference_model
@@ -246,3 +247,78 @@ def test_abort_between_rounds_frees_the_request(spec, monkeypatch):
 def test_a_model_without_a_nextn_layer_is_refused_naming_the_flag():
     with pytest.raises(ValueError, match=r"--speculative-algorithm NEXTN: the model has no NextN layer"):
         Engine(ServerArgs(speculative_algorithm="NEXTN", max_total_tokens=64))
+
+
+# Rejection sampling, on a four-token vocabulary: the target's distributions at three positions (as logits), and the
+# draft's, which differ from them (and put mass on a token the target's top-k excludes).
+TARGET_LOGITS = torch.tensor([[2.0, 1.0, 0.4, -1.0], [0.0, 1.5, 0.3, 0.9], [1.0, 1.2, -0.5, 0.1]])
+DRAFT_PROBS = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.4, 0.3, 0.2, 0.1]])
+SAMPLED = SamplingParams(temperature=0.8, top_k=3)
+
+
+def _target_probs() -> torch.Tensor:
+    """[3, 4]: softmax(logits / 0.8) over each position's top 3, renormalized, written out by hand."""
+    probs = torch.softmax(TARGET_LOGITS / 0.8, dim=-1)
+    probs[probs < probs.sort(dim=-1).values[:, 1:2]] = 0
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _three_tokens(draft_probs_told: torch.Tensor, rows: int = 40000) -> torch.Tensor:
+    """Draws of the first three tokens from one verify of two drafts drawn from DRAFT_PROBS (the verifier told the
+    drafts came from `draft_probs_told`), each position past the accepted run drawn straight from the target, as the
+    next round would: [rows] int64 codes t1 * 16 + t2 * 4 + t3."""
+    generator = torch.Generator().manual_seed(0)
+    drafts = torch.stack([torch.multinomial(q, rows, replacement=True, generator=generator) for q in DRAFT_PROBS], 1)
+    out = verify_drafts(TARGET_LOGITS.expand(rows, 3, 4), drafts, draft_probs_told.expand(rows, 2, 4),
+                        [SAMPLED] * rows, [[0]] * rows, [[]] * rows, [None] * rows, generator)
+    fresh = torch.stack([torch.multinomial(p, rows, replacement=True, generator=generator)
+                         for p in _target_probs()], 1)
+    accepted = out.accept_lens[:, None] >= torch.arange(3)
+    tokens = torch.where(accepted, out.token_ids, fresh)
+    return tokens[:, 0] * 16 + tokens[:, 1] * 4 + tokens[:, 2]
+
+
+def _total_variation(codes: torch.Tensor, probs: torch.Tensor) -> float:
+    counts = torch.bincount(codes, minlength=64).float() / len(codes)
+    return 0.5 * (counts - probs.flatten()).abs().sum().item()
+
+
+def test_rejection_sampling_keeps_the_targets_distribution():
+    """Total variation between 40000 draws of three tokens and the target's joint distribution (27 cells) is about
+    0.01 from sampling noise alone; a verifier that trusted the wrong draft distribution lands far outside."""
+    p = _target_probs()
+    joint = p[0][:, None, None] * p[1][None, :, None] * p[2][None, None, :]
+    assert _total_variation(_three_tokens(DRAFT_PROBS), joint) < 0.025
+    assert _total_variation(_three_tokens(p[:2]), joint) > 0.1  # the negative control
+
+
+def test_rejection_sampling_accepts_at_the_rate_min_p_q():
+    rows = 40000
+    generator = torch.Generator().manual_seed(1)
+    drafts = torch.multinomial(DRAFT_PROBS[0], rows, replacement=True, generator=generator)[:, None]
+    out = verify_drafts(TARGET_LOGITS[:2].expand(rows, 2, 4), drafts, DRAFT_PROBS[:1].expand(rows, 1, 4),
+                        [SAMPLED] * rows, [[0]] * rows, [[]] * rows, [None] * rows, generator)
+    expected = torch.minimum(_target_probs()[0], DRAFT_PROBS[0]).sum().item()
+    assert abs(out.accept_lens.float().mean().item() - expected) < 0.01
+
+
+def test_greedy_verification_accepts_the_run_the_targets_argmax_agrees_with():
+    logits = torch.zeros(3, 4, 6)
+    argmax = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4], [5, 5, 5, 5]])
+    logits.scatter_(2, argmax[:, :, None], 1.0)
+    drafts = torch.tensor([[1, 2, 3], [1, 0, 3], [4, 5, 5]])
+    greedy = SamplingParams(temperature=0)
+    out = verify_drafts(logits, drafts, None, [greedy] * 3, [[0]] * 3, [[]] * 3, [None] * 3, None)
+    assert out.accept_lens.tolist() == [3, 1, 0]
+    assert [row[: n + 1] for row, n in zip(out.token_ids.tolist(), [3, 1, 0], strict=True)] == [[1, 2, 3, 4], [1, 2],
+                                                                                                  [5]]
+
+
+def test_sampled_requests_stay_in_the_targets_top_k_and_repeat_with_their_seed(spec):
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, top_k=2, seed=5, n=3, logprobs=True,
+                            top_logprobs=2, ignore_eos=True)
+    first, second = spec.generate(PROMPTS[:2], params), spec.generate(PROMPTS[:2], params)
+    assert [r.token_ids for r in first] == [r.token_ids for r in second]
+    assert len({tuple(r.token_ids) for r in first}) > 2
+    assert all(t.token_id in [i for i, _ in t.top] for r in first for t in r.logprobs)
+    _assert_every_page_is_back(spec)
