@@ -431,6 +431,8 @@ class Scheduler:
             row += was_sampled
         if self.metrics:
             self.metrics.observe_batch(batch.mode, appended if verified else sum(batch.extend_lens), self)
+            if verified:
+                self.metrics.observe_verify(counts)
         self._drop_finished()
 
     def _append(self, request: Request, token: int, logprob: float | None, top: tuple[tuple[int, float], ...]

@@ -322,3 +322,26 @@ def test_sampled_requests_stay_in_the_targets_top_k_and_repeat_with_their_seed(s
     assert len({tuple(r.token_ids) for r in first}) > 2
     assert all(t.token_id in [i for i, _ in t.top] for r in first for t in r.logprobs)
     _assert_every_page_is_back(spec)
+
+
+def test_accept_length_is_in_metrics_and_server_info(plain, spec, monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from plugserve.server.app import create_app
+
+    expected = plain.generate(PROMPTS, GREEDY)
+    by_prompt = {tuple(p): r.token_ids + [0] * 8 for p, r in zip(PROMPTS, expected, strict=True)}
+    monkeypatch.setattr(spec.scheduler.spec, "_draft", _copying_draft(by_prompt))
+    spec.generate(PROMPTS, GREEDY)
+    client = TestClient(create_app(spec))
+    info = client.get("/server_info").json()
+    assert info["speculative"]["algorithm"] == "NEXTN" and info["speculative"]["num_steps"] == STEPS
+    assert info["speculative"]["accept_length"] == pytest.approx(spec.scheduler.spec.accept_length)
+    assert info["overlap_schedule"] == "off: speculative decoding runs the non-overlap loop"
+    assert info["cuda_graph"] == "no CUDA graphs on the CPU"
+    metrics = client.get("/metrics").text
+    gauge = float(next(line.split()[-1] for line in metrics.splitlines()
+                       if line.startswith("plugserve_spec_accept_length ")))
+    assert gauge == pytest.approx(spec.scheduler.spec.accept_length) and gauge > 1.5
+    plain_info = TestClient(create_app(plain)).get("/server_info").json()
+    assert plain_info["speculative"] is None and plain_info["overlap_schedule"] == "on"
