@@ -1,8 +1,9 @@
 """Speculative decoding with the target's own NextN (MTP) layer as the draft: chains (EAGLE with topk 1).
 
-A running request's tokens are x_0 .. x_{L-1}. The target's KV holds all but x_{L-1} (as without
-speculation); the NextN layer's KV all but the last two, and `SpeculativeWorker.hidden` its last output h'
-(at position L - 2, from x_{L-1} and the target's hidden state there: it predicts x_L). One round of k steps:
+A running request's tokens are x_0 .. x_{L-1}. The target's KV holds positions 0 .. L - 2 (as without
+speculation), and so does the NextN layer's (position i read x_{i+1} and the target's final normed hidden state
+at i, as the checkpoints' MTP layer was trained); `SpeculativeWorker.hidden` keeps the NextN layer's output h' at
+L - 2, which predicts x_L. One round of k steps:
 
   draft         d_1 from the logits of h'; then k - 1 DECODE forwards of the NextN layer, step j at position
                 L - 3 + j reading d_{j-1} and its own previous output (the NextN output at position i stands for
