@@ -3,6 +3,9 @@
 is timed by itself, as SGLang's bench_one_batch does (planned, run, its tokens read back and processed);
 `--overlap` times them under the overlap scheduler instead, as serving runs them: step k + 1 is planned
 and launched while step k runs, so the host's work per step hides behind the GPU's.
+With --speculative-algorithm a decode step is a speculative round, which gives each request one to k + 1 tokens:
+the steps run until every request is done, decode throughput is the tokens over their total time, and the
+"accept length" (mean tokens a request gets from one verify) is printed beside it.
 Prints SGLang's bench_one_batch format; --result-filename appends one JSON line per run.
 
     python benchmarks/bench_one_batch.py --model-preset deepseek-v3 --num-layers 4 --load-format dummy \\
@@ -42,9 +45,12 @@ def _sync(runner: ModelRunner) -> None:
 
 
 def _decode_one_by_one(scheduler: Scheduler, runner: ModelRunner, steps: int) -> list[float]:
-    """Seconds of each of `steps` decode steps, each planned, run, read back and processed alone."""
+    """Seconds of each of (at most, with speculation) `steps` decode steps, each planned, run, read back and
+    processed alone."""
     decode = []
     for _ in range(steps):
+        if not scheduler.has_work:  # speculative rounds finished the requests in fewer steps
+            break
         begin = time.perf_counter()
         scheduler.step()
         _sync(runner)
@@ -94,7 +100,13 @@ def run_once(runner: ModelRunner, batch_size: int, input_len: int, output_len: i
     result = {"batch_size": batch_size, "input_len": input_len, "output_len": output_len, "overlap": overlap,
               "prefill_latency": prefill, "prefill_throughput": batch_size * input_len / prefill,
               "total_latency": total, "overall_throughput": batch_size * (input_len + output_len) / total}
-    if decode:
+    if decode and scheduler.spec is not None:
+        tokens, accept_length = batch_size * (output_len - 1), scheduler.spec.accept_length
+        print(f"Decode.  median latency: {statistics.median(decode):.5f} s, throughput: "
+              f"{tokens / sum(decode):9.2f} token/s, accept length: {accept_length:.2f}")
+        result |= {"median_decode_latency": statistics.median(decode), "decode_throughput": tokens / sum(decode),
+                   "accept_length": accept_length, "decode_steps": len(decode)}
+    elif decode:
         median = statistics.median(decode)
         print(f"Decode.  median latency: {median:.5f} s, median throughput: {batch_size / median:9.2f} token/s")
         result |= {"median_decode_latency": median, "median_decode_throughput": batch_size / median,
@@ -120,6 +132,8 @@ def build_runner(namespace: argparse.Namespace, parser: argparse.ArgumentParser)
     graphs) and its chosen backends printed."""
     if namespace.overlap and namespace.disable_overlap_schedule:
         parser.error("--overlap times decode under the overlap scheduler, which --disable-overlap-schedule turns off")
+    if namespace.overlap and namespace.speculative_algorithm:
+        parser.error("--overlap: speculative decoding runs the non-overlap scheduler")
     namespace.disable_overlap_schedule = not namespace.overlap
     namespace.disable_radix_cache = True
     biggest = max(namespace.batch_size) * (max(namespace.input_len) + max(namespace.output_len))

@@ -104,3 +104,26 @@ def write_dequantized_checkpoint(src: Path, dst: Path) -> Path:
     }
     save_file(out, dst / "model.safetensors")
     return dst
+
+
+def add_mtp_layer(directory: Path, num_layers: int) -> dict[str, torch.Tensor]:
+    """Give a transformers checkpoint the MTP layer DeepSeek-V3 publishes as `model.layers.{num_layers}`:
+    a copy of the last decoder layer plus enorm / hnorm / eh_proj / shared_head and repeated embeddings."""
+    tensors = load_file(directory / "model.safetensors")
+    hidden = tensors["model.norm.weight"].shape[0]
+    prefix, source = f"model.layers.{num_layers}.", f"model.layers.{num_layers - 1}."
+    mtp = {prefix + name[len(source):]: t.clone() for name, t in tensors.items() if name.startswith(source)}
+    generator = torch.Generator().manual_seed(3)
+    mtp |= {
+        prefix + "enorm.weight": 1 + 0.1 * torch.randn(hidden, generator=generator),
+        prefix + "hnorm.weight": 1 + 0.1 * torch.randn(hidden, generator=generator),
+        prefix + "eh_proj.weight": 0.05 * torch.randn(hidden, 2 * hidden, generator=generator),
+        prefix + "shared_head.norm.weight": 1 + 0.1 * torch.randn(hidden, generator=generator),
+        prefix + "shared_head.head.weight": tensors["lm_head.weight"].clone(),
+        prefix + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
+    }
+    save_file(tensors | mtp, directory / "model.safetensors")
+    config = json.loads((directory / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 1
+    (directory / "config.json").write_text(json.dumps(config))
+    return mtp

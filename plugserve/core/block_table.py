@@ -61,7 +61,8 @@ class DeviceBlockTable:
         if len(pages) > self.max_pages:
             raise ValueError(f"{len(pages)} pages do not fit a block-table row of {self.max_pages}")
         written = self._written[row]
-        if pages == written:
+        if pages == written[: len(pages)]:  # unchanged, or a tail given back: readers stop at the request's length
+            self._written[row] = list(pages)
             return
         start = len(written) if len(pages) > len(written) and pages[: len(written)] == written else 0
         self._pending.append((row, start, pages[start:]))

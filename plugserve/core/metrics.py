@@ -1,6 +1,6 @@
 """Prometheus metrics of one engine (its own registry, so that several engines in one process, as in
 the tests, do not collide): request counts, token throughput, TTFT / ITL / end-to-end latency, queue
-sizes, KV usage and the prefix-cache hit rate."""
+sizes, KV usage, the prefix-cache hit rate, and speculative decoding's accept length."""
 
 from __future__ import annotations
 
@@ -40,8 +40,16 @@ class Metrics:
                              registry=r)
         self.e2e = Histogram("plugserve_e2e_request_latency_seconds", "End-to-end request latency",
                              buckets=LATENCY_BUCKETS, registry=r)
+        self.spec_verified = Counter("plugserve_spec_verified_requests",
+                                     "Speculative verifies, one per request and round", registry=r)
+        self.spec_accepted = Counter("plugserve_spec_accepted_tokens",
+                                     "Tokens speculative verifies produced (accepted drafts and the target's own)",
+                                     registry=r)
+        self.spec_accept_length = Gauge("plugserve_spec_accept_length",
+                                        "Mean tokens a request gets from one speculative verify", registry=r)
         self._window_start = time.perf_counter()
         self._window_tokens = 0
+        self._spec_requests = self._spec_tokens = 0
 
     def observe_batch(self, mode: ForwardMode, num_tokens: int, scheduler: Scheduler) -> None:
         if mode is ForwardMode.EXTEND:
@@ -58,6 +66,14 @@ class Metrics:
         allocator = scheduler.runner.allocator
         self.kv_usage.set(1 - allocator.num_free / allocator.num_pages)
         self.cache_hit_rate.set(scheduler.radix.hit_rate)
+
+    def observe_verify(self, tokens_per_request: list[int]) -> None:
+        """One speculative verify: the tokens each of its requests got from it (drafts accepted + 1)."""
+        self.spec_verified.inc(len(tokens_per_request))
+        self.spec_accepted.inc(sum(tokens_per_request))
+        self._spec_requests += len(tokens_per_request)
+        self._spec_tokens += sum(tokens_per_request)
+        self.spec_accept_length.set(self._spec_tokens / self._spec_requests)
 
     def observe_finish(self, request: Request) -> None:
         self.requests.labels(str(request.finish_reason)).inc()

@@ -113,9 +113,12 @@ class ModelRunner:
         # Ids the tokenizer can turn into text (set by the engine): checkpoints pad their vocabulary, and the
         # embedded tokenizer is smaller than a dummy preset's. Nothing beyond it is ever sampled.
         self.sample_vocab = self.config.vocab_size
-        # Rows for every running request and the one mid chunked prefill; allocated before the pool is sized.
+        # Rows for every running request and the one mid chunked prefill, long enough for the drafts a speculative
+        # verify writes past a request's length; allocated before the pool is sized.
+        lookahead = args.speculative.num_draft_tokens - 1 if args.speculative is not None else 0
         self.block_table = DeviceBlockTable(self.max_running_requests + 1,
-                                            pages_needed(self.context_length + 1, self.page_size), self.device)
+                                            pages_needed(self.context_length + 1 + lookahead, self.page_size),
+                                            self.device)
         graph_bytes = self._decode_activation_bytes(self.graph_max_bs) if self.graph_max_bs else 0
         self.max_total_tokens = self._kv_tokens(graph_bytes)
         num_pages = self.max_total_tokens // self.page_size
@@ -128,7 +131,9 @@ class ModelRunner:
                     num_pages * self.page_size, self.pool_bytes / 2**30)
         self.graphs: CudaGraphRunner | None = None
         self.graph_status = ("disabled by --disable-cuda-graph" if args.disable_cuda_graph else
-                             "no CUDA graphs on the CPU" if self.device.type != "cuda" else "not captured yet")
+                             "no CUDA graphs on the CPU" if self.device.type != "cuda" else
+                             "speculative decoding runs draft and verify eagerly (no graphs for them yet)"
+                             if args.speculative is not None else "not captured yet")
 
     # -- backends ------------------------------------------------------------------------------------
 
@@ -256,7 +261,7 @@ class ModelRunner:
                 raise ValueError(f"{flag('cuda_graph_max_bs')} needs a CUDA device: there are no CUDA graphs on "
                                  f"{self.device.type}")
             return 0
-        if args.disable_cuda_graph:
+        if args.disable_cuda_graph or args.speculative is not None:  # no DECODE batch runs under speculation
             return 0
         return min(args.cuda_graph_max_bs or self.max_running_requests, self.max_running_requests)
 

@@ -72,6 +72,9 @@ class SampleOutput:
     logprobs: torch.Tensor | None  # [B] float32: log-probability of the chosen token (None if no row asked)
     top_logprob_ids: torch.Tensor | None  # [B, K] int64, K = max top_logprobs in the batch (None if 0)
     top_logprob_values: torch.Tensor | None  # [B, K] float32, sorted descending
+    # Speculative verification: [B] int64 drafts accepted per request; every tensor above then has one row per
+    # verified position, [B, N, ...], and request b's tokens are its first accept_lens[b] + 1.
+    accept_lens: torch.Tensor | None = None
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
@@ -100,7 +103,7 @@ def sample(
     for greedy rows too (temperature 0) and do not change with the sampling knobs, as the model's own view of
     the next token after the penalties the request asked for.
     """
-    logits = _apply_penalties(logits.float(), params, prompt_ids, output_ids)
+    logits = apply_penalties(logits.float(), params, prompt_ids, output_ids)
     want_logprobs = any(p.logprobs for p in params)
     k = max(p.top_logprobs for p in params)
     all_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs or k else None
@@ -109,8 +112,8 @@ def sample(
     rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if rows:
         index = to_device(torch.tensor(rows), logits.device)
-        sampled = _sample_rows(logits[index], [params[i] for i in rows], [generators[i] for i in rows],
-                               default_generator)
+        picked = [params[i] for i in rows]
+        sampled = draw(filtered_probs(logits[index], picked), [generators[i] for i in rows], default_generator)
         token_ids = token_ids.index_copy(0, index, sampled)
 
     logprobs = top_values = top_ids = None
@@ -121,24 +124,41 @@ def sample(
     return SampleOutput(token_ids, logprobs, top_ids, top_values)
 
 
-def _sample_rows(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-    default_generator: torch.Generator | None,
-) -> torch.Tensor:
-    """Draw from the non-greedy rows: logits [R, V] float32 -> [R] int64."""
-    probs = torch.softmax(logits / _column([p.temperature for p in params], logits.device), dim=-1)
-    probs = _filter(probs, params)
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """What non-greedy rows sample from: logits [R, V] float32 -> softmax(logits / temperature) with the tokens
+    top-k, top-p and min-p exclude zeroed, [R, V] float32, not renormalized."""
+    return _filter(torch.softmax(logits / _column([p.temperature for p in params], logits.device), dim=-1), params)
+
+
+def draw(probs: torch.Tensor, generators: list[torch.Generator | None],
+         default_generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of probs [R, V] float32 (rows need not sum to 1), in proportion to it: [R] int64."""
     # Exponential race: argmax(p / E) with E ~ Exp(1) picks token i with probability p_i / sum(p). It is blind to a
     # row's scale, which makes renormalizing the filtered rows unnecessary, and each row reads only its own noise,
     # which a seeded row draws from its own generator.
-    noise = torch.empty_like(probs)
-    if any(g is None for g in generators):
-        noise.exponential_(generator=default_generator)
-    for row, generator in enumerate(generators):
-        if generator is not None:
-            noise[row].exponential_(generator=generator)
+    noise = row_noise(probs.shape, generators, default_generator, probs.device, exponential=True)
     # An exact 0 in the noise would make an excluded token's 0 / 0 a NaN, which argmax would pick.
     return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+
+
+def row_noise(shape: torch.Size | tuple[int, ...], generators: list[torch.Generator | None],
+              default_generator: torch.Generator | None, device: torch.device, exponential: bool) -> torch.Tensor:
+    """Float32 noise of `shape` [R, ...], Exp(1) or U[0, 1): row r from generators[r], or from `default_generator`
+    when that is None."""
+    noise = torch.empty(shape, device=device)
+
+    def fill(rows: torch.Tensor, generator: torch.Generator | None) -> None:
+        if exponential:
+            rows.exponential_(generator=generator)
+        else:
+            rows.uniform_(generator=generator)
+
+    if any(g is None for g in generators):
+        fill(noise, default_generator)
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            fill(noise[row], generator)
+    return noise
 
 
 def _filter(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -181,7 +201,7 @@ def _kth_largest(values: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     return values.gather(1, (top_k - 1).clamp_min(0)).masked_fill(top_k == 0, 0.0)
 
 
-def _apply_penalties(
+def apply_penalties(
     logits: torch.Tensor, params: list[SamplingParams], prompt_ids: list[list[int]], output_ids: list[list[int]]
 ) -> torch.Tensor:
     """logits [B, V] float32 -> penalized [B, V] float32: a new tensor, or `logits` itself when no row penalizes.

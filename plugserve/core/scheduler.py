@@ -7,6 +7,10 @@ overlap on, the forward of batch i runs on a worker thread while this thread pro
 tokens and plans batch i+1, whose decode inputs are batch i's sampled tokens still on the device.
 Requests batch i finishes ride along in batch i+1 once more; that extra token is dropped, so the
 outputs are the same with and without overlap.
+
+With speculative decoding (`core/speculative.py`) a decode step is a TARGET_VERIFY batch that drafts, verifies
+and accepts one to k + 1 tokens per request; it runs the non-overlap loop, as the next step's layout depends
+on how many each request accepted.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from plugserve.core.model_runner import ModelRunner
 from plugserve.core.radix_cache import RadixCache
 from plugserve.core.request import PENDING, FinishReason, Request, RequestOutput, TokenLogprob
 from plugserve.core.sampling import SampleOutput, sample
+from plugserve.core.speculative import SpeculativeWorker
 
 logger = logging.getLogger(__name__)
 
@@ -40,11 +45,13 @@ class ScheduledBatch:
     extend_lens: list[int]  # new tokens per request
     sampled: list[bool]  # whether each request gets a token from this forward (False mid chunked prefill)
     forward_batch: ForwardBatch
-    input_ids: torch.Tensor  # [T] int64 on the device
+    input_ids: torch.Tensor  # [T] int64 on the device (TARGET_VERIFY: each request's last token, then k zeros)
     sample_rows: torch.Tensor  # [sum(sampled)] rows of the new tokens whose logits are sampled
     ends: list[int]  # each request's cached_len once this batch has run
     # Overlap: (input row, sampled row of the batch in flight) for inputs that batch is still producing
     resolve: list[tuple[int, int]]
+    # Speculative prefill: [T] int64 on the device, the token after each new one (0 where it is being sampled)
+    next_ids: torch.Tensor | None = None
 
 
 @dataclass
@@ -86,7 +93,11 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.chunked: Request | None = None  # mid chunked prefill: first in the next prefill batch
-        self.overlap = not args.disable_overlap_schedule
+        spec = args.speculative
+        self.spec = SpeculativeWorker(runner, spec) if spec is not None else None
+        # Positions past its length a running request's next step writes: the drafts it verifies.
+        self.lookahead = spec.num_draft_tokens - 1 if spec is not None else 0
+        self.overlap = not args.disable_overlap_schedule and self.spec is None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="plugserve-forward") if self.overlap else None
         self._in_flight: tuple[ScheduledBatch, Future[BatchResult]] | None = None
 
@@ -108,6 +119,15 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.running) + (self.chunked is not None)
+
+    @property
+    def overlap_status(self) -> str:
+        """Whether scheduling overlaps the forward, and why not (for /server_info)."""
+        if self.overlap:
+            return "on"
+        if self.spec is not None:
+            return "off: speculative decoding runs the non-overlap loop"
+        return "off: --disable-overlap-schedule"
 
     # -- the loop ------------------------------------------------------------------------------------
 
@@ -194,7 +214,12 @@ class Scheduler:
             else:
                 self.chunked = request
         ids = [t for r, n in zip(requests, lens, strict=True) for t in r.all_ids[r.cached_len : r.cached_len + n]]
-        return self._build(ForwardMode.EXTEND, requests, lens, sampled, torch.tensor(ids, dtype=torch.int64))
+        next_ids = None
+        if self.spec is not None:  # the next prompt token, or 0 where the token after the prompt is sampled
+            next_ids = torch.tensor([t for r, n in zip(requests, lens, strict=True)
+                                     for t in [*r.all_ids[r.cached_len + 1 : r.cached_len + n + 1], 0][:n]])
+        return self._build(ForwardMode.EXTEND, requests, lens, sampled, torch.tensor(ids, dtype=torch.int64),
+                           next_ids)
 
     def _take_pages(self, request: Request, budget: int, batched: int) -> int:
         """How many of a waiting (or chunked) request's uncached tokens this prefill computes, at most `budget`,
@@ -203,8 +228,9 @@ class Scheduler:
         fresh = request.cached_len == 0 and not request.pages
         if fresh:
             self._reuse_prefix(request)
-        # Pages it may take: free and evictable ones, less one per running request for its next decode step.
-        spare = self._pages_available() - len(self.running) - batched
+        # Pages it may take: free and evictable ones, less what each running request's next step may need.
+        spare = self._pages_available() - (len(self.running) + batched) * pages_needed(self.lookahead + 1,
+                                                                                       self.page_size)
         room = (len(request.pages) + spare) * self.page_size - request.cached_len
         n = min(request.seq_len - request.cached_len, budget, room)
         if n <= 0:
@@ -231,9 +257,10 @@ class Scheduler:
         active = [r for r in self.running if not self._last_token_planned(r)]
         if not active:
             return None
-        # Every running request needs a slot for its last token; retract the newest until they all fit.
+        # Every running request needs a slot for its last token (and its drafts); retract the newest until they
+        # all fit.
         while True:
-            need = sum(pages_needed(r.seq_len, self.page_size) - len(r.pages) for r in active)
+            need = sum(self._missing_pages(r) for r in active)
             if need <= self._pages_available() or len(self.running) == 1:
                 break
             newest = max(self.running, key=lambda r: r.arrival_time)
@@ -242,7 +269,7 @@ class Scheduler:
                 active.remove(newest)
         for request in active:
             try:
-                missing = pages_needed(request.seq_len, self.page_size) - len(request.pages)
+                missing = self._missing_pages(request)
                 if missing > self._pages_available():  # alone and still too long for the whole pool
                     logger.warning("request %s needs more KV than the pool holds: stopping it", request.rid)
                     self._finish(request, FinishReason.LENGTH)
@@ -255,7 +282,17 @@ class Scheduler:
         if not requests:
             return None
         last = torch.tensor([r.last_id for r in requests], dtype=torch.int64)
-        return self._build(ForwardMode.DECODE, requests, [1] * len(requests), [True] * len(requests), last)
+        sampled = [True] * len(requests)
+        if self.spec is None:
+            return self._build(ForwardMode.DECODE, requests, [1] * len(requests), sampled, last)
+        n = self.lookahead + 1
+        ids = torch.zeros(len(requests), n, dtype=torch.int64)
+        ids[:, 0] = last
+        return self._build(ForwardMode.TARGET_VERIFY, requests, [n] * len(requests), sampled, ids.view(-1))
+
+    def _missing_pages(self, request: Request) -> int:
+        """Pages a running request lacks for its next decode step (its last token and its drafts)."""
+        return pages_needed(request.seq_len + self.lookahead, self.page_size) - len(request.pages)
 
     def _last_token_planned(self, request: Request) -> bool:
         """Its planned tokens (PENDING included) reach max_new_tokens or the context length."""
@@ -274,18 +311,18 @@ class Scheduler:
             self.metrics.retractions.inc()
 
     def _build(self, mode: ForwardMode, requests: list[Request], lens: list[int], sampled: list[bool],
-               input_ids: torch.Tensor) -> ScheduledBatch | None:
-        """The batch of `requests`, `lens` new tokens each (`input_ids` [sum(lens)] int64 on the host), ready to
-        run; None if it could not be built: its requests end with the error, and no other request does."""
+               input_ids: torch.Tensor, next_ids: torch.Tensor | None = None) -> ScheduledBatch | None:
+        """The batch of `requests`, `lens` new tokens each (`input_ids`, `next_ids` [sum(lens)] int64 on the host),
+        ready to run; None if it could not be built: its requests end with the error, and no other request does."""
         try:
-            return self._assemble(mode, requests, lens, sampled, input_ids)
+            return self._assemble(mode, requests, lens, sampled, input_ids, next_ids)
         except Exception as exc:
             logger.exception("a %s batch of %d requests could not be built", mode.name, len(requests))
             self.fail_batch(requests, f"{type(exc).__name__}: {exc}")
             return None
 
     def _assemble(self, mode: ForwardMode, requests: list[Request], lens: list[int], sampled: list[bool],
-                  input_ids: torch.Tensor) -> ScheduledBatch:
+                  input_ids: torch.Tensor, next_ids: torch.Tensor | None) -> ScheduledBatch:
         device, table = self.runner.device, self.runner.block_table
         for request in requests:
             if request.table_row < 0:
@@ -311,7 +348,8 @@ class Scheduler:
                 sample_row += 1
         return ScheduledBatch(mode, requests, lens, sampled, batch, to_device(input_ids, device),
                               to_device(torch.tensor(rows, dtype=torch.int64), device),
-                              [r.cached_len for r in requests], resolve)
+                              [r.cached_len for r in requests], resolve,
+                              None if next_ids is None else to_device(next_ids, device))
 
     # -- running -------------------------------------------------------------------------------------
 
@@ -324,13 +362,24 @@ class Scheduler:
             # Stream-ordered index uploads: a blocking one would wait for the batch in flight.
             input_ids[to_device(torch.tensor(rows), input_ids.device)] = prior.result().token_ids[
                 to_device(torch.tensor(sources), input_ids.device)]
-        logits = self.runner.forward(input_ids, batch.forward_batch, batch.sample_rows)
         requests = [r for r, s in zip(batch.requests, batch.sampled, strict=True) if s]
+        if self.spec is not None:
+            if batch.mode is ForwardMode.TARGET_VERIFY:
+                return BatchResult.of(self.spec.verify(batch.forward_batch, input_ids, requests,
+                                                       self.runner.sampling_generator))
+            assert batch.next_ids is not None
+            return BatchResult.of(self.spec.extend(batch.forward_batch, input_ids, batch.next_ids, batch.sample_rows,
+                                                   [r.table_row for r in requests],
+                                                   lambda logits: self._sample(logits, requests)))
+        return BatchResult.of(self._sample(self.runner.forward(input_ids, batch.forward_batch, batch.sample_rows),
+                                           requests))
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> SampleOutput:
+        """Tokens of the sampled `requests` from their logits [len(requests), vocab] float32."""
         if not requests:  # a prefill chunk in the middle of a prompt: nothing to sample
-            empty = torch.zeros(0, dtype=torch.int64, device=logits.device)
-            return BatchResult.of(SampleOutput(empty, None, None, None))
+            return SampleOutput(torch.zeros(0, dtype=torch.int64, device=logits.device), None, None, None)
         # Penalties see the tokens known when the batch was planned (with overlap, not the one in flight).
-        sampled = sample(
+        return sample(
             logits,
             [r.params for r in requests],
             [r.prompt_ids for r in requests],
@@ -338,23 +387,40 @@ class Scheduler:
             [r.generator for r in requests],
             self.runner.sampling_generator,
         )
-        return BatchResult.of(sampled)
 
     # -- results -------------------------------------------------------------------------------------
 
     def _process(self, batch: ScheduledBatch, result: BatchResult) -> None:
         sample = result.wait()
-        tokens = sample.token_ids.tolist()
-        logprobs = sample.logprobs.tolist() if sample.logprobs is not None else None
-        top_ids = sample.top_logprob_ids.tolist() if sample.top_logprob_ids is not None else None
-        top_values = sample.top_logprob_values.tolist() if sample.top_logprob_values is not None else None
-        row = 0
+        tokens, logprobs, top_ids, top_values = (
+            None if t is None else t.tolist()
+            for t in (sample.token_ids, sample.logprobs, sample.top_logprob_ids, sample.top_logprob_values))
+        assert tokens is not None
+        verified = sample.accept_lens is not None
+        if verified:  # each request's run of accepted tokens and the target's after them
+            counts = [a + 1 for a in sample.accept_lens.tolist()]  # type: ignore[union-attr]
+        else:  # one token per sampled request: runs of one
+            tokens, logprobs, top_ids, top_values = (
+                None if v is None else [[x] for x in v] for v in (tokens, logprobs, top_ids, top_values))
+            counts = [1] * len(tokens)  # type: ignore[arg-type]
+        row = appended = 0
         for request, was_sampled, end in zip(batch.requests, batch.sampled, batch.ends, strict=True):
             if not request.finished:  # its KV is written now (none if it was retracted since: pages given back)
+                if verified:  # the KV past the accepted tokens is stale
+                    request.cached_len -= self.lookahead + 1 - counts[row]
                 request.computed_len = max(request.computed_len, min(end, request.cached_len))
             try:
                 if was_sampled and not request.finished:  # finished by an earlier batch: the extra token is dropped
-                    self._append(request, tokens[row], logprobs, top_ids, top_values, row)
+                    for i in range(counts[row]):  # the tokens after a stop are dropped
+                        top = (tuple(zip(top_ids[row][i], top_values[row][i], strict=True))  # type: ignore[index]
+                               if top_ids is not None else ())
+                        self._append(request, tokens[row][i], None if logprobs is None else logprobs[row][i], top)
+                        appended += 1
+                        if request.finished:
+                            break
+                    self._emit(request)
+                    if verified and not request.finished:
+                        self._trim_pages(request)
                 # Prompt pages are shared at once (concurrent requests with the prompt reuse them); pages filled
                 # by decoding are cached when the request releases them: inserting a running sequence's path
                 # at every decode step cost more host time than the step's GPU work at batch 64.
@@ -364,26 +430,31 @@ class Scheduler:
                 self._fail(request, "its output was processed", exc)
             row += was_sampled
         if self.metrics:
-            self.metrics.observe_batch(batch.mode, sum(batch.extend_lens), self)
+            self.metrics.observe_batch(batch.mode, appended if verified else sum(batch.extend_lens), self)
+            if verified:
+                self.metrics.observe_verify(counts)
         self._drop_finished()
 
-    def _append(self, request: Request, token: int, logprobs, top_ids, top_values, row: int) -> None:
-        """Put a sampled token in place of the request's first PENDING one and check the stop rules."""
+    def _append(self, request: Request, token: int, logprob: float | None, top: tuple[tuple[int, float], ...]
+                ) -> None:
+        """Put a sampled token in place of the request's first PENDING one (after its last resolved one: the rest of
+        a verified run) and check the stop rules. `top`: the top logprobs (id, logprob) of the batch's widest ask."""
         params = request.params
         index = request.num_resolved
-        request.output_ids[index] = token
-        if params.logprobs and logprobs is not None:
-            k = params.top_logprobs
-            top = tuple(zip(top_ids[row][:k], top_values[row][:k], strict=True)) if k and top_ids else ()
-            request.logprobs.append(TokenLogprob(token, logprobs[row], top))
+        if index < len(request.output_ids):
+            request.output_ids[index] = token
+        else:
+            request.output_ids.append(token)
+        if params.logprobs and logprob is not None:
+            request.logprobs.append(TokenLogprob(token, logprob, top[: params.top_logprobs]))
         if (not params.ignore_eos and token in request.eos_token_ids) or token in params.stop_token_ids:
             request.finish_reason, request.matched_stop = FinishReason.STOP, token
         elif index + 1 >= params.max_new_tokens or request.known_len >= self.runner.context_length:
             request.finish_reason = FinishReason.LENGTH
-        self._emit(request)
+        self._decode(request)
 
-    def _emit(self, request: Request) -> None:
-        """Report new text: decoded output minus a trailing partial character or partial stop string."""
+    def _decode(self, request: Request) -> None:
+        """Decode the output into `request.text`, cut before a stop string (which finishes the request)."""
         params = request.params
         ids = request.output_ids[: request.num_resolved]
         if request.finish_reason is FinishReason.STOP and isinstance(request.matched_stop, int):
@@ -393,6 +464,11 @@ class Scheduler:
             at = text.find(stop, max(0, request.sent_text_len - len(stop)))
             if at != -1 and not request.finished:
                 text, request.finish_reason, request.matched_stop = text[:at], FinishReason.STOP, stop
+        request.text = text
+
+    def _emit(self, request: Request) -> None:
+        """Report new text: decoded output minus a trailing partial character or partial stop string."""
+        params, text = request.params, request.text
         safe = len(text)
         if not request.finished:
             if text.endswith("\ufffd"):
@@ -412,7 +488,6 @@ class Scheduler:
         request.last_token_time = now
         new_text = text[request.sent_text_len : safe]
         request.sent_text_len = max(request.sent_text_len, safe)
-        request.text = text
         new_tokens = request.output_ids[request.sent_tokens : request.num_resolved]
         new_logprobs = request.logprobs[request.sent_tokens :]
         request.sent_tokens = request.num_resolved
@@ -521,6 +596,12 @@ class Scheduler:
             self.radix.unlock(request.prefix_node)
         request.prefix_node = match.node
         return full_pages
+
+    def _trim_pages(self, request: Request) -> None:
+        """Free the pages past a running request's length (they held drafts it rejected)."""
+        keep = pages_needed(request.seq_len, self.page_size)
+        self.runner.allocator.free(request.pages[keep:])
+        del request.pages[keep:]
 
     def _release(self, request: Request) -> None:
         """Give back a request's KV: full pages to the prefix cache, the rest to the allocator."""

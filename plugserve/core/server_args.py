@@ -7,6 +7,7 @@ on the CPU are refused by the model runner, naming the flag.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -16,6 +17,21 @@ from plugserve.core.loader import LOAD_FORMATS
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# EAGLE is SGLang's name for the same drafting when the draft is a DeepSeek model's NextN layer.
+SPECULATIVE_ALGORITHMS = ("NEXTN", "EAGLE")
+SPECULATIVE_FLAGS = ("speculative_draft_model_path", "speculative_num_steps", "speculative_eagle_topk",
+                     "speculative_num_draft_tokens")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding as launched: each round drafts `num_steps` tokens (a chain when `topk` is 1) and
+    verifies `num_draft_tokens` in one forward."""
+
+    algorithm: str
+    num_steps: int
+    topk: int
+    num_draft_tokens: int
 
 
 class ServerArgs(BaseModel):
@@ -65,6 +81,12 @@ class ServerArgs(BaseModel):
     torch_compile_max_bs: int = Field(32, ge=1)
     disable_shared_experts_overlap: bool = False
     enable_shared_experts_fusion: bool = False
+    # speculative decoding: the target's NextN (MTP) layer drafts (None: each value's default once enabled)
+    speculative_algorithm: str | None = None
+    speculative_draft_model_path: str | None = None
+    speculative_num_steps: int | None = Field(None, ge=1)
+    speculative_eagle_topk: int | None = Field(None, ge=1)
+    speculative_num_draft_tokens: int | None = Field(None, ge=2)
     # misc
     log_level: str = "info"
     seed: int = Field(0, ge=0)
@@ -90,6 +112,7 @@ class ServerArgs(BaseModel):
             raise ValueError(f"{flag('load_format')} safetensors needs {flag('model_path')}")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"{flag('device')} {self.device!r} is not one of: auto, cpu, cuda, cuda:N")
+        self._check_speculative()
         return self
 
     def _check_parallelism(self) -> None:
@@ -113,6 +136,46 @@ class ServerArgs(BaseModel):
     @property
     def ranks_per_node(self) -> int:
         return self.tp_size // self.nnodes
+
+    def _check_speculative(self) -> None:
+        given = [name for name in SPECULATIVE_FLAGS if getattr(self, name) is not None]
+        if self.speculative_algorithm is None:
+            if given:
+                raise ValueError(f"{flag(given[0])} needs {flag('speculative_algorithm')} "
+                                 f"({' or '.join(SPECULATIVE_ALGORITHMS)})")
+            return
+        if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(f"{flag('speculative_algorithm')} {self.speculative_algorithm!r} is not one of: "
+                             "NEXTN, EAGLE (NEXTN's alias for DeepSeek models)")
+        if self.tp_size > 1:
+            raise ValueError(f"{flag('speculative_algorithm')} runs with {flag('tp_size')} 1 only for now: the draft "
+                             "and verify forwards are not yet sent to the other ranks")
+        if self.speculative_draft_model_path is not None:
+            raise ValueError(f"{flag('speculative_draft_model_path')}: a separate draft checkpoint is not supported "
+                             "yet; the draft is the target's own NextN layer (leave the flag unset)")
+        spec = self.speculative
+        assert spec is not None
+        if spec.topk > 1:
+            raise ValueError(f"{flag('speculative_eagle_topk')} {spec.topk}: draft trees (topk > 1) are not "
+                             "supported yet, only 1 (a chain)")
+        if spec.num_draft_tokens != spec.num_steps + 1:
+            raise ValueError(f"{flag('speculative_num_draft_tokens')} {spec.num_draft_tokens} must be "
+                             f"{flag('speculative_num_steps')} + 1 = {spec.num_steps + 1} with "
+                             f"{flag('speculative_eagle_topk')} 1: a chain verifies its drafts and the token "
+                             "before them")
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The speculative-decoding settings with their defaults filled in (None: off). With topk 1 the
+        number of steps and of draft tokens determine each other."""
+        if self.speculative_algorithm is None:
+            return None
+        topk = self.speculative_eagle_topk or 1
+        steps = self.speculative_num_steps
+        if steps is None:
+            steps = self.speculative_num_draft_tokens - 1 if self.speculative_num_draft_tokens and topk == 1 else 3
+        draft_tokens = self.speculative_num_draft_tokens or steps + 1
+        return SpeculativeConfig(self.speculative_algorithm, steps, topk, draft_tokens)
 
     @property
     def prefill_attention(self) -> str:

@@ -111,6 +111,8 @@ def create_app(engine: Engine) -> FastAPI:
             "context_length": runner.context_length,
             "backends": [dataclasses.asdict(c) for c in runner.chosen],
             "cuda_graph": runner.graph_status,
+            "overlap_schedule": engine.scheduler.overlap_status,
+            "speculative": _speculative_info(engine),
             "shared_experts": runner.shared_experts_mode,
             "torch_compile": (f"small ops compiled up to {engine.args.torch_compile_max_bs} rows"
                               if engine.args.enable_torch_compile else "off"),
@@ -203,6 +205,14 @@ class Gate:
                 await _not_serving(self.engine)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _speculative_info(engine: Engine) -> dict[str, Any] | None:
+    """The speculative-decoding settings and the mean accept length so far (None: speculation is off)."""
+    spec, worker = engine.args.speculative, engine.scheduler.spec
+    if spec is None or worker is None:
+        return None
+    return dataclasses.asdict(spec) | {"accept_length": worker.accept_length}
 
 
 def _serving(engine: Engine) -> bool:

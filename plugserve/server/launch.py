@@ -69,6 +69,12 @@ HELP = {
     "enable_shared_experts_fusion": "run the shared experts as extra experts inside the MoE backend's GEMMs (one that "
                                     "can: triton) instead of their own MLP; off by default: slower on the H100 for "
                                     "V2-Lite and V3 (benchmarks/results/.../fast_path/session3)",
+    "speculative_algorithm": "NEXTN (or EAGLE, its alias here): speculative decoding with the model's NextN (MTP) "
+                             "layer as the draft; runs the non-overlap scheduler",
+    "speculative_draft_model_path": "a separate draft checkpoint (not supported yet: the NextN layer drafts)",
+    "speculative_num_steps": "draft tokens per round, one NextN forward each (default 3)",
+    "speculative_eagle_topk": "draft branches per step (1: a chain; trees are not supported yet)",
+    "speculative_num_draft_tokens": "tokens one verify forward scores (with topk 1: num-steps + 1)",
     "log_level": "logging level",
     "seed": "random seed of unseeded sampling and of dummy weights (alias --random-seed)",
 }

@@ -6,6 +6,7 @@ import json
 import re
 
 from benchmarks import bench_one_batch, bench_serving
+from tests.checkpoints import add_mtp_layer, random_hf_model, save_hf_model, tiny_v3_config
 from tests.live_server import API_KEY
 
 
@@ -29,6 +30,20 @@ def test_bench_one_batch_times_decode_under_the_overlap_scheduler(tmp_path):
                           "--result-filename", str(out)])
     [row] = [json.loads(line) for line in out.read_text().splitlines()]
     assert row["overlap"] is True and row["decode_steps"] == 4 and row["median_decode_latency"] > 0
+
+
+def test_bench_one_batch_reports_the_accept_length_of_speculative_decoding(tmp_path, capsys):
+    """Each decode step is a speculative round: they run until the requests are done, the accept length beside."""
+    directory = save_hf_model(random_hf_model(tiny_v3_config()), tmp_path / "v3-nextn")
+    add_mtp_layer(directory, num_layers=3)
+    out = tmp_path / "one_batch.jsonl"
+    bench_one_batch.main(["--model-path", str(directory), "--speculative-algorithm", "NEXTN",
+                          "--speculative-num-steps", "2", "--batch-size", "2", "--input-len", "16", "--output-len", "9",
+                          "--result-filename", str(out)])
+    assert re.search(r"Decode\.  median latency: [\d.]+ s, throughput: +[\d.]+ token/s, accept length: [\d.]+",
+                     capsys.readouterr().out)
+    [row] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert 1 <= row["accept_length"] <= 3 and row["decode_steps"] <= 8 and row["decode_throughput"] > 0
 
 
 def test_bench_serving_against_the_running_server(server, tmp_path, capsys):

@@ -2,38 +2,12 @@
 
 from __future__ import annotations
 
-import json
-
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 
 from plugserve.core.forward_batch import ForwardMode
-from tests.checkpoints import random_hf_model, save_hf_model, tiny_v3_config
+from tests.checkpoints import add_mtp_layer, random_hf_model, save_hf_model, tiny_v3_config
 from tests.paged_runner import PagedRunner, Request, load_reference_model
-
-
-def _add_mtp_layer(directory, num_layers: int) -> dict[str, torch.Tensor]:
-    """Give a transformers checkpoint the MTP layer DeepSeek-V3 publishes as `model.layers.{num_layers}`:
-    a copy of the last decoder layer plus enorm / hnorm / eh_proj / shared_head and repeated embeddings."""
-    tensors = load_file(directory / "model.safetensors")
-    hidden = tensors["model.norm.weight"].shape[0]
-    prefix, source = f"model.layers.{num_layers}.", f"model.layers.{num_layers - 1}."
-    mtp = {prefix + name[len(source):]: t.clone() for name, t in tensors.items() if name.startswith(source)}
-    generator = torch.Generator().manual_seed(3)
-    mtp |= {
-        prefix + "enorm.weight": 1 + 0.1 * torch.randn(hidden, generator=generator),
-        prefix + "hnorm.weight": 1 + 0.1 * torch.randn(hidden, generator=generator),
-        prefix + "eh_proj.weight": 0.05 * torch.randn(hidden, 2 * hidden, generator=generator),
-        prefix + "shared_head.norm.weight": 1 + 0.1 * torch.randn(hidden, generator=generator),
-        prefix + "shared_head.head.weight": tensors["lm_head.weight"].clone(),
-        prefix + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
-    }
-    save_file(tensors | mtp, directory / "model.safetensors")
-    config = json.loads((directory / "config.json").read_text())
-    config["num_nextn_predict_layers"] = 1
-    (directory / "config.json").write_text(json.dumps(config))
-    return mtp
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -42,7 +16,7 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tens
 
 def test_nextn_layer_is_loaded_and_predicts_from_hidden_state_and_next_embedding(tmp_path):
     directory = save_hf_model(random_hf_model(tiny_v3_config()), tmp_path)
-    mtp = _add_mtp_layer(directory, num_layers=3)
+    mtp = add_mtp_layer(directory, num_layers=3)
     model = load_reference_model(directory)
     assert model.nextn is not None and model.num_kv_layers == 4
     assert torch.equal(model.nextn.eh_proj.weight, mtp["model.layers.3.eh_proj.weight"])

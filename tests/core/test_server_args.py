@@ -1,0 +1,65 @@
+"""ServerArgs: the speculative-decoding flags, their defaults, and errors that name the flag."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from plugserve.core.server_args import ServerArgs, SpeculativeConfig, describe_validation_error
+
+
+def _error(**flags) -> str:
+    with pytest.raises(ValidationError) as exc:
+        ServerArgs(**flags)
+    return describe_validation_error(exc.value)
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ({"speculative_algorithm": "NEXTN"}, SpeculativeConfig("NEXTN", 3, 1, 4)),
+        ({"speculative_algorithm": "EAGLE", "speculative_num_steps": 2}, SpeculativeConfig("EAGLE", 2, 1, 3)),
+        ({"speculative_algorithm": "NEXTN", "speculative_num_draft_tokens": 6}, SpeculativeConfig("NEXTN", 5, 1, 6)),
+        ({"speculative_algorithm": "NEXTN", "speculative_num_steps": 1, "speculative_eagle_topk": 1,
+          "speculative_num_draft_tokens": 2}, SpeculativeConfig("NEXTN", 1, 1, 2)),
+    ],
+)
+def test_speculative_defaults_fill_in_a_chain(flags, expected):
+    assert ServerArgs(**flags).speculative == expected
+
+
+def test_speculation_is_off_by_default():
+    assert ServerArgs().speculative is None
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"speculative_algorithm": "EAGLE3"},
+         "--speculative-algorithm 'EAGLE3' is not one of: NEXTN, EAGLE"),
+        ({"speculative_num_steps": 2}, "--speculative-num-steps needs --speculative-algorithm (NEXTN or EAGLE)"),
+        ({"speculative_algorithm": "NEXTN", "speculative_num_steps": 0},
+         "--speculative-num-steps: Input should be greater than or equal to 1"),
+        ({"speculative_algorithm": "NEXTN", "speculative_draft_model_path": "/models/draft"},
+         "--speculative-draft-model-path: a separate draft checkpoint is not supported yet"),
+        ({"speculative_algorithm": "NEXTN", "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 8},
+         "--speculative-eagle-topk 4: draft trees (topk > 1) are not supported yet, only 1"),
+        ({"speculative_algorithm": "NEXTN", "speculative_num_steps": 3, "speculative_num_draft_tokens": 6},
+         "--speculative-num-draft-tokens 6 must be --speculative-num-steps + 1 = 4"),
+    ],
+)
+def test_bad_speculative_flags_are_refused_naming_the_flag(flags, message):
+    assert message in _error(**flags)
+
+
+def test_the_cli_takes_sglangs_spelling():
+    import argparse
+
+    from plugserve.server.launch import add_server_args, server_args_from
+
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    argv = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "2", "--speculative-eagle-topk", "1",
+            "--speculative-num-draft-tokens", "3"]
+    assert server_args_from(parser.parse_args(argv), parser).speculative == SpeculativeConfig("EAGLE", 2, 1, 3)
+
