@@ -8,8 +8,11 @@ model through plugserve's ModelRunner and Engine, as serving does, and is measur
 - perplexity of held-out text (windows of --window tokens, one EXTEND forward each: the prefill backends),
   and its change against the reference;
 - top-1: the share of those text positions where its argmax is the reference's;
-- greedy: greedy continuations of a fixed prompt set through the engine (prefill, then decode backends), the share
-  of generated tokens equal to the reference's before the first difference;
+- forced: the reference's greedy continuations of a fixed prompt set fed back one DECODE step at a time (the
+  decode backends, teacher-forced); the share of steps whose argmax is the reference's token. A small model's
+  near-ties make greedy runs part at the first flipped choice and never meet again, so this is what the targets read;
+- greedy: greedy continuations of the prompt set through the engine (prefill, then decode backends), the share of
+  generated tokens equal to the reference's before the first difference;
 - NextN (models with an MTP layer): the share of positions where the NextN layer's top-1 for the token after next
   is the main model's greedy choice there (what speculative decoding can accept).
 
@@ -49,6 +52,7 @@ FLAGS = {"attention": "attention_backend", "prefill_attention": "prefill_attenti
          "decode_attention": "decode_attention_backend", "gemm": "fp8_gemm_backend", "moe": "moe_runner_backend",
          "dtype": "dtype"}
 REFERENCE = {"attention": "torch_ref", "gemm": "torch_ref", "moe": "torch_ref", "dtype": "float32"}
+KV_POOL_TOKENS = 65536
 # Plain text to continue and chat turns (rendered with the model's chat template when it has one).
 PROMPTS = (
     "The for statement in Python",
@@ -73,6 +77,7 @@ class Row:
     perplexity: float = math.nan
     delta: float = math.nan  # relative change of perplexity against the reference
     top1: float = math.nan  # text positions whose argmax is the reference's
+    forced: float = math.nan  # teacher-forced decode steps whose argmax is the reference's greedy token
     greedy: float = math.nan  # generated tokens equal to the reference's before the first difference
     nextn: float = math.nan  # NextN top-1 == the main model's greedy choice at the next position
     skipped: str = ""  # why the combination cannot run here
@@ -84,6 +89,7 @@ class Measured:
     top1: torch.Tensor  # [N] int64: the argmax at each
     nextn: float
     greedy: list[list[int]]
+    forced: list[list[int]]  # argmax of each decode step fed the reference's greedy tokens
 
 
 def parse_combination(text: str, dtype: str) -> dict[str, str]:
@@ -113,16 +119,19 @@ def default_combinations(dtype: str) -> list[str]:
 
 
 def server_args(base: ServerArgs, combination: dict[str, str]) -> ServerArgs:
-    return ServerArgs(**(base.model_dump() | {FLAGS[key]: value for key, value in combination.items()}))
+    """`base` with the combination's backends and dtype; a KV pool of KV_POOL_TOKENS unless --max-total-tokens says
+    otherwise (what the harness runs needs little, and a pool sized to fill a GPU takes long to allocate)."""
+    values = base.model_dump() | {FLAGS[key]: value for key, value in combination.items()}
+    return ServerArgs(**values | {"max_total_tokens": base.max_total_tokens or KV_POOL_TOKENS})
 
 
 def text_tokens(base: ServerArgs, path: Path, limit: int) -> list[int]:
-    tokenizer = load_tokenizer(base.tokenizer_path or base.model_path or EMBEDDED_MODEL_DIR)
+    tokenizer = load_tokenizer(base.tokenizer_path or base.model_dir or EMBEDDED_MODEL_DIR)
     return tokenizer.encode(path.read_text(encoding="utf-8"))[: limit + 1]
 
 
 def prompt_tokens(base: ServerArgs) -> list[list[int]]:
-    tokenizer = load_tokenizer(base.tokenizer_path or base.model_path or EMBEDDED_MODEL_DIR)
+    tokenizer = load_tokenizer(base.tokenizer_path or base.model_dir or EMBEDDED_MODEL_DIR)
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     if tokenizer.chat_template:
         prompts += [list(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
@@ -166,15 +175,47 @@ def score_text(runner: ModelRunner, tokens: list[int], window: int, batch: int) 
     return torch.cat(nll), torch.cat(top1), torch.tensor(agree / count if count else math.nan)
 
 
+@torch.inference_mode()
+def forced_decode(runner: ModelRunner, prompts: list[list[int]], continuations: list[list[int]]) -> list[list[int]]:
+    """The prompts [P][n_i] in one EXTEND, then one DECODE step per token of `continuations` [P][m], each request fed
+    the continuation's token -> the argmax [P][m] before each fed token (the first from the EXTEND)."""
+    device, steps = runner.device, len(continuations[0])
+    pages_per = pages_needed(max(map(len, prompts)) + steps, runner.page_size)
+    pages = runner.allocator.alloc(pages_per * len(prompts))
+    try:
+        table = torch.tensor([pages[i * pages_per : (i + 1) * pages_per] for i in range(len(prompts))],
+                             dtype=torch.int32, device=device)
+        lens = [len(p) for p in prompts]
+        batch = runner.prepare(ForwardBatch.build(ForwardMode.EXTEND, lens, lens, table, runner.pool))
+        inputs = torch.tensor([t for p in prompts for t in p], device=device)
+        last = torch.tensor(list(itertools.accumulate(lens)), device=device) - 1
+        choices = [runner.forward(inputs, batch, last).argmax(-1)]
+        rows = torch.arange(len(prompts), device=device)
+        for step in range(steps - 1):
+            lens = [n + 1 for n in lens]
+            batch = runner.prepare(ForwardBatch.build(ForwardMode.DECODE, lens, [1] * len(lens), table, runner.pool))
+            inputs = torch.tensor([c[step] for c in continuations], device=device)
+            choices.append(runner.forward(inputs, batch, rows).argmax(-1))
+    finally:
+        runner.allocator.free(pages)
+    return torch.stack(choices, 1).tolist()
+
+
 def measure(args: ServerArgs, tokens: list[int], prompts: list[list[int]], window: int, batch: int,
-            max_new_tokens: int) -> tuple[Measured, str]:
-    """One combination: the text through a ModelRunner, then the prompts through an Engine (each loads the model)."""
+            max_new_tokens: int, reference: list[list[int]] | None) -> tuple[Measured, str]:
+    """One combination: the text, then the prompts fed `reference` (the reference's greedy continuations; its own
+    when None), through a ModelRunner; then the prompts through an Engine (each loads the model)."""
     runner = ModelRunner(args)
     chosen = ", ".join(f"{c.kind} {c.phase}: {c.name}" for c in runner.chosen)
     nll, top1, nextn = score_text(runner, tokens, window, batch)
+    greedy = greedy_continuations(args, prompts, max_new_tokens) if reference is None else None
+    forced = forced_decode(runner, prompts, reference or greedy)
     del runner
     gc.collect()
-    return Measured(nll, top1, float(nextn), greedy_continuations(args, prompts, max_new_tokens)), chosen
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the runner's pool and graphs, before the engine sizes its own
+    greedy = greedy or greedy_continuations(args, prompts, max_new_tokens)
+    return Measured(nll, top1, float(nextn), greedy, forced), chosen
 
 
 def greedy_continuations(args: ServerArgs, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -209,7 +250,8 @@ def run(base: ServerArgs, combinations: list[str], text: Path, max_text_tokens: 
         row = Row(combination)
         try:
             measured, row.backends = measure(server_args(base, parse_combination(combination, dtype)), tokens,
-                                             prompts, window, batch, max_new_tokens)
+                                             prompts, window, batch, max_new_tokens,
+                                             None if reference is None else reference.greedy)
         except SelectionError as exc:
             row.skipped = str(exc).split(". ")[0]
             rows.append(row)
@@ -219,6 +261,8 @@ def run(base: ServerArgs, combinations: list[str], text: Path, max_text_tokens: 
         row.perplexity = math.exp(measured.nll.mean().item())
         row.delta = row.perplexity / math.exp(reference.nll.mean().item()) - 1
         row.top1 = (measured.top1 == reference.top1).double().mean().item()
+        row.forced = sum(a == b for ours, theirs in zip(measured.forced, reference.greedy, strict=True)
+                         for a, b in zip(ours, theirs, strict=True)) / sum(map(len, reference.greedy))
         row.greedy = prefix_agreement(measured.greedy, reference.greedy)
         row.nextn = measured.nextn
         rows.append(row)
@@ -227,12 +271,13 @@ def run(base: ServerArgs, combinations: list[str], text: Path, max_text_tokens: 
 
 
 def format_row(row: Row) -> str:
-    return (f"{row.combination:44s} {row.perplexity:10.3f} {row.delta:+9.3%} {row.top1:8.2%} {row.greedy:8.2%} "
-            f"{row.nextn:8.2%}")
+    return (f"{row.combination:44s} {row.perplexity:10.3f} {row.delta:+9.3%} {row.top1:8.2%} {row.forced:8.2%} "
+            f"{row.greedy:8.2%} {row.nextn:8.2%}")
 
 
 def table(rows: list[Row]) -> str:
-    lines = [f"{'combination':44s} {'perplexity':>10s} {'delta':>9s} {'top-1':>8s} {'greedy':>8s} {'NextN':>8s}"]
+    lines = [f"{'combination':44s} {'perplexity':>10s} {'delta':>9s} {'top-1':>8s} {'forced':>8s} {'greedy':>8s} "
+             f"{'NextN':>8s}"]
     lines += [format_row(r) for r in rows if not r.skipped]
     lines += [f"{r.combination:44s} cannot run here: {r.skipped}" for r in rows if r.skipped]
     return "\n".join(lines)

@@ -44,6 +44,7 @@ from plugserve.core.config import ModelConfig
 from plugserve.core.hardware import Hardware
 from plugserve.core.loader import read_config, resolve_dtype
 from plugserve.core.model_runner import KV_DTYPES
+from plugserve.server.launch import server_args_from
 
 FP8_SCALE_BYTES = 4  # DeepSeek's block-FP8 checkpoints store one float32 scale_inv per block
 
@@ -397,7 +398,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error("--output-len must be >= 2: a decode step is timed over the output_len - 1 after the first token")
     device = torch.device(namespace.device if namespace.device != "auto" else
                           ("cuda" if torch.cuda.is_available() else "cpu"))
-    config, _ = read_config(namespace.model_path, namespace.model_preset, namespace.quantization, namespace.num_layers)
+    model_dir = server_args_from(namespace, parser).model_dir
+    config, _ = read_config(model_dir, namespace.model_preset, namespace.quantization, namespace.num_layers)
     dtype = resolve_dtype(namespace.dtype, device)
     if not namespace.skip_hf:
         try:
@@ -415,7 +417,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     kv_bytes = torch.empty(0, dtype=kv_dtype).element_size()
     report: dict[str, Any] = {
         "device": hardware.name,
-        "model": f"{namespace.model_path or namespace.model_preset or 'embedded'}, {config.num_hidden_layers} layers, "
+        "model": f"{namespace.model_preset or model_dir}, {config.num_hidden_layers} layers, "
                  + ("block-FP8" if config.fp8_block else str(dtype).removeprefix("torch.")),
         "config": dataclasses.asdict(config), "args": vars(namespace).copy(), "versions": _versions(),
         "ceilings": ceilings, "dtype": str(dtype).removeprefix("torch."),

@@ -21,6 +21,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -29,6 +30,7 @@ from plugserve.core.radix_cache import RadixCache
 from plugserve.core.request import Request
 from plugserve.core.sampling import SamplingParams
 from plugserve.core.scheduler import Scheduler
+from plugserve.core.tokenizer import EMBEDDED_MODEL_DIR, load_tokenizer
 from plugserve.server.launch import add_server_args, server_args_from
 
 
@@ -71,17 +73,22 @@ def _decode_overlapped(scheduler: Scheduler) -> list[float]:
 
 
 def run_once(runner: ModelRunner, batch_size: int, input_len: int, output_len: int, seed: int,
-             verbose: bool, overlap: bool = False) -> dict[str, float]:
+             verbose: bool, overlap: bool = False, text_tokens: list[int] | None = None) -> dict[str, float]:
     """One static batch; `overlap`: decode under the overlap scheduler (the runner's scheduler flags must
-    allow it: see build_runner)."""
+    allow it: see build_runner); `text_tokens`: prompts are its consecutive `input_len`-token windows instead of
+    random tokens (what speculative decoding's acceptance depends on)."""
     radix = RadixCache(runner.allocator, runner.page_size, enabled=False)
     scheduler = Scheduler(runner, radix, _NoText())
     scheduler.overlap = False  # the prefill timed alone in either mode
     generator = torch.Generator().manual_seed(seed)
     vocab = runner.config.vocab_size
     params = SamplingParams(max_new_tokens=output_len, temperature=0, ignore_eos=True)
+    if text_tokens is not None and len(text_tokens) < batch_size * input_len:
+        raise SystemExit(f"--prompt-text has {len(text_tokens)} tokens: too few for {batch_size} prompts of "
+                         f"{input_len}")
     for i in range(batch_size):
-        ids = torch.randint(0, vocab, (input_len,), generator=generator).tolist()
+        ids = (torch.randint(0, vocab, (input_len,), generator=generator).tolist() if text_tokens is None
+               else text_tokens[i * input_len : (i + 1) * input_len])
         scheduler.add(Request(f"bench-{i}", ids, params, lambda _: None))
     _sync(runner)
     start = time.perf_counter()
@@ -124,6 +131,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overlap", action="store_true",
                         help="time decode under the overlap scheduler (the next step planned and launched while "
                              "one runs, as serving does) instead of each step alone")
+    parser.add_argument("--prompt-text", type=Path, default=None,
+                        help="prompts cut from this text file (tokenized by the model's tokenizer) instead of random "
+                             "tokens, e.g. benchmarks/data/heldout_docs.txt for the embedded model")
 
 
 def build_runner(namespace: argparse.Namespace, parser: argparse.ArgumentParser) -> ModelRunner:
@@ -159,13 +169,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--run-name", default="", help="a label stored in the JSON lines")
     namespace = parser.parse_args(argv)
     runner = build_runner(namespace, parser)
+    text_tokens = None
+    if namespace.prompt_text is not None:
+        args = runner.args
+        tokenizer = load_tokenizer(args.tokenizer_path or args.model_dir or EMBEDDED_MODEL_DIR)
+        text_tokens = tokenizer.encode(namespace.prompt_text.read_text(encoding="utf-8"), add_special_tokens=False)
     print("\nBenchmark ...")
     for batch_size in namespace.batch_size:
         for input_len in namespace.input_len:
             for output_len in namespace.output_len:
                 print(f"\n# batch size {batch_size}, input {input_len}, output {output_len}")
                 result = run_once(runner, batch_size, input_len, output_len, runner.args.seed, verbose=True,
-                                  overlap=namespace.overlap)
+                                  overlap=namespace.overlap, text_tokens=text_tokens)
                 if namespace.result_filename:
                     result |= {"run_name": namespace.run_name, "device": runner.hardware.name,
                                "backends": {f"{c.kind}:{c.phase}": c.name for c in runner.chosen}}

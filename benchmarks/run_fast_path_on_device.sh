@@ -11,6 +11,11 @@
 #   profile:TAG:ARGS      benchmarks/profile_decode.py with ARGS -> profile-TAG.txt (kernel time per decode step)
 #   tune:TAG:ARGS         benchmarks/tune_fused_moe.py with ARGS, configs into $res/moe-configs-TAG and into
 #                         plugserve/plugins/moe/configs for the steps after it
+#   one:TAG:ARGS          benchmarks/bench_one_batch.py with ARGS -> one-TAG.{jsonl,txt}
+#   tests:TAG:ARGS        pytest with ARGS (this repo's tests that need a GPU, e.g. tests/core/test_distributed.py)
+#                         -> tests-TAG.txt
+#   accuracy:TAG:ARGS     benchmarks/accuracy.py with ARGS on the GPU (default: the embedded model, every backend)
+#                         -> accuracy-TAG.{json,txt}
 #   serving:TAG:ARGS      a server with ARGS + bench_serving (256 prompts 256/128, concurrency 64) -> serving-TAG.*
 # Each step ends after $STEP_TIMEOUT seconds (300).
 set -uo pipefail
@@ -50,6 +55,17 @@ for step in "$@"; do
       timeout $limit python3 benchmarks/tune_fused_moe.py $args --output-dir $res/moe-configs-$tag > $res/tune-$tag.log 2>&1
       cp $res/moe-configs-$tag/*.json plugserve/plugins/moe/configs/ 2>/dev/null
       echo "tune $tag:"; tail -n 5 $res/tune-$tag.log; ls $res/moe-configs-$tag ;;
+    one)
+      timeout $limit python3 -m benchmarks.bench_one_batch $args --result-filename $res/one-$tag.jsonl \
+        > $res/one-$tag.txt 2>&1
+      echo "one $tag (rc $?):"; grep -i "^Decode.  median\|^Prefill\|backend\|error" $res/one-$tag.txt | tail -n 12 ;;
+    tests)
+      timeout $limit python3 -m pytest -q -p no:cacheprovider $args > $res/tests-$tag.txt 2>&1
+      echo "tests $tag: $(tail -n 1 $res/tests-$tag.txt)" ;;
+    accuracy)
+      timeout $limit python3 -m benchmarks.accuracy $args --device cuda --result-filename $res/accuracy-$tag.json \
+        > $res/accuracy-$tag.txt 2>&1
+      echo "accuracy $tag (rc $?):"; grep -v "INFO\|it/s]" $res/accuracy-$tag.txt | tail -n 24 ;;
     serving)
       python3 -m plugserve.server $args --port 30000 --log-level warning > $res/server-$tag.log 2>&1 &
       server=$!

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 from transformers import PreTrainedTokenizerFast
 
-from tools.build_embedded_tokenizer import BOS, EOS, build_tokenizer, save_tokenizer
+from training.tokenizer import BOS, EOS, build_tokenizer, save_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUTPUT = REPO_ROOT / ".carry" / "training"

@@ -228,14 +228,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     history = train(args)
     if args.verify:
-        from training.verify import verify
+        from training.verify import print_report, verify
 
         history["verify"] = verify(args.out / "model", device=args.verify_device)
         (args.out / "losses.json").write_text(json.dumps(history, indent=1) + "\n")
-        for sample in history["verify"]["samples"]:
-            print(f"--- {sample['prompt']!r}\n{sample['plugserve']!r}")
-        print(f"plugserve and transformers agree on {history['verify']['greedy_prefix_agreement']:.1%} of greedy "
-              "tokens (counted from the start of each continuation)")
+        print_report(history["verify"])
     return 0
 
 

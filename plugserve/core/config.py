@@ -293,7 +293,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                           mscale=0.707, mscale_all_dim=0.707),
         bos_token_id=100000, eos_token_id=100001,
     ),
-    # DeepSeek-V3's structure at a size the CPU runs interactively (the embedded default model's shape).
+    # DeepSeek-V3's structure at a size the CPU runs interactively, random weights; its vocabulary and special-token
+    # ids are the embedded model's, whose tokenizer it uses.
     "tiny": dict(
         model_type="deepseek_v3", vocab_size=4096, hidden_size=256, intermediate_size=512,
         moe_intermediate_size=128, num_hidden_layers=4, num_attention_heads=8, n_shared_experts=1,

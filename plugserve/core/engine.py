@@ -128,7 +128,7 @@ class Engine:
             if self.ranks is not None:
                 self.ranks.stop(None)
             raise
-        self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path or EMBEDDED_MODEL_DIR)
+        self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_dir or EMBEDDED_MODEL_DIR)
         config = self.runner.config
         self.runner.sample_vocab = min(config.vocab_size, len(self.tokenizer))
         eos = set(config.eos_token_ids)

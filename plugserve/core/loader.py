@@ -25,9 +25,6 @@ from plugserve.core.layers.quant import FP8_DTYPE, FP8_MAX
 from plugserve.core.models.deepseek import DeepseekForCausalLM, ModelBackends
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
-# With no --model-path or --model-preset: the "tiny" preset's random weights with the tokenizer that ships
-# in plugserve/assets/embedded_model (their vocabularies and special-token ids agree).
-EMBEDDED_MODEL_PRESET = "tiny"
 INDEX_FILE = "model.safetensors.index.json"
 SCALE_SUFFIX = "_scale_inv"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -150,12 +147,14 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def read_config(model_path: str | None, model_preset: str | None, quantization: str | None = None,
                 num_layers: int | None = None) -> tuple[ModelConfig, int]:
-    """The model's config (from --model-path, else --model-preset, else the embedded default model) and
-    its checkpoint's layer count."""
+    """The model's config (from the checkpoint in `model_path`, else --model-preset's) and its checkpoint's layer
+    count. ServerArgs.model_dir says which checkpoint a server reads (the embedded model when no flag names one)."""
     if model_path is not None:
         config = ModelConfig.from_pretrained(model_path)
+    elif model_preset is not None:
+        config = preset_config(model_preset)
     else:
-        config = preset_config(model_preset or EMBEDDED_MODEL_PRESET)
+        raise ValueError("a model needs a checkpoint directory or a --model-preset")
     checkpoint_layers = config.num_hidden_layers
     if quantization not in (None, "fp8"):
         raise ValueError(f"--quantization {quantization!r} is not supported (choose from fp8)")

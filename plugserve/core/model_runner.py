@@ -88,7 +88,7 @@ class ModelRunner:
         self.device = rank_device(args, group.rank)
         self.hardware = Hardware.detect(self.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
-        self.config, checkpoint_layers = read_config(args.model_path, args.model_preset, args.quantization,
+        self.config, checkpoint_layers = read_config(args.model_dir, args.model_preset, args.quantization,
                                                      args.num_layers)
         self.context_length = min(args.context_length or self.config.max_position_embeddings,
                                   self.config.max_position_embeddings)
@@ -99,7 +99,7 @@ class ModelRunner:
                            broken.error)
         self.chosen: list[ChosenBackend] = []
         backends, self.page_size = self._create_backends()
-        self.model = load_model(self.config, backends, model_path=args.model_path,
+        self.model = load_model(self.config, backends, model_path=args.model_dir,
                                 checkpoint_layers=checkpoint_layers, load_format=args.load_format, dtype=self.dtype,
                                 device=self.device, seed=args.seed, group=group)
         if args.enable_torch_compile:

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from plugserve.core.config import PRESETS
 from plugserve.core.loader import LOAD_FORMATS
+from plugserve.core.tokenizer import EMBEDDED_MODEL_DIR
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -176,6 +177,14 @@ class ServerArgs(BaseModel):
             steps = self.speculative_num_draft_tokens - 1 if self.speculative_num_draft_tokens and topk == 1 else 3
         draft_tokens = self.speculative_num_draft_tokens or steps + 1
         return SpeculativeConfig(self.speculative_algorithm, steps, topk, draft_tokens)
+
+    @property
+    def model_dir(self) -> str | None:
+        """The checkpoint to read: --model-path, else the embedded model (trained by training/, shipped in the
+        package); None for a --model-preset's random weights."""
+        if self.model_path is None and self.model_preset is None:
+            return str(EMBEDDED_MODEL_DIR)
+        return self.model_path
 
     @property
     def prefill_attention(self) -> str:

@@ -1,7 +1,7 @@
 """Loading a model's tokenizer from a local directory, strictly offline.
 
 The embedded default model (`EMBEDDED_MODEL_DIR`) ships a small byte-level BPE tokenizer with DeepSeek-V3's special
-tokens and a chat template modelled on DeepSeek-V3's; it is built by ``tools/build_embedded_tokenizer.py``.
+tokens and a chat template modelled on DeepSeek-V3's; ``training/`` builds it with the model (training/tokenizer.py).
 
 Two behaviours of the embedded tokenizer (and of DeepSeek-V3's) that callers rely on:
 
@@ -21,7 +21,8 @@ from pathlib import Path
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 EMBEDDED_MODEL_DIR: Path = Path(__file__).resolve().parent.parent / "assets" / "embedded_model"
-"""The embedded default model: its tokenizer files (and the model config, once added), inside the package."""
+"""The embedded default model, inside the package: a small DeepSeek-V3 trained by training/ in DeepSeek's block-FP8
+format (config, safetensors shards, tokenizer). The small presets' random weights use its tokenizer too."""
 
 TOKENIZER_FILES: tuple[str, ...] = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 """A directory holding none of these files has no tokenizer."""

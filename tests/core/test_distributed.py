@@ -7,7 +7,18 @@ import time
 import pytest
 import torch
 
-from plugserve.core.distributed import SINGLE, ParallelGroup, default_backend
+from plugserve.core.distributed import (
+    SINGLE,
+    ParallelGroup,
+    default_backend,
+    destroy_parallel_group,
+    init_parallel_group,
+    pick_free_port,
+)
+from plugserve.core.forward_batch import ForwardBatch, ForwardMode
+from plugserve.core.kv_cache import pages_needed
+from plugserve.core.model_runner import ModelRunner
+from plugserve.core.server_args import ServerArgs
 from tests.multiprocess import COLLECTIVE_TIMEOUT_S, run_ranks
 
 
@@ -62,3 +73,31 @@ def _one_rank_leaves(group: ParallelGroup) -> None:
 
 def test_a_collective_whose_peer_left_fails_rather_than_hangs() -> None:
     run_ranks(_one_rank_leaves)
+
+
+def _last_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
+    """One EXTEND of `ids` through `runner` -> the last position's logits [1, vocab] float32."""
+    pages = runner.allocator.alloc(pages_needed(len(ids), runner.page_size))
+    try:
+        table = torch.tensor([pages], dtype=torch.int32, device=runner.device)
+        batch = runner.prepare(ForwardBatch.build(ForwardMode.EXTEND, [len(ids)], [len(ids)], table, runner.pool))
+        return runner.forward(torch.tensor(ids, device=runner.device), batch,
+                              torch.tensor([len(ids) - 1], device=runner.device))
+    finally:
+        runner.allocator.free(pages)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="NCCL needs a GPU")
+def test_one_nccl_rank_runs_the_model_as_one_process_does() -> None:
+    """World size 1 over NCCL (what one lent GPU allows): the model built on a torch.distributed group gives the
+    one-process logits, and a collective really runs on NCCL."""
+    group = init_parallel_group(0, 1, f"tcp://127.0.0.1:{pick_free_port()}", "cuda")
+    try:
+        x = torch.ones(4, device="cuda")
+        torch.distributed.all_reduce(x, group=group.group)
+        assert torch.distributed.get_backend(group.group) == "nccl" and torch.equal(x, torch.ones(4, device="cuda"))
+        args = ServerArgs(model_preset="tiny", device="cuda", max_total_tokens=256, disable_cuda_graph=True)
+        ids = list(range(5, 40))
+        assert torch.equal(_last_logits(ModelRunner(args, group), ids), _last_logits(ModelRunner(args), ids))
+    finally:
+        destroy_parallel_group()

@@ -1,4 +1,8 @@
-"""The engine on the embedded tiny model: batching, chunked prefill, overlap, retraction, abort."""
+"""The engine on the tiny preset: batching, chunked prefill, overlap, retraction, abort.
+
+The scheduling tests run the tiny preset's random unquantized weights, whose greedy outputs do not depend on how
+requests are batched. The embedded model's would: its block-FP8 GEMMs round activations per 128-group, and a
+rounding that batching moves can flip a near-tie. The embedded model has its own tests (tests/assets)."""
 
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):",
 
 @pytest.fixture(scope="module")
 def engine():
-    engine = Engine(ServerArgs())
+    engine = Engine(ServerArgs(model_preset="tiny"))
     yield engine
     engine.shutdown()
 
@@ -43,10 +47,10 @@ def test_batched_equals_solo(engine, solo):
 @pytest.mark.parametrize(
     "args",
     [
-        ServerArgs(disable_overlap_schedule=True),
-        ServerArgs(chunked_prefill_size=16),  # the long prompt is prefilled in several chunks
-        ServerArgs(disable_radix_cache=True, page_size=4),
-        ServerArgs(max_total_tokens=200, max_running_requests=3),  # waiting and retraction
+        ServerArgs(model_preset="tiny", disable_overlap_schedule=True),
+        ServerArgs(model_preset="tiny", chunked_prefill_size=16),  # the long prompt is prefilled in several chunks
+        ServerArgs(model_preset="tiny", disable_radix_cache=True, page_size=4),
+        ServerArgs(model_preset="tiny", max_total_tokens=200, max_running_requests=3),  # waiting and retraction
     ],
     ids=["no-overlap", "chunked-prefill", "no-radix-page4", "tiny-pool"],
 )
@@ -61,7 +65,7 @@ def test_scheduling_variants_give_the_same_greedy_outputs(args, solo):
 
 
 def test_far_too_small_kv_pool_loses_no_request():
-    engine = Engine(ServerArgs(max_total_tokens=48))
+    engine = Engine(ServerArgs(model_preset="tiny", max_total_tokens=48))
     try:
         params = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
         results = engine.generate([f"request number {i}: tell me" for i in range(12)], params)
@@ -255,7 +259,7 @@ def test_a_batch_that_cannot_be_built_ends_its_requests_alone(engine, monkeypatc
 def test_a_failed_forward_leaves_none_of_its_kv_in_the_prefix_cache(solo, overlap):
     """A failed batch used to give the prefix cache the pages it never wrote: the same prompt then reused them
     and was answered from garbage KV (a 200 with wrong text)."""
-    engine = Engine(ServerArgs(max_total_tokens=1024, disable_overlap_schedule=not overlap))
+    engine = Engine(ServerArgs(model_preset="tiny", max_total_tokens=1024, disable_overlap_schedule=not overlap))
     try:
         assert engine.ready.wait(60)
         real, calls = engine.runner.forward, []
@@ -289,7 +293,7 @@ def test_seed_makes_unseeded_sampling_reproducible():
     params = SamplingParams(max_new_tokens=12, temperature=1.0, ignore_eos=True)
 
     def text(seed: int) -> str:
-        engine = Engine(ServerArgs(seed=seed, max_total_tokens=256))
+        engine = Engine(ServerArgs(model_preset="tiny", seed=seed, max_total_tokens=256))
         try:
             engine_text = engine.generate("Hello", params)[0].text
         finally:

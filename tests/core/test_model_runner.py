@@ -8,7 +8,7 @@ from plugserve.registry import SelectionError
 
 
 def test_backends_are_chosen_through_the_registry_with_reasons():
-    runner = ModelRunner(ServerArgs(max_total_tokens=256))
+    runner = ModelRunner(ServerArgs(model_preset="tiny", max_total_tokens=256))
     chosen = {(c.kind, c.phase): c for c in runner.chosen}
     assert set(chosen) == {("attention", "decode"), ("attention", "prefill"), ("moe", "decode")}
     assert all(c.name == "torch_ref" and "priority" in c.reason for c in chosen.values())
@@ -16,7 +16,7 @@ def test_backends_are_chosen_through_the_registry_with_reasons():
 
 
 def test_fp8_quantization_selects_a_gemm_backend_and_page_size_is_honoured():
-    runner = ModelRunner(ServerArgs(quantization="fp8", page_size=16, max_total_tokens=512))
+    runner = ModelRunner(ServerArgs(model_preset="tiny", quantization="fp8", page_size=16, max_total_tokens=512))
     assert ("gemm", "decode") in {(c.kind, c.phase) for c in runner.chosen}
     assert runner.page_size == 16 and runner.allocator.num_pages == 32
     assert runner.pool.num_pages == 33 and runner.padding_page == 32  # never handed out: CUDA graphs' padding
@@ -24,16 +24,17 @@ def test_fp8_quantization_selects_a_gemm_backend_and_page_size_is_honoured():
 
 def test_an_fp8_kv_cache_no_backend_supports_is_an_error_naming_the_flag():
     with pytest.raises(SelectionError, match=r"--attention-backend: .*kv cache dtype float8_e4m3fn is not supported"):
-        ModelRunner(ServerArgs(kv_cache_dtype="fp8_e4m3"))
+        ModelRunner(ServerArgs(model_preset="tiny", kv_cache_dtype="fp8_e4m3"))
 
 
 def test_cuda_graph_max_bs_on_the_cpu_is_refused_naming_the_flag():
     with pytest.raises(ValueError, match="--cuda-graph-max-bs needs a CUDA device"):
-        ModelRunner(ServerArgs(cuda_graph_max_bs=8, max_total_tokens=64))
+        ModelRunner(ServerArgs(model_preset="tiny", cuda_graph_max_bs=8, max_total_tokens=64))
 
 
 def test_torch_compile_swaps_in_compiled_small_ops_and_graphs_are_off_on_the_cpu():
-    runner = ModelRunner(ServerArgs(enable_torch_compile=True, torch_compile_max_bs=4, max_total_tokens=64))
+    runner = ModelRunner(ServerArgs(model_preset="tiny", enable_torch_compile=True, torch_compile_max_bs=4,
+                                    max_total_tokens=64))
     norm = runner.model.layers[0].input_layernorm
     assert norm.ops.rms_norm.__name__ == "compiled_rms_norm"
     assert runner.model.rotary.ops is norm.ops and runner.model.layers[0].mlp.ops is norm.ops
@@ -42,7 +43,7 @@ def test_torch_compile_swaps_in_compiled_small_ops_and_graphs_are_off_on_the_cpu
 
 def test_a_pool_too_small_to_hold_anything_is_refused():
     with pytest.raises(ValueError, match="--max-total-tokens"):
-        ModelRunner(ServerArgs(max_total_tokens=1))
+        ModelRunner(ServerArgs(model_preset="tiny", max_total_tokens=1))
 
 
 def test_auto_runs_the_measured_fastest_backend_per_batch_bucket(tmp_path, monkeypatch):
@@ -62,7 +63,8 @@ def test_auto_runs_the_measured_fastest_backend_per_batch_bucket(tmp_path, monke
                "prefill": [{"max_batch_size": 8192, "order": ["triton"]}]}}}
     (tmp_path / f"{hardware.device_key}.json").write_text(json.dumps(table))
     monkeypatch.setenv(TABLES_ENV, str(tmp_path))
-    runner = ModelRunner(ServerArgs(max_total_tokens=128, max_running_requests=8, chunked_prefill_size=64))
+    runner = ModelRunner(ServerArgs(model_preset="tiny", max_total_tokens=128, max_running_requests=8,
+                                    chunked_prefill_size=64))
     assert [(b.max_size, b.backend.name) for b in runner.decode_buckets] == [(2, "triton"), (8, "torch_ref")]
     assert [(b.max_size, b.backend.name) for b in runner.prefill_buckets] == [(16, "triton"), (64, "torch_ref")]
     assert runner.decode_buckets[0].backend is runner.prefill_buckets[0].backend  # one instance per backend
@@ -84,7 +86,8 @@ def test_auto_runs_the_measured_fastest_backend_per_batch_bucket(tmp_path, monke
 
 
 def test_an_explicit_backend_serves_every_bucket():
-    runner = ModelRunner(ServerArgs(max_total_tokens=128, attention_backend="torch_ref", max_running_requests=8))
+    runner = ModelRunner(ServerArgs(model_preset="tiny", max_total_tokens=128, attention_backend="torch_ref",
+                                    max_running_requests=8))
     assert [(b.max_size, b.backend.name) for b in runner.decode_buckets] == [(8, "torch_ref")]
 
 
@@ -97,7 +100,7 @@ def test_a_plugin_that_fails_to_load_is_logged_at_start(monkeypatch, caplog):
     registry = Registry(builtin=(*BUILTIN_PLUGINS, "plugserve.plugins.no_such_plugin"), entry_points=False)
     monkeypatch.setattr(model_runner, "get_registry", lambda: registry)
     with caplog.at_level(logging.WARNING):
-        ModelRunner(ServerArgs(max_total_tokens=64))
+        ModelRunner(ServerArgs(model_preset="tiny", max_total_tokens=64))
     [record] = [r for r in caplog.records if "failed to load" in r.getMessage()]
     assert record.levelno == logging.WARNING
     assert record.getMessage() == ("plugin plugserve.plugins.no_such_plugin (package plugserve) failed to load and is "
@@ -110,14 +113,14 @@ def test_shared_experts_fuse_into_a_backend_that_can_and_give_the_same_logits():
     (interpreted here), the same logits as their own MLP; /server_info's line says which. A backend that
     cannot fuse is an error naming the flag."""
     common = {"moe_runner_backend": "triton", "dtype": "float32", "max_total_tokens": 64}
-    fused = ModelRunner(ServerArgs(enable_shared_experts_fusion=True, **common))
-    plain = ModelRunner(ServerArgs(**common))
+    fused = ModelRunner(ServerArgs(model_preset="tiny", enable_shared_experts_fusion=True, **common))
+    plain = ModelRunner(ServerArgs(model_preset="tiny", **common))
     assert fused.model.backends.moe.spec.num_shared_experts == fused.config.n_shared_experts > 0
     assert fused.shared_experts_mode == "fused into the triton MoE backend's GEMMs"
     assert plain.model.backends.moe.spec.num_shared_experts == 0
     assert plain.shared_experts_mode == "own MLP on the main stream"
     with pytest.raises(ValueError, match="--enable-shared-experts-fusion: the moe backend torch_ref does not fuse"):
-        ModelRunner(ServerArgs(enable_shared_experts_fusion=True, max_total_tokens=64))
+        ModelRunner(ServerArgs(model_preset="tiny", enable_shared_experts_fusion=True, max_total_tokens=64))
     ids = torch.tensor([5, 17, 42, 7, 99])
     logits = []
     for runner in (fused, plain):

@@ -246,7 +246,7 @@ def test_abort_between_rounds_frees_the_request(spec, monkeypatch):
 
 def test_a_model_without_a_nextn_layer_is_refused_naming_the_flag():
     with pytest.raises(ValueError, match=r"--speculative-algorithm NEXTN: the model has no NextN layer"):
-        Engine(ServerArgs(speculative_algorithm="NEXTN", max_total_tokens=64))
+        Engine(ServerArgs(model_preset="tiny", speculative_algorithm="NEXTN", max_total_tokens=64))
 
 
 # Rejection sampling, on a four-token vocabulary: the target's distributions at three positions (as logits), and the

@@ -140,11 +140,11 @@ def test_missing_directory_raises(tmp_path: Path) -> None:
     assert str(missing) in str(info.value)
 
 
-def test_embedded_tokenizer_fits_the_embedded_model():
-    from plugserve.core.loader import EMBEDDED_MODEL_PRESET, read_config
+@pytest.mark.parametrize("preset", [None, "tiny"])
+def test_embedded_tokenizer_fits_the_embedded_model_and_the_small_presets(preset: str | None):
+    from plugserve.core.loader import read_config
 
-    config, _ = read_config(None, None)
+    config, _ = read_config(None if preset else str(EMBEDDED_MODEL_DIR), preset)
     tokenizer = load_tokenizer(EMBEDDED_MODEL_DIR)
-    assert config == read_config(None, EMBEDDED_MODEL_PRESET)[0]
     assert len(tokenizer) == config.vocab_size
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (config.bos_token_id, config.eos_token_ids[0])

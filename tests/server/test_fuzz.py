@@ -34,7 +34,8 @@ HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 @pytest.fixture(scope="module")
 def fuzz_server():
     # A short context bounds every generation, so that hundreds of requests fit in a minute on a CPU.
-    yield from start_server(ServerArgs(api_key=API_KEY, served_model_name=SERVED_MODEL, context_length=32,
+    yield from start_server(ServerArgs(model_preset="tiny", api_key=API_KEY, served_model_name=SERVED_MODEL,
+                                       context_length=32,
                                        max_total_tokens=2048))
 
 

@@ -35,7 +35,7 @@ def _fail(*_args, **_kwargs):
 
 
 def test_a_dead_scheduler_loop_fails_every_caller_at_once_and_health_says_why(monkeypatch):
-    engine = Engine(ServerArgs(max_total_tokens=256))
+    engine = Engine(ServerArgs(model_preset="tiny", max_total_tokens=256))
     try:
         assert engine.ready.wait(30)
         release = threading.Event()
@@ -74,7 +74,7 @@ def test_a_dead_scheduler_loop_fails_every_caller_at_once_and_health_says_why(mo
         engine.shutdown()
 
 
-# -- the process (a subprocess server on the embedded model) -----------------------------------------
+# -- the process (a subprocess server on the tiny preset, whose context holds the long requests) ----------
 
 SERVE = "import sys; from plugserve.server.launch import main; main(sys.argv[1:])"
 # The same, with a scheduler whose steps and whose guard both raise: the loop dies on the first request.
@@ -86,8 +86,9 @@ SERVE_DOOMED = ("import sys; from plugserve.core.scheduler import Scheduler; fro
 def _spawn(code: str, *flags: str) -> Iterator[tuple[subprocess.Popen, str]]:
     port = _free_port()
     process = subprocess.Popen([sys.executable, "-c", code, "--port", str(port), "--max-total-tokens", "4096",
-                                "--log-level", "warning", *flags], cwd=REPO, env=os.environ | {"PYTHONPATH": str(REPO)},
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                "--model-preset", "tiny", "--log-level", "warning", *flags], cwd=REPO,
+                               env=os.environ | {"PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 90

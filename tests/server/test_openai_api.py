@@ -130,7 +130,7 @@ def test_shared_prefix_hits_the_radix_cache_and_matches_a_cold_run(client, serve
     from plugserve.core.engine import Engine
     from plugserve.core.server_args import ServerArgs
 
-    cold_engine = Engine(ServerArgs(disable_radix_cache=True))
+    cold_engine = Engine(ServerArgs(model_preset="tiny", disable_radix_cache=True))
     try:
         cold = cold_engine.generate(prefix + "It had a perfectly round door.",
                                     SamplingParams(max_new_tokens=6, temperature=0, logprobs=True, top_logprobs=5))[0]

@@ -39,7 +39,8 @@ class Outcome:
 
 @pytest.fixture(scope="module")
 def soak_server():
-    yield from start_server(ServerArgs(api_key=API_KEY, served_model_name=SERVED_MODEL, max_total_tokens=POOL_TOKENS,
+    yield from start_server(ServerArgs(model_preset="tiny", api_key=API_KEY, served_model_name=SERVED_MODEL,
+                                       max_total_tokens=POOL_TOKENS,
                                        max_running_requests=CONCURRENCY, chunked_prefill_size=64))
 
 

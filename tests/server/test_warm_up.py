@@ -29,7 +29,7 @@ def gated_warm_up(monkeypatch) -> threading.Event:
 
 
 def test_requests_wait_for_warm_up_with_503_and_then_serve(gated_warm_up):
-    engine = Engine(ServerArgs(max_total_tokens=256, served_model_name="m"))
+    engine = Engine(ServerArgs(model_preset="tiny", max_total_tokens=256, served_model_name="m"))
     try:
         client = TestClient(create_app(engine))
         health = client.get("/health")
@@ -56,7 +56,7 @@ def test_a_failed_warm_up_is_reported_and_never_serves(monkeypatch):
         raise RuntimeError("CUDA error: out of memory")
 
     monkeypatch.setattr(ModelRunner, "warm_up", fail)
-    engine = Engine(ServerArgs(max_total_tokens=256))
+    engine = Engine(ServerArgs(model_preset="tiny", max_total_tokens=256))
     try:
         engine._thread.join(10)
         client = TestClient(create_app(engine))

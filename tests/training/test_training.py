@@ -95,7 +95,9 @@ def test_training_writes_losses_a_loss_curve_and_a_checked_export(trained):
     assert (out / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # Both loaders ran the export: plugserve's engine (block-FP8, NextN layer loaded) and transformers.
     report = history["verify"]
-    assert len(report["samples"]) == 8 and all(s["plugserve"] and s["transformers"] for s in report["samples"])
+    assert len(report["samples"]) == 8 and all(s["plugserve"] and s["transformers"] and s["served"]
+                                               for s in report["samples"])
+    assert report["hf_parity"] == 1.0  # the same float32 math on both sides
 
 
 def test_export_is_deepseek_v3_block_fp8_with_the_nextn_layer(trained):
