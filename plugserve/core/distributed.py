@@ -93,8 +93,10 @@ def init_parallel_group(
     """
     backend = backend or default_backend(device)
     if backend == "nccl":
-        # NCCL communicators belong to a device: bind this process's before the first collective.
-        torch.cuda.set_device(device)
+        # NCCL communicators belong to a device: bind this process's before the first collective ("cuda" alone
+        # names the current one).
+        device = torch.device(device)
+        torch.cuda.set_device(device.index if device.index is not None else torch.cuda.current_device())
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
     return ParallelGroup(rank, world_size, dist.group.WORLD)
