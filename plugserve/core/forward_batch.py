@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -36,6 +37,45 @@ class Phase(enum.Enum):
     DECODE = "decode"
 
 
+@dataclass(frozen=True)
+class DraftTree:
+    """The new tokens of every request of a batch as the nodes of a draft tree (EAGLE-2), n per request.
+
+    Node order is KV-slot order: node i of a request sits in the slot of position prefix_len + i, while its
+    position (for rope) is prefix_len + depth. A node sees its request's prefix, its ancestors and itself only.
+      parents [B, n] int64  the parent's node index, -1 for a root (node 0 in TARGET_VERIFY: the last accepted
+                            token; the NextN layer's draft steps have several); a parent precedes its children
+      depths  [B, n] int64  0 for a root
+      mask    [B, n, n] bool  mask[b, i, j]: node j is node i or one of its ancestors
+    """
+
+    parents: torch.Tensor
+    depths: torch.Tensor
+    mask: torch.Tensor
+
+    @classmethod
+    def of(cls, parents: torch.Tensor) -> DraftTree:
+        """The tree of `parents` [B, n] int64 (see the class), on its device."""
+        b, n = parents.shape
+        device = parents.device
+        if n and bool((parents >= torch.arange(n, device=device)).any()):
+            raise ValueError("every node's parent must precede it (or be -1 for a root)")
+        mask = torch.eye(n, dtype=torch.bool, device=device).repeat(b, 1, 1)
+        depths = torch.zeros(b, n, dtype=torch.int64, device=device)
+        rows = torch.arange(b, device=device)
+        for i in range(1, n):
+            parent = parents[:, i]
+            has_parent = parent >= 0
+            # A node sees what its parent sees, and itself.
+            mask[:, i] |= mask[rows, parent.clamp_min(0)] & has_parent[:, None]
+            depths[:, i] = torch.where(has_parent, depths[rows, parent.clamp_min(0)] + 1, 0)
+        return cls(parents, depths, mask)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.parents.shape[1]
+
+
 @dataclass
 class ForwardBatch:
     """One forward over `batch_size` requests and `num_tokens` new tokens.
@@ -48,6 +88,7 @@ class ForwardBatch:
       positions     [T] int64  position of each new token in its request
       block_table   [B, max_pages] int32  page ids of each request's KV, in position order
       out_cache_loc [T] int64  KV-pool slot of each new token
+    A TARGET_VERIFY batch may carry a `tree` (`with_tree`): its new tokens are then draft-tree nodes, not a chain.
     """
 
     mode: ForwardMode
@@ -64,6 +105,7 @@ class ForwardBatch:
     prefix_chunks: list[PrefixChunk] = field(default_factory=list)
     # One-shot MHA over a cached prefix: pool slots of every position of every request [sum(seq_lens)]
     sequence_slots: torch.Tensor | None = None
+    tree: DraftTree | None = None
 
     @classmethod
     def build(
@@ -109,6 +151,18 @@ class ForwardBatch:
             out_cache_loc=token_slots(block_table, request_of_token, positions, kv_pool.page_size),
             kv_pool=kv_pool,
         )
+
+    def with_tree(self, tree: DraftTree) -> ForwardBatch:
+        """This TARGET_VERIFY batch with each request's new tokens the nodes of `tree` (one node per new token):
+        the same slots, positions prefix_len + depth."""
+        if self.mode is not ForwardMode.TARGET_VERIFY:
+            raise ValueError(f"draft trees are verified in TARGET_VERIFY batches, not {self.mode.name}")
+        if tree.parents.shape[0] != self.batch_size or any(e != tree.num_nodes for e in self.extend_lens_cpu):
+            raise ValueError(f"a tree of {tuple(tree.parents.shape)} nodes does not match extend_lens "
+                             f"{self.extend_lens_cpu}")
+        prefix = (self.seq_lens - self.extend_lens).to(torch.int64)
+        positions = (prefix[:, None] + tree.depths).view(-1)
+        return dataclasses.replace(self, positions=positions, tree=tree)
 
     @property
     def batch_size(self) -> int:

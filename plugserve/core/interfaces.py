@@ -113,7 +113,9 @@ class AttentionCapabilities(Capabilities):
     """`methods`: which of MHA / MHA_CHUNKED_KV / MLA it implements; `mla_modes`: the forward modes
     `forward_mla` accepts. A set of None accepts any value. `page_sizes` with one value forces the
     KV pool's page size when the backend decodes. `graph_modes`: the modes whose forward_mla (and
-    set_kv) run inside CUDA graphs, with `init_cuda_graph` / `plan_capture` / `plan_replay`."""
+    set_kv) run inside CUDA graphs, with `init_cuda_graph` / `plan_capture` / `plan_replay`. `tree_verify`:
+    forward_mla applies a TARGET_VERIFY batch's draft-tree mask (`ForwardBatch.tree`); speculative decoding
+    with topk > 1 needs it."""
 
     methods: frozenset[AttnForwardMethod] = frozenset(AttnForwardMethod)
     mla_modes: frozenset[ForwardMode] = frozenset(
@@ -125,6 +127,7 @@ class AttentionCapabilities(Capabilities):
     page_sizes: frozenset[int] | None = None
     kv_cache_dtypes: frozenset[torch.dtype] | None = None  # None: the activation dtype only
     graph_modes: frozenset[ForwardMode] = frozenset()
+    tree_verify: bool = False
 
     def phases(self) -> frozenset[Phase]:
         phases = set()
@@ -408,7 +411,8 @@ class AttentionBackend(Backend):
     def forward_mla(self, q_nope: torch.Tensor, q_rope: torch.Tensor, layer_id: int) -> torch.Tensor:
         """Absorbed MLA: q_nope [T, H, R] (already multiplied by W_UK), q_rope [T, H, P] attend, as MQA,
         to each request's cached tokens (latent ++ rope as keys, latent as values) including the
-        new ones written by `set_kv`. Returns [T, H, R]."""
+        new ones written by `set_kv`, causally. With `batch.tree` (backends declaring tree_verify) new token i
+        of a request sees its prefix and the new tokens j where tree.mask[b, i, j]. Returns [T, H, R]."""
         raise NotImplementedError(f"{self.name} does not run absorbed MLA")
 
     def forward_mha(

@@ -70,6 +70,13 @@ class MLAKVPool:
         """Rows at `slots` [n] int64 -> [n, kv_lora_rank + rope]."""
         return self._buffers[layer_id][slots]
 
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor, layers: Sequence[int]) -> None:
+        """Row src[i] into row dst[i] of each of `layers` (src, dst [n] int64; dst distinct); every row is read
+        before any is written, so the two may overlap."""
+        for layer in layers:
+            buf = self._buffers[layer]
+            buf[dst] = buf[src]
+
 
 def token_slots(
     block_table: torch.Tensor, requests: torch.Tensor, positions: torch.Tensor, page_size: int

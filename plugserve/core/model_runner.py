@@ -114,8 +114,8 @@ class ModelRunner:
         # embedded tokenizer is smaller than a dummy preset's. Nothing beyond it is ever sampled.
         self.sample_vocab = self.config.vocab_size
         # Rows for every running request and the one mid chunked prefill, long enough for the drafts a speculative
-        # verify writes past a request's length; allocated before the pool is sized.
-        lookahead = args.speculative.num_draft_tokens - 1 if args.speculative is not None else 0
+        # round writes past a request's length; allocated before the pool is sized.
+        lookahead = args.speculative.lookahead if args.speculative is not None else 0
         self.block_table = DeviceBlockTable(self.max_running_requests + 1,
                                             pages_needed(self.context_length + 1 + lookahead, self.page_size),
                                             self.device)

@@ -95,8 +95,10 @@ class Scheduler:
         self.chunked: Request | None = None  # mid chunked prefill: first in the next prefill batch
         spec = args.speculative
         self.spec = SpeculativeWorker(runner, spec) if spec is not None else None
-        # Positions past its length a running request's next step writes: the drafts it verifies.
-        self.lookahead = spec.num_draft_tokens - 1 if spec is not None else 0
+        # Tokens a request's speculative decode step verifies (its last and its drafts), and the positions past its
+        # length that step writes KV at (the drafts, and a tree's draft steps).
+        self.verify_width = spec.num_draft_tokens if spec is not None else 1
+        self.lookahead = spec.lookahead if spec is not None else 0
         self.overlap = not args.disable_overlap_schedule and self.spec is None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="plugserve-forward") if self.overlap else None
         self._in_flight: tuple[ScheduledBatch, Future[BatchResult]] | None = None
@@ -285,7 +287,7 @@ class Scheduler:
         sampled = [True] * len(requests)
         if self.spec is None:
             return self._build(ForwardMode.DECODE, requests, [1] * len(requests), sampled, last)
-        n = self.lookahead + 1
+        n = self.verify_width
         ids = torch.zeros(len(requests), n, dtype=torch.int64)
         ids[:, 0] = last
         return self._build(ForwardMode.TARGET_VERIFY, requests, [n] * len(requests), sampled, ids.view(-1))
@@ -407,7 +409,7 @@ class Scheduler:
         for request, was_sampled, end in zip(batch.requests, batch.sampled, batch.ends, strict=True):
             if not request.finished:  # its KV is written now (none if it was retracted since: pages given back)
                 if verified:  # the KV past the accepted tokens is stale
-                    request.cached_len -= self.lookahead + 1 - counts[row]
+                    request.cached_len -= self.verify_width - counts[row]
                 request.computed_len = max(request.computed_len, min(end, request.cached_len))
             try:
                 if was_sampled and not request.finished:  # finished by an earlier batch: the extra token is dropped

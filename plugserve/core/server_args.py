@@ -26,13 +26,27 @@ SPECULATIVE_FLAGS = ("speculative_draft_model_path", "speculative_num_steps", "s
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding as launched: each round drafts `num_steps` tokens (a chain when `topk` is 1) and
-    verifies `num_draft_tokens` in one forward."""
+    """Speculative decoding as launched: each round drafts `num_steps` levels (a chain when `topk` is 1, else an
+    EAGLE-2 tree expanding `topk` nodes by `topk` children a level) and verifies `num_draft_tokens` in one
+    forward."""
 
     algorithm: str
     num_steps: int
     topk: int
     num_draft_tokens: int
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """The most tokens a round verifies: the root and every node its draft steps grow, the root's topk
+        children and, at each later step, the topk children of each of the topk expanded nodes (fewer than a
+        full tree's 1 + topk + topk^2 + ... from the third step on: EAGLE-2 expands topk nodes a level)."""
+        return 1 + self.topk + (self.num_steps - 1) * self.topk**2
+
+    @property
+    def lookahead(self) -> int:
+        """Positions past a request's last token whose KV slots one round writes: the verified drafts, and a
+        tree's draft steps (the NextN layer over the (num_steps - 1) * topk expanded nodes)."""
+        return max(self.num_draft_tokens, (self.num_steps - 1) * self.topk) - 1
 
 
 class ServerArgs(BaseModel):
@@ -157,9 +171,13 @@ class ServerArgs(BaseModel):
         spec = self.speculative
         assert spec is not None
         if spec.topk > 1:
-            raise ValueError(f"{flag('speculative_eagle_topk')} {spec.topk}: draft trees (topk > 1) are not "
-                             "supported yet, only 1 (a chain)")
-        if spec.num_draft_tokens != spec.num_steps + 1:
+            if spec.num_draft_tokens > spec.max_draft_tokens:
+                raise ValueError(f"{flag('speculative_num_draft_tokens')} {spec.num_draft_tokens} is more than "
+                                 f"{flag('speculative_num_steps')} {spec.num_steps} with "
+                                 f"{flag('speculative_eagle_topk')} {spec.topk} draft: at most "
+                                 f"{spec.max_draft_tokens} (the root, its {spec.topk} children, and "
+                                 f"{spec.topk}^2 nodes a later step)")
+        elif spec.num_draft_tokens != spec.num_steps + 1:
             raise ValueError(f"{flag('speculative_num_draft_tokens')} {spec.num_draft_tokens} must be "
                              f"{flag('speculative_num_steps')} + 1 = {spec.num_steps + 1} with "
                              f"{flag('speculative_eagle_topk')} 1: a chain verifies its drafts and the token "

@@ -1,4 +1,5 @@
-"""Speculative decoding with the target's own NextN (MTP) layer as the draft: chains (EAGLE with topk 1).
+"""Speculative decoding with the target's own NextN (MTP) layer as the draft: chains (EAGLE with topk 1) and
+EAGLE-2 trees (topk > 1, greedy requests only).
 
 A running request's tokens are x_0 .. x_{L-1}. The target's KV holds positions 0 .. L - 2 (as without
 speculation), and so does the NextN layer's (position i read x_{i+1} and the target's final normed hidden state
@@ -13,6 +14,22 @@ L - 2, which predicts x_L. One round of k steps:
   draft extend  one DRAFT_EXTEND forward of the NextN layer at positions L - 1 .. L - 1 + a, reading the accepted
                 tokens and the target's hidden states of the verify: its KV there (the draft steps' was
                 provisional), and the next round's h'.
+
+With topk > 1 a round drafts a tree of n = num_draft_tokens nodes, node 0 being x_{L-1} (`_draft_tree`):
+
+  draft         the root's topk children from the logits of h', scored by log-probability. Then num_steps - 1
+                expansions: the topk best nodes of the previous step's children (by cumulative log-probability)
+                each get their topk children from one forward of the NextN layer. That forward runs in tree
+                form over every node expanded so far (a forest of depth-1 roots, node of depth d at position
+                L - 2 + d, seeing the prefix and its ancestors), so earlier depths are recomputed rather than kept:
+                at most (num_steps - 1) * topk nodes, and no mask over KV the batch does not write. The n - 1
+                best of all children (a child never scores above its parent, and a stable sort puts a parent
+                first on ties, so every kept node's parent is kept) become the tree, in creation order.
+  verify        one TARGET_VERIFY forward of the n nodes with the tree mask (`DraftTree`), node i in the slot of
+                position L - 1 + i at position L - 1 + depth.
+  accept        `verify_tree`: from the root, the child holding the target's argmax, as long as there is one.
+  keep          the accepted nodes' target KV moves to the slots of positions L .. L - 1 + a, so the request's KV
+                is in position order again; then draft extend as for chains, over the accepted nodes.
 
 KV a round writes past the accepted tokens is stale, never read: attention stops at a request's length and the next
 round writes those positions again. A prefill (EXTEND) forward is followed by the NextN layer over the same
@@ -29,7 +46,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from plugserve.core.block_table import to_device
-from plugserve.core.forward_batch import ForwardBatch, ForwardMode
+from plugserve.core.forward_batch import DraftTree, ForwardBatch, ForwardMode
 from plugserve.core.interfaces import AttentionBackend
 from plugserve.core.sampling import SampleOutput, SamplingParams, apply_penalties, draw, filtered_probs, row_noise
 from plugserve.core.server_args import SpeculativeConfig, flag
@@ -48,7 +65,15 @@ class SpeculativeWorker:
             raise ValueError(f"{flag('speculative_algorithm')} {config.algorithm}: the model has no NextN layer to "
                              f"draft with (the checkpoint lacks model.layers.{runner.config.num_hidden_layers}"
                              ".eh_proj), and a separate draft model is not supported yet")
+        if config.topk > 1:
+            for bucket in runner.decode_buckets:
+                if not bucket.backend.capabilities.tree_verify:
+                    raise ValueError(f"{flag('speculative_eagle_topk')} {config.topk}: draft trees need a decode "
+                                     f"attention backend that declares tree_verify, and {bucket.backend.name} does "
+                                     f"not (choose one that does with {flag('decode_attention_backend')}, e.g. "
+                                     "torch_ref, or draft chains with topk 1)")
         self.runner, self.model, self.num_steps = runner, runner.model, config.num_steps
+        self.topk, self.num_draft_tokens = config.topk, config.num_draft_tokens
         # h' [rows, hidden] in the model dtype: one row per block-table row, i.e. per request holding KV.
         self.hidden = torch.zeros(runner.block_table.num_rows, runner.config.hidden_size, dtype=runner.dtype,
                                   device=runner.device)
@@ -79,19 +104,88 @@ class SpeculativeWorker:
     @torch.inference_mode()
     def verify(self, batch: ForwardBatch, input_ids: torch.Tensor, requests: Sequence[Request],
                default_generator: torch.Generator | None) -> SampleOutput:
-        """One round for the requests of a TARGET_VERIFY `batch` (k + 1 tokens each): draft, verify, accept, draft
-        extend. input_ids [B * (k + 1)] int64 hold each request's last token at its first row (the drafts go in
-        the others). Returns `verify_drafts`' output."""
-        b, n = batch.batch_size, self.num_steps + 1
+        """One round for the requests of a TARGET_VERIFY `batch` (n = num_draft_tokens tokens each): draft, verify,
+        accept, draft extend. input_ids [B * n] int64 hold each request's last token at its first row (the drafts
+        go in the others). Returns `verify_drafts`' output (`verify_tree`'s with topk > 1)."""
+        b, n = batch.batch_size, self.num_draft_tokens
         rows = self._rows([r.table_row for r in requests])
+        if self.topk > 1:
+            return self._verify_tree(batch, input_ids.view(b, n)[:, :1], requests, rows)
         drafts, draft_probs = self._draft(batch, requests, rows, default_generator)
         ids = torch.cat([input_ids.view(b, n)[:, :1], drafts], dim=1)
         hidden, _ = self._target(ids.view(-1), batch)
         out = verify_drafts(self._logits(hidden).view(b, n, -1), drafts, draft_probs, [r.params for r in requests],
                             [r.prompt_ids for r in requests], [r.output_ids[: r.num_resolved] for r in requests],
                             [r.generator for r in requests], default_generator)
-        self._draft_extend(batch, hidden, out, rows)
+        self._draft_extend(batch, hidden, out, rows, torch.arange(n, device=ids.device).expand(b, n))
         return out
+
+    def _verify_tree(self, batch: ForwardBatch, roots: torch.Tensor, requests: Sequence[Request], rows: torch.Tensor
+                     ) -> SampleOutput:
+        """`verify` with draft trees; roots [B, 1] int64: each request's last token."""
+        drafts, parents = self._draft_tree(batch, rows)
+        batch = batch.with_tree(DraftTree.of(parents))
+        tokens = torch.cat([roots, drafts], dim=1)
+        hidden, _ = self._target(tokens.view(-1), batch)
+        out, path = verify_tree(self._logits(hidden).view(*tokens.shape, -1), tokens, parents,
+                                [r.params for r in requests], [r.prompt_ids for r in requests],
+                                [r.output_ids[: r.num_resolved] for r in requests])
+        slots = batch.out_cache_loc.view(tokens.shape)
+        batch.kv_pool.copy_slots(slots.gather(1, path[:, 1:]).view(-1), slots[:, 1:].reshape(-1),
+                                 range(len(self.model.layers)))
+        self._draft_extend(batch, hidden, out, rows, path)
+        return out
+
+    def _draft_tree(self, verify: ForwardBatch, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft trees of the requests of `verify` (`rows` [B] int64: their block-table rows), EAGLE-2 style
+        (see the module docstring): drafts [B, n - 1] int64, the tokens of nodes 1 .. n - 1, and parents [B, n]
+        int64 as `DraftTree` takes them."""
+        b, k, n = verify.batch_size, self.topk, self.num_draft_tokens
+        device = rows.device
+        hidden = self.hidden[rows]
+        # Every child drafted (candidate), in creation order: score (cumulative log-probability), token, and the
+        # candidate index of its parent (-1: the root).
+        scores, tokens = torch.log_softmax(self._logits(hidden), dim=-1).topk(k, dim=-1)
+        cand_scores, cand_tokens = [scores], [tokens]
+        cand_parents = [torch.full((b, k), -1, dtype=torch.int64, device=device)]
+        # The nodes the next step expands: candidate index, score, token, the hidden state it reads (its parent's
+        # NextN output) and its parent's index in the NextN layer's forest (-1: a root).
+        frontier = torch.arange(k, device=device).expand(b, k)
+        front_scores, front_tokens, front_hidden = scores, tokens, hidden[:, None].expand(b, k, hidden.shape[-1])
+        front_parents = torch.full((b, k), -1, dtype=torch.int64, device=device)
+        forest_tokens: list[torch.Tensor] = []
+        forest_hidden: list[torch.Tensor] = []
+        forest_parents: list[torch.Tensor] = []
+        for step in range(1, self.num_steps):
+            forest_tokens.append(front_tokens)
+            forest_hidden.append(front_hidden)
+            forest_parents.append(front_parents)
+            m = step * k
+            batch = ForwardBatch.build(ForwardMode.TARGET_VERIFY, [p + m for p in verify.prefix_lens_cpu], [m] * b,
+                                       verify.block_table, verify.kv_pool)
+            batch = batch.with_tree(DraftTree.of(torch.cat(forest_parents, dim=1)))
+            out = self._nextn(torch.cat(forest_tokens, dim=1).view(-1),
+                              torch.cat(forest_hidden, dim=1).view(b * m, -1), batch).view(b, m, -1)[:, -k:]
+            logprobs = torch.log_softmax(self._logits(out.reshape(b * k, -1)), dim=-1).view(b, k, -1)
+            child_scores, child_tokens = logprobs.topk(k, dim=-1)  # [B, k (parent), k]
+            child_scores = (front_scores[:, :, None] + child_scores).view(b, k * k)
+            child_tokens = child_tokens.view(b, k * k)
+            offset = k + (step - 1) * k * k
+            cand_scores.append(child_scores)
+            cand_tokens.append(child_tokens)
+            cand_parents.append(frontier[:, :, None].expand(b, k, k).reshape(b, k * k))
+            front_scores, best = child_scores.topk(k, dim=-1)
+            parent = best // k  # the expanded node (of this step's k) each new frontier node hangs from
+            frontier, front_tokens = offset + best, child_tokens.gather(1, best)
+            front_hidden = out.gather(1, parent[:, :, None].expand(b, k, out.shape[-1]))
+            front_parents = (step - 1) * k + parent
+        all_scores, all_parents = torch.cat(cand_scores, dim=1), torch.cat(cand_parents, dim=1)
+        kept = all_scores.sort(dim=1, descending=True, stable=True).indices[:, : n - 1].sort(dim=1).values
+        node_of = torch.zeros_like(all_parents).scatter_(1, kept, torch.arange(1, n, device=device).expand(b, n - 1))
+        kept_parents = all_parents.gather(1, kept)
+        parents = torch.where(kept_parents < 0, 0, node_of.gather(1, kept_parents.clamp_min(0)))
+        root = torch.full((b, 1), -1, dtype=torch.int64, device=device)
+        return torch.cat(cand_tokens, dim=1).gather(1, kept), torch.cat([root, parents], dim=1)
 
     def _draft(self, verify: ForwardBatch, requests: Sequence[Request], rows: torch.Tensor,
                default_generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -115,16 +209,20 @@ class SpeculativeWorker:
                 probs.append(q)
         return torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None
 
-    def _draft_extend(self, verify: ForwardBatch, hidden: torch.Tensor, out: SampleOutput, rows: torch.Tensor) -> None:
-        """The NextN layer over each request's accepted tokens (hidden [B * (k + 1), H]: the verify's); keeps h'."""
-        n = self.num_steps + 1
+    def _draft_extend(self, verify: ForwardBatch, hidden: torch.Tensor, out: SampleOutput, rows: torch.Tensor,
+                      path: torch.Tensor) -> None:
+        """The NextN layer over each request's accepted tokens (hidden [B * n, H]: the verify's; path [B, n] int64:
+        the verify's nodes they were accepted at, the root first); keeps h'."""
+        n = self.num_draft_tokens
         assert out.accept_lens is not None
         lens = [a + 1 for a in out.accept_lens.tolist()]  # the batch's layout needs them on the host
         self.verify_steps += len(lens)
         self.accepted_tokens += sum(lens)
         seq_lens = [s - n + m for s, m in zip(verify.seq_lens_cpu, lens, strict=True)]
         batch = ForwardBatch.build(ForwardMode.DRAFT_EXTEND, seq_lens, lens, verify.block_table, verify.kv_pool)
-        picked = to_device(torch.tensor([i * n + j for i, m in enumerate(lens) for j in range(m)]), hidden.device)
+        nodes = path.tolist()
+        picked = to_device(torch.tensor([i * n + nodes[i][j] for i, m in enumerate(lens) for j in range(m)]),
+                           hidden.device)
         drafted = self._nextn(out.token_ids.view(-1)[picked], hidden[picked], batch)
         self.hidden[rows] = drafted[batch.cu_extend_lens[1:].long() - 1]
 
@@ -217,7 +315,60 @@ def verify_drafts(logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch
         accept_lens = accept_lens.index_copy(0, index, lens)
         bonus = bonus.index_copy(0, index, draw(residual, row_generators, default_generator))
     tokens = torch.cat([drafts, bonus[:, None]], dim=1).scatter(1, accept_lens[:, None], bonus[:, None])
+    return _with_logprobs(logits, tokens, accept_lens, params)
 
+
+def verify_tree(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, params: list[SamplingParams],
+                prompt_ids: list[list[int]], output_ids: list[list[int]]) -> tuple[SampleOutput, torch.Tensor]:
+    """Which path of each greedy request's draft tree the target accepts, and its token after it.
+
+    logits [B, n, V] float32: the target's at every node; tokens [B, n] int64, node 0 the request's last token;
+    parents [B, n] int64 as `DraftTree` takes them (siblings hold different tokens). prompt_ids / output_ids as
+    `sample` takes them; penalties count a node's ancestors (the root excepted) as generated tokens.
+
+    From the root, the walk moves to the child holding the target's argmax at the current node while there is
+    one; the target's argmax at the last node follows. Returns the SampleOutput of `verify_drafts` (token_ids
+    [B, n]) and path [B, n] int64: the nodes the tokens were taken at, the root first, the last repeated past
+    the accepted ones.
+    """
+    b, n, vocab = logits.shape
+    if any(p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty for p in params):
+        host_tokens, host_parents = tokens.tolist(), parents.tolist()
+
+        def before(row: int, node: int) -> list[int]:
+            """The tokens of node's ancestors below the root, and its own, in order."""
+            path = []
+            while node > 0:
+                path.append(host_tokens[row][node])
+                node = host_parents[row][node]
+            return path[::-1]
+
+        logits = apply_penalties(logits.reshape(b * n, vocab), [p for p in params for _ in range(n)],
+                                 [ids for ids in prompt_ids for _ in range(n)],
+                                 [out + before(i, j) for i, out in enumerate(output_ids) for j in range(n)]
+                                 ).view(b, n, vocab)
+    target = logits.argmax(dim=-1)  # [B, n]
+    nodes = torch.arange(n, device=logits.device)
+    # next_node[b, i]: the child of node i holding the target's token there, -1 when none does.
+    hit = (parents[:, None, :] == nodes[None, :, None]) & (tokens[:, None, :] == target[:, :, None])
+    next_node = torch.where(hit.any(dim=-1), hit.long().argmax(dim=-1), -1)
+    steps = [torch.zeros(b, dtype=torch.int64, device=logits.device)]
+    for _ in range(n - 1):  # no path is longer than the tree's n - 1 drafts
+        child = next_node.gather(1, steps[-1][:, None]).squeeze(1)
+        steps.append(torch.where(child >= 0, child, steps[-1]))
+    path = torch.stack(steps, dim=1)
+    accept_lens = (path[:, 1:] != path[:, :-1]).sum(dim=1)
+    bonus = target.gather(1, path.gather(1, accept_lens[:, None])).squeeze(1)
+    out = torch.cat([tokens.gather(1, path[:, 1:]), bonus[:, None]], dim=1).scatter(1, accept_lens[:, None],
+                                                                                     bonus[:, None])
+    path_logits = logits.gather(1, path[:, :, None].expand(b, n, vocab))
+    return _with_logprobs(path_logits, out, accept_lens, params), path
+
+
+def _with_logprobs(logits: torch.Tensor, tokens: torch.Tensor, accept_lens: torch.Tensor,
+                   params: list[SamplingParams]) -> SampleOutput:
+    """The SampleOutput of tokens [B, n] int64 drawn from logits [B, n, V] float32, with the logprobs `sample`
+    would report."""
     want_logprobs, top = any(x.logprobs for x in params), max(x.top_logprobs for x in params)
     logprobs = top_values = top_ids = None
     if want_logprobs or top:

@@ -6,7 +6,8 @@ plugin, `torch_ref` included), so that the kit checks the reference backends too
   rounding is far below every tolerance and a mismatch is the backend's.
 - Attention one request at a time. The paged MLA cache is de-paged through the request's block table
   (position p lives on page block_table[b, p // page_size] at offset p % page_size), then an explicit
-  softmax: scores, a bottom-right causal mask, exp, sum, divide; lse = max + log(sum).
+  softmax: scores, a bottom-right causal mask (or a draft tree's: a node sees the prefix, its ancestors and
+  itself), exp, sum, divide; lse = max + log(sum).
 - Absorbed MLA written out: q_nope already carries W_UK, so head h scores a cached token j as
   (q_nope[h] . c_kv[j] + q_rope[h] . k_rope[j]) * sm_scale and returns the softmax-weighted sum of c_kv
   (W_UV is applied after the backend); one KV head, the cache row, shared by every query head.
@@ -162,7 +163,8 @@ def mla(
 
     q_nope [T, H, R], q_rope [T, H, P]; latent [T, R] and k_rope [T, P] of the new tokens, stored in the
     cache's dtype as set_kv stores them. Request b's keys are its prefix (positions 0 .. seq_len -
-    extend_len - 1, de-paged from layer `layer_id` of batch.kv_pool) followed by its new tokens.
+    extend_len - 1, de-paged from layer `layer_id` of batch.kv_pool) followed by its new tokens, seen
+    causally, or with `batch.tree` as draft-tree nodes: node i sees node j where tree.mask[b, i, j].
     Returns out [T, H, R] and lse [T, H] float64."""
     pool = batch.kv_pool
     cache, r, device = pool.buffer(layer_id), pool.kv_lora_rank, q_nope.device
@@ -177,7 +179,10 @@ def mla(
         # q_nope . c_kv + q_rope . k_pe is one dot product of the concatenations: MQA over R + P columns.
         q = torch.cat([q_nope[rows], q_rope[rows]], dim=-1)  # [new, H, R + P]
         k = torch.cat([c_kv, k_pe], dim=-1).unsqueeze(1)  # [seq_len, 1, R + P]
-        out, lse = attend(q, k, c_kv.unsqueeze(1), visible_keys(new, seq_len, True, device), sm_scale)
+        visible = visible_keys(new, seq_len, True, device)
+        if batch.tree is not None:  # the prefix, then the tree's ancestor-or-self mask over the new tokens
+            visible[:, seq_len - new :] = batch.tree.mask[b]
+        out, lse = attend(q, k, c_kv.unsqueeze(1), visible, sm_scale)
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)

@@ -9,7 +9,7 @@ import torch
 
 from plugserve.core.cuda_graph_runner import GraphInputs, padded_size
 from plugserve.core.dispatch import AttnForwardMethod, prepare_attention
-from plugserve.core.forward_batch import ForwardBatch, ForwardMode, Phase
+from plugserve.core.forward_batch import DraftTree, ForwardBatch, ForwardMode, Phase
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import AttentionBackend, AttentionSpec
 from plugserve.core.kv_cache import MLAKVPool, pages_needed
@@ -58,7 +58,27 @@ def test_set_kv(attention_target: Target, mla_case: MLACase, page_size: int, plu
 def test_forward_mla(attention_target: Target, mla_case: MLACase, page_size: int, plugserve_hardware,
                      plugserve_device):
     spec, backend, batch = _mla_setup(attention_target, mla_case, page_size, plugserve_hardware, plugserve_device)
-    t, h, device, dtype = batch.num_tokens, spec.num_heads, plugserve_device, spec.dtype
+    _check_forward_mla(spec, backend, batch, str(mla_case))
+
+
+# Per request, the parent of each node of a draft tree (node 0: the last accepted token): a bushy tree, and a
+# chain with side branches, so that no node's visible set is a causal one.
+TREE_PARENTS = ((-1, 0, 0, 1, 1, 3), (-1, 0, 1, 0, 2, 2))
+
+
+def test_forward_mla_tree_verify(attention_target: Target, page_size: int, plugserve_hardware, plugserve_device):
+    """TARGET_VERIFY of draft trees: a node sees its request's prefix, its ancestors and itself only."""
+    caps = attention_target.cls.capabilities
+    if not caps.tree_verify:  # type: ignore[attr-defined]
+        pytest.skip(f"{attention_target.entry.name} does not declare tree_verify (draft trees)")
+    case = MLACase(ForwardMode.TARGET_VERIFY, (17, 40), (len(TREE_PARENTS[0]),) * 2)
+    spec, backend, batch = _mla_setup(attention_target, case, page_size, plugserve_hardware, plugserve_device)
+    batch = batch.with_tree(DraftTree.of(torch.tensor(TREE_PARENTS, device=plugserve_device)))
+    _check_forward_mla(spec, backend, batch, f"tree {TREE_PARENTS} {case}")
+
+
+def _check_forward_mla(spec: AttentionSpec, backend: AttentionBackend, batch: ForwardBatch, what: str) -> None:
+    t, h, device, dtype = batch.num_tokens, spec.num_heads, batch.block_table.device, spec.dtype
     latent = torch.randn(t, spec.kv_lora_rank, device=device, dtype=dtype)
     k_rope = torch.randn(t, spec.qk_rope_head_dim, device=device, dtype=dtype)
     q_nope = torch.randn(t, h, spec.kv_lora_rank, device=device, dtype=dtype)
@@ -69,7 +89,7 @@ def test_forward_mla(attention_target: Target, mla_case: MLACase, page_size: int
     backend.set_kv(LAYER, batch.out_cache_loc, latent, k_rope)
     out = backend.forward_mla(q_nope, q_rope, LAYER)
     assert out.dtype == dtype
-    assert_close(out, expected, dtype, f"forward_mla {mla_case}")
+    assert_close(out, expected, dtype, f"forward_mla {what}")
 
 
 def test_forward_mla_in_cuda_graph(attention_target: Target, graph_case: GraphCase, page_size: int,

@@ -42,8 +42,10 @@ def test_speculation_is_off_by_default():
          "--speculative-num-steps: Input should be greater than or equal to 1"),
         ({"speculative_algorithm": "NEXTN", "speculative_draft_model_path": "/models/draft"},
          "--speculative-draft-model-path: a separate draft checkpoint is not supported yet"),
-        ({"speculative_algorithm": "NEXTN", "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 8},
-         "--speculative-eagle-topk 4: draft trees (topk > 1) are not supported yet, only 1"),
+        ({"speculative_algorithm": "NEXTN", "speculative_num_steps": 2, "speculative_eagle_topk": 4,
+          "speculative_num_draft_tokens": 22},
+         "--speculative-num-draft-tokens 22 is more than --speculative-num-steps 2 with --speculative-eagle-topk 4 "
+         "draft: at most 21"),
         ({"speculative_algorithm": "NEXTN", "speculative_num_steps": 3, "speculative_num_draft_tokens": 6},
          "--speculative-num-draft-tokens 6 must be --speculative-num-steps + 1 = 4"),
     ],

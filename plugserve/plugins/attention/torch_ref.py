@@ -49,18 +49,29 @@ def _zero_where_neg_inf(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
 
 
+def tree_visible(tree_mask: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """[n, kv_len] bool of a request whose last n keys are draft-tree nodes (tree_mask [n, n] bool: node i sees
+    node j): every node sees the kv_len - n keys before the tree, and its ancestors and itself in it."""
+    n = tree_mask.shape[0]
+    return torch.cat([tree_mask.new_ones(n, kv_len - n), tree_mask], dim=1)
+
+
 def dense_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, causal: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, causal: bool,
+    visible: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of one request, in float32.
 
     q [n, H, Dqk]; k [m, Hk, Dqk]; v [m, Hk, Dv], any float dtype, with Hk = H (MHA) or Hk = 1 (MQA:
-    one key/value head shared by all query heads, broadcast without copying).
+    one key/value head shared by all query heads, broadcast without copying). visible [n, m] bool, when
+    given, replaces the causal mask.
     Returns out [n, H, Dv] float32 and lse [n, H] float32 (natural log of the sum of exp(scores));
     a query with no visible key gets out = 0, lse = -inf.
     """
     scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * sm_scale  # [H, n, m]
-    if causal:
+    if visible is not None:
+        scores = scores.masked_fill(~visible, NEG_INF)
+    elif causal:
         scores = scores.masked_fill(~causal_mask(q.shape[0], k.shape[0], q.device), NEG_INF)
     lse = torch.logsumexp(scores, dim=-1)  # [H, n]; -inf for rows with no visible key (and m = 0)
     probs = torch.exp(scores - _zero_where_neg_inf(lse).unsqueeze(-1))
@@ -84,12 +95,14 @@ def ragged_attention(
     kv_lens: Sequence[int],
     sm_scale: float,
     causal: bool,
+    tree_masks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Varlen attention over requests packed request-major.
 
     q [sum(q_lens), H, Dqk]; k [sum(kv_lens), Hk, Dqk]; v [sum(kv_lens), Hk, Dv] with Hk = H or 1.
     Request b's queries are q rows [sum(q_lens[:b]), +q_lens[b]) and attend only to its own keys,
-    k/v rows [sum(kv_lens[:b]), +kv_lens[b]); causal masks bottom-right (see `causal_mask`).
+    k/v rows [sum(kv_lens[:b]), +kv_lens[b]); causal masks bottom-right (see `causal_mask`). tree_masks
+    [B, n, n] bool, when given, makes every request's n queries draft-tree nodes instead (see `tree_visible`).
     Returns out [sum(q_lens), H, Dv] in q's dtype and lse [sum(q_lens), H] float32.
     Raises ValueError when the shapes disagree with the lengths.
     """
@@ -116,7 +129,8 @@ def ragged_attention(
     lse = torch.full((q.shape[0], num_heads), NEG_INF, dtype=torch.float32, device=q.device)
     for b in range(len(q_lens)):
         qs, ks = slice(q_off[b], q_off[b + 1]), slice(kv_off[b], kv_off[b + 1])
-        out[qs], lse[qs] = dense_attention(q[qs], k[ks], v[ks], sm_scale, causal)
+        visible = None if tree_masks is None else tree_visible(tree_masks[b], kv_lens[b])
+        out[qs], lse[qs] = dense_attention(q[qs], k[ks], v[ks], sm_scale, causal, visible)
     return out.to(q.dtype), lse
 
 
@@ -129,14 +143,15 @@ def mla_attention_reference(
     kv_lens: Sequence[int],
     sm_scale: float,
     causal: bool = True,
+    tree_masks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA over contiguous per-request keys.
 
     q_nope [T, H, R] (already multiplied by W_UK), q_rope [T, H, P]; latent [Tk, R], k_rope [Tk, P]
     with T = sum(q_lens), Tk = sum(kv_lens), request-major. Each head scores
     (q_nope . latent + q_rope . k_rope) * sm_scale and averages the latent: MQA with keys
-    latent ++ k_rope and values latent, one KV head shared by all query heads.
-    Returns out [T, H, R] in q_nope's dtype and lse [T, H] float32.
+    latent ++ k_rope and values latent, one KV head shared by all query heads; tree_masks as
+    `ragged_attention` takes them. Returns out [T, H, R] in q_nope's dtype and lse [T, H] float32.
     """
     if latent.dim() != 2 or k_rope.dim() != 2 or latent.shape[0] != k_rope.shape[0]:
         raise ValueError(f"latent [Tk, R] and k_rope [Tk, P] must have the same rows, got {tuple(latent.shape)} "
@@ -146,7 +161,7 @@ def mla_attention_reference(
     # (q_nope ++ q_rope) . (latent ++ k_rope) is exactly the sum of the two dot products.
     q = torch.cat([q_nope.float(), q_rope.float()], dim=-1)
     k = torch.cat([latent.float(), k_rope.float()], dim=-1).unsqueeze(1)  # [Tk, 1, R + P]
-    out, lse = ragged_attention(q, k, latent.unsqueeze(1), q_lens, kv_lens, sm_scale, causal)
+    out, lse = ragged_attention(q, k, latent.unsqueeze(1), q_lens, kv_lens, sm_scale, causal, tree_masks)
     return out.to(q_nope.dtype), lse
 
 
@@ -190,6 +205,7 @@ class TorchRefAttention(AttentionBackend):
     capabilities: ClassVar[AttentionCapabilities] = AttentionCapabilities(
         dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
         devices=frozenset({"cpu", "cuda"}),
+        tree_verify=True,
     )
     priority: ClassVar[dict[str, int]] = {"default": 0, "cpu": 10}
 
@@ -200,14 +216,16 @@ class TorchRefAttention(AttentionBackend):
 
     def forward_mla(self, q_nope: torch.Tensor, q_rope: torch.Tensor, layer_id: int) -> torch.Tensor:
         """q_nope [T, H, R], q_rope [T, H, P] -> [T, H, R] in q_nope's dtype, attending causally to
-        positions 0..seq_len-1 of each request's paged cache (the new tokens included)."""
+        positions 0..seq_len-1 of each request's paged cache (the new tokens included), or through the
+        batch's draft-tree mask."""
         batch = self.batch
         pool = batch.kv_pool
         self.check_mla_inputs(q_nope, q_rope)
         rows = pool.gather(layer_id, self._kv_slots)  # [sum(seq_lens), R + P]
         latent, k_rope = rows[:, : pool.kv_lora_rank], rows[:, pool.kv_lora_rank :]
         out, _ = mla_attention_reference(
-            q_nope, q_rope, latent, k_rope, batch.extend_lens_cpu, batch.seq_lens_cpu, self.spec.softmax_scale
+            q_nope, q_rope, latent, k_rope, batch.extend_lens_cpu, batch.seq_lens_cpu, self.spec.softmax_scale,
+            tree_masks=None if batch.tree is None else batch.tree.mask,
         )
         return out
 
