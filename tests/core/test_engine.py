@@ -18,6 +18,7 @@ from plugserve.core.kv_cache import PoolAccountingError
 from plugserve.core.request import FinishReason
 from plugserve.core.sampling import SamplingParams
 from plugserve.core.server_args import ServerArgs
+from tests.engine_checks import assert_every_page_is_back
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
 PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):", "import numpy as np\n" * 20]
@@ -72,7 +73,7 @@ def test_far_too_small_kv_pool_loses_no_request():
         assert [r.finish_reason for r in results] == [FinishReason.LENGTH] * 12
         assert all(r.completion_tokens == 24 for r in results)
         assert engine.metrics.retractions._value.get() > 0
-        _assert_every_page_is_back(engine)
+        assert_every_page_is_back(engine)
     finally:
         engine.shutdown()
 
@@ -135,18 +136,7 @@ def test_abort_frees_the_request(engine):
     engine.abort(rid)
     assert done.wait(30)
     assert outputs[-1].finish_reason is FinishReason.ABORT
-    _assert_every_page_is_back(engine)
-
-
-def _assert_every_page_is_back(engine: Engine) -> None:
-    """Idle: each KV page is free or held only by an evictable prefix-cache node, and each has one owner."""
-    deadline = time.monotonic() + 10
-    while engine.scheduler.has_work and time.monotonic() < deadline:
-        time.sleep(0.01)
-    engine.check_pool_accounting()
-    allocator = engine.runner.allocator
-    assert engine.radix.protected_pages == 0
-    assert allocator.num_free + engine.radix.evictable_pages == allocator.num_pages
+    assert_every_page_is_back(engine)
 
 
 @pytest.mark.parametrize("prompt", [[], [10**9], "x " * 9000])
@@ -225,7 +215,7 @@ def test_a_request_failing_while_scheduled_ends_alone_and_the_engine_goes_on(eng
     assert results["bad"][-1].error == "RuntimeError: planning bug"
     assert results["good"][-1].finish_reason is FinishReason.LENGTH and results["good"][-1].completion_tokens == 12
     assert engine.alive
-    _assert_every_page_is_back(engine)
+    assert_every_page_is_back(engine)
 
 
 def test_a_batch_that_cannot_be_built_ends_its_requests_alone(engine, monkeypatch):
@@ -252,7 +242,7 @@ def test_a_batch_that_cannot_be_built_ends_its_requests_alone(engine, monkeypatc
     assert results["newcomer"][-1].error == "RuntimeError: batch bug"
     assert results["running"][-1].finish_reason is FinishReason.LENGTH
     assert sum(len(o.token_ids) for o in results["running"]) == 60
-    _assert_every_page_is_back(engine)
+    assert_every_page_is_back(engine)
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -275,7 +265,7 @@ def test_a_failed_forward_leaves_none_of_its_kv_in_the_prefix_cache(solo, overla
         assert failed.finish_reason is FinishReason.ERROR and failed.error == "RuntimeError: forward failure"
         [again] = engine.generate(PROMPTS[3], GREEDY)
         assert again.text == solo[3]
-        _assert_every_page_is_back(engine)
+        assert_every_page_is_back(engine)
     finally:
         engine.shutdown()
 
@@ -307,7 +297,7 @@ def test_seed_makes_unseeded_sampling_reproducible():
 
 def test_pool_accounting_catches_a_leaked_page_and_a_stray_lock(engine):
     engine.generate(PROMPTS[0], GREEDY)  # something in the prefix cache
-    _assert_every_page_is_back(engine)
+    assert_every_page_is_back(engine)
     [page] = engine.runner.allocator.alloc(1)  # owned by no one: the engine is idle
     with pytest.raises(PoolAccountingError, match=rf"1 pages leaked .*\[{page}\]"):
         engine.check_pool_accounting()

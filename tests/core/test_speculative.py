@@ -5,7 +5,6 @@ distribution."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 
 import pytest
@@ -20,6 +19,7 @@ from plugserve.core.server_args import ServerArgs
 from plugserve.core.speculative import verify_drafts
 from plugserve.core.tokenizer import EMBEDDED_MODEL_DIR
 from tests.checkpoints import add_mtp_layer, random_hf_model, save_hf_model, tiny_v3_config
+from tests.engine_checks import assert_every_page_is_back
 from tests.paged_runner import load_reference_model
 
 STEPS = 3
@@ -77,20 +77,11 @@ def _copying_draft(expected: dict[tuple[int, ...], list[int]], wrong_every: int 
     return draft
 
 
-def _assert_every_page_is_back(engine: Engine) -> None:
-    deadline = time.monotonic() + 10
-    while engine.scheduler.has_work and time.monotonic() < deadline:
-        time.sleep(0.01)
-    engine.check_pool_accounting()
-    allocator = engine.runner.allocator
-    assert engine.radix.protected_pages == 0
-    assert allocator.num_free + engine.radix.evictable_pages == allocator.num_pages
-
 
 def test_greedy_outputs_equal_those_without_speculation_with_the_nextn_layers_own_drafts(plain, spec):
     assert _outputs(spec.generate(PROMPTS, GREEDY)) == _outputs(plain.generate(PROMPTS, GREEDY))
     assert spec.scheduler.overlap_status == "off: speculative decoding runs the non-overlap loop"
-    _assert_every_page_is_back(spec)
+    assert_every_page_is_back(spec)
 
 
 @pytest.mark.parametrize("wrong_every", [0, 3, 5])
@@ -119,7 +110,7 @@ def test_accepted_runs_equal_the_targets_greedy_tokens(plain, spec, monkeypatch,
     steps = spec.scheduler.spec.verify_steps - before[0]
     accept_length = (spec.scheduler.spec.accepted_tokens - before[1]) / steps
     assert accept_length > (3.0 if wrong_every == 0 else 1.5)
-    _assert_every_page_is_back(spec)
+    assert_every_page_is_back(spec)
 
 
 def test_stops_inside_an_accepted_run_cut_it(plain, spec, monkeypatch):
@@ -135,7 +126,7 @@ def test_stops_inside_an_accepted_run_cut_it(plain, spec, monkeypatch):
         want = plain.generate(PROMPTS[0], params)
         assert want[0].completion_tokens < 11 and want[0].finish_reason is not None
         assert _outputs(spec.generate(PROMPTS[0], params)) == _outputs(want)
-    _assert_every_page_is_back(spec)
+    assert_every_page_is_back(spec)
 
 
 @pytest.mark.parametrize(
@@ -162,7 +153,7 @@ def test_scheduling_variants_give_the_same_greedy_outputs(checkpoint, plain, fla
             assert engine.metrics.retractions._value.get() > 0
         if not flags.get("disable_radix_cache"):
             assert engine.radix.hit_rate > 0
-        _assert_every_page_is_back(engine)
+        assert_every_page_is_back(engine)
     finally:
         engine.shutdown()
 
@@ -214,7 +205,7 @@ def test_requests_run_to_the_context_length_as_without_speculation(plain, spec):
     want = plain.generate(prompt, params)
     assert want[0].finish_reason is FinishReason.LENGTH and want[0].completion_tokens == 256 - 200
     assert _outputs(spec.generate(prompt, params)) == _outputs(want)
-    _assert_every_page_is_back(spec)
+    assert_every_page_is_back(spec)
 
 
 def test_abort_between_rounds_frees_the_request(spec, monkeypatch):
@@ -241,7 +232,7 @@ def test_abort_between_rounds_frees_the_request(spec, monkeypatch):
     resume.set()
     assert done.wait(30)
     assert outputs[-1].finish_reason is FinishReason.ABORT and outputs[-1].completion_tokens < 200
-    _assert_every_page_is_back(spec)
+    assert_every_page_is_back(spec)
 
 
 def test_a_model_without_a_nextn_layer_is_refused_naming_the_flag():
@@ -321,7 +312,7 @@ def test_sampled_requests_stay_in_the_targets_top_k_and_repeat_with_their_seed(s
     assert [r.token_ids for r in first] == [r.token_ids for r in second]
     assert len({tuple(r.token_ids) for r in first}) > 2
     assert all(t.token_id in [i for i, _ in t.top] for r in first for t in r.logprobs)
-    _assert_every_page_is_back(spec)
+    assert_every_page_is_back(spec)
 
 
 def test_accept_length_is_in_metrics_and_server_info(plain, spec, monkeypatch):

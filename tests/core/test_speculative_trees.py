@@ -18,7 +18,8 @@ from plugserve.core.server_args import ServerArgs
 from plugserve.core.speculative import verify_tree
 from plugserve.plugins.attention.torch_ref import TorchRefAttention
 from tests.checkpoints import add_mtp_layer, random_hf_model, save_hf_model, tiny_v3_config
-from tests.core.test_speculative import GREEDY, PROMPTS, _args, _assert_every_page_is_back, _outputs
+from tests.core.test_speculative import GREEDY, PROMPTS, _args, _outputs
+from tests.engine_checks import assert_every_page_is_back
 from tests.paged_runner import load_reference_model
 
 TREE = {"speculative_algorithm": "EAGLE", "speculative_num_steps": 3, "speculative_eagle_topk": 2,
@@ -105,7 +106,7 @@ def _tree_of_the_targets_tokens(engine: Engine, expected: dict[tuple[int, ...], 
 
 def test_greedy_outputs_with_the_nextn_layers_trees_equal_those_without_speculation(plain, trees):
     assert _outputs(trees.generate(PROMPTS, GREEDY)) == _outputs(plain.generate(PROMPTS, GREEDY))
-    _assert_every_page_is_back(trees)
+    assert_every_page_is_back(trees)
 
 
 @pytest.mark.parametrize("wrong_every", [0, 3])
@@ -137,7 +138,7 @@ def test_paths_accepted_off_the_first_child_equal_the_targets_greedy_tokens(plai
                               torch.tensor([t.logprob for t in want.logprobs]), atol=1e-4)
     accept_length = (worker.accepted_tokens - before[1]) / (worker.verify_steps - before[0])
     assert accept_length > (3.0 if wrong_every == 0 else 1.5)
-    _assert_every_page_is_back(trees)
+    assert_every_page_is_back(trees)
 
 
 def _reference_nextn_logprobs(model, tokens: list[int], path: list[int]) -> torch.Tensor:
