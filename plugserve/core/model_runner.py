@@ -318,8 +318,9 @@ class ModelRunner:
     @torch.inference_mode()
     def warm_up(self) -> None:
         """Before serving: every prefill bucket's backend on a prompt of its size (and an extension of it
-        over the cached prefix), every decode bucket's eagerly, then the CUDA graphs. JIT compiles,
-        autotuning and FlashInfer plans happen here, not in a request."""
+        over the cached prefix), every decode bucket's eagerly (with speculative decoding, a round's forwards
+        at that batch size), then the CUDA graphs. JIT compiles, autotuning and FlashInfer plans happen here,
+        not in a request."""
         cap = WARMUP_PREFILL_TOKENS if self.device.type == "cuda" else CPU_WARMUP_TOKENS
         largest = min(self.prefill_buckets[-1].max_size, cap,
                       self.allocator.num_pages * self.page_size - WARMUP_EXTEND_TOKENS)
@@ -327,20 +328,33 @@ class ModelRunner:
         steps = [*(functools.partial(self._warm_up_prefill, n) for n in sizes),
                  *(functools.partial(self._warm_up_decode, min(b.max_size, self.allocator.num_pages))
                    for b in self.decode_buckets)]
+        if self.args.speculative is not None:
+            n = self.args.speculative.num_draft_tokens
+            per_request = pages_needed(2 * n, self.page_size)
+            steps += [functools.partial(self._warm_up_speculative, min(b.max_size, self.allocator.num_pages
+                                                                       // per_request), n)
+                      for b in self.decode_buckets]
         for step in tqdm(steps, desc="warm-up", disable=None):
             step()
         if self.graph_max_bs:
             self.capture_graphs()
 
     def _scratch_forward(self, mode: ForwardMode, seq_lens: list[int], extend_lens: list[int],
-                         pages: list[list[int]]) -> None:
+                         pages: list[list[int]], nextn: bool = False) -> None:
         """One forward over scratch pages (`pages[i]`: request i's, at least ceil(seq_len / page_size)) with
-        token id 0 everywhere, through the batch's own backend."""
+        token id 0 everywhere, through the batch's own backend: the model's, or with `nextn` its NextN layer's
+        (on zero hidden states)."""
         width = max(len(p) for p in pages)
         table = torch.tensor([p + [p[-1]] * (width - len(p)) for p in pages], dtype=torch.int32)
         batch = self.prepare(ForwardBatch.build(mode, seq_lens, extend_lens, table.to(self.device), self.pool))
         ids = torch.zeros(batch.num_tokens, dtype=torch.int64, device=self.device)
-        self._logits(ids, batch, self.attention_for(batch), plan=True)
+        if not nextn:
+            self._logits(ids, batch, self.attention_for(batch), plan=True)
+            return
+        attention = self.attention_for(batch)
+        attention.plan(batch)
+        hidden = torch.zeros(batch.num_tokens, self.config.hidden_size, dtype=self.dtype, device=self.device)
+        self.model.compute_logits(self.model.forward_nextn(ids, hidden, batch, attention))
 
     def _warm_up_prefill(self, num_tokens: int) -> None:
         total = num_tokens + WARMUP_EXTEND_TOKENS
@@ -355,6 +369,19 @@ class ModelRunner:
         pages = self.allocator.alloc(batch_size)
         try:
             self._scratch_forward(ForwardMode.DECODE, [1] * batch_size, [1] * batch_size, [[p] for p in pages])
+        finally:
+            self.allocator.free(pages)
+
+    def _warm_up_speculative(self, batch_size: int, n: int) -> None:
+        """A speculative round's forwards for `batch_size` requests of n draft tokens: the target's TARGET_VERIFY,
+        the NextN layer's draft steps (DECODE) and its DRAFT_EXTEND over one and over n accepted tokens."""
+        per_request = pages_needed(2 * n, self.page_size)
+        pages = self.allocator.alloc(per_request * batch_size)
+        try:
+            rows = [pages[i * per_request : (i + 1) * per_request] for i in range(batch_size)]
+            self._scratch_forward(ForwardMode.TARGET_VERIFY, [2 * n] * batch_size, [n] * batch_size, rows)
+            for mode, new in ((ForwardMode.DECODE, 1), (ForwardMode.DRAFT_EXTEND, 1), (ForwardMode.DRAFT_EXTEND, n)):
+                self._scratch_forward(mode, [n + new] * batch_size, [new] * batch_size, rows, nextn=True)
         finally:
             self.allocator.free(pages)
 

@@ -13,6 +13,7 @@ import torch
 from plugserve.core.engine import Engine, GenerateResult
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode
 from plugserve.core.kv_cache import MLAKVPool
+from plugserve.core.model_runner import ModelRunner
 from plugserve.core.request import FinishReason
 from plugserve.core.sampling import SamplingParams
 from plugserve.core.server_args import ServerArgs
@@ -336,3 +337,28 @@ def test_accept_length_is_in_metrics_and_server_info(plain, spec, monkeypatch):
     assert gauge == pytest.approx(spec.scheduler.spec.accept_length) and gauge > 1.5
     plain_info = TestClient(create_app(plain)).get("/server_info").json()
     assert plain_info["speculative"] is None and plain_info["overlap_schedule"] == "on"
+
+
+def test_warm_up_runs_a_rounds_forwards_at_each_decode_bucket_and_gives_pages_back(checkpoint, monkeypatch):
+    runner = ModelRunner(_args(checkpoint, speculative_algorithm="NEXTN", speculative_num_steps=STEPS))
+    n = STEPS + 1
+    target, draft = [], []
+    prepare, forward_nextn = runner.prepare, runner.model.forward_nextn
+
+    def recording_prepare(batch: ForwardBatch) -> ForwardBatch:
+        target.append((batch.mode, batch.batch_size, tuple(batch.extend_lens_cpu)))
+        return prepare(batch)
+
+    def recording_nextn(next_ids, hidden, batch, attention=None):
+        draft.append((batch.mode, batch.batch_size, tuple(batch.extend_lens_cpu)))
+        return forward_nextn(next_ids, hidden, batch, attention)
+
+    monkeypatch.setattr(runner, "prepare", recording_prepare)
+    monkeypatch.setattr(runner.model, "forward_nextn", recording_nextn)
+    free = runner.allocator.num_free
+    runner.warm_up()
+    assert runner.allocator.num_free == free
+    for b in {min(bucket.max_size, runner.allocator.num_pages) for bucket in runner.decode_buckets}:
+        assert (ForwardMode.TARGET_VERIFY, b, (n,) * b) in target
+        for mode, new in ((ForwardMode.DECODE, 1), (ForwardMode.DRAFT_EXTEND, 1), (ForwardMode.DRAFT_EXTEND, n)):
+            assert (mode, b, (new,) * b) in draft
