@@ -57,24 +57,27 @@ class PagedRunner:
         return logits
 
 
-def reference_backends(config: ModelConfig, dtype: torch.dtype, device: str = "cpu", tp_size: int = 1
-                       ) -> ModelBackends:
-    """The torch reference backend of every kind, built for `config` split over `tp_size` ranks."""
+def reference_backends(config: ModelConfig, dtype: torch.dtype, device: str = "cpu", tp_size: int = 1,
+                       ep_size: int = 1, ep_rank: int = 0) -> ModelBackends:
+    """The torch reference backend of every kind, built for `config` split over `tp_size` ranks (the routed
+    experts of rank `ep_rank` of `ep_size` under expert parallelism)."""
     dev = torch.device(device)
     attention = config.attention_spec(dtype, tp_size=tp_size)
     return ModelBackends(
         attention_prefill=TorchRefAttention(attention, dev),
         attention_decode=TorchRefAttention(attention, dev),
-        moe=TorchRefMoE(config.moe_spec(dtype, tp_size), dev) if config.n_routed_experts else None,
+        moe=TorchRefMoE(config.moe_spec(dtype, tp_size, ep_size, ep_rank), dev) if config.n_routed_experts else None,
         gemm=TorchRefFp8Gemm(config.gemm_spec(dtype), dev) if config.fp8_block else None,
     )
 
 
 def load_reference_model(model_dir, dtype: torch.dtype = torch.float32, load_format: str = "auto",
-                         group: ParallelGroup = SINGLE, **read) -> DeepseekForCausalLM:
+                         group: ParallelGroup = SINGLE, expert_parallel: bool = False, **read) -> DeepseekForCausalLM:
     """read_config(**read) + load_model from `model_dir` on the CPU with the reference backends: this rank's
-    part of the model split over `group`."""
+    part of the model split over `group` (the routed experts whole when `expert_parallel`)."""
     config, checkpoint_layers = read_config(str(model_dir), None, **read)
-    return load_model(config, reference_backends(config, dtype, tp_size=group.world_size), model_path=str(model_dir),
-                      checkpoint_layers=checkpoint_layers, load_format=load_format, dtype=dtype,
-                      device=torch.device("cpu"), group=group)
+    ep_size, ep_rank = (group.world_size, group.rank) if expert_parallel else (1, 0)
+    backends = reference_backends(config, dtype, tp_size=group.world_size, ep_size=ep_size, ep_rank=ep_rank)
+    return load_model(config, backends, model_path=str(model_dir), checkpoint_layers=checkpoint_layers,
+                      load_format=load_format, dtype=dtype, device=torch.device("cpu"), group=group,
+                      expert_parallel=expert_parallel)

@@ -50,6 +50,7 @@ def test_serve_rejects_a_bad_flag_value_naming_the_flag(capsys):
         (["--kv-cache-dtype", "int8"], "--kv-cache-dtype 'int8' is not one of: auto, bfloat16"),
         (["--tp-size", "3", "--nnodes", "2"], "--tp-size 3 does not split over --nnodes 2"),
         (["--tp-size", "2", "--nnodes", "2"], "--nnodes 2 needs --dist-init-addr"),
+        (["--tp-size", "4", "--ep-size", "2"], "--ep-size 2 must be 1 or --tp-size (4)"),
         (["--dtype", "fp64"], "--dtype: invalid choice: 'fp64'"),
     ]:
         try:

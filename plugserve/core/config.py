@@ -225,15 +225,21 @@ class ModelConfig:
     def gemm_spec(self, dtype: torch.dtype) -> GemmSpec:
         return GemmSpec(dtype=dtype, block_shape=self.fp8_block or (128, 128))
 
-    def moe_spec(self, dtype: torch.dtype, tp_size: int = 1) -> MoESpec:
-        """One rank's routed experts: each expert's intermediate width split over `tp_size` ranks."""
+    def moe_spec(self, dtype: torch.dtype, tp_size: int = 1, ep_size: int = 1, ep_rank: int = 0) -> MoESpec:
+        """Rank `ep_rank`'s routed experts: each expert's intermediate width split over `tp_size` / `ep_size`
+        ranks, the experts over `ep_size` (whole under expert parallelism, where ep_size = tp_size)."""
+        experts = self.n_routed_experts or 0
+        if experts % ep_size:
+            raise ModelConfigError(f"{experts} routed experts do not split over {ep_size} expert-parallel ranks")
         return MoESpec(
             hidden_size=self.hidden_size,
-            intermediate_size=_per_rank("moe_intermediate_size", self.moe_intermediate_size, tp_size),
+            intermediate_size=_per_rank("moe_intermediate_size", self.moe_intermediate_size, tp_size // ep_size),
             dtype=dtype,
             weight_dtype=torch.float8_e4m3fn if self.fp8_block else None,
             block_shape=self.fp8_block or (128, 128),
             router=self.router(),
+            ep_size=ep_size,
+            ep_rank=ep_rank,
         )
 
     def with_layers(self, num_layers: int) -> ModelConfig:

@@ -178,6 +178,8 @@ class MoECapabilities(Capabilities):
     scoring_funcs: frozenset[str] = frozenset({"softmax", "sigmoid"})
     # It takes a layer's shared experts into its own GEMMs (`MoESpec.num_shared_experts`).
     shared_experts_fusion: bool = False
+    # It holds and runs only one rank's slice of the experts (`MoESpec.ep_size` > 1).
+    expert_parallel: bool = False
 
     def check(self, spec: MoESpec, phase: Phase) -> Availability:
         return _first_failure(
@@ -188,6 +190,8 @@ class MoECapabilities(Capabilities):
             _member(spec.router.scoring_func, self.scoring_funcs, "scoring_func"),
             Availability.no("does not fuse shared experts")
             if spec.num_shared_experts and not self.shared_experts_fusion else OK,
+            Availability.no("does not run a slice of the experts (expert parallelism)")
+            if spec.ep_size > 1 and not self.expert_parallel else OK,
         )
 
 
@@ -254,7 +258,13 @@ class MoESpec:
     the layer's shared MLP, S x intermediate_size wide, runs inside the backend as S more experts that
     every token uses. `prepare` gets its weights, `route` returns k + S columns (the shared ids E .. E+S-1
     last, weighted 1 / routed_scaling_factor, which `forward`'s factor cancels), and `forward` returns
-    routed + shared: one set of GEMMs instead of the routed ones plus a dense MLP."""
+    routed + shared: one set of GEMMs instead of the routed ones plus a dense MLP.
+
+    `ep_size` > 1 (expert parallelism; only for backends whose capabilities declare `expert_parallel`): this
+    rank, `ep_rank`, holds the E / ep_size whole experts [first_expert, first_expert + num_local_experts).
+    `route` still ranks all E and returns their global ids; `prepare` gets the local experts only, and
+    `forward` adds only their terms (a slot naming another rank's expert contributes zero), so that the
+    ranks' outputs sum to the whole layer's."""
 
     hidden_size: int = 7168
     intermediate_size: int = 2048
@@ -263,10 +273,31 @@ class MoESpec:
     block_shape: tuple[int, int] = (128, 128)
     router: RouterConfig = field(default_factory=RouterConfig)
     num_shared_experts: int = 0
+    ep_size: int = 1
+    ep_rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_experts % self.ep_size or not 0 <= self.ep_rank < self.ep_size:
+            raise ValueError(f"ep_rank {self.ep_rank} of ep_size {self.ep_size}: the {self.num_experts} experts "
+                             "must split evenly and the rank lie in [0, ep_size)")
+        if self.ep_size > 1 and self.num_shared_experts:
+            # Shared experts are split by width over the ranks, routed ones by expert: no common GEMM.
+            raise ValueError("fused shared experts (num_shared_experts) do not combine with ep_size > 1")
 
     @property
     def num_experts(self) -> int:
+        """E: all the layer's routed experts (the router's)."""
         return self.router.num_experts
+
+    @property
+    def num_local_experts(self) -> int:
+        """The experts this rank holds: E / ep_size."""
+        return self.num_experts // self.ep_size
+
+    @property
+    def first_expert(self) -> int:
+        """The global id of this rank's first expert."""
+        return self.ep_rank * self.num_local_experts
 
     @property
     def top_k(self) -> int:
@@ -469,7 +500,8 @@ class Fp8GemmBackend(Backend):
 
 
 class MoEBackend(Backend):
-    """Routed experts of DeepSeekMoE. E = num_experts, k = top_k, H = hidden, I = intermediate."""
+    """Routed experts of DeepSeekMoE. E = num_experts, k = top_k, H = hidden, I = intermediate; E_l =
+    spec.num_local_experts, the experts this rank holds (E but under expert parallelism: see `MoESpec`)."""
 
     kind: ClassVar[Kind] = "moe"
     capabilities: ClassVar[MoECapabilities]
@@ -498,8 +530,9 @@ class MoEBackend(Backend):
         shared_w13_scale_inv: torch.Tensor | None = None,
         shared_w2_scale_inv: torch.Tensor | None = None,
     ) -> Any:
-        """Once at load: w13 [E, 2I, H] (rows [0, I) gate, [I, 2I) up), w2 [E, H, I], of spec.dtype or
-        float8_e4m3fn with block scales [E, ceil(2I/bn), ceil(H/bk)] and [E, ceil(H/bn), ceil(I/bk)].
+        """Once at load: w13 [E_l, 2I, H] (rows [0, I) gate, [I, 2I) up), w2 [E_l, H, I] (expert j is global
+        expert spec.first_expert + j), of spec.dtype or float8_e4m3fn with block scales
+        [E_l, ceil(2I/bn), ceil(H/bk)] and [E_l, ceil(H/bn), ceil(I/bk)].
         With spec.num_shared_experts S > 0 (and only then) also the shared MLP: shared_w13 [2SI, H] (gate
         rows, then up rows) and shared_w2 [H, SI], with their block scales when FP8."""
 
@@ -526,7 +559,8 @@ class MoEBackend(Backend):
     ) -> torch.Tensor:
         """x [T, H] of spec.dtype -> sum_j topk_weights[t, j] * routed_scaling_factor *
         expert_{topk_ids[t, j]}(x[t]), with expert(x) = W2 (silu(W_gate x) * (W_up x)). Returns [T, H].
-        topk_ids / topk_weights are `route`'s [T, spec.routed_width] (fused shared experts included).
+        topk_ids / topk_weights are `route`'s [T, spec.routed_width] (fused shared experts included), global
+        ids: under expert parallelism the sum runs over the slots whose expert this rank holds.
         Block-FP8 experts are w8a8: x, and the SiLU-and-mul output before W2, are quantized per 1 x block_k
         token group (e4m3, float32 scale amax / 448) as the GEMM contract's activations are."""
 

@@ -86,9 +86,11 @@ def load_checkpoint(model: DeepseekForCausalLM, checkpoint: SafetensorsCheckpoin
     used = set()
     for name, target in tqdm(expected.items(), desc="loading weights", unit="tensor", disable=None):
         scale_name = name + SCALE_SUFFIX
+        used.update((name, scale_name))
+        if not target.read:
+            continue
         scale = checkpoint.get(scale_name) if scale_name in available else None
         target.load(name, checkpoint.get_slice(name) if target.lazy else checkpoint.get(name), scale)
-        used.update((name, scale_name))
     unexpected = sorted(
         name for name in available - used
         if not ((m := _LAYER.match(name)) and int(m.group(1)) in skipped_layers) and not name.endswith("inv_freq")
@@ -176,9 +178,11 @@ def load_model(
     device: torch.device,
     seed: int = 0,
     group: ParallelGroup = SINGLE,
+    expert_parallel: bool = False,
 ) -> DeepseekForCausalLM:
-    """Build the model (this rank's part of it, split over `group`), fill its weights, and pack them for
-    `backends` (built for this rank's shapes: `ModelConfig.attention_spec` / `moe_spec` with the world size)."""
+    """Build the model (this rank's part of it, split over `group`, the routed experts whole when
+    `expert_parallel`), fill its weights, and pack them for `backends` (built for this rank's shapes:
+    `ModelConfig.attention_spec` / `moe_spec` with the world size, and the rank under expert parallelism)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"--load-format {load_format!r} is not supported (choose from {', '.join(LOAD_FORMATS)})")
     dummy = load_format == "dummy" or model_path is None
@@ -188,7 +192,8 @@ def load_model(
         and config.num_nextn_predict_layers > 0
         and f"model.layers.{checkpoint_layers}.eh_proj.weight" in checkpoint.names()
     )
-    model = DeepseekForCausalLM(config, dtype, device, with_nextn=with_nextn, group=group)
+    model = DeepseekForCausalLM(config, dtype, device, with_nextn=with_nextn, group=group,
+                                expert_parallel=expert_parallel)
     if checkpoint is None:
         init_dummy_weights(model, seed)
     else:

@@ -101,7 +101,7 @@ class ModelRunner:
         backends, self.page_size = self._create_backends()
         self.model = load_model(self.config, backends, model_path=args.model_dir,
                                 checkpoint_layers=checkpoint_layers, load_format=args.load_format, dtype=self.dtype,
-                                device=self.device, seed=args.seed, group=group)
+                                device=self.device, seed=args.seed, group=group, expert_parallel=args.ep_size > 1)
         if args.enable_torch_compile:
             self.model.use_small_ops(SmallOps.compiled(args.torch_compile_max_bs))
         if self.device.type == "cuda":
@@ -197,8 +197,9 @@ class ModelRunner:
                                              prefill_tokens, prefill, built)
         moe = gemm = None
         if config.n_routed_experts:
-            moe = self._build_packed("moe", args.moe_runner_backend, config.moe_spec(self.dtype, self.group.world_size),
-                                     max_batch,
+            moe_spec = config.moe_spec(self.dtype, self.group.world_size, args.ep_size,
+                                       self.group.rank if args.ep_size > 1 else 0)
+            moe = self._build_packed("moe", args.moe_runner_backend, moe_spec, max_batch,
                                      prefill_tokens, self._fuse_shared_experts)
         if args.enable_shared_experts_fusion and not (moe is not None and moe.spec.num_shared_experts):
             why = (f"the moe backend {moe.name} does not fuse them (triton does: {flag('moe_runner_backend')} "

@@ -70,6 +70,7 @@ class ServerArgs(BaseModel):
     graceful_shutdown_timeout: float = Field(20.0, ge=0)
     # parallelism
     tp_size: int = Field(1, ge=1)
+    ep_size: int = Field(1, ge=1)
     nnodes: int = Field(1, ge=1)
     node_rank: int = Field(0, ge=0)
     dist_init_addr: str | None = None
@@ -144,6 +145,12 @@ class ServerArgs(BaseModel):
                 raise ValueError(f"{flag('dist_init_addr')} {self.dist_init_addr!r} is not host:port")
             if self.tp_size == 1:
                 raise ValueError(f"{flag('dist_init_addr')} is for several ranks: give {flag('tp_size')} > 1")
+        if self.ep_size not in (1, self.tp_size):
+            raise ValueError(f"{flag('ep_size')} {self.ep_size} must be 1 or {flag('tp_size')} ({self.tp_size}): "
+                             "expert parallelism runs within the tensor-parallel ranks")
+        if self.ep_size > 1 and self.enable_shared_experts_fusion:
+            raise ValueError(f"{flag('enable_shared_experts_fusion')} does not combine with {flag('ep_size')} "
+                             f"{self.ep_size}: the shared experts are split by width, the routed ones by expert")
         if self.tp_size > 1 and self.device.startswith("cuda:"):
             raise ValueError(f"{flag('device')} {self.device} names one GPU: with {flag('tp_size')} {self.tp_size} "
                              "rank r of a node takes cuda:r (give auto or cuda)")

@@ -41,6 +41,8 @@ HELP = {
                                  "exits at once",
     "tp_size": "tensor-parallel size: one process and device per rank, attention heads, MLP and expert widths and "
                "the vocabulary split over them",
+    "ep_size": "expert-parallel size, 1 or --tp-size: each rank holds 1/ep_size of the routed experts whole "
+               "(instead of each expert's 1/tp_size) and runs them for every token; one all-reduce combines",
     "nnodes": "nodes the --tp-size ranks are spread over (as many on each)",
     "node_rank": "this node's number; node 0 serves HTTP, the others run their ranks only",
     "dist_init_addr": "host:port of node 0 where the ranks meet (needed with --nnodes > 1; default: a free local "

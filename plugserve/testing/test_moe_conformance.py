@@ -1,5 +1,6 @@
-"""MoE backends against the oracle: the router and the routed experts (bf16 and block-FP8), and the
-shared experts fused into them for backends that declare it."""
+"""MoE backends against the oracle: the router and the routed experts (bf16 and block-FP8), the shared
+experts fused into them and one rank's slice of the experts (expert parallelism) for backends that declare
+them."""
 
 from __future__ import annotations
 
@@ -52,19 +53,26 @@ def _quantize_experts(w: torch.Tensor, spec: MoESpec) -> tuple[torch.Tensor, tor
     return torch.stack([q for q, _ in quantized]), torch.stack([s for _, s in quantized])
 
 
+def _experts(spec: MoESpec, num_experts: int, device: torch.device
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Random experts in the spec's format: w13 [E, 2I, H], w2 [E, H, I] and, FP8, their block scales."""
+    h, i = spec.hidden_size, spec.intermediate_size
+    w13 = torch.randn(num_experts, 2 * i, h, device=device) / h**0.5
+    w2 = torch.randn(num_experts, h, i, device=device) / i**0.5
+    if spec.is_fp8:
+        (w13, s13), (w2, s2) = _quantize_experts(w13, spec), _quantize_experts(w2, spec)
+        return w13, w2, s13, s2
+    return w13.to(spec.dtype), w2.to(spec.dtype), None, None
+
+
 @pytest.mark.parametrize("weight_format", ["unquantized", "fp8_block"])
 def test_forward(moe_target: Target, moe_case: MoECase, weight_format: str, plugserve_hardware, plugserve_device):
     fp8 = weight_format == "fp8_block"
     spec = MoESpec(moe_case.hidden_size, moe_case.intermediate_size, moe_target.dtype,
                    torch.float8_e4m3fn if fp8 else None, router=moe_case.router)
     backend = _backend(moe_target, spec, plugserve_hardware, plugserve_device)
-    e, h, i, device = spec.num_experts, spec.hidden_size, spec.intermediate_size, plugserve_device
-    w13 = torch.randn(e, 2 * i, h, device=device) / h**0.5
-    w2 = torch.randn(e, h, i, device=device) / i**0.5
-    if fp8:
-        (w13, s13), (w2, s2) = _quantize_experts(w13, spec), _quantize_experts(w2, spec)
-    else:
-        w13, w2, s13, s2 = w13.to(spec.dtype), w2.to(spec.dtype), None, None
+    e, h, device = spec.num_experts, spec.hidden_size, plugserve_device
+    w13, w2, s13, s2 = _experts(spec, e, device)
     x = torch.randn(moe_case.num_tokens, h, device=device, dtype=spec.dtype)
     bias = torch.randn(e, device=device) * 0.1 if spec.router.topk_method == "noaux_tc" else None
     routing = oracle.route(torch.randn(moe_case.num_tokens, e, device=device), spec.router, bias)
@@ -119,3 +127,33 @@ def test_forward_with_fused_shared_experts(moe_target: Target, moe_case: MoECase
     shared = oracle.moe(x, shared_w13, shared_w2, one, torch.ones(one.shape, device=device), 1.0,
                         shared_s13, shared_s2, spec.block_shape)
     assert_close(out, routed + shared, spec.dtype, f"MoE forward {moe_case} {weight_format} + {num_shared} shared")
+
+
+EP_SIZE, EP_RANK = 4, 2  # a middle rank: ids below and above its experts both occur
+
+
+@pytest.mark.parametrize("weight_format", ["unquantized", "fp8_block"])
+def test_forward_on_one_ranks_experts(moe_target: Target, moe_case: MoECase, weight_format: str,
+                                      plugserve_hardware, plugserve_device):
+    """`MoESpec.ep_size` / `ep_rank`: prepare takes this rank's E / ep_size experts, forward takes route's
+    global ids and adds only the slots of those experts (the oracle of all E with the others weighted 0)."""
+    if not moe_target.cls.capabilities.expert_parallel:
+        pytest.skip(f"{moe_target.entry.name} does not declare expert_parallel")
+    fp8 = weight_format == "fp8_block"
+    spec = MoESpec(moe_case.hidden_size, moe_case.intermediate_size, moe_target.dtype,
+                   torch.float8_e4m3fn if fp8 else None, router=moe_case.router, ep_size=EP_SIZE, ep_rank=EP_RANK)
+    backend = _backend(moe_target, spec, plugserve_hardware, plugserve_device)
+    e, device = spec.num_experts, plugserve_device
+    w13, w2, s13, s2 = _experts(spec, e, device)
+    local = slice(spec.first_expert, spec.first_expert + spec.num_local_experts)
+    packed = backend.prepare(w13[local], w2[local], *(None if s is None else s[local] for s in (s13, s2)))
+    x = torch.randn(moe_case.num_tokens, spec.hidden_size, device=device, dtype=spec.dtype)
+    bias = torch.randn(e, device=device) * 0.1 if spec.router.topk_method == "noaux_tc" else None
+    routing = oracle.route(torch.randn(moe_case.num_tokens, e, device=device), spec.router, bias)
+    ids, weights = routing.ids.to(torch.int32), routing.weights.float()
+    out = backend.forward(x, packed, ids, weights, ROUTED_SCALING_FACTOR)
+    mine = (ids >= local.start) & (ids < local.stop)
+    expected = oracle.moe(x, w13, w2, ids, weights.masked_fill(~mine, 0), ROUTED_SCALING_FACTOR, s13, s2,
+                          spec.block_shape)
+    assert out.dtype == spec.dtype
+    assert_close(out, expected, spec.dtype, f"MoE forward {moe_case} {weight_format}, rank {EP_RANK} of {EP_SIZE}")

@@ -286,3 +286,13 @@ def test_unknown_preset_lists_choices() -> None:
     assert "'nope'" in message
     for name in PRESETS:
         assert name in message
+
+
+def test_moe_spec_per_rank_under_tensor_and_expert_parallelism() -> None:
+    config = preset_config("deepseek-v3")  # 256 experts of width 2048
+    tp = config.moe_spec(torch.bfloat16, tp_size=8)
+    assert (tp.intermediate_size, tp.num_local_experts, tp.first_expert) == (256, 256, 0)
+    ep = config.moe_spec(torch.bfloat16, tp_size=8, ep_size=8, ep_rank=3)
+    assert (ep.intermediate_size, ep.num_local_experts, ep.first_expert) == (2048, 32, 96)
+    with pytest.raises(ModelConfigError, match="256 routed experts do not split over 3 expert-parallel ranks"):
+        config.moe_spec(torch.bfloat16, tp_size=3, ep_size=3)

@@ -1,5 +1,6 @@
-"""The engine with --tp-size 2 on the CPU (rank 1 a worker process, gloo) against --tp-size 1 on the same
-checkpoint: the same greedy tokens; a killed rank ends the engine with an error naming it."""
+"""The engine with --tp-size 2 (and --ep-size 2) on the CPU (rank 1 a worker process, gloo) against
+--tp-size 1 on the same checkpoint: the same greedy tokens; a killed rank ends the engine with an error
+naming it."""
 
 from __future__ import annotations
 
@@ -24,25 +25,27 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_hf_model(random_hf_model(tiny_v3_config()), tmp_path_factory.mktemp("v3"))
 
 
-def _args(model_dir: Path, tp_size: int) -> ServerArgs:
+def _args(model_dir: Path, tp_size: int, ep_size: int = 1) -> ServerArgs:
     # A small pool: each rank holds a whole one.
     return ServerArgs(model_path=str(model_dir), tokenizer_path=str(EMBEDDED_MODEL_DIR), device="cpu",
-                      max_total_tokens=2048, tp_size=tp_size)
+                      max_total_tokens=2048, tp_size=tp_size, ep_size=ep_size)
 
 
 def _tokens(engine: Engine) -> list[list[int]]:
     return [r.token_ids for r in engine.generate(PROMPTS, GREEDY)]
 
 
-def test_tp2_greedy_tokens_equal_tp1(model_dir: Path) -> None:
+@pytest.mark.parametrize("ep_size", [1, 2], ids=["tp2", "tp2-ep2"])
+def test_tp2_greedy_tokens_equal_tp1(model_dir: Path, ep_size: int) -> None:
     single = Engine(_args(model_dir, 1))
     try:
         expected = _tokens(single)
     finally:
         single.shutdown()
-    engine = Engine(_args(model_dir, 2))
+    engine = Engine(_args(model_dir, 2, ep_size))
     try:
         assert _tokens(engine) == expected
+        assert engine.runner.model.backends.moe.spec.num_local_experts == 8 // ep_size  # type: ignore[union-attr]
     finally:
         engine.shutdown()
     assert engine.ranks is not None and all(p.exitcode == 0 for p in engine.ranks.workers.values())

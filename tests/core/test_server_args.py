@@ -1,4 +1,4 @@
-"""ServerArgs: the speculative-decoding flags, their defaults, and errors that name the flag."""
+"""ServerArgs: the speculative-decoding and expert-parallel flags, their defaults, and errors that name the flag."""
 
 from __future__ import annotations
 
@@ -65,3 +65,21 @@ def test_the_cli_takes_sglangs_spelling():
             "--speculative-num-draft-tokens", "3"]
     assert server_args_from(parser.parse_args(argv), parser).speculative == SpeculativeConfig("EAGLE", 2, 1, 3)
 
+
+
+@pytest.mark.parametrize(("tp_size", "ep_size"), [(2, 2), (4, 1), (4, 4)])
+def test_ep_size_is_1_or_the_tp_size(tp_size, ep_size):
+    assert ServerArgs(tp_size=tp_size, ep_size=ep_size).ep_size == ep_size
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"tp_size": 4, "ep_size": 2}, "--ep-size 2 must be 1 or --tp-size (4)"),
+        ({"ep_size": 2}, "--ep-size 2 must be 1 or --tp-size (1)"),
+        ({"tp_size": 2, "ep_size": 2, "enable_shared_experts_fusion": True},
+         "--enable-shared-experts-fusion does not combine with --ep-size 2"),
+    ],
+)
+def test_bad_expert_parallel_flags_are_refused_naming_the_flag(flags, message):
+    assert message in _error(**flags)

@@ -131,8 +131,8 @@ def test_kit_fails_wrong_backends(make_plugin, tmp_path: Path):
     expected = {
         "attention:no_rope": {"test_forward_mla"},
         "attention:hot_softmax": {"test_forward_mla", "test_forward_mha"},
-        "moe:no_scaling": {"test_forward"},
-        "moe:wrong_expert": {"test_forward"},
+        "moe:no_scaling": {"test_forward", "test_forward_on_one_ranks_experts"},
+        "moe:wrong_expert": {"test_forward", "test_forward_on_one_ranks_experts"},
         "moe:no_bias": {"test_route"},
         "gemm:one_scale": {"test_apply"},
     }

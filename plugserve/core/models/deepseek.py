@@ -13,6 +13,11 @@ KV); dense MLPs, shared experts and every routed expert split their intermediate
 down by columns); the embedding and LM head split the vocabulary. One all-reduce after attention and one
 after each MLP or MoE block (routed and shared experts summed first); the logits are all-gathered.
 Each rank reads only its slices of the checkpoint tensors.
+
+Expert parallelism (`expert_parallel`, over the same ranks): each rank holds E / P whole routed experts
+instead of every expert's 1/P. The router still runs on every rank over all E (every rank has every token
+after attention's all-reduce); each rank adds its own experts' terms for all tokens, and the MoE block's
+all-reduce, the one tensor parallelism has anyway, combines them with the shared experts' partial sums.
 """
 
 from __future__ import annotations
@@ -61,11 +66,14 @@ class ModelBackends:
 class CheckpointTensor:
     """One tensor the checkpoint must hold: its (whole) shape and how to load it. `load(name, tensor,
     scale_inv)` gets the `{name}_scale_inv` tensor too when the checkpoint stores the weight as block-FP8.
-    `lazy`: `load` takes a lazy safetensors slice as well as a tensor and reads only what this rank holds."""
+    `lazy`: `load` takes a lazy safetensors slice as well as a tensor and reads only what this rank holds.
+    `read` False: another rank's tensor (an expert this rank does not hold): the checkpoint must have it, but
+    neither it nor its scales are read, and `load` is not called."""
 
     shape: tuple[int, ...]
     load: Callable[[str, TensorSource, torch.Tensor | None], None]
     lazy: bool = False
+    read: bool = True
 
 
 def _copy_into(param: torch.Tensor) -> Callable[[str, torch.Tensor, torch.Tensor | None], None]:
@@ -94,11 +102,17 @@ def _linear_tensors(prefix: str, linear: Linear, names: list[str]) -> dict[str, 
 
 
 class Parameters:
-    """Creates the model's tensors on one device and dtype: replicated, or split over the ranks of `group`."""
+    """Creates the model's tensors on one device and dtype: replicated, or split over the ranks of `group`.
+    `expert_parallel`: the routed experts are split over the ranks whole, not each by its width."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-                 group: ParallelGroup) -> None:
+                 group: ParallelGroup, expert_parallel: bool = False) -> None:
         self.config, self.dtype, self.device, self.group = config, dtype, torch.device(device), group
+        self.expert_parallel = expert_parallel
+
+    def whole(self) -> Parameters:
+        """The same, with every tensor held whole (one rank's experts under expert parallelism)."""
+        return Parameters(self.config, self.dtype, self.device, SINGLE)
 
     def linear(self, in_features: int, *output_sizes: int) -> Linear:
         """Every rank holds the whole layer."""
@@ -161,10 +175,20 @@ class DeepseekMoE(nn.Module):
             nn.Parameter(torch.zeros(experts, dtype=torch.float32, device=p.device), requires_grad=False)
             if c.topk_method == "noaux_tc" else None
         )
-        # Loaded per expert, then stacked into w13 [E, 2I/P, H] / w2 [E, H, I/P] for the backend at finalize
-        # (P ranks: the backend's spec has this rank's intermediate width I/P).
-        self.experts = nn.ModuleList(DenseMLP(p, inter, f"{name}.experts.{e}", reduce_output=False)
-                                     for e in range(experts))
+        # Loaded per expert, then stacked for the backend at finalize: P ranks, all E experts split by width
+        # (w13 [E, 2I/P, H] / w2 [E, H, I/P]), or under expert parallelism the E/P experts
+        # [first_expert, first_expert + E/P) whole (w13 [E/P, 2I, H] / w2 [E/P, H, I]); the backend's spec
+        # (`ModelConfig.moe_spec`) says the same.
+        ranks = p.group.world_size
+        if p.expert_parallel and experts % ranks:
+            raise ValueError(f"{name}: {experts} routed experts do not split over {ranks} expert-parallel ranks")
+        self.num_experts = experts
+        held = experts // ranks if p.expert_parallel else experts
+        self.first_expert = p.group.rank * held if p.expert_parallel else 0
+        self.experts = nn.ModuleList(
+            DenseMLP(p.whole() if p.expert_parallel else p, inter, f"{name}.experts.{e}", reduce_output=False)
+            for e in range(self.first_expert, self.first_expert + held)
+        )
         self.shared_experts = (DenseMLP(p, inter * c.n_shared_experts, f"{name}.shared_experts", reduce_output=False)
                                if c.n_shared_experts else None)
         self._moe: MoEBackend | None = None
@@ -176,8 +200,12 @@ class DeepseekMoE(nn.Module):
         if self.e_score_correction_bias is not None:
             bias = self.e_score_correction_bias
             tensors[f"{prefix}.gate.e_score_correction_bias"] = CheckpointTensor(tuple(bias.shape), _copy_into(bias))
-        for e, expert in enumerate(self.experts):
-            tensors |= expert.checkpoint_tensors(f"{prefix}.experts.{e}")
+        for e in range(self.num_experts):
+            if self.first_expert <= e < self.first_expert + len(self.experts):
+                tensors |= self.experts[e - self.first_expert].checkpoint_tensors(f"{prefix}.experts.{e}")
+            else:  # another rank's: named like one of ours
+                tensors |= {name: CheckpointTensor(t.shape, lambda n, t, s: None, read=False)
+                            for name, t in self.experts[0].checkpoint_tensors(f"{prefix}.experts.{e}").items()}
         if self.shared_experts is not None:
             tensors |= self.shared_experts.checkpoint_tensors(f"{prefix}.shared_experts")
         return tensors
@@ -434,12 +462,12 @@ class NextNLayer(nn.Module):
 class DeepseekForCausalLM(nn.Module):
     """The decoder stack plus lm head. KV-pool layer ids: decoder layers 0..L-1, then the NextN layer.
     `group`: the ranks this model is split over (module docstring); every rank runs every forward on the
-    same inputs."""
+    same inputs. `expert_parallel`: the routed experts split over `group` whole (module docstring)."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-                 with_nextn: bool = False, group: ParallelGroup = SINGLE) -> None:
+                 with_nextn: bool = False, group: ParallelGroup = SINGLE, expert_parallel: bool = False) -> None:
         super().__init__()
-        p = Parameters(config, dtype, device, group)
+        p = Parameters(config, dtype, device, group, expert_parallel)
         self.config = config
         vocab = (config.vocab_size, config.hidden_size, dtype, device)
         self.embed_tokens = VocabParallelEmbedding(*vocab, group=group, name="model.embed_tokens")

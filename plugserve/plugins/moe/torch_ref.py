@@ -108,29 +108,30 @@ def fused_experts_reference(
     w13_scale_inv: torch.Tensor | None = None,
     w2_scale_inv: torch.Tensor | None = None,
     block_shape: tuple[int, int] = (128, 128),
+    first_expert: int = 0,
 ) -> torch.Tensor:
     """Routed experts, one expert at a time, in float32.
 
     x [T, H]; w13 [E, 2I, H] (rows [0, I) gate, [I, 2I) up) and w2 [E, H, I], in any float dtype,
     or float8_e4m3fn with block scales w13_scale_inv [E, ceil(2I/bn), ceil(H/bk)] and
-    w2_scale_inv [E, ceil(H/bn), ceil(I/bk)] float32; topk_ids [T, k] integer in [0, E),
-    topk_weights [T, k]. Returns routed_scaling_factor * sum_j topk_weights[t, j] *
-    W2 (silu(W_gate x) * (W_up x)) of expert topk_ids[t, j], [T, H] of x.dtype. With FP8 weights x
-    and the intermediate h are quantized per 1 x block_shape[1] token group before their GEMMs.
+    w2_scale_inv [E, ceil(H/bn), ceil(I/bk)] float32, experts first_expert .. first_expert + E - 1;
+    topk_ids [T, k] integer, topk_weights [T, k]. Returns routed_scaling_factor * sum_j topk_weights[t, j] *
+    W2 (silu(W_gate x) * (W_up x)) of expert topk_ids[t, j] over the slots whose expert is one of these
+    (others, such as another rank's, contribute nothing), [T, H] of x.dtype. With FP8 weights x and the
+    intermediate h are quantized per 1 x block_shape[1] token group before their GEMMs.
     """
     fp8 = w13.dtype == FP8_DTYPE
     if fp8 and (w13_scale_inv is None or w2_scale_inv is None):
         raise ValueError("float8_e4m3fn expert weights need w13_scale_inv and w2_scale_inv")
     num_experts, intermediate = w2.shape[0], w2.shape[2]
-    if topk_ids.numel() and not (int(topk_ids.min()) >= 0 and int(topk_ids.max()) < num_experts):
-        # A negative id would silently index the last expert.
-        raise ValueError(f"topk_ids must lie in [0, {num_experts}), got [{int(topk_ids.min())}, "
-                         f"{int(topk_ids.max())}]")
     group_size = block_shape[1]
     x32 = _fake_quant_fp8(x, group_size) if fp8 else x.float()
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for expert in topk_ids.unique().tolist():
-        token_idx, slot = torch.where(topk_ids == expert)
+    local_ids = topk_ids - first_expert
+    for expert in local_ids.unique().tolist():
+        if not 0 <= expert < num_experts:
+            continue
+        token_idx, slot = torch.where(local_ids == expert)
         gate_up = x32[token_idx] @ _expert_weight(w13, w13_scale_inv, expert, block_shape).T
         h = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
         if fp8:
@@ -156,6 +157,7 @@ class TorchRefMoE(MoEBackend):
         dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
         devices=frozenset({"cpu", "cuda"}),
         cuda_graph=False,  # forward loops over the experts it finds on the host (unique().tolist())
+        expert_parallel=True,
     )
     priority: ClassVar[dict[str, int]] = {"default": 0}
 
@@ -172,10 +174,11 @@ class TorchRefMoE(MoEBackend):
         w13_scale_inv: torch.Tensor | None = None,
         w2_scale_inv: torch.Tensor | None = None,
     ) -> TorchRefMoEWeights:
-        """w13 [E, 2I, H], w2 [E, H, I] of spec.dtype, or float8_e4m3fn with block scales
-        [E, ceil(2I/bn), ceil(H/bk)] and [E, ceil(H/bn), ceil(I/bk)] float32. Kept as they are."""
+        """w13 [E_l, 2I, H], w2 [E_l, H, I] of spec.dtype (E_l = spec.num_local_experts), or float8_e4m3fn
+        with block scales [E_l, ceil(2I/bn), ceil(H/bk)] and [E_l, ceil(H/bn), ceil(I/bk)] float32. Kept as
+        they are."""
         spec = self.spec
-        e, h, i = spec.num_experts, spec.hidden_size, spec.intermediate_size
+        e, h, i = spec.num_local_experts, spec.hidden_size, spec.intermediate_size
         weight_dtype = FP8_DTYPE if spec.is_fp8 else spec.dtype
         check_tensor("w13", w13, (e, 2 * i, h), weight_dtype)
         check_tensor("w2", w2, (e, h, i), weight_dtype)
@@ -199,11 +202,17 @@ class TorchRefMoE(MoEBackend):
         topk_weights: torch.Tensor,
         routed_scaling_factor: float,
     ) -> torch.Tensor:
-        """x [T, H] of spec.dtype, topk_ids [T, k] int32, topk_weights [T, k] float32 -> [T, H]."""
+        """x [T, H] of spec.dtype, topk_ids [T, k] int32 (global ids), topk_weights [T, k] float32 -> [T, H]:
+        the terms of this rank's experts."""
         self.check_forward_inputs(x, topk_ids, topk_weights)
+        num_experts = self.spec.num_experts
+        if topk_ids.numel() and not (int(topk_ids.min()) >= 0 and int(topk_ids.max()) < num_experts):
+            # Ids are route's, of every expert: one outside them is a caller's bug, not another rank's expert.
+            raise ValueError(f"topk_ids must lie in [0, {num_experts}), got [{int(topk_ids.min())}, "
+                             f"{int(topk_ids.max())}]")
         return fused_experts_reference(
             x, packed.w13, packed.w2, topk_ids, topk_weights, routed_scaling_factor,
-            packed.w13_scale_inv, packed.w2_scale_inv, self.spec.block_shape,
+            packed.w13_scale_inv, packed.w2_scale_inv, self.spec.block_shape, self.spec.first_expert,
         )
 
 

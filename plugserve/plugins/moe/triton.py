@@ -76,6 +76,7 @@ class TritonMoE(MoEBackend):
         devices=frozenset({"cuda", "cpu"}),
         cuda_graph=True,  # every buffer and grid sized from T alone; the alignment's counts stay on the device
         shared_experts_fusion=True,
+        expert_parallel=True,  # the kernels drop ids outside the packed experts
     )
     priority: ClassVar[dict[str, int]] = {"cuda": 50, "cpu": -1}  # on the CPU (interpreter) the reference wins
 
@@ -123,7 +124,8 @@ class TritonMoE(MoEBackend):
         shared_w2_scale_inv: torch.Tensor | None = None,
     ) -> TritonMoEWeights:
         """w13 [E, 2I, H], w2 [E, H, I] of spec.dtype, or float8_e4m3fn with block scales
-        [E, ceil(2I/bn), ceil(H/bk)] and [E, ceil(H/bn), ceil(I/bk)] float32.
+        [E, ceil(2I/bn), ceil(H/bk)] and [E, ceil(H/bn), ceil(I/bk)] float32; under expert parallelism E is
+        this rank's spec.num_local_experts.
 
         Shared-expert fusion: shared_w13 [2SI, H] (gate rows, then up rows) and shared_w2 [H, SI], the
         shared MLP of intermediate size S * I (DeepSeek's n_shared_experts = S), in the experts' format
@@ -131,7 +133,7 @@ class TritonMoE(MoEBackend):
         multiple of bn). They become S experts E .. E+S-1 (slices of I) that `forward` gives every token,
         so that its result is routed + shared MLP. Given exactly when spec.num_shared_experts is S."""
         spec = self.spec
-        e, h, i = spec.num_experts, spec.hidden_size, spec.intermediate_size
+        e, h, i = spec.num_local_experts, spec.hidden_size, spec.intermediate_size
         weight_dtype = FP8_DTYPE if spec.is_fp8 else spec.dtype
         check_tensor("w13", w13, (e, 2 * i, h), weight_dtype)
         check_tensor("w2", w2, (e, h, i), weight_dtype)
@@ -183,9 +185,9 @@ class TritonMoE(MoEBackend):
 
     def config(self, num_tokens: int) -> MoEConfig:
         """The launch configuration for a batch of `num_tokens` tokens (tuned file or default), looked
-        up under the routed experts' E and top-k also when shared experts are fused."""
+        up under this rank's routed experts' count and top-k also when shared experts are fused."""
         spec = self.spec
-        return get_config(num_tokens, spec.top_k, spec.num_experts, spec.intermediate_size, spec.dtype,
+        return get_config(num_tokens, spec.top_k, spec.num_local_experts, spec.intermediate_size, spec.dtype,
                           spec.block_shape if spec.is_fp8 else None, self._hardware.device_type,
                           self._hardware.device_key)
 
@@ -198,8 +200,9 @@ class TritonMoE(MoEBackend):
         routed_scaling_factor: float,
     ) -> torch.Tensor:
         """x [T, H] of spec.dtype, topk_ids [T, k + S] int32, topk_weights [T, k + S] float32 -> [T, H]:
-        routed_scaling_factor * sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]). Ids outside the
-        packed experts (-1: another rank's expert) contribute nothing.
+        routed_scaling_factor * sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) over this rank's
+        experts: global ids, shifted to the packed ones under expert parallelism, where the kernels drop
+        the others (another rank's experts).
 
         Fused shared experts (S = spec.num_shared_experts): `route` gave every token experts E .. E+S-1
         with weight 1 / routed_scaling_factor, which the w2 epilogue's factor cancels."""
@@ -207,6 +210,8 @@ class TritonMoE(MoEBackend):
 
         spec = self.spec
         self.check_forward_inputs(x, topk_ids, topk_weights)
+        if spec.first_expert:
+            topk_ids = topk_ids - spec.first_expert
         return triton_kernels.fused_experts(
             x, packed.w13, packed.w2, packed.w13_scale_inv, packed.w2_scale_inv, topk_ids, topk_weights,
             routed_scaling_factor, self.config(x.shape[0]), spec.block_shape,

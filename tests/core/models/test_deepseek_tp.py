@@ -1,6 +1,6 @@
-"""DeepseekForCausalLM split over 2 ranks (tensor parallelism) against the one-process model of the same
-checkpoint: what each rank loads of a block-FP8 checkpoint (in this process, no collectives), and logits
-and greedy continuations on 2 spawned gloo ranks (float32, torch_ref backends)."""
+"""DeepseekForCausalLM split over 2 ranks (tensor parallelism, and with expert parallelism) against the
+one-process model of the same checkpoint: what each rank loads of a block-FP8 checkpoint (in this process,
+no collectives), and logits and greedy continuations on 2 spawned gloo ranks (float32, torch_ref backends)."""
 
 from __future__ import annotations
 
@@ -138,19 +138,48 @@ def test_a_rank_reads_half_of_each_split_tensor_and_the_replicated_ones_whole(ch
     assert any("experts.7.down_proj.weight" in name for name in checkpoint.read)
 
 
+EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def test_under_expert_parallelism_a_rank_reads_its_experts_whole_and_no_other(checkpoints: dict[str, Path]) -> None:
+    directory = checkpoints["v3_fp8"]
+    config, layers = read_config(str(directory), None)
+    checkpoint = RecordingCheckpoint(directory)
+    rank, held = 1, config.n_routed_experts // WORLD_SIZE
+    load_checkpoint(DeepseekForCausalLM(config, torch.float32, "cpu", group=ParallelGroup(rank, WORLD_SIZE),
+                                        expert_parallel=True), checkpoint, layers)
+    experts = [name for name in checkpoint.names() if EXPERT.search(name)]
+    assert any(name.endswith("_scale_inv") for name in experts)
+    for name in experts:
+        mine = rank * held <= int(EXPERT.search(name).group(1)) < (rank + 1) * held  # type: ignore[union-attr]
+        assert checkpoint.read.get(name, 0) == (math.prod(checkpoint.get_slice(name).get_shape()) if mine else 0), name
+
+
+def _check_expert_parallel_moe(mine: DeepseekMoE, full: DeepseekMoE, rank: int) -> None:
+    """Rank `rank`'s packed experts are its E / P experts of the one-process model, bit for bit."""
+    assert _same_bits(mine.gate, full.gate)
+    assert _same_bits(mine.e_score_correction_bias, full.e_score_correction_bias)  # type: ignore[arg-type]
+    a, b = mine._packed, full._packed  # TorchRefMoEWeights: w13 [E, 2I, H], w2 [E, H, I]
+    for name in ("w13", "w2", "w13_scale_inv", "w2_scale_inv"):
+        assert _same_bits(getattr(a, name), _rows(getattr(b, name), rank)), name
+    _check_mlp(mine.shared_experts, full.shared_experts, rank)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "ep"])
 def test_each_rank_of_a_block_fp8_checkpoint_holds_its_slices_of_the_unsharded_model(
-        checkpoints: dict[str, Path]) -> None:
+        checkpoints: dict[str, Path], expert_parallel: bool) -> None:
     """Loading runs no collective: both ranks load here, each compared with the one-process model."""
     directory = checkpoints["v3_fp8"]
     full = load_reference_model(directory)
+    check_moe = _check_expert_parallel_moe if expert_parallel else _check_moe
     for rank in range(WORLD_SIZE):
-        mine = load_reference_model(directory, group=ParallelGroup(rank, WORLD_SIZE))
+        mine = load_reference_model(directory, group=ParallelGroup(rank, WORLD_SIZE), expert_parallel=expert_parallel)
         assert _same_bits(mine.embed_tokens.weight, _rows(full.embed_tokens.weight, rank))
         assert _same_bits(mine.lm_head.weight, _rows(full.lm_head.weight, rank))
         for layer, full_layer in zip(mine.layers, full.layers, strict=True):
             _check_attention(layer.self_attn, full_layer.self_attn, rank)
             if isinstance(layer.mlp, DeepseekMoE):
-                _check_moe(layer.mlp, full_layer.mlp, rank)  # type: ignore[arg-type]
+                check_moe(layer.mlp, full_layer.mlp, rank)  # type: ignore[arg-type]
             else:
                 _check_mlp(layer.mlp, full_layer.mlp, rank)  # type: ignore[arg-type]
 
@@ -184,13 +213,13 @@ def _greedy_run(model: DeepseekForCausalLM, prompts: list[list[int]]) -> tuple[l
     return logits, [r.tokens for r in requests]
 
 
-def _split_models_match_one_process(group: ParallelGroup, directories: list[Path]) -> None:
+def _split_models_match_one_process(group: ParallelGroup, directories: list[Path], expert_parallel: bool) -> None:
     generator = torch.Generator().manual_seed(1)
     for directory in directories:
         single = load_reference_model(directory)
         prompts = [torch.randint(0, single.config.vocab_size, (n,), generator=generator).tolist() for n in (21, 12)]
         expected, expected_tokens = _greedy_run(single, prompts)
-        split = load_reference_model(directory, group=group)
+        split = load_reference_model(directory, group=group, expert_parallel=expert_parallel)
         assert split.layers[0].self_attn.num_heads == single.layers[0].self_attn.num_heads // WORLD_SIZE
         logits, tokens = _greedy_run(split, prompts)
         assert tokens == expected_tokens, directory.name
@@ -199,4 +228,9 @@ def _split_models_match_one_process(group: ParallelGroup, directories: list[Path
 
 
 def test_tp2_logits_and_greedy_tokens_match_one_process(checkpoints: dict[str, Path]) -> None:
-    run_ranks(_split_models_match_one_process, [checkpoints[name] for name in ("v3", "v2_lite", "v3_fp8")])
+    run_ranks(_split_models_match_one_process, [checkpoints[name] for name in ("v3", "v2_lite", "v3_fp8")], False)
+
+
+def test_tp2_ep2_logits_and_greedy_tokens_match_one_process(checkpoints: dict[str, Path]) -> None:
+    """Each rank runs its 4 of the 8 experts for every token; the MoE all-reduce sums them."""
+    run_ranks(_split_models_match_one_process, [checkpoints[name] for name in ("v3_fp8", "v2_lite")], True)
