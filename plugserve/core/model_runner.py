@@ -319,9 +319,9 @@ class ModelRunner:
     @torch.inference_mode()
     def warm_up(self) -> None:
         """Before serving: every prefill bucket's backend on a prompt of its size (and an extension of it
-        over the cached prefix), every decode bucket's eagerly (with speculative decoding, a round's forwards
-        at that batch size), then the CUDA graphs. JIT compiles, autotuning and FlashInfer plans happen here,
-        not in a request."""
+        over the cached prefix), every decode bucket's eagerly (with speculative decoding, the NextN layer after
+        each prefill and a round's forwards at each decode batch size), then the CUDA graphs. JIT compiles,
+        autotuning and FlashInfer plans happen here, not in a request."""
         cap = WARMUP_PREFILL_TOKENS if self.device.type == "cuda" else CPU_WARMUP_TOKENS
         largest = min(self.prefill_buckets[-1].max_size, cap,
                       self.allocator.num_pages * self.page_size - WARMUP_EXTEND_TOKENS)
@@ -363,6 +363,8 @@ class ModelRunner:
         try:
             for seq_len, new in ((num_tokens, num_tokens), (total, WARMUP_EXTEND_TOKENS)):
                 self._scratch_forward(ForwardMode.EXTEND, [seq_len], [new], [pages])
+                if self.args.speculative is not None:  # the NextN layer follows every prefill
+                    self._scratch_forward(ForwardMode.EXTEND, [seq_len], [new], [pages], nextn=True)
         finally:
             self.allocator.free(pages)
 
