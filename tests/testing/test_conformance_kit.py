@@ -129,8 +129,9 @@ def _kit(folder: Path, report: Path, *args: str) -> dict[str, set[str]]:
 
 def test_kit_fails_wrong_backends(make_plugin, tmp_path: Path):
     expected = {
-        "attention:no_rope": {"test_forward_mla"},
-        "attention:hot_softmax": {"test_forward_mla", "test_forward_mha"},
+        # They inherit torch_ref's tree_verify, so the tree case runs on them and catches them too.
+        "attention:no_rope": {"test_forward_mla", "test_forward_mla_tree_verify"},
+        "attention:hot_softmax": {"test_forward_mla", "test_forward_mha", "test_forward_mla_tree_verify"},
         "moe:no_scaling": {"test_forward", "test_forward_on_one_ranks_experts"},
         "moe:wrong_expert": {"test_forward", "test_forward_on_one_ranks_experts"},
         "moe:no_bias": {"test_route"},
