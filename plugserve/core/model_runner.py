@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,6 +48,10 @@ DEFAULT_MAX_RUNNING = {"cuda": 256, "cpu": 64}
 WARMUP_PREFILL_TOKENS = 8192
 WARMUP_EXTEND_TOKENS = 16
 CPU_WARMUP_TOKENS = 64  # nothing compiles on the CPU: the warm-up only walks the paths
+# The warm-up prefills every power of two from here to the largest bucket: Triton's MoE and GEMM backends pick
+# launch configurations by token count, and a prompt between two warmed sizes would otherwise compile its own on
+# first use (2-4 s on an H100). Shorter prompts use what the decode buckets warm.
+WARMUP_MIN_PREFILL_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -318,14 +323,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Before serving: every prefill bucket's backend on a prompt of its size (and an extension of it
-        over the cached prefix), every decode bucket's eagerly (with speculative decoding, the NextN layer after
+        """Before serving: every prefill bucket's backend on a prompt of its size and of each power of two below
+        it down to WARMUP_MIN_PREFILL_TOKENS (and an extension of each over the cached prefix), every decode
+        bucket's eagerly (with speculative decoding, the NextN layer after
         each prefill and a round's forwards at each decode batch size), then the CUDA graphs. JIT compiles,
         autotuning and FlashInfer plans happen here, not in a request."""
         cap = WARMUP_PREFILL_TOKENS if self.device.type == "cuda" else CPU_WARMUP_TOKENS
         largest = min(self.prefill_buckets[-1].max_size, cap,
                       self.allocator.num_pages * self.page_size - WARMUP_EXTEND_TOKENS)
-        sizes = sorted({min(b.max_size, largest) for b in self.prefill_buckets})
+        ladder = itertools.takewhile(lambda n: n < largest,
+                                     (WARMUP_MIN_PREFILL_TOKENS << i for i in itertools.count()))
+        sizes = sorted({*ladder, *(min(b.max_size, largest) for b in self.prefill_buckets)})
         steps = [*(functools.partial(self._warm_up_prefill, n) for n in sizes),
                  *(functools.partial(self._warm_up_decode, min(b.max_size, self.allocator.num_pages))
                    for b in self.decode_buckets)]

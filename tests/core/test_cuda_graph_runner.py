@@ -108,8 +108,12 @@ def test_padded_static_batch_gives_the_real_rows_the_eager_logits(runner: ModelR
     runner.allocator.free(pages)
 
 
-def test_warm_up_walks_prefill_and_decode_buckets_and_gives_pages_back(runner: ModelRunner):
+def test_warm_up_walks_prefill_and_decode_buckets_and_gives_pages_back(runner: ModelRunner, monkeypatch):
+    prefills, prefill = [], runner._warm_up_prefill
+    monkeypatch.setattr(runner, "_warm_up_prefill", lambda n: prefills.append(n) or prefill(n))
     free = runner.allocator.num_free
     runner.warm_up()
     assert runner.allocator.num_free == free
     assert runner.graphs is None
+    # Every power of two from 16 to the largest size warmed (CPU_WARMUP_TOKENS here), each once.
+    assert prefills == [16, 32, 64]
