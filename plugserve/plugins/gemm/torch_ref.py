@@ -30,18 +30,22 @@ def block_fp8_matmul(
     """x_q [M, K] e4m3 with per-token-group scales [M, ceil(K/bk)] float32, times w_q [N, K] e4m3
     with block scales [ceil(N/bn), ceil(K/bk)] float32, transposed: [M, N] in out_dtype, computed
     in float32 on the dequantized operands."""
-    x = dequantize_block_fp8(x_q, x_scales, (1, block_shape[1]))
-    w = dequantize_block_fp8(w_q, w_scale_inv, block_shape)
-    return (x @ w.T).to(out_dtype)
+    return _times_dequantized(x_q, x_scales, dequantize_block_fp8(w_q, w_scale_inv, block_shape), block_shape[1],
+                              out_dtype)
+
+
+def _times_dequantized(x_q: torch.Tensor, x_scales: torch.Tensor, w: torch.Tensor, group_size: int,
+                       out_dtype: torch.dtype) -> torch.Tensor:
+    """x_q [M, K] e4m3 with scales [M, ceil(K/group_size)] float32, dequantized, times w [N, K] float32,
+    transposed: [M, N] in out_dtype."""
+    return (dequantize_block_fp8(x_q, x_scales, (1, group_size)) @ w.T).to(out_dtype)
 
 
 @dataclass(frozen=True)
 class TorchRefFp8Weight:
-    """weight [N, K] float8_e4m3fn, its scale_inv [ceil(N/bn), ceil(K/bk)] float32, and the two dequantized
-    once: w [N, K] float32 (exactly what block_fp8_matmul would dequantize on every call)."""
+    """w [N, K] float32: the block-FP8 weight dequantized once at prepare (what block_fp8_matmul would dequantize
+    on every call)."""
 
-    weight: torch.Tensor
-    weight_scale_inv: torch.Tensor
     w: torch.Tensor
 
 
@@ -55,22 +59,20 @@ class TorchRefFp8Gemm(Fp8GemmBackend):
     priority: ClassVar[dict[str, int]] = {"default": 0}
 
     def prepare(self, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> TorchRefFp8Weight:
-        """weight [N, K] float8_e4m3fn, weight_scale_inv [ceil(N/bn), ceil(K/bk)] float32, kept as
-        they are on this backend's device."""
+        """weight [N, K] float8_e4m3fn, weight_scale_inv [ceil(N/bn), ceil(K/bk)] float32, dequantized on this
+        backend's device."""
         self.check_weight(weight, weight_scale_inv)
-        weight, weight_scale_inv = weight.to(self.device), weight_scale_inv.to(self.device)
-        return TorchRefFp8Weight(weight, weight_scale_inv,
-                                 dequantize_block_fp8(weight, weight_scale_inv, self.spec.block_shape))
+        return TorchRefFp8Weight(dequantize_block_fp8(weight.to(self.device), weight_scale_inv.to(self.device),
+                                                      self.spec.block_shape))
 
     def apply(self, x: torch.Tensor, packed: TorchRefFp8Weight) -> torch.Tensor:
         """x [M, K] of spec.dtype -> [M, N] of spec.dtype."""
-        k = packed.weight.shape[1]
+        k = packed.w.shape[1]
         if x.dim() != 2 or x.shape[1] != k or x.dtype != self.spec.dtype:
             raise ValueError(f"x must be [M, {k}] of dtype {self.spec.dtype}, "
                              f"got shape {tuple(x.shape)} of dtype {x.dtype}")
         x_q, x_scales = self.quantize_activation(x)
-        x32 = dequantize_block_fp8(x_q, x_scales, (1, self.spec.block_shape[1]))
-        return (x32 @ packed.w.T).to(self.spec.dtype)
+        return _times_dequantized(x_q, x_scales, packed.w, self.spec.block_shape[1], self.spec.dtype)
 
     def quantize_activation(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [M, K] -> (x_q [M, K] float8_e4m3fn, scales [M, ceil(K/bk)] float32)."""
