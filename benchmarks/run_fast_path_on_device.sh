@@ -11,6 +11,8 @@
 #   profile:TAG:ARGS      benchmarks/profile_decode.py with ARGS -> profile-TAG.txt (kernel time per decode step)
 #   tune:TAG:ARGS         benchmarks/tune_fused_moe.py with ARGS, configs into $res/moe-configs-TAG and into
 #                         plugserve/plugins/moe/configs for the steps after it
+#   gtune:TAG:ARGS        benchmarks/tune_fp8_gemm.py with ARGS, configs into $res/gemm-configs-TAG and into
+#                         plugserve/plugins/gemm/configs for the steps after it
 #   one:TAG:ARGS          benchmarks/bench_one_batch.py with ARGS -> one-TAG.{jsonl,txt}
 #   tests:TAG:ARGS        pytest with ARGS (this repo's tests that need a GPU, e.g. tests/core/test_distributed.py)
 #                         -> tests-TAG.txt
@@ -55,6 +57,11 @@ for step in "$@"; do
       timeout $limit python3 benchmarks/tune_fused_moe.py $args --output-dir $res/moe-configs-$tag > $res/tune-$tag.log 2>&1
       cp $res/moe-configs-$tag/*.json plugserve/plugins/moe/configs/ 2>/dev/null
       echo "tune $tag:"; tail -n 5 $res/tune-$tag.log; ls $res/moe-configs-$tag ;;
+    gtune)
+      mkdir -p $res/gemm-configs-$tag
+      timeout $limit python3 benchmarks/tune_fp8_gemm.py $args --output-dir $res/gemm-configs-$tag > $res/gtune-$tag.log 2>&1
+      cp $res/gemm-configs-$tag/*.json plugserve/plugins/gemm/configs/ 2>/dev/null
+      echo "gtune $tag:"; grep "M=\|wrote\|took" $res/gtune-$tag.log | tail -n 12 ;;
     one)
       timeout $limit python3 -m benchmarks.bench_one_batch $args --result-filename $res/one-$tag.jsonl \
         > $res/one-$tag.txt 2>&1

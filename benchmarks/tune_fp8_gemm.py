@@ -41,13 +41,15 @@ V3_SHAPES: dict[tuple[int, int], str] = {
     (7168, 2048): "shared expert down",
 }
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-# Values per CONFIG_KEYS entry; BLOCK_SIZE_K is always the scale group, 128.
+# Values per config key; BLOCK_SIZE_K is always the scale group, 128. SPLIT_K > 1 is tried only where the
+# output tiles are fewer than the SMs (see `candidates`).
 FULL_SPACE: dict[str, tuple[int, ...]] = {
     "BLOCK_SIZE_M": (16, 32, 64, 128),
     "BLOCK_SIZE_N": (32, 64, 128, 256),
     "GROUP_SIZE_M": (1, 8, 16, 32),
     "num_warps": (4, 8),
     "num_stages": (2, 3, 4, 5),
+    "SPLIT_K": (1, 2, 3, 4, 6, 8, 12, 16),
 }
 QUICK_SPACE: dict[str, tuple[int, ...]] = {
     "BLOCK_SIZE_M": (16, 32, 64, 128),
@@ -55,23 +57,30 @@ QUICK_SPACE: dict[str, tuple[int, ...]] = {
     "GROUP_SIZE_M": (1, 8),
     "num_warps": (4, 8),
     "num_stages": (3, 4),
+    "SPLIT_K": (1, 2, 4, 8, 16),
 }
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def candidates(m: int, space: dict[str, tuple[int, ...]], smem_bytes: int) -> list[Config]:
-    """The configs of `space` worth timing at batch size m: no M tile taller than m needs (beyond
-    the smallest, 16), grouped ordering only with several M tiles, and pipelined stages of
-    e4m3 A and B tiles that fit `smem_bytes` of shared memory."""
+def candidates(m: int, space: dict[str, tuple[int, ...]], smem_bytes: int, n: int, k: int,
+               num_sms: int) -> list[Config]:
+    """The configs of `space` worth timing at batch size m for an [n, k] weight on a GPU of num_sms SMs:
+    no M tile taller than m needs (beyond the smallest, 16), grouped ordering only with several M tiles,
+    pipelined stages of e4m3 A and B tiles that fit `smem_bytes` of shared memory, and split-K only
+    while the output tiles are fewer than the SMs, with at least two K blocks per split."""
     block_k = BLOCK_SHAPE[1]
     tallest = max(16, 1 << (m - 1).bit_length())
+    k_blocks = -(-k // block_k)
     configs = []
     grid = itertools.product(space["BLOCK_SIZE_M"], space["BLOCK_SIZE_N"], space["GROUP_SIZE_M"],
-                             space["num_warps"], space["num_stages"])
-    for bm, bn, group, warps, stages in grid:
+                             space["num_warps"], space["num_stages"], space["SPLIT_K"])
+    for bm, bn, group, warps, stages, split_k in grid:
         if bm > tallest or (group > 1 and -(-m // bm) == 1) or stages * (bm + bn) * block_k > smem_bytes:
             continue
-        configs.append(dict(zip(CONFIG_KEYS, (bm, bn, block_k, group, warps, stages), strict=True)))
+        if split_k > 1 and (-(-m // bm) * -(-n // bn) >= num_sms or 2 * split_k > k_blocks):
+            continue
+        configs.append({**dict(zip(CONFIG_KEYS, (bm, bn, block_k, group, warps, stages), strict=True)),
+                        "SPLIT_K": split_k})
     return configs
 
 
@@ -108,7 +117,8 @@ def tune_shape(
     from plugserve.plugins.gemm.torch_ref import block_fp8_matmul
     from plugserve.testing.tolerances import assert_close
 
-    smem = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    properties = torch.cuda.get_device_properties(device)
+    smem, num_sms = properties.shared_memory_per_block_optin, properties.multi_processor_count
     w_q, w_s = quantize_block_fp8(torch.randn(n, k, device=device) / k**0.5, BLOCK_SHAPE)
     x = torch.randn(max(batch_sizes), k, device=device, dtype=dtype)
     x_q, x_s = triton_kernels.per_token_group_quant_fp8(x, BLOCK_SHAPE[1], column_major_scales=True)
@@ -118,7 +128,7 @@ def tune_shape(
         a_q, a_s = x_q[:m], x_s[:m]  # the first m rows; column-major scales, as the backend passes them
         timings: list[tuple[float, Config]] = []
         skipped = 0
-        for config in candidates(m, space, smem):
+        for config in candidates(m, space, smem, n, k, num_sms):
             run = functools.partial(triton_kernels.w8a8_block_fp8_matmul, a_q, a_s, w_q, w_s, BLOCK_SHAPE, dtype,
                                     config)
             try:
@@ -132,10 +142,15 @@ def tune_shape(
         ms, config = min(timings, key=lambda t: t[0])
         assert_close(triton_kernels.w8a8_block_fp8_matmul(a_q, a_s, w_q, w_s, BLOCK_SHAPE, dtype, config),
                      reference[:m], dtype, f"N={n} K={k} M={m} with {config}")
-        fallback = default_config(m, BLOCK_SHAPE)
+        fallback = default_config(m, BLOCK_SHAPE, n, k, num_sms)
         default_ms = next((t for t, c in timings if c == fallback), None)
-        vs_default = f", default config {default_ms * 1e3:8.1f} us" if default_ms is not None else ""
-        print(f"  M={m:5d}: {ms * 1e3:8.1f} us, {2 * m * n * k / ms / 1e9:7.1f} TFLOP/s "
+        if default_ms is None:  # the untuned split-K is not always in the space
+            default_ms = triton.testing.do_bench(
+                functools.partial(triton_kernels.w8a8_block_fp8_matmul, a_q, a_s, w_q, w_s, BLOCK_SHAPE, dtype,
+                                  fallback), warmup=warmup_ms, rep=rep_ms, return_mode="median")
+        vs_default = f", default config {default_ms * 1e3:8.1f} us (SPLIT_K {fallback['SPLIT_K']})"
+        print(f"  M={m:5d}: {ms * 1e3:8.1f} us, {2 * m * n * k / ms / 1e9:7.1f} TFLOP/s, "
+              f"weight read at {n * k / ms / 1e9:6.0f} GB/s "
               f"({len(timings)} configs, {skipped} skipped{vs_default}) {config}")
         best[m] = config
     return best

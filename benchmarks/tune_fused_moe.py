@@ -4,12 +4,17 @@ plugserve/plugins/moe/configs (the format is described in that package's docstri
 Shapes (N: the expert intermediate size one GPU holds; w13 [E, 2N, H], w2 [E, H, N]):
   v3       DeepSeek-V3/R1: E=256, top-8, H=7168, N=2048/TP (TP 8: N=256), block-FP8 w8a8, 128 x 128 blocks
   v2-lite  DeepSeek-V2-Lite: E=64, top-6, H=2048, N=1408/TP (TP 1: N=1408), bfloat16 experts
+  v2       DeepSeek-V2: E=160, top-6, H=5120, N=1536/TP (TP 1: N=1536; one layer's experts fit one GPU), bfloat16
 
 For each token count M the BLOCK_SIZE_M candidates are tried in turn; for each, every tile candidate
 of the w13 pass (with its fused SiLU-and-mul) and of the w2 pass (with its weighted epilogue) is timed
 on its own, and the BLOCK_SIZE_M with the fastest w13 + w2 is kept. Routing is the backend's router
 on random logits. The default search takes hours; --quick (a small space, six token counts) about
-five minutes on an H100 for both models.
+five minutes on an H100 for both models. Token counts up to --decode-max-tokens (default 64) search the
+decode space instead: BLOCK_SIZE_M near the pairs an expert gets and narrow, deep, many-staged tiles, the
+shapes that stream the routed experts' weights fastest when there are few rows to multiply. Every count
+also prints its fraction of the weight-read limit (the bytes of the distinct experts the batch routes to
+over the copy bandwidth measured at start).
 
     python benchmarks/tune_fused_moe.py --quick
     python benchmarks/tune_fused_moe.py --model v3 --tp 8 --batch-sizes 1 64 512 --output-dir /tmp/configs
@@ -33,7 +38,7 @@ from plugserve.core.interfaces import MoESpec, RouterConfig
 from plugserve.core.layers.quant import FP8_DTYPE
 from plugserve.plugins.moe import configs
 from plugserve.plugins.moe.configs import GemmConfig, MoEConfig
-from plugserve.testing.cases import V2_LITE_ROUTER, V3_ROUTER
+from plugserve.testing.cases import V2_LITE_ROUTER, V2_ROUTER, V3_ROUTER
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096)
 QUICK_BATCH_SIZES = (1, 16, 64, 256, 1024, 4096)
@@ -53,6 +58,7 @@ class Model:
 MODELS = {
     "v3": Model(7168, 2048, 8, V3_ROUTER, "fp8_w8a8"),
     "v2-lite": Model(2048, 1408, 1, V2_LITE_ROUTER, "bfloat16"),
+    "v2": Model(5120, 1536, 1, V2_ROUTER, "bfloat16"),
 }
 
 
@@ -65,6 +71,25 @@ def search_space(fp8: bool, dtype: torch.dtype, quick: bool) -> tuple[tuple[int,
         block_k = (64, 128) if fp8 else (32, 64) if dtype == torch.float32 else (32, 64, 128)
         axes = [(32, 64, 128, 256), block_k, (1, 16, 32, 64), (4, 8), (2, 3, 4, 5)]
     return (16, 32, 64, 128), [GemmConfig(*values) for values in itertools.product(*axes)]
+
+
+def decode_space(fp8: bool, dtype: torch.dtype, pairs_per_expert: float) -> tuple[tuple[int, ...], list[GemmConfig]]:
+    """(BLOCK_SIZE_M candidates, tile candidates) for decode-sized batches: memory-bound passes, so many
+    narrow programs with deep K steps and several stages in flight. FP8: BLOCK_SIZE_K divides the block."""
+    block_ms = (16,) if pairs_per_expert <= 2 else (16, 32)
+    block_k = (64, 128) if fp8 else (64, 128) if dtype == torch.float32 else (128, 256)
+    axes = [(16, 32, 64, 128), block_k, (1,), (4,), (3, 4, 5)]
+    return block_ms, [GemmConfig(*values) for values in itertools.product(*axes)]
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second of a 1 GiB device-to-device copy, read plus write."""
+    import triton.testing
+
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=5, rep=50, return_mode="median")
+    return 2 * src.numel() / (ms * 1e-3)
 
 
 def time_ms(fn: Callable[[], None], quick: bool) -> float:
@@ -108,9 +133,10 @@ class Experts:
         return cls(spec, (w13 * 64).to(FP8_DTYPE), (w2 * 64).to(FP8_DTYPE), s13, s2)
 
 
-def tune_batch(experts: Experts, num_tokens: int, block_ms: tuple[int, ...], tiles: list[GemmConfig],
-               quick: bool) -> tuple[MoEConfig, float, float]:
-    """(best configuration, its w13 + w2 milliseconds, the default configuration's) for M = num_tokens."""
+def tune_batch(experts: Experts, num_tokens: int, block_ms: tuple[int, ...] | None, tiles: list[GemmConfig] | None,
+               quick: bool) -> tuple[MoEConfig, float, float, int]:
+    """(best configuration, its w13 + w2 milliseconds, the default configuration's, the bytes of the distinct
+    experts' weights the batch reads) for M = num_tokens. block_ms / tiles None: the decode space."""
     from plugserve.plugins.moe import triton_kernels as kernels
     from plugserve.plugins.moe.triton import TritonMoE
 
@@ -119,6 +145,9 @@ def tune_batch(experts: Experts, num_tokens: int, block_ms: tuple[int, ...], til
     x = torch.randn(num_tokens, h, device=device, dtype=spec.dtype)
     bias = torch.randn(e, device=device) * 0.1 if spec.router.topk_method == "noaux_tc" else None
     topk_weights, topk_ids = TritonMoE(spec, device).route(torch.randn(num_tokens, e, device=device), bias)
+    if block_ms is None or tiles is None:
+        block_ms, tiles = decode_space(fp8, spec.dtype, num_tokens * k / e)
+    expert_bytes = (experts.w13[0].nbytes + experts.w2[0].nbytes) * torch.unique(topk_ids).numel()
     a, a_scale = kernels.per_token_group_quant(x, spec.block_shape[1]) if fp8 else (x, None)
     h_buf = torch.empty(num_tokens * k, n, device=device, dtype=torch.float32 if fp8 else spec.dtype)
     y = torch.empty(num_tokens * k, h, device=device, dtype=spec.dtype)
@@ -142,11 +171,11 @@ def tune_batch(experts: Experts, num_tokens: int, block_ms: tuple[int, ...], til
         print(f"  M={num_tokens} BLOCK_SIZE_M={block_m}: {choices[-1][0] * 1e3:.1f} us", flush=True)
     total, best = min(choices, key=lambda c: c[0])
     default = configs.default_config(num_tokens, k, e, fp8, spec.dtype, "cuda")
-    return best, total, passes(default.block_m, [default.w13], [default.w2])[0]
+    return best, total, passes(default.block_m, [default.w13], [default.w2])[0], expert_bytes
 
 
 def tune_model(name: str, model: Model, tp: int, dtype_name: str, batch_sizes: tuple[int, ...], quick: bool,
-               out_dir: Path) -> Path:
+               decode_max_tokens: int, out_dir: Path) -> Path:
     """Tune every token count of one model and write its configuration file; returns its path."""
     device = torch.device("cuda")
     hardware = Hardware.detect(device)
@@ -157,13 +186,24 @@ def tune_model(name: str, model: Model, tp: int, dtype_name: str, batch_sizes: t
     print(f"{name}: E={spec.num_experts} top-{spec.top_k} H={spec.hidden_size} N={spec.intermediate_size} "
           f"(TP {tp}) {dtype_name} on {hardware.describe()}", flush=True)
     experts = Experts.random(spec, device)
+    bandwidth = copy_bandwidth(device)
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)
     block_ms, tiles = search_space(fp8, dtype, quick)
     best: dict[int, MoEConfig] = {}
+    rows = []
     for m in batch_sizes:
         start = time.perf_counter()
-        best[m], total, untuned = tune_batch(experts, m, block_ms, tiles, quick)
-        print(f"M={m}: best {total * 1e3:.1f} us (default configuration {untuned * 1e3:.1f} us): "
-              f"{best[m].to_json()} [{time.perf_counter() - start:.0f} s]", flush=True)
+        decode = m <= decode_max_tokens
+        best[m], total, untuned, expert_bytes = tune_batch(experts, m, None if decode else block_ms,
+                                                           None if decode else tiles, quick)
+        limit_ms = expert_bytes / bandwidth * 1e3
+        rows.append((m, total, untuned, limit_ms))
+        print(f"M={m}: best {total * 1e3:.1f} us (default configuration {untuned * 1e3:.1f} us, weight-read limit "
+              f"{limit_ms * 1e3:.1f} us): {best[m].to_json()} [{time.perf_counter() - start:.0f} s]", flush=True)
+    print(f"\n{name} E={spec.num_experts} N={spec.intermediate_size} {dtype_name}: w13 + w2 passes, us")
+    print("| M | tuned | default | weight-read limit | tuned: of limit |\n|---|---|---|---|---|")
+    for m, total, untuned, limit_ms in rows:
+        print(f"| {m} | {total * 1e3:.1f} | {untuned * 1e3:.1f} | {limit_ms * 1e3:.1f} | {limit_ms / total:.2f} |")
     path = out_dir / configs.config_file_name(spec.num_experts, spec.intermediate_size, hardware.device_key, dtype,
                                               BLOCK_SHAPE if fp8 else None)
     configs.write_config_file(path, best)
@@ -173,12 +213,15 @@ def tune_model(name: str, model: Model, tp: int, dtype_name: str, batch_sizes: t
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["v3", "v2-lite"])
+    parser.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["v3", "v2-lite"],
+                        help="shapes to tune (default: v3 and v2-lite)")
     parser.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: v3 8, v2-lite 1)")
     parser.add_argument("--dtype", choices=["fp8_w8a8", *DTYPES], default=None,
                         help="expert format (default: v3 fp8_w8a8, v2-lite bfloat16)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=None, help="token counts M to tune")
     parser.add_argument("--quick", action="store_true", help="a small search over six token counts (~5 min)")
+    parser.add_argument("--decode-max-tokens", type=int, default=64,
+                        help="token counts up to this search the decode space (0: none)")
     parser.add_argument("--output-dir", type=Path, default=configs.CONFIG_DIR)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -189,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.model:
         model = MODELS[name]
         tune_model(name, model, args.tp or model.default_tp, args.dtype or model.default_dtype, batch_sizes,
-                   args.quick, args.output_dir)
+                   args.quick, args.decode_max_tokens, args.output_dir)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The "triton" block-FP8 GEMM backend: a Triton per-token-group quantizer and a w8a8 GEMM whose
 K loop applies the activation and weight block scales to a float32 accumulator, one 128-wide K
-block at a time (DeepSeek-V3's recipe).
+block at a time (DeepSeek-V3's recipe). At decode-sized M, where the output tiles alone would leave
+SMs idle, K is split over several programs per tile (SPLIT_K) and their float32 partials summed.
 
 Kernel launch configs are tuned per weight shape and GPU (benchmarks/tune_fp8_gemm.py) into
 `configs/N={N},K={K},device_name={device},dtype=fp8_w8a8,block_shape=[128, 128].json` (or the
@@ -32,8 +33,12 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 # Where the backend looks for tuned configs instead of CONFIG_DIR (the tuning script's --output-dir).
 CONFIG_DIR_ENV = "PLUGSERVE_GEMM_CONFIG_DIR"
 CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
-# A launch config: CONFIG_KEYS -> int.
+# A launch config: CONFIG_KEYS and SPLIT_K (K cut over that many programs per output tile; 1 when a file
+# omits it) -> int.
 Config = dict[str, int]
+# Untuned split-K aims at this many programs per SM, and gives each at least this many K blocks.
+_SPLIT_K_WAVES = 2
+_SPLIT_K_MIN_BLOCKS = 4
 
 
 def config_file_name(n: int, k: int, device_name: str, block_shape: tuple[int, int] = (128, 128)) -> str:
@@ -53,33 +58,43 @@ def load_configs(
         return None
     try:
         raw = json.loads(path.read_text())
-        configs = {int(m): {key: int(entry[key]) for key in CONFIG_KEYS} for m, entry in raw.items()}
+        configs = {int(m): {**{key: int(entry[key]) for key in CONFIG_KEYS}, "SPLIT_K": int(entry.get("SPLIT_K", 1))}
+                   for m, entry in raw.items()}
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"{path}: expected {{M: {{{', '.join(CONFIG_KEYS)}}}}}: {exc!r}") from exc
-    wrong_k = sorted(m for m, config in configs.items() if config["BLOCK_SIZE_K"] != block_shape[1])
-    if not configs or wrong_k:
-        raise ValueError(f"{path}: needs at least one entry, each with BLOCK_SIZE_K {block_shape[1]} "
-                         f"(wrong for M {wrong_k})")
+    wrong = sorted(m for m, config in configs.items()
+                   if config["BLOCK_SIZE_K"] != block_shape[1] or config["SPLIT_K"] < 1)
+    if not configs or wrong:
+        raise ValueError(f"{path}: needs at least one entry, each with BLOCK_SIZE_K {block_shape[1]} and SPLIT_K "
+                         f">= 1 (wrong for M {wrong})")
     return dict(sorted(configs.items()))
 
 
-def default_config(m: int, block_shape: tuple[int, int] = (128, 128)) -> Config:
+def default_config(m: int, block_shape: tuple[int, int] = (128, 128), n: int | None = None, k: int | None = None,
+                   num_sms: int | None = None) -> Config:
     """Untuned fallback, from a short tuning run of V3's shapes on an H100: 16-row tiles for
     decode-sized batches (weight-bandwidth bound: many narrow N tiles), 64 x 128 tiles with grouped
-    ordering for prefill."""
+    ordering for prefill. Given the weight's N and K and the GPU's SM count, split-K where the output
+    tiles would leave SMs idle (decode-sized M against a narrow N), keeping several K blocks per split."""
     if m <= 16:
         bm, bn, group, warps, stages = 16, 64, 1, 4, 4
     elif m <= 64:
         bm, bn, group, warps, stages = 32, 64, 8, 4, 3
     else:
         bm, bn, group, warps, stages = 64, 128, 8, 4, 3
-    return dict(zip(CONFIG_KEYS, (bm, bn, block_shape[1], group, warps, stages), strict=True))
+    split_k = 1
+    if n is not None and k is not None and num_sms:
+        tiles = -(-m // bm) * -(-n // bn)
+        split_k = max(1, min(_SPLIT_K_WAVES * num_sms // tiles, -(-k // block_shape[1]) // _SPLIT_K_MIN_BLOCKS))
+    return {**dict(zip(CONFIG_KEYS, (bm, bn, block_shape[1], group, warps, stages), strict=True)), "SPLIT_K": split_k}
 
 
-def pick_config(m: int, configs: dict[int, Config] | None, block_shape: tuple[int, int] = (128, 128)) -> Config:
-    """The config of the nearest tuned M (ties go to the smaller M), or `default_config(m)`."""
+def pick_config(m: int, configs: dict[int, Config] | None, block_shape: tuple[int, int] = (128, 128),
+                n: int | None = None, k: int | None = None, num_sms: int | None = None) -> Config:
+    """The config of the nearest tuned M (ties go to the smaller M), or `default_config` for this M and
+    weight shape on a GPU of `num_sms` SMs."""
     if not configs:
-        return default_config(m, block_shape)
+        return default_config(m, block_shape, n, k, num_sms)
     return configs[min(configs, key=lambda tuned: (abs(tuned - m), tuned))]
 
 
@@ -107,6 +122,7 @@ class TritonFp8Gemm(Fp8GemmBackend):
     def __init__(self, spec: GemmSpec, device: torch.device) -> None:
         super().__init__(spec, device)
         self.device_name = Hardware.detect(device).device_key if device.type == "cuda" else "cpu"
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
         self.config_dir = Path(os.environ.get(CONFIG_DIR_ENV, CONFIG_DIR))
 
     @classmethod
@@ -136,7 +152,8 @@ class TritonFp8Gemm(Fp8GemmBackend):
                              f"got shape {tuple(x.shape)} of dtype {x.dtype}")
         block = self.spec.block_shape
         x_q, x_scales = triton_kernels.per_token_group_quant_fp8(x, block[1], column_major_scales=True)
-        config = pick_config(x.shape[0], packed.configs, block)
+        n = packed.weight.shape[0]
+        config = pick_config(x.shape[0], packed.configs, block, n, k, self.num_sms)
         return triton_kernels.w8a8_block_fp8_matmul(
             x_q, x_scales, packed.weight, packed.weight_scale_inv, block, self.spec.dtype, config
         )

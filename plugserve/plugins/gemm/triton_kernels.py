@@ -130,6 +130,7 @@ def _w8a8_block_fp8_matmul_kernel(
     stride_ak,
     stride_bn,
     stride_bk,
+    stride_cs,
     stride_cm,
     stride_cn,
     stride_as_m,
@@ -141,13 +142,17 @@ def _w8a8_block_fp8_matmul_kernel(
     BLOCK_SIZE_N: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
     """C[M, N] = sum over K blocks kb of (A[:, kb] @ B[:, kb]^T) * a_s[m, kb] * b_s[n // GROUP_N, kb].
 
     BLOCK_SIZE_K is the scale group along K, so each K step uses one activation scale per row and
-    one weight scale per column; each step's e4m3 product is scaled into a float32 accumulator."""
+    one weight scale per column; each step's e4m3 product is scaled into a float32 accumulator.
+    SPLIT_K > 1: program (tile, s) sums the s-th of SPLIT_K runs of K blocks into the float32 slice
+    c[s] of a [SPLIT_K, M, N] workspace (stride_cs), which `_split_k_sum_kernel` adds up."""
     pid = tl.program_id(0)
+    split = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_SIZE_M)
     num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
     # Grouped ordering: GROUP_SIZE_M row tiles sweep the column tiles together, sharing B in L2.
@@ -157,19 +162,24 @@ def _w8a8_block_fp8_matmul_kernel(
     pid_m = first_pid_m + (pid % pids_per_group) % group_rows
     pid_n = (pid % pids_per_group) // group_rows
 
+    num_kb = tl.cdiv(K, BLOCK_SIZE_K)
+    kb_per_split = tl.cdiv(num_kb, SPLIT_K)
+    first_kb = split * kb_per_split
+    last_kb = tl.minimum(first_kb + kb_per_split, num_kb)
+
     offs_m = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
     offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
     # Rows and columns past the edge wrap around: loads stay in bounds unmasked, the store drops them.
     rows = offs_m % M
     cols = offs_n % N
     offs_k = tl.arange(0, BLOCK_SIZE_K)
-    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + cols[None, :] * stride_bn + offs_k[:, None] * stride_bk
+    a_ptrs = a_ptr + rows[:, None] * stride_am + (first_kb * BLOCK_SIZE_K + offs_k[None, :]) * stride_ak
+    b_ptrs = b_ptr + cols[None, :] * stride_bn + (first_kb * BLOCK_SIZE_K + offs_k[:, None]) * stride_bk
     a_s_ptrs = a_s_ptr + rows * stride_as_m
     b_s_ptrs = b_s_ptr + (cols // GROUP_N) * stride_bs_n
 
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
+    for kb in range(first_kb, last_kb):
         if EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)
@@ -183,9 +193,20 @@ def _w8a8_block_fp8_matmul_kernel(
         a_ptrs += BLOCK_SIZE_K * stride_ak
         b_ptrs += BLOCK_SIZE_K * stride_bk
 
-    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    c_ptrs = c_ptr + split * stride_cs + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+@triton.jit
+def _split_k_sum_kernel(partial_ptr, c_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """c[i] = sum over s of partial[s, i] (float32, in split order: deterministic), cast to c's dtype."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(partial_ptr + s * numel + offs, mask=mask, other=0.0)
+    tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 def w8a8_block_fp8_matmul(
@@ -202,7 +223,8 @@ def w8a8_block_fp8_matmul(
     [ceil(N/bn), ceil(K/bk)] float32, transposed: [M, N] in out_dtype, accumulated in float32.
 
     config: BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K (must equal bk), GROUP_SIZE_M, num_warps,
-    num_stages."""
+    num_stages, and optionally SPLIT_K (default 1): with few output tiles (small M), K is cut into
+    SPLIT_K runs computed by separate programs into a float32 [SPLIT_K, M, N] workspace, then summed."""
     m, k = a.shape
     n = b.shape[0]
     bn, bk = block_shape
@@ -213,21 +235,30 @@ def w8a8_block_fp8_matmul(
                          f"[{n}, {k}] product in {block_shape} blocks")
     if config["BLOCK_SIZE_K"] != bk:
         raise ValueError(f"BLOCK_SIZE_K must be the scale group {bk}, got {config['BLOCK_SIZE_K']}")
+    split_k = config.get("SPLIT_K", 1)
+    if split_k < 1:
+        raise ValueError(f"SPLIT_K must be at least 1, got {split_k}")
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return c
-    grid = (triton.cdiv(m, config["BLOCK_SIZE_M"]) * triton.cdiv(n, config["BLOCK_SIZE_N"]),)
+    out = c if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=a.device)
+    grid = (triton.cdiv(m, config["BLOCK_SIZE_M"]) * triton.cdiv(n, config["BLOCK_SIZE_N"]), split_k)
     _w8a8_block_fp8_matmul_kernel[grid](
-        a, b, c, a_scales, b_scales, m, n, k,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+        a, b, out, a_scales, b_scales, m, n, k,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        out.stride(0) if split_k > 1 else 0, out.stride(-2), out.stride(-1),
         a_scales.stride(0), a_scales.stride(1), b_scales.stride(0), b_scales.stride(1),
         GROUP_N=bn,
         BLOCK_SIZE_M=config["BLOCK_SIZE_M"],
         BLOCK_SIZE_N=config["BLOCK_SIZE_N"],
         BLOCK_SIZE_K=bk,
         GROUP_SIZE_M=config["GROUP_SIZE_M"],
+        SPLIT_K=split_k,
         EVEN_K=k % bk == 0,
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
     )
+    if split_k > 1:
+        block = 1024
+        _split_k_sum_kernel[(triton.cdiv(m * n, block),)](out, c, m * n, SPLIT_K=split_k, BLOCK=block, num_warps=4)
     return c

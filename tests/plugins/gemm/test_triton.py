@@ -156,6 +156,21 @@ def test_kernel_configs_agree(kernels: ModuleType, block_m: int, block_n: int, g
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
+@pytest.mark.parametrize("split_k", [2, 3, 6], ids=["even", "last-split-short", "empty-splits"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_split_k_matches_reference(kernels: ModuleType, split_k: int, dtype: torch.dtype) -> None:
+    """K of 4 blocks and a tail (500): 3 splits take 2, 2, 0 blocks, 6 splits leave two programs empty."""
+    m, n, k = 5, 200, 500
+    x, w_q, w_s = _operands(m, n, k, dtype)
+    x_q, x_s = kernels.per_token_group_quant_fp8(x, column_major_scales=True)
+    config = default_config(m) | {"SPLIT_K": split_k, "num_stages": 2}
+    out = kernels.w8a8_block_fp8_matmul(x_q, x_s, w_q, w_s, BLOCK, dtype, config)
+    assert out.dtype == dtype and out.shape == (m, n)
+    assert_close(out, block_fp8_matmul(x_q, x_s, w_q, w_s, BLOCK, dtype), dtype, f"split-K {split_k}")
+    with pytest.raises(ValueError, match="SPLIT_K must be at least 1"):
+        kernels.w8a8_block_fp8_matmul(x_q, x_s, w_q, w_s, BLOCK, dtype, config | {"SPLIT_K": 0})
+
+
 def test_kernel_rejects_mismatched_operands(kernels: ModuleType) -> None:
     x, w_q, w_s = _operands(3, 200, 300)
     x_q, x_s = kernels.per_token_group_quant_fp8(x)
@@ -212,8 +227,18 @@ def test_default_config_fallback() -> None:
     assert pick_config(1, None) == default_config(1)
     for m in (1, 7, 16, 33, 100, 4096):
         config = default_config(m)
-        assert tuple(config) == CONFIG_KEYS and config["BLOCK_SIZE_K"] == 128
+        assert tuple(config) == (*CONFIG_KEYS, "SPLIT_K") and config["BLOCK_SIZE_K"] == 128
+        assert config["SPLIT_K"] == 1  # without the weight's shape and the GPU, no split
     assert default_config(1)["BLOCK_SIZE_M"] == 16 and default_config(4096)["BLOCK_SIZE_M"] == 64
+
+
+def test_default_split_k_fills_the_sms_at_decode_sizes() -> None:
+    # V3's fused q_a + kv_a at M = 1 on 132 SMs: 33 output tiles of 64 columns, 56 K blocks -> 8 splits
+    # (2 programs per SM, capped by 56 / 4 = 14 blocks' worth); q_b's 384 tiles already fill the GPU.
+    assert pick_config(1, None, BLOCK, 2112, 7168, 132)["SPLIT_K"] == 8
+    assert default_config(1, BLOCK, 24576, 1536, 132)["SPLIT_K"] == 1
+    assert default_config(1, BLOCK, 2112, 512, 132)["SPLIT_K"] == 1  # 4 K blocks: too few to split
+    assert default_config(4096, BLOCK, 2112, 7168, 132)["SPLIT_K"] == 1
 
 
 def test_malformed_config_files_are_refused(tmp_path: Path) -> None:
@@ -221,8 +246,17 @@ def test_malformed_config_files_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"N=1,K=128,device_name=Bad.*BLOCK_SIZE_N"):
         load_configs(1, 128, "Bad", BLOCK, tmp_path)
     _write(tmp_path, 2, 128, "Bad", {1: default_config(1) | {"BLOCK_SIZE_K": 64}})
-    with pytest.raises(ValueError, match=r"BLOCK_SIZE_K 128 \(wrong for M \[1\]\)"):
+    with pytest.raises(ValueError, match=r"BLOCK_SIZE_K 128 and SPLIT_K >= 1 \(wrong for M \[1\]\)"):
         load_configs(2, 128, "Bad", BLOCK, tmp_path)
+    _write(tmp_path, 3, 128, "Bad", {1: default_config(1), 8: default_config(8) | {"SPLIT_K": 0}})
+    with pytest.raises(ValueError, match=r"wrong for M \[8\]"):
+        load_configs(3, 128, "Bad", BLOCK, tmp_path)
+
+
+def test_config_files_without_split_k_read_as_one(tmp_path: Path) -> None:
+    legacy = {key: value for key, value in default_config(1).items() if key != "SPLIT_K"}
+    _write(tmp_path, 4, 128, "Old", {1: legacy})
+    assert load_configs(4, 128, "Old", BLOCK, tmp_path) == {1: legacy | {"SPLIT_K": 1}}
 
 
 def test_backend_uses_the_config_dir_and_tuned_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -283,13 +317,20 @@ def test_tune_script_refuses_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_tune_search_space() -> None:
     smem = 227 << 10  # an H100's shared memory per block
-    small = tune_fp8_gemm.candidates(1, tune_fp8_gemm.FULL_SPACE, smem)
+    small = tune_fp8_gemm.candidates(1, tune_fp8_gemm.FULL_SPACE, smem, 2112, 7168, 132)
     assert {c["BLOCK_SIZE_M"] for c in small} == {16} and {c["GROUP_SIZE_M"] for c in small} == {1}
-    large = tune_fp8_gemm.candidates(4096, tune_fp8_gemm.FULL_SPACE, smem)
+    # split-K while the tiles do not fill the SMs: 2112 columns in 32-wide tiles are 66 (split), in 256-wide 9
+    assert {c["SPLIT_K"] for c in small} == set(tune_fp8_gemm.FULL_SPACE["SPLIT_K"])
+    wide = tune_fp8_gemm.candidates(1, tune_fp8_gemm.FULL_SPACE, smem, 24576, 1536, 132)
+    assert {c["SPLIT_K"] for c in wide if c["BLOCK_SIZE_N"] == 32} == {1}  # 768 tiles
+    assert {c["SPLIT_K"] for c in wide if c["BLOCK_SIZE_N"] == 256} == {1, 2, 3, 4, 6}  # 12 K blocks: <= 6 splits
+    large = tune_fp8_gemm.candidates(4096, tune_fp8_gemm.FULL_SPACE, smem, 2112, 7168, 132)
     assert {c["BLOCK_SIZE_M"] for c in large} == {16, 32, 64, 128} and all(c["BLOCK_SIZE_K"] == 128 for c in large)
     assert all(c["num_stages"] * (c["BLOCK_SIZE_M"] + c["BLOCK_SIZE_N"]) * 128 <= smem for c in large)
-    assert len(large) < 512 and len(tune_fp8_gemm.candidates(4096, tune_fp8_gemm.QUICK_SPACE, smem)) == 64
-    assert all(tuple(c) == CONFIG_KEYS for c in large)
+    assert {c["SPLIT_K"] for c in large} == {1}
+    quick = tune_fp8_gemm.candidates(4096, tune_fp8_gemm.QUICK_SPACE, smem, 2112, 7168, 132)
+    assert len(large) < 512 and len(quick) == 64
+    assert all(tuple(c) == (*CONFIG_KEYS, "SPLIT_K") for c in large)
 
 
 def test_tune_output_loads_back(tmp_path: Path) -> None:

@@ -341,3 +341,15 @@ def test_tuner_refuses_the_cpu() -> None:
     result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "tune_fused_moe.py"), "--quick"],
                             capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode != 0 and "GPU" in result.stderr
+
+
+def test_tuner_decode_space() -> None:
+    """Decode-sized batches search narrow tiles whose K step divides the FP8 block, and wider BLOCK_SIZE_M
+    only when an expert gets more than a few pairs."""
+    from benchmarks.tune_fused_moe import decode_space
+
+    block_ms, tiles = decode_space(True, torch.bfloat16, pairs_per_expert=1 * 8 / 256)
+    assert block_ms == (16,) and all(128 % tile.block_k == 0 for tile in tiles)
+    assert {tile.block_n for tile in tiles} == {16, 32, 64, 128}
+    block_ms, tiles = decode_space(False, torch.bfloat16, pairs_per_expert=64 * 6 / 64)
+    assert block_ms == (16, 32) and {tile.block_k for tile in tiles} == {128, 256}
