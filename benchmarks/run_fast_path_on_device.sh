@@ -54,12 +54,12 @@ for step in "$@"; do
       echo "profile $tag:"; head -n 30 $res/profile-$tag.txt ;;
     tune)
       mkdir -p $res/moe-configs-$tag
-      timeout $limit python3 benchmarks/tune_fused_moe.py $args --output-dir $res/moe-configs-$tag > $res/tune-$tag.log 2>&1
+      timeout $limit python3 -m benchmarks.tune_fused_moe $args --output-dir $res/moe-configs-$tag > $res/tune-$tag.log 2>&1
       cp $res/moe-configs-$tag/*.json plugserve/plugins/moe/configs/ 2>/dev/null
       echo "tune $tag:"; tail -n 5 $res/tune-$tag.log; ls $res/moe-configs-$tag ;;
     gtune)
       mkdir -p $res/gemm-configs-$tag
-      timeout $limit python3 benchmarks/tune_fp8_gemm.py $args --output-dir $res/gemm-configs-$tag > $res/gtune-$tag.log 2>&1
+      timeout $limit python3 -m benchmarks.tune_fp8_gemm $args --output-dir $res/gemm-configs-$tag > $res/gtune-$tag.log 2>&1
       cp $res/gemm-configs-$tag/*.json plugserve/plugins/gemm/configs/ 2>/dev/null
       echo "gtune $tag:"; grep "M=\|wrote\|took" $res/gtune-$tag.log | tail -n 12 ;;
     one)

@@ -20,7 +20,7 @@ for stage in "$@"; do
     shootout)
       timeout 400 python3 benchmarks/shootout.py --output-dir $OUT/shootout 2>&1 | tee $OUT/shootout.log ;;
     tune)
-      python3 benchmarks/tune_fp8_gemm.py --quick --output-dir $OUT/gemm_configs 2>&1 | tail -20 | tee $OUT/tune_gemm.log
-      python3 benchmarks/tune_fused_moe.py --quick --output-dir $OUT/moe_configs 2>&1 | tail -20 | tee $OUT/tune_moe.log ;;
+      python3 -m benchmarks.tune_fp8_gemm --quick --output-dir $OUT/gemm_configs 2>&1 | tail -20 | tee $OUT/tune_gemm.log
+      python3 -m benchmarks.tune_fused_moe --quick --output-dir $OUT/moe_configs 2>&1 | tail -20 | tee $OUT/tune_moe.log ;;
   esac
 done

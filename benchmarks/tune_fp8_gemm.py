@@ -2,13 +2,14 @@
 shape, `N={N},K={K},device_name={GPU},dtype=fp8_w8a8,block_shape=[128, 128].json`, mapping each
 batch size M to its fastest config; the backend loads them from plugserve/plugins/gemm/configs/.
 
-Each config is timed with triton.testing.do_bench (warm-up first, L2 flushed before every timed
-run, median), on random e4m3 operands; the winner of every M is checked against the torch reference.
+Each config is timed replayed from a CUDA graph with L2 flushed before every replay (median; see
+benchmarks/gpu_timing.py: as the decode graphs run it, without host launch overhead), on random e4m3
+operands; the winner of every M is checked against the torch reference.
 Needs a CUDA GPU of sm89 or newer; refuses to run elsewhere.
 
-    python benchmarks/tune_fp8_gemm.py --quick                     # V3's shapes, ~5 min on an H100
-    python benchmarks/tune_fp8_gemm.py                             # the full space (hours)
-    python benchmarks/tune_fp8_gemm.py --shapes 2112,7168 --batch-sizes 1 64 4096 --output-dir /tmp/cfg
+    python -m benchmarks.tune_fp8_gemm --quick                     # V3's shapes, ~5 min on an H100
+    python -m benchmarks.tune_fp8_gemm                             # the full space (hours)
+    python -m benchmarks.tune_fp8_gemm --shapes 2112,7168 --batch-sizes 1 64 4096 --output-dir /tmp/cfg
 """
 
 from __future__ import annotations
@@ -108,11 +109,10 @@ def _check_device() -> torch.device:
 
 def tune_shape(
     n: int, k: int, batch_sizes: Sequence[int], space: dict[str, tuple[int, ...]], dtype: torch.dtype,
-    warmup_ms: int, rep_ms: int, device: torch.device,
+    reps: int, device: torch.device,
 ) -> dict[int, Config]:
     """The fastest config per M for an [N, K] weight, each checked against the torch reference."""
-    import triton.testing
-
+    from benchmarks.gpu_timing import time_cold_graph_ms
     from plugserve.plugins.gemm import triton_kernels
     from plugserve.plugins.gemm.torch_ref import block_fp8_matmul
     from plugserve.testing.tolerances import assert_close
@@ -132,8 +132,7 @@ def tune_shape(
             run = functools.partial(triton_kernels.w8a8_block_fp8_matmul, a_q, a_s, w_q, w_s, BLOCK_SHAPE, dtype,
                                     config)
             try:
-                timings.append((triton.testing.do_bench(run, warmup=warmup_ms, rep=rep_ms, return_mode="median"),
-                                config))
+                timings.append((time_cold_graph_ms(run, reps=reps), config))
             except Exception as exc:  # a config the compiler rejects (out of registers or shared memory)
                 skipped += 1
                 print(f"    skipped {config}: {type(exc).__name__}: {exc}".splitlines()[0])
@@ -145,12 +144,11 @@ def tune_shape(
         fallback = default_config(m, BLOCK_SHAPE, n, k, num_sms)
         default_ms = next((t for t, c in timings if c == fallback), None)
         if default_ms is None:  # the untuned split-K is not always in the space
-            default_ms = triton.testing.do_bench(
-                functools.partial(triton_kernels.w8a8_block_fp8_matmul, a_q, a_s, w_q, w_s, BLOCK_SHAPE, dtype,
-                                  fallback), warmup=warmup_ms, rep=rep_ms, return_mode="median")
+            default_ms = time_cold_graph_ms(functools.partial(
+                triton_kernels.w8a8_block_fp8_matmul, a_q, a_s, w_q, w_s, BLOCK_SHAPE, dtype, fallback), reps=reps)
         vs_default = f", default config {default_ms * 1e3:8.1f} us (SPLIT_K {fallback['SPLIT_K']})"
         print(f"  M={m:5d}: {ms * 1e3:8.1f} us, {2 * m * n * k / ms / 1e9:7.1f} TFLOP/s, "
-              f"weight read at {n * k / ms / 1e9:6.0f} GB/s "
+              f"weight read at {n * k / ms / 1e6:6.0f} GB/s "
               f"({len(timings)} configs, {skipped} skipped{vs_default}) {config}")
         best[m] = config
     return best
@@ -176,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     torch.manual_seed(0)
     device_name = torch.cuda.get_device_name(device).replace(" ", "_")
     space = QUICK_SPACE if args.quick else FULL_SPACE
-    warmup_ms, rep_ms = (5, 20) if args.quick else (10, 50)
+    reps = 10 if args.quick else 50
     batch_sizes = sorted(set(args.batch_sizes))
     print(f"Tuning {len(shapes)} shapes x {len(batch_sizes)} batch sizes on {device_name} "
           f"({'quick' if args.quick else 'full'} space) into {args.output_dir}")
@@ -184,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     for n, k in shapes:
         print(f"N={n} K={k}: {V3_SHAPES.get((n, k), 'custom shape')}")
         shape_start = time.perf_counter()
-        best = tune_shape(n, k, batch_sizes, space, DTYPES[args.dtype], warmup_ms, rep_ms, device)
+        best = tune_shape(n, k, batch_sizes, space, DTYPES[args.dtype], reps, device)
         path = write_configs(best, n, k, device_name, args.output_dir)
         print(f"  wrote {path} ({time.perf_counter() - shape_start:.0f} s)")
     print(f"Tuning took {time.perf_counter() - start:.0f} s")

@@ -16,8 +16,8 @@ shapes that stream the routed experts' weights fastest when there are few rows t
 also prints its fraction of the weight-read limit (the bytes of the distinct experts the batch routes to
 over the copy bandwidth measured at start).
 
-    python benchmarks/tune_fused_moe.py --quick
-    python benchmarks/tune_fused_moe.py --model v3 --tp 8 --batch-sizes 1 64 512 --output-dir /tmp/configs
+    python -m benchmarks.tune_fused_moe --quick
+    python -m benchmarks.tune_fused_moe --model v3 --tp 8 --batch-sizes 1 64 512 --output-dir /tmp/configs
 """
 
 from __future__ import annotations
@@ -93,11 +93,12 @@ def copy_bandwidth(device: torch.device) -> float:
 
 
 def time_ms(fn: Callable[[], None], quick: bool) -> float:
-    """Median milliseconds of fn, or inf when the configuration does not compile or launch here."""
-    import triton.testing
+    """Median milliseconds of fn replayed from a CUDA graph with a cold L2 (as the decode graphs run it), or
+    inf when the configuration does not compile or launch here."""
+    from benchmarks.gpu_timing import time_cold_graph_ms
 
     try:
-        return triton.testing.do_bench(fn, warmup=5 if quick else 25, rep=20 if quick else 100, return_mode="median")
+        return time_cold_graph_ms(fn, reps=10 if quick else 50)
     except Exception as exc:  # out of shared memory or registers: not a candidate on this GPU
         print(f"      skipped: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", flush=True)
         return float("inf")

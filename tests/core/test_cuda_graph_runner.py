@@ -117,3 +117,23 @@ def test_warm_up_walks_prefill_and_decode_buckets_and_gives_pages_back(runner: M
     assert runner.graphs is None
     # Every power of two from 16 to the largest size warmed (CPU_WARMUP_TOKENS here), each once.
     assert prefills == [16, 32, 64]
+
+
+def test_nextn_graph_inputs_load_hidden_states_and_pad_a_draft_extend_batch():
+    pool = _pool(page_size=2)
+    inputs = GraphInputs(max_batch_size=4, tokens_per_request=3, max_pages=4, pool=pool, padding_page=8,
+                         hidden=(5, torch.float16))
+    assert inputs.hidden is not None and inputs.hidden.shape == (12, 5) and inputs.hidden.dtype == torch.float16
+    real = _real_batch(pool, [7, 4], [[1, 2, 3, 4], [5, 6]], ForwardMode.DRAFT_EXTEND, per_request=3)
+    hidden = torch.arange(30, dtype=torch.float16).view(6, 5)
+    static = inputs.load(torch.arange(6), real, batch_size=4, hidden=hidden)
+    assert static.mode is ForwardMode.DRAFT_EXTEND and static.num_tokens == 12
+    assert torch.equal(inputs.hidden[:6], hidden)
+    assert static.positions.tolist() == [4, 5, 6, 1, 2, 3, 0, 1, 2, 0, 1, 2]
+    assert static.seq_lens.tolist() == [7, 4, 3, 3] and static.out_cache_loc.tolist()[6:] == [16, 17, 16] * 2
+    with pytest.raises(ValueError, match="hidden states go with graphs of the NextN layer"):
+        inputs.load(torch.arange(6), real, batch_size=4)
+    target = GraphInputs(max_batch_size=4, tokens_per_request=3, max_pages=4, pool=pool, padding_page=8)
+    assert target.hidden is None
+    with pytest.raises(ValueError, match="hidden states go with graphs of the NextN layer"):
+        target.load(torch.arange(6), real, batch_size=4, hidden=hidden)

@@ -338,8 +338,8 @@ def test_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.skipif(ON_GPU, reason="checks the refusal on a machine without a GPU")
 def test_tuner_refuses_the_cpu() -> None:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "tune_fused_moe.py"), "--quick"],
-                            capture_output=True, text=True, env=env, timeout=120)
+    result = subprocess.run([sys.executable, "-m", "benchmarks.tune_fused_moe", "--quick"],
+                            capture_output=True, text=True, env=env, timeout=120, cwd=REPO)
     assert result.returncode != 0 and "GPU" in result.stderr
 
 
