@@ -2,7 +2,8 @@
 the captured forward eagerly on the runner's static buffers: the load, padding and slicing of a replay, with the
 backend's own plan instead of plan_replay). Which forwards are captured and why the others run eagerly
 (`graph_status`), that the padded DRAFT_EXTEND gives the accepted tokens the unpadded forward's outputs, and that
-greedy outputs with graphs equal those without speculation. The graphs themselves are checked on the GPU."""
+greedy outputs with graphs equal those without speculation; these run on the CPU everywhere. The last test
+captures and replays real graphs, on a GPU only."""
 
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ def checkpoint(tmp_path_factory):
 
 def _args(checkpoint, **flags) -> ServerArgs:
     return ServerArgs(**{"model_path": str(checkpoint), "tokenizer_path": str(EMBEDDED_MODEL_DIR),
-                         "max_total_tokens": 1024, **flags})
+                         "max_total_tokens": 1024, "device": "cpu", **flags})
 
 
 @pytest.fixture(scope="module")
@@ -226,3 +227,36 @@ def test_graphed_rounds_leave_the_nextn_layer_the_state_of_the_accepted_tokens(c
     model = load_reference_model(checkpoint)
     assert [d for _, d in seen] == [_reference_drafts(model, tokens, CHAINS["speculative_num_steps"])
                                     for tokens, _ in seen]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_on_the_gpu_rounds_replay_their_graphs_and_give_the_greedy_outputs_without_speculation(checkpoint,
+                                                                                               monkeypatch):
+    """Real capture and replay (float32, Triton attention, graphs of 1, 2 and 4 requests) against the engine without
+    speculation, whose decode replays its own graphs."""
+    gpu = {"device": "cuda", "dtype": "float32", "decode_attention_backend": "triton", "cuda_graph_max_bs": 4}
+    replays: list[tuple[ForwardMode, int]] = []
+    replay = CudaGraphRunner.replay
+
+    def counting(self, input_ids, batch, hidden=None):
+        replays.append((self.mode, batch.batch_size))
+        return replay(self, input_ids, batch, hidden)
+
+    monkeypatch.setattr(CudaGraphRunner, "replay", counting)
+    outputs, statuses = [], []
+    for flags in ({}, CHAINS):
+        replays.clear()  # the speculative engine's are kept
+        engine = Engine(_args(checkpoint, **gpu, **flags))
+        try:
+            # 5 requests: past the largest graph, eagerly; then 3 on the graphs of 4.
+            outputs.append([r.token_ids for r in engine.generate([*PROMPTS, PROMPTS[0]], GREEDY)]
+                           + [r.token_ids for r in engine.generate(PROMPTS[:3], GREEDY)])
+            statuses.append(engine.runner.graph_status)
+        finally:
+            engine.shutdown()
+    assert statuses == ["DECODE captured at batch sizes [1, 2, 4] (larger batches run eagerly)",
+                        "TARGET_VERIFY, draft DECODE, DRAFT_EXTEND captured at batch sizes [1, 2, 4] (larger batches "
+                        "run eagerly)"]
+    assert outputs[1] == outputs[0]
+    assert {ForwardMode.TARGET_VERIFY, ForwardMode.DECODE, ForwardMode.DRAFT_EXTEND} <= {m for m, _ in replays}
+    assert (ForwardMode.TARGET_VERIFY, 3) in replays
