@@ -5,7 +5,10 @@ is timed by itself, as SGLang's bench_one_batch does (planned, run, its tokens r
 and launched while step k runs, so the host's work per step hides behind the GPU's.
 With --speculative-algorithm a decode step is a speculative round, which gives each request one to k + 1 tokens:
 the steps run until every request is done, decode throughput is the tokens over their total time, and the
-"accept length" (mean tokens a request gets from one verify) is printed beside it.
+"accept length" (mean tokens a request gets from one verify) is printed beside it; without speculation the same
+"decode_throughput" (tokens over the steps' total time) goes into the JSON line beside the median, so that the
+two compare (benchmarks/run_fast_path_on_device.sh's `specvs` step). The runner's CUDA-graph status is printed
+and stored too.
 Prints SGLang's bench_one_batch format; --result-filename appends one JSON line per run.
 
     python benchmarks/bench_one_batch.py --model-preset deepseek-v3 --num-layers 4 --load-format dummy \\
@@ -117,7 +120,7 @@ def run_once(runner: ModelRunner, batch_size: int, input_len: int, output_len: i
         median = statistics.median(decode)
         print(f"Decode.  median latency: {median:.5f} s, median throughput: {batch_size / median:9.2f} token/s")
         result |= {"median_decode_latency": median, "median_decode_throughput": batch_size / median,
-                   "decode_steps": len(decode)}
+                   "decode_throughput": batch_size * len(decode) / sum(decode), "decode_steps": len(decode)}
     print(f"Total. latency: {total:.3f} s, throughput: {result['overall_throughput']:9.2f} token/s")
     return result
 
@@ -157,6 +160,7 @@ def build_runner(namespace: argparse.Namespace, parser: argparse.ArgumentParser)
     print(f"max_total_num_tokens={runner.max_total_tokens}")
     for c in runner.chosen:
         print(f"{c.kind} {c.phase}: {c.name} ({c.reason})")
+    print(f"cuda_graph: {runner.graph_status}")
     print("Warmup ...")
     run_once(runner, max(namespace.batch_size), min(namespace.input_len), 4, args.seed, verbose=False)
     return runner
@@ -183,6 +187,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                                   overlap=namespace.overlap, text_tokens=text_tokens)
                 if namespace.result_filename:
                     result |= {"run_name": namespace.run_name, "device": runner.hardware.name,
+                               "cuda_graph": runner.graph_status,
                                "backends": {f"{c.kind}:{c.phase}": c.name for c in runner.chosen}}
                     with open(namespace.result_filename, "a") as f:
                         f.write(json.dumps(result) + "\n")

@@ -14,6 +14,9 @@
 #   gtune:TAG:ARGS        benchmarks/tune_fp8_gemm.py with ARGS, configs into $res/gemm-configs-TAG and into
 #                         plugserve/plugins/gemm/configs for the steps after it
 #   one:TAG:ARGS          benchmarks/bench_one_batch.py with ARGS -> one-TAG.{jsonl,txt}
+#   specvs:TAG:ARGS       decode tokens/s without and with speculative decoding (CUDA graphs on both sides):
+#                         bench_one_batch with ARGS, then with ARGS + $SPEC_FLAGS (default NEXTN, 3 steps)
+#                         -> specvs-TAG-{base,spec}.{jsonl,txt} and the comparison specvs-TAG.txt
 #   tests:TAG:ARGS        pytest with ARGS (this repo's tests that need a GPU, e.g. tests/core/test_distributed.py)
 #                         -> tests-TAG.txt
 #   accuracy:TAG:ARGS     benchmarks/accuracy.py with ARGS on the GPU (default: the embedded model, every backend)
@@ -66,6 +69,23 @@ for step in "$@"; do
       timeout $limit python3 -m benchmarks.bench_one_batch $args --result-filename $res/one-$tag.jsonl \
         > $res/one-$tag.txt 2>&1
       echo "one $tag (rc $?):"; grep -i "^Decode.  median\|^Prefill\|backend\|error" $res/one-$tag.txt | tail -n 12 ;;
+    specvs)
+      spec_flags=${SPEC_FLAGS:---speculative-algorithm NEXTN --speculative-num-steps 3}
+      for side in base spec; do
+        extra=$([ $side = spec ] && echo "$spec_flags")
+        timeout $limit python3 -m benchmarks.bench_one_batch $args $extra \
+          --result-filename $res/specvs-$tag-$side.jsonl > $res/specvs-$tag-$side.txt 2>&1
+        echo "specvs $tag $side (rc $?): $(grep '^cuda_graph' $res/specvs-$tag-$side.txt)"
+      done
+      python3 - $res/specvs-$tag-base.jsonl $res/specvs-$tag-spec.jsonl <<'PY' | tee $res/specvs-$tag.txt
+import json, sys
+base, spec = ({(r["batch_size"], r["input_len"]): r for r in map(json.loads, open(f))} for f in sys.argv[1:])
+print(f"{'batch':>5} {'input':>5} {'base tok/s':>11} {'spec tok/s':>11} {'speedup':>7} {'accept':>6}")
+for key in sorted(base.keys() & spec.keys()):
+    b, s = base[key]["decode_throughput"], spec[key]["decode_throughput"]
+    print(f"{key[0]:>5} {key[1]:>5} {b:>11.1f} {s:>11.1f} {s / b:>6.2f}x {spec[key]['accept_length']:>6.2f}")
+PY
+      ;;
     tests)
       timeout $limit python3 -m pytest -q -p no:cacheprovider $args > $res/tests-$tag.txt 2>&1
       echo "tests $tag: $(tail -n 1 $res/tests-$tag.txt)" ;;

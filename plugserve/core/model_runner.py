@@ -21,7 +21,13 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from plugserve.core.block_table import DeviceBlockTable
-from plugserve.core.cuda_graph_runner import CudaGraphRunner, GraphInputs, capture_sizes
+from plugserve.core.cuda_graph_runner import (
+    CudaGraphRunner,
+    GraphForward,
+    GraphInputs,
+    capture_sizes,
+    init_graph_attention,
+)
 from plugserve.core.dispatch import AttnForwardMethod, prepare_attention
 from plugserve.core.distributed import SINGLE, ParallelGroup
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode, Phase
@@ -64,6 +70,23 @@ class ChosenBackend:
     name: str
     reason: str
     max_batch_size: int
+
+
+@dataclass(frozen=True)
+class GraphPlan:
+    """A forward captured in CUDA graphs: its mode and new tokens per request, and whether it is the NextN
+    layer's (which reads hidden states [N, H] beside the token ids). Its outputs: logits [N, vocab] float32 when
+    `logits`, then the final hidden states [N, H] in the model dtype when `hidden`."""
+
+    mode: ForwardMode
+    tokens_per_request: int
+    nextn: bool
+    logits: bool
+    hidden: bool
+
+    @property
+    def label(self) -> str:
+        return f"draft {self.mode.name}" if self.nextn and self.mode is ForwardMode.DECODE else self.mode.name
 
 
 @dataclass(frozen=True)
@@ -124,7 +147,7 @@ class ModelRunner:
         self.block_table = DeviceBlockTable(self.max_running_requests + 1,
                                             pages_needed(self.context_length + 1 + lookahead, self.page_size),
                                             self.device)
-        graph_bytes = self._decode_activation_bytes(self.graph_max_bs) if self.graph_max_bs else 0
+        graph_bytes = self._graph_bytes(self.graph_max_bs) if self.graph_max_bs else 0
         self.max_total_tokens = self._kv_tokens(graph_bytes)
         num_pages = self.max_total_tokens // self.page_size
         # One page more than the allocator hands out: padding rows of CUDA graphs read and write only it.
@@ -134,11 +157,12 @@ class ModelRunner:
         self.allocator = PageAllocator(num_pages)
         logger.info("KV pool: %d pages of %d tokens (%d tokens, %.2f GiB)", num_pages, self.page_size,
                     num_pages * self.page_size, self.pool_bytes / 2**30)
-        self.graphs: CudaGraphRunner | None = None
+        # Captured graphs by mode: the target's (DECODE, or TARGET_VERIFY with speculative decoding) and the
+        # NextN layer's (draft DECODE steps, DRAFT_EXTEND).
+        self.target_graphs: dict[ForwardMode, CudaGraphRunner] = {}
+        self.nextn_graphs: dict[ForwardMode, CudaGraphRunner] = {}
         self.graph_status = ("disabled by --disable-cuda-graph" if args.disable_cuda_graph else
-                             "no CUDA graphs on the CPU" if self.device.type != "cuda" else
-                             "speculative decoding runs draft and verify eagerly (no graphs for them yet)"
-                             if args.speculative is not None else "not captured yet")
+                             "no CUDA graphs on the CPU" if self.device.type != "cuda" else "not captured yet")
 
     # -- backends ------------------------------------------------------------------------------------
 
@@ -267,7 +291,7 @@ class ModelRunner:
                 raise ValueError(f"{flag('cuda_graph_max_bs')} needs a CUDA device: there are no CUDA graphs on "
                                  f"{self.device.type}")
             return 0
-        if args.disable_cuda_graph or args.speculative is not None:  # no DECODE batch runs under speculation
+        if args.disable_cuda_graph:
             return 0
         return min(args.cuda_graph_max_bs or self.max_running_requests, self.max_running_requests)
 
@@ -303,21 +327,33 @@ class ModelRunner:
         return tokens
 
     @torch.inference_mode()
-    def _decode_activation_bytes(self, batch_size: int) -> int:
-        """Peak memory of one eager DECODE forward of `batch_size` requests, run on a one-page scratch pool:
-        what the CUDA graphs' shared memory pool will hold (they are captured largest first)."""
+    def _graph_bytes(self, batch_size: int) -> int:
+        """What the CUDA graphs' shared memory pool will hold: the peak of one eager forward of the target at
+        `batch_size` requests (DECODE, or TARGET_VERIFY with speculative decoding, the widest forward: the
+        graphs are captured largest first and later ones reuse its blocks), run on a one-page scratch pool,
+        plus the outputs every graph keeps (its logits and hidden states, at every captured size)."""
+        n = self.args.speculative.num_draft_tokens if self.args.speculative is not None else 1
+        mode = ForwardMode.DECODE if n == 1 else ForwardMode.TARGET_VERIFY
         scratch = MLAKVPool(self.model.num_kv_layers, 1, self.page_size, self.config.kv_lora_rank,
                             self.config.qk_rope_head_dim, self.kv_dtype, self.device)
-        inputs = GraphInputs(batch_size, 1, 1, scratch, padding_page=0)
-        batch = inputs.batch(ForwardMode.DECODE, batch_size)
+        # Every page of every row is the scratch page: n tokens fit any page size.
+        inputs = GraphInputs(batch_size, n, pages_needed(n, self.page_size), scratch, padding_page=0)
+        batch = inputs.batch(mode, batch_size)
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         self._logits(inputs.input_ids, batch, self.attention_for(batch), plan=True)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
-        logger.info("decode activations at batch %d: %.1f MiB (reserved for CUDA graphs)", batch_size, peak / 2**20)
-        return peak
+        rows = sum(capture_sizes(batch_size))
+        logits_row = self.config.vocab_size * 4  # float32
+        hidden_row = self.config.hidden_size * torch.empty(0, dtype=self.dtype).element_size()
+        per_size = sum(p.tokens_per_request * (logits_row * p.logits + hidden_row * p.hidden)
+                       for p in self._graph_plans())
+        kept = rows * per_size
+        logger.info("%s activations at batch %d: %.1f MiB, graph outputs %.1f MiB (reserved for CUDA graphs)",
+                    mode.name, batch_size, peak / 2**20, kept / 2**20)
+        return peak + kept
 
     # -- warm-up -------------------------------------------------------------------------------------
 
@@ -385,50 +421,94 @@ class ModelRunner:
 
     def _warm_up_speculative(self, batch_size: int, n: int) -> None:
         """A speculative round's forwards for `batch_size` requests of n draft tokens: the target's TARGET_VERIFY,
-        the NextN layer's draft steps (DECODE) and its DRAFT_EXTEND over one and over n accepted tokens."""
+        the NextN layer's draft steps (DECODE) and its DRAFT_EXTEND (padded to n tokens per request)."""
         per_request = pages_needed(2 * n, self.page_size)
         pages = self.allocator.alloc(per_request * batch_size)
         try:
             rows = [pages[i * per_request : (i + 1) * per_request] for i in range(batch_size)]
             self._scratch_forward(ForwardMode.TARGET_VERIFY, [2 * n] * batch_size, [n] * batch_size, rows)
-            for mode, new in ((ForwardMode.DECODE, 1), (ForwardMode.DRAFT_EXTEND, 1), (ForwardMode.DRAFT_EXTEND, n)):
+            for mode, new in ((ForwardMode.DECODE, 1), (ForwardMode.DRAFT_EXTEND, n)):
                 self._scratch_forward(mode, [n + new] * batch_size, [new] * batch_size, rows, nextn=True)
         finally:
             self.allocator.free(pages)
 
+    def _graph_plans(self) -> list[GraphPlan]:
+        """The forwards the server runs with a fixed number of new tokens per request: the target's DECODE, or with
+        speculative decoding its TARGET_VERIFY (logits to verify, hidden states for the draft extend), the
+        NextN layer's draft DECODE steps (logits to draft from, hidden states for the next step) and its
+        DRAFT_EXTEND padded to num_draft_tokens (hidden states: h'). Draft trees verify and draft in tree form,
+        eagerly (`graph_status` says so), and share DRAFT_EXTEND with chains."""
+        spec = self.args.speculative
+        if spec is None:
+            return [GraphPlan(ForwardMode.DECODE, 1, nextn=False, logits=True, hidden=False)]
+        n = spec.num_draft_tokens
+        extend = GraphPlan(ForwardMode.DRAFT_EXTEND, n, nextn=True, logits=False, hidden=True)
+        if spec.topk > 1:
+            return [extend]
+        return [GraphPlan(ForwardMode.TARGET_VERIFY, n, nextn=False, logits=True, hidden=True),
+                GraphPlan(ForwardMode.DECODE, 1, nextn=True, logits=True, hidden=True), extend]
+
+    def _graph_forward(self, plan: GraphPlan) -> GraphForward:
+        """What the graph of `plan` captures (see GraphPlan for its outputs)."""
+        model = self.model
+
+        def forward(input_ids: torch.Tensor, hidden: torch.Tensor | None, batch: ForwardBatch,
+                    attention: AttentionBackend) -> tuple[torch.Tensor, ...]:
+            out = (model.forward_nextn(input_ids, hidden, batch, attention) if plan.nextn  # type: ignore[arg-type]
+                   else model(input_ids, batch, attention))
+            return (*((model.compute_logits(out),) if plan.logits else ()), *((out,) if plan.hidden else ()))
+
+        return forward
+
     def capture_graphs(self) -> None:
-        """Capture DECODE at every size up to the largest graph batch, when every decode backend can:
-        attention declaring DECODE in its graph_modes, MoE and GEMM declaring cuda_graph. Otherwise, or
-        when capture fails, decode runs eagerly and `graph_status` says why."""
+        """Capture every forward of `_graph_plans` at every size up to the largest graph batch, when every decode
+        bucket's attention backend declares its mode in graph_modes and the MoE and GEMM backends declare
+        cuda_graph. A forward that cannot be captured, or all of them when a capture fails, runs eagerly, and
+        `graph_status` says which and why."""
         sizes = capture_sizes(self.graph_max_bs)
-        reason = self._graph_blocker(sizes)
-        if reason:
-            self.graph_status = f"decode runs eagerly: {reason}"
-            logger.warning("CUDA graphs off: %s", reason)
-            return
-        max_pages = min(pages_needed(self.context_length, self.page_size), self.allocator.num_pages)
-        runner = CudaGraphRunner(ForwardMode.DECODE, sizes, 1, max_pages, self.pool, self.padding_page,
-                                 lambda size: _in_bucket(self.decode_buckets, size))
-        bar = tqdm(total=len(sizes), desc="capturing CUDA graphs", disable=None)
-        try:
-            runner.capture(lambda ids, batch, attn: self._logits(ids, batch, attn, plan=False),
-                           progress=lambda _: bar.update())
-        except Exception as exc:
-            self.graph_status = f"decode runs eagerly: capture failed: {type(exc).__name__}: {exc}"
-            logger.exception("CUDA graph capture failed; decode runs eagerly")
-            return
-        finally:
-            bar.close()
-        self.graphs = runner
-        self.graph_status = f"DECODE captured at batch sizes {sizes}"
+        plans, eager = [], []
+        for plan in self._graph_plans():
+            reason = self._graph_blocker(plan.mode)
+            if reason:
+                eager.append(f"{plan.label} runs eagerly: {reason}")
+                logger.warning("CUDA graphs off for %s: %s", plan.label, reason)
+            else:
+                plans.append(plan)
+        if self.args.speculative is not None and self.args.speculative.topk > 1:
+            eager.append("draft trees verify and draft eagerly: no attention backend runs tree attention under "
+                         "CUDA graphs")
+        max_pages = min(self.block_table.max_pages, self.allocator.num_pages)
+        runners = [CudaGraphRunner(p.mode, sizes, p.tokens_per_request, max_pages, self.pool, self.padding_page,
+                                   functools.partial(_in_bucket, self.decode_buckets),
+                                   (self.config.hidden_size, self.dtype) if p.nextn else None) for p in plans]
+        captured = ""
+        if runners:
+            bar = tqdm(total=len(sizes) * len(runners), desc="capturing CUDA graphs", disable=None)
+            try:
+                init_graph_attention(runners)
+                pool_handle = torch.cuda.graph_pool_handle()  # one memory pool for every mode's graphs
+                for plan, runner in zip(plans, runners, strict=True):
+                    runner.capture(self._graph_forward(plan), pool_handle, progress=lambda _: bar.update())
+                    (self.nextn_graphs if plan.nextn else self.target_graphs)[plan.mode] = runner
+            except Exception as exc:
+                self.target_graphs, self.nextn_graphs = {}, {}
+                eager = [f"{', '.join(p.label for p in plans)} run eagerly: capture failed: "
+                         f"{type(exc).__name__}: {exc}", *eager]
+                logger.exception("CUDA graph capture failed; the forwards run eagerly")
+            else:
+                captured = (f"{', '.join(p.label for p in plans)} captured at batch sizes {sizes} (larger "
+                            "batches run eagerly)")
+            finally:
+                bar.close()
+        self.graph_status = "; ".join(filter(None, [captured, *eager]))
         logger.info("CUDA graphs: %s", self.graph_status)
 
-    def _graph_blocker(self, sizes: list[int]) -> str:
-        """Why DECODE cannot be captured at these sizes, or ''."""
+    def _graph_blocker(self, mode: ForwardMode) -> str:
+        """Why `mode` cannot be captured, or ''."""
         for bucket in self.decode_buckets:
             caps = bucket.backend.capabilities
-            if ForwardMode.DECODE not in caps.graph_modes:
-                return f"attention backend {bucket.backend.name} does not run DECODE under CUDA graphs"
+            if mode not in caps.graph_modes:
+                return f"attention backend {bucket.backend.name} does not run {mode.name} under CUDA graphs"
         backends = self.model.backends
         for kind_backend in (backends.moe, backends.gemm) if backends else ():
             if kind_backend is not None and not kind_backend.capabilities.cuda_graph:
@@ -461,8 +541,9 @@ class ModelRunner:
         return self._forward(input_ids, batch, sample_rows)
 
     def _forward(self, input_ids: torch.Tensor, batch: ForwardBatch, sample_rows: torch.Tensor) -> torch.Tensor:
-        if self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.replay(input_ids, batch)[sample_rows, : self.sample_vocab]
+        graph = self.target_graphs.get(batch.mode)
+        if graph is not None and graph.can_run(batch):
+            return graph.replay(input_ids, batch)[0][sample_rows, : self.sample_vocab]
         attention = self.attention_for(batch)
         attention.plan(batch)
         hidden = self.model(input_ids, batch, attention)

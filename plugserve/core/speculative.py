@@ -13,7 +13,12 @@ L - 2, which predicts x_L. One round of k steps:
   accept        `verify_drafts`: d_1 .. d_a and the target's token after them, a + 1 tokens (1 .. k + 1).
   draft extend  one DRAFT_EXTEND forward of the NextN layer at positions L - 1 .. L - 1 + a, reading the accepted
                 tokens and the target's hidden states of the verify: its KV there (the draft steps' was
-                provisional), and the next round's h'.
+                provisional), and the next round's h' (its output at L - 1 + a). The forward is padded to the
+                verify's layout, k + 1 tokens at positions L - 1 .. L - 1 + k whatever a is, so that its shape is
+                fixed (one CUDA graph per batch size) and its layout needs no accepted length on the host; the
+                padding rows (the verify's tokens and hidden states after the accepted ones) sit after the
+                accepted rows, which attention (causal) and every other op (per token) keep exact, and they
+                write only NextN KV past the accepted tokens, stale as below.
 
 With topk > 1 a round drafts a tree of n = num_draft_tokens nodes, node 0 being x_{L-1} (`_draft_tree`):
 
@@ -29,17 +34,24 @@ With topk > 1 a round drafts a tree of n = num_draft_tokens nodes, node 0 being 
                 position L - 1 + i at position L - 1 + depth.
   accept        `verify_tree`: from the root, the child holding the target's argmax, as long as there is one.
   keep          the accepted nodes' target KV moves to the slots of positions L .. L - 1 + a, so the request's KV
-                is in position order again; then draft extend as for chains, over the accepted nodes.
+                is in position order again; then draft extend as for chains, over the accepted nodes (padded
+                with the last one).
 
 KV a round writes past the accepted tokens is stale, never read: attention stops at a request's length and the next
 round writes those positions again. A prefill (EXTEND) forward is followed by the NextN layer over the same
 positions, each reading the token after it (after the prompt's last, the one just sampled). A prefix-cache hit
 reuses the NextN layer's KV too; at a shared page's last position that KV read the token that followed in the
 sequence that computed it. That costs acceptance at most: verification alone decides the output.
+
+On a GPU the chains' draft DECODE steps, TARGET_VERIFY and DRAFT_EXTEND replay CUDA graphs (`ModelRunner.
+target_graphs` / `nextn_graphs`, captured at start-up for the decode batch sizes) when the decode attention
+backends declare those modes; a tree's verify and draft forwards carry a per-round tree mask and run eagerly.
+A batch past the largest graph runs eagerly, with the same outputs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -52,6 +64,7 @@ from plugserve.core.sampling import SampleOutput, SamplingParams, apply_penaltie
 from plugserve.core.server_args import SpeculativeConfig, flag
 
 if TYPE_CHECKING:
+    from plugserve.core.cuda_graph_runner import CudaGraphRunner
     from plugserve.core.model_runner import ModelRunner
     from plugserve.core.request import Request
 
@@ -113,27 +126,38 @@ class SpeculativeWorker:
             return self._verify_tree(batch, input_ids.view(b, n)[:, :1], requests, rows)
         drafts, draft_probs = self._draft(batch, requests, rows, default_generator)
         ids = torch.cat([input_ids.view(b, n)[:, :1], drafts], dim=1)
-        hidden, _ = self._target(ids.view(-1), batch)
-        out = verify_drafts(self._logits(hidden).view(b, n, -1), drafts, draft_probs, [r.params for r in requests],
+        hidden, logits = self._verify_chains(ids.view(-1), batch)
+        out = verify_drafts(logits.view(b, n, -1), drafts, draft_probs, [r.params for r in requests],
                             [r.prompt_ids for r in requests], [r.output_ids[: r.num_resolved] for r in requests],
                             [r.generator for r in requests], default_generator)
-        self._draft_extend(batch, hidden, out, rows, torch.arange(n, device=ids.device).expand(b, n))
+        self._draft_extend(batch, hidden, out, rows)
         return out
+
+    def _verify_chains(self, input_ids: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's TARGET_VERIFY forward of chains (input_ids [B * n] int64): hidden states [B * n, H] and
+        logits [B * n, sample_vocab] float32, from its CUDA graph when one holds the batch."""
+        graph = _graph(self.runner.target_graphs, batch)
+        if graph is not None:
+            logits, hidden = graph.replay(input_ids, batch)
+            return hidden, logits[:, : self.runner.sample_vocab]
+        hidden, _ = self._target(input_ids, batch)
+        return hidden, self._logits(hidden)
 
     def _verify_tree(self, batch: ForwardBatch, roots: torch.Tensor, requests: Sequence[Request], rows: torch.Tensor
                      ) -> SampleOutput:
         """`verify` with draft trees; roots [B, 1] int64: each request's last token."""
         drafts, parents = self._draft_tree(batch, rows)
-        batch = batch.with_tree(DraftTree.of(parents))
+        tree = batch.with_tree(DraftTree.of(parents))
         tokens = torch.cat([roots, drafts], dim=1)
-        hidden, _ = self._target(tokens.view(-1), batch)
+        hidden, _ = self._target(tokens.view(-1), tree)
         out, path = verify_tree(self._logits(hidden).view(*tokens.shape, -1), tokens, parents,
                                 [r.params for r in requests], [r.prompt_ids for r in requests],
                                 [r.output_ids[: r.num_resolved] for r in requests])
         slots = batch.out_cache_loc.view(tokens.shape)
         batch.kv_pool.copy_slots(slots.gather(1, path[:, 1:]).view(-1), slots[:, 1:].reshape(-1),
                                  range(len(self.model.layers)))
-        self._draft_extend(batch, hidden, out, rows, path)
+        picked = hidden.view(*tokens.shape, -1).gather(1, path[:, :, None].expand(*tokens.shape, hidden.shape[-1]))
+        self._draft_extend(batch, picked.view(hidden.shape), out, rows)
         return out
 
     def _draft_tree(self, verify: ForwardBatch, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,29 +226,27 @@ class SpeculativeWorker:
                 seq_lens = [s - k - 1 + step for s in verify.seq_lens_cpu]
                 batch = ForwardBatch.build(ForwardMode.DECODE, seq_lens, [1] * len(seq_lens), verify.block_table,
                                            verify.kv_pool)
-                hidden = self._nextn(tokens[-1], hidden, batch)
-            token, q = _draft_tokens(self._logits(hidden), params, generators, default_generator)
+                hidden, logits = self._draft_step(tokens[-1], hidden, batch)
+            else:
+                logits = self._logits(hidden)
+            token, q = _draft_tokens(logits, params, generators, default_generator)
             tokens.append(token)
             if q is not None:
                 probs.append(q)
         return torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None
 
-    def _draft_extend(self, verify: ForwardBatch, hidden: torch.Tensor, out: SampleOutput, rows: torch.Tensor,
-                      path: torch.Tensor) -> None:
-        """The NextN layer over each request's accepted tokens (hidden [B * n, H]: the verify's; path [B, n] int64:
-        the verify's nodes they were accepted at, the root first); keeps h'."""
-        n = self.num_draft_tokens
+    def _draft_extend(self, verify: ForwardBatch, hidden: torch.Tensor, out: SampleOutput, rows: torch.Tensor
+                      ) -> None:
+        """The NextN layer over each request's accepted tokens, padded to the verify's n per request (module
+        docstring): out.token_ids [B, n] int64, hidden [B * n, H] the target's at them (its hidden states of the
+        verify, along the accepted path for trees), `verify` the chain-shaped TARGET_VERIFY batch. Keeps h'."""
+        b, n = verify.batch_size, self.num_draft_tokens
         assert out.accept_lens is not None
-        lens = [a + 1 for a in out.accept_lens.tolist()]  # the batch's layout needs them on the host
-        self.verify_steps += len(lens)
-        self.accepted_tokens += sum(lens)
-        seq_lens = [s - n + m for s, m in zip(verify.seq_lens_cpu, lens, strict=True)]
-        batch = ForwardBatch.build(ForwardMode.DRAFT_EXTEND, seq_lens, lens, verify.block_table, verify.kv_pool)
-        nodes = path.tolist()
-        picked = to_device(torch.tensor([i * n + nodes[i][j] for i, m in enumerate(lens) for j in range(m)]),
-                           hidden.device)
-        drafted = self._nextn(out.token_ids.view(-1)[picked], hidden[picked], batch)
-        self.hidden[rows] = drafted[batch.cu_extend_lens[1:].long() - 1]
+        batch = dataclasses.replace(verify, mode=ForwardMode.DRAFT_EXTEND)
+        drafted = self._nextn(out.token_ids.view(-1), hidden, batch)
+        self.hidden[rows] = drafted.view(b, n, -1)[torch.arange(b, device=drafted.device), out.accept_lens]
+        self.verify_steps += b
+        self.accepted_tokens += b + int(out.accept_lens.sum())  # after the launch: this waits for the round
 
     def _target(self, input_ids: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, AttentionBackend]:
         """The target's final hidden states [T, hidden] (normed, what the NextN layer reads), and the backend
@@ -233,7 +255,23 @@ class SpeculativeWorker:
         attention.plan(batch)
         return self.model(input_ids, batch, attention), attention
 
+    def _draft_step(self, tokens: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft DECODE step of the NextN layer: tokens [B] int64 and hidden [B, H] -> its output [B, H] and
+        logits [B, sample_vocab] float32, from its CUDA graph when one holds the batch."""
+        graph = _graph(self.runner.nextn_graphs, batch)
+        if graph is not None:
+            logits, out = graph.replay(tokens, batch, hidden)
+            return out, logits[:, : self.runner.sample_vocab]
+        out = self._nextn(tokens, hidden, batch)
+        return out, self._logits(out)
+
     def _nextn(self, next_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The NextN layer: next_ids [T] int64 and hidden [T, H] -> [T, H], from its CUDA graph when one holds
+        the batch (the graph's last output is its hidden states)."""
+        graph = _graph(self.runner.nextn_graphs, batch)
+        if graph is not None:
+            return graph.replay(next_ids, batch, hidden)[-1]
         self.runner.prepare(batch)
         attention = self.runner.attention_for(batch)
         attention.plan(batch)
@@ -245,6 +283,13 @@ class SpeculativeWorker:
 
     def _rows(self, table_rows: Sequence[int]) -> torch.Tensor:
         return to_device(torch.tensor(table_rows, dtype=torch.int64), self.hidden.device)
+
+
+def _graph(graphs: dict[ForwardMode, CudaGraphRunner], batch: ForwardBatch) -> CudaGraphRunner | None:
+    """The captured graph of `batch`'s mode among `graphs` when it holds the batch (never a tree's: its mask
+    changes every round)."""
+    graph = graphs.get(batch.mode)
+    return graph if graph is not None and batch.tree is None and graph.can_run(batch) else None
 
 
 def _draft_tokens(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],

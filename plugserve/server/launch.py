@@ -61,9 +61,9 @@ HELP = {
     "mem_fraction_static": "fraction of GPU memory for weights and KV pool",
     "disable_radix_cache": "do not reuse cached prompt prefixes",
     "disable_overlap_schedule": "schedule only while the device is idle (no CPU/GPU overlap)",
-    "disable_cuda_graph": "do not capture decode in CUDA graphs",
-    "cuda_graph_max_bs": "largest decode batch captured in a CUDA graph (default: --max-running-requests, "
-                         "256 on a GPU); graphs are captured at SGLang's sizes up to it",
+    "disable_cuda_graph": "do not capture decode (nor speculative rounds) in CUDA graphs",
+    "cuda_graph_max_bs": "largest decode batch (or speculative round) captured in CUDA graphs (default: "
+                         "--max-running-requests, 256 on a GPU); graphs are captured at SGLang's sizes up to it",
     "enable_torch_compile": "torch.compile the element-wise ops between kernels (norms, rope, SiLU-and-mul), "
                             "fused by Inductor, inside the CUDA graphs",
     "torch_compile_max_bs": "largest batch (in tokens) that runs the compiled ops; larger ones run eagerly",
