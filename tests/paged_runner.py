@@ -37,20 +37,25 @@ class PagedRunner:
         self.allocator.free(torch.randperm(num_pages, generator=torch.Generator().manual_seed(0)).tolist())
 
     @torch.no_grad()
-    def step(self, mode: ForwardMode, requests: list[Request], new_tokens: list[list[int]], **dispatch) -> torch.Tensor:
-        """Append `new_tokens[i]` to `requests[i]`, run one forward, return logits [sum(new), vocab] float32."""
+    def step(self, mode: ForwardMode, requests: list[Request], new_tokens: list[list[int]],
+             dp_tokens: list[int] | None = None, **dispatch) -> torch.Tensor:
+        """Append `new_tokens[i]` to `requests[i]`, run one forward, return logits [sum(new), vocab] float32.
+        Under DP attention `dp_tokens` has each rank's new-token count (an IDLE step runs no request), and the
+        logits are every rank's, [sum(dp_tokens), vocab]."""
         for request, new in zip(requests, new_tokens, strict=True):
             total = len(request.tokens) + len(new)
             request.pages += self.allocator.alloc(pages_needed(total, self.page_size) - len(request.pages))
-        max_pages = max(len(r.pages) for r in requests)
+        max_pages = max((len(r.pages) for r in requests), default=1)
         block_table = torch.zeros(len(requests), max_pages, dtype=torch.int32)
         for row, request in enumerate(requests):
             block_table[row, : len(request.pages)] = torch.tensor(request.pages)
         seq_lens = [len(r.tokens) + len(n) for r, n in zip(requests, new_tokens, strict=True)]
         batch = ForwardBatch.build(mode, seq_lens, [len(n) for n in new_tokens], block_table.to(self.device), self.pool)
-        prepare_attention(batch, **dispatch)
+        batch.dp_tokens = dp_tokens
+        if mode is not ForwardMode.IDLE:
+            prepare_attention(batch, **dispatch)
         ids = torch.tensor([t for n in new_tokens for t in n], dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(self.model(ids, batch))
+        logits = self.model.compute_logits(self.model(ids, batch), dp_tokens)
         for request, new in zip(requests, new_tokens, strict=True):
             request.tokens += new
         self.last_batch = batch
@@ -58,11 +63,11 @@ class PagedRunner:
 
 
 def reference_backends(config: ModelConfig, dtype: torch.dtype, device: str = "cpu", tp_size: int = 1,
-                       ep_size: int = 1, ep_rank: int = 0) -> ModelBackends:
+                       ep_size: int = 1, ep_rank: int = 0, dp_attention: bool = False) -> ModelBackends:
     """The torch reference backend of every kind, built for `config` split over `tp_size` ranks (the routed
-    experts of rank `ep_rank` of `ep_size` under expert parallelism)."""
+    experts of rank `ep_rank` of `ep_size` under expert parallelism; every head under DP attention)."""
     dev = torch.device(device)
-    attention = config.attention_spec(dtype, tp_size=tp_size)
+    attention = config.attention_spec(dtype, tp_size=1 if dp_attention else tp_size)
     return ModelBackends(
         attention_prefill=TorchRefAttention(attention, dev),
         attention_decode=TorchRefAttention(attention, dev),
@@ -72,12 +77,15 @@ def reference_backends(config: ModelConfig, dtype: torch.dtype, device: str = "c
 
 
 def load_reference_model(model_dir, dtype: torch.dtype = torch.float32, load_format: str = "auto",
-                         group: ParallelGroup = SINGLE, expert_parallel: bool = False, **read) -> DeepseekForCausalLM:
+                         group: ParallelGroup = SINGLE, expert_parallel: bool = False, dp_attention: bool = False,
+                         **read) -> DeepseekForCausalLM:
     """read_config(**read) + load_model from `model_dir` on the CPU with the reference backends: this rank's
-    part of the model split over `group` (the routed experts whole when `expert_parallel`)."""
+    part of the model split over `group` (the routed experts whole when `expert_parallel`, the attention whole
+    under `dp_attention`)."""
     config, checkpoint_layers = read_config(str(model_dir), None, **read)
     ep_size, ep_rank = (group.world_size, group.rank) if expert_parallel else (1, 0)
-    backends = reference_backends(config, dtype, tp_size=group.world_size, ep_size=ep_size, ep_rank=ep_rank)
+    backends = reference_backends(config, dtype, tp_size=group.world_size, ep_size=ep_size, ep_rank=ep_rank,
+                                  dp_attention=dp_attention)
     return load_model(config, backends, model_path=str(model_dir), checkpoint_layers=checkpoint_layers,
                       load_format=load_format, dtype=dtype, device=torch.device("cpu"), group=group,
-                      expert_parallel=expert_parallel)
+                      expert_parallel=expert_parallel, dp_attention=dp_attention)

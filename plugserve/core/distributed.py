@@ -8,6 +8,7 @@ them pays one integer comparison and no communication.
 from __future__ import annotations
 
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -66,6 +67,29 @@ class ParallelGroup:
         out = moved.new_empty((self.world_size * moved.shape[0], *moved.shape[1:]))
         _all_gather_into_tensor(out, moved, group=self.group)
         return out.movedim(0, dim)
+
+    def gather_rows(self, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        """x [counts[rank], ...] on each rank (counts the same list on every rank) -> [world_size * m, ...]
+        on every rank, m = max(counts): rank r's rows at [r m, r m + counts[r]), zeros after them (one
+        all-gather needs equal sizes). x itself at world size 1."""
+        if self.world_size == 1:
+            return x
+        pad = max(counts) - x.shape[0]
+        return self.all_gather(torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) if pad else x, dim=0)
+
+    def own_rows(self, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        """Of x [world_size * max(counts), ...] laid out as `gather_rows` leaves it, this rank's [counts[rank], ...]."""
+        if self.world_size == 1:
+            return x
+        start = self.rank * max(counts)
+        return x[start : start + counts[self.rank]]
+
+
+def unpad_rows(x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+    """Of x [len(counts) * max(counts), ...] laid out as `ParallelGroup.gather_rows` leaves it, every rank's
+    real rows in rank order: [sum(counts), ...]."""
+    m = max(counts)
+    return torch.cat([x[r * m : r * m + n] for r, n in enumerate(counts)])
 
 
 SINGLE = ParallelGroup()  # one process, no torch.distributed

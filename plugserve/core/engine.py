@@ -15,7 +15,8 @@ while the running ones finish (a graceful shutdown); `abort_all` ends those left
 
 With --tp-size N the engine is rank 0 (core/ranks.py): it starts this node's other ranks, and one that
 exits kills the engine as a dying loop does (while it starts up, the process: it waits in a collective
-that only the timeout would end).
+that only the timeout would end). With --enable-dp-attention its scheduler is a `DPScheduler`, one
+`Scheduler` per DP group.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from plugserve.core.distributed import SINGLE
+from plugserve.core.dp_scheduler import DPScheduler
 from plugserve.core.metrics import Metrics
 from plugserve.core.model_runner import ModelRunner
 from plugserve.core.radix_cache import RadixCache
@@ -136,8 +138,14 @@ class Engine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.metrics = Metrics()
-        self.radix = RadixCache(self.runner.allocator, self.runner.page_size, enabled=not args.disable_radix_cache)
-        self.scheduler = Scheduler(self.runner, self.radix, self.tokenizer, self.metrics)
+        self.scheduler: Scheduler | DPScheduler
+        if self.runner.dp_size > 1:
+            self.scheduler = DPScheduler(self.runner, self.tokenizer, self.metrics, not args.disable_radix_cache)
+            self.radix = self.scheduler.groups[0].radix  # rank 0's own group's
+        else:
+            self.radix = RadixCache(self.runner.allocator, self.runner.page_size,
+                                    enabled=not args.disable_radix_cache)
+            self.scheduler = Scheduler(self.runner, self.radix, self.tokenizer, self.metrics)
         self.model_name, self.model_names = served_model_names(args)
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()

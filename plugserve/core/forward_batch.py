@@ -106,6 +106,8 @@ class ForwardBatch:
     # One-shot MHA over a cached prefix: pool slots of every position of every request [sum(seq_lens)]
     sequence_slots: torch.Tensor | None = None
     tree: DraftTree | None = None
+    # DP attention: every DP group's new-token count in this forward, in group order (this batch is one group's)
+    dp_tokens: list[int] | None = None
 
     @classmethod
     def build(

@@ -179,10 +179,12 @@ def load_model(
     seed: int = 0,
     group: ParallelGroup = SINGLE,
     expert_parallel: bool = False,
+    dp_attention: bool = False,
 ) -> DeepseekForCausalLM:
     """Build the model (this rank's part of it, split over `group`, the routed experts whole when
-    `expert_parallel`), fill its weights, and pack them for `backends` (built for this rank's shapes:
-    `ModelConfig.attention_spec` / `moe_spec` with the world size, and the rank under expert parallelism)."""
+    `expert_parallel`, the attention whole under `dp_attention`), fill its weights, and pack them for
+    `backends` (built for this rank's shapes: `ModelConfig.attention_spec` / `moe_spec` with the world size,
+    the attention's with 1 under DP attention, and the rank under expert parallelism)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"--load-format {load_format!r} is not supported (choose from {', '.join(LOAD_FORMATS)})")
     dummy = load_format == "dummy" or model_path is None
@@ -193,7 +195,7 @@ def load_model(
         and f"model.layers.{checkpoint_layers}.eh_proj.weight" in checkpoint.names()
     )
     model = DeepseekForCausalLM(config, dtype, device, with_nextn=with_nextn, group=group,
-                                expert_parallel=expert_parallel)
+                                expert_parallel=expert_parallel, dp_attention=dp_attention)
     if checkpoint is None:
         init_dummy_weights(model, seed)
     else:

@@ -13,7 +13,7 @@ from plugserve.core.forward_batch import ForwardMode
 
 if TYPE_CHECKING:
     from plugserve.core.request import Request
-    from plugserve.core.scheduler import Scheduler
+    from plugserve.core.scheduler import SchedulerGauges
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60, 120)
 
@@ -51,7 +51,7 @@ class Metrics:
         self._window_tokens = 0
         self._spec_requests = self._spec_tokens = 0
 
-    def observe_batch(self, mode: ForwardMode, num_tokens: int, scheduler: Scheduler) -> None:
+    def observe_batch(self, mode: ForwardMode, num_tokens: int, scheduler: SchedulerGauges) -> None:
         if mode is ForwardMode.EXTEND:
             self.prompt_tokens.inc(num_tokens)
         else:
@@ -62,10 +62,9 @@ class Metrics:
             self.throughput.set(self._window_tokens / (now - self._window_start))
             self._window_start, self._window_tokens = now, 0
         self.running.set(scheduler.num_running)
-        self.waiting.set(len(scheduler.waiting))
-        allocator = scheduler.runner.allocator
-        self.kv_usage.set(1 - allocator.num_free / allocator.num_pages)
-        self.cache_hit_rate.set(scheduler.radix.hit_rate)
+        self.waiting.set(scheduler.num_waiting)
+        self.kv_usage.set(scheduler.kv_usage)
+        self.cache_hit_rate.set(scheduler.cache_hit_rate)
 
     def observe_verify(self, tokens_per_request: list[int]) -> None:
         """One speculative verify: the tokens each of its requests got from it (drafts accepted + 1)."""

@@ -4,7 +4,9 @@ picking the rows to sample) for the scheduler.
 
 Under tensor parallelism every rank has a ModelRunner holding its part of the model and a whole KV pool
 of the same size. Rank 0's (the scheduler's) `forward` first sends the batch to the others, whose
-`follow` runs the same forward; `warm_up` runs on every rank alike."""
+`follow` runs the same forward; `warm_up` runs on every rank alike. Under DP attention rank 0's
+`forward_groups` sends every DP group's batch, and each rank runs its own group's (its pool holds that
+group's KV), an IDLE one when its group has none."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -72,6 +74,30 @@ class ChosenBackend:
     max_batch_size: int
 
 
+class Part(NamedTuple):
+    """One DP group's share of a forward: input_ids [T] int64 and sample_rows [S] int64 on the device, with its
+    batch (without DP attention, the one group's: the whole forward)."""
+
+    input_ids: torch.Tensor
+    batch: ForwardBatch
+    sample_rows: torch.Tensor
+
+
+class _Header(NamedTuple):
+    """A DP group's batch as rank 0 sends it (the lengths; the tensors follow in one payload)."""
+
+    mode: ForwardMode
+    seq_lens: list[int]
+    extend_lens: list[int]
+    width: int  # block-table columns
+    num_sampled: int
+
+    @property
+    def sizes(self) -> list[int]:
+        """Elements of its input ids, sample rows and block table in the payload."""
+        return [sum(self.extend_lens), self.num_sampled, len(self.seq_lens) * self.width]
+
+
 @dataclass(frozen=True)
 class GraphPlan:
     """A forward captured in CUDA graphs: its mode and new tokens per request, and whether it is the NextN
@@ -113,6 +139,9 @@ class ModelRunner:
             raise ValueError(f"{flag('tp_size')} {args.tp_size} needs one ModelRunner per rank, in a world of that "
                              f"size (the Engine starts them), not one in a world of {group.world_size}")
         self.args, self.group = args, group
+        # DP attention: rank r runs group r's attention (--dp-size is --tp-size); else one group of every rank.
+        self.dp_size = args.dp_attention_size
+        self.dp_rank = group.rank if self.dp_size > 1 else 0
         self.device = rank_device(args, group.rank)
         self.hardware = Hardware.detect(self.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
@@ -129,7 +158,8 @@ class ModelRunner:
         backends, self.page_size = self._create_backends()
         self.model = load_model(self.config, backends, model_path=args.model_dir,
                                 checkpoint_layers=checkpoint_layers, load_format=args.load_format, dtype=self.dtype,
-                                device=self.device, seed=args.seed, group=group, expert_parallel=args.ep_size > 1)
+                                device=self.device, seed=args.seed, group=group, expert_parallel=args.ep_size > 1,
+                                dp_attention=self.dp_size > 1)
         if args.enable_torch_compile:
             self.model.use_small_ops(SmallOps.compiled(args.torch_compile_max_bs))
         if self.device.type == "cuda":
@@ -162,7 +192,9 @@ class ModelRunner:
         self.target_graphs: dict[ForwardMode, CudaGraphRunner] = {}
         self.nextn_graphs: dict[ForwardMode, CudaGraphRunner] = {}
         self.graph_status = ("disabled by --disable-cuda-graph" if args.disable_cuda_graph else
-                             "no CUDA graphs on the CPU" if self.device.type != "cuda" else "not captured yet")
+                             "no CUDA graphs on the CPU" if self.device.type != "cuda" else
+                             "decode runs eagerly under --enable-dp-attention (no graphs for it yet)"
+                             if self.dp_size > 1 else "not captured yet")
 
     # -- backends ------------------------------------------------------------------------------------
 
@@ -213,7 +245,8 @@ class ModelRunner:
         # The backend of the largest decode batch fixes the page size; every other bucket must live with it.
         built: dict[str, Any] = {}
         decode = self._build("attention", Phase.DECODE, args.decode_attention, decode_flag,
-                             config.attention_spec(self.dtype, args.page_size, self.kv_dtype, self.group.world_size),
+                             config.attention_spec(self.dtype, args.page_size, self.kv_dtype,
+                                                   self.group.world_size // self.dp_size),
                              max_batch,
                              with_page_size, built)
         spec = decode.spec
@@ -291,7 +324,8 @@ class ModelRunner:
                 raise ValueError(f"{flag('cuda_graph_max_bs')} needs a CUDA device: there are no CUDA graphs on "
                                  f"{self.device.type}")
             return 0
-        if args.disable_cuda_graph:
+        # DP attention's gathers are not captured yet.
+        if args.disable_cuda_graph or self.dp_size > 1:
             return 0
         return min(args.cuda_graph_max_bs or self.max_running_requests, self.max_running_requests)
 
@@ -318,7 +352,8 @@ class ModelRunner:
             tokens = int(budget // self.bytes_per_token) - self.page_size  # less the padding page
         else:
             tokens = CPU_KV_BYTES // self.bytes_per_token
-        # Every rank's pool has the scheduler's page ids: the smallest rank's size, on all of them.
+        # Every rank's pool has the scheduler's page ids (under DP attention, its group's scheduler's): the smallest
+        # rank's size, on all of them.
         tokens = int(self.group.all_reduce(torch.tensor([tokens], device=self.device), dist.ReduceOp.MIN).item())
         tokens = tokens // self.page_size * self.page_size
         if tokens < self.page_size * 2:
@@ -392,6 +427,8 @@ class ModelRunner:
         width = max(len(p) for p in pages)
         table = torch.tensor([p + [p[-1]] * (width - len(p)) for p in pages], dtype=torch.int32)
         batch = self.prepare(ForwardBatch.build(mode, seq_lens, extend_lens, table.to(self.device), self.pool))
+        if self.dp_size > 1:  # every rank runs the same batch
+            batch.dp_tokens = [batch.num_tokens] * self.dp_size
         ids = torch.zeros(batch.num_tokens, dtype=torch.int64, device=self.device)
         if not nextn:
             self._logits(ids, batch, self.attention_for(batch), plan=True)
@@ -527,57 +564,91 @@ class ModelRunner:
 
     def _logits(self, input_ids: torch.Tensor, batch: ForwardBatch, attention: AttentionBackend, plan: bool
                 ) -> torch.Tensor:
-        """input_ids [T] -> logits [T, vocab] float32 of every row (what a CUDA graph captures)."""
+        """input_ids [T] -> logits [T, vocab] float32 of every row (what a CUDA graph captures; under DP attention
+        every rank's rows)."""
         if plan:
             attention.plan(batch)
-        return self.model.compute_logits(self.model(input_ids, batch, attention))
+        return self.model.compute_logits(self.model(input_ids, batch, attention), batch.dp_tokens)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, sample_rows: torch.Tensor) -> torch.Tensor:
         """input_ids [T] int64 -> logits [len(sample_rows), sample_vocab] float32 at the token rows to sample.
-        On rank 0 of several: the other ranks (in `follow`) run it too."""
-        if self.group.world_size > 1:
-            self._send(input_ids, batch, sample_rows)
-        return self._forward(input_ids, batch, sample_rows)
+        On rank 0 of several: the other ranks (in `follow`) run it too. Without DP attention."""
+        return self.forward_groups([Part(input_ids, batch, sample_rows)])[0]
 
-    def _forward(self, input_ids: torch.Tensor, batch: ForwardBatch, sample_rows: torch.Tensor) -> torch.Tensor:
+    @torch.inference_mode()
+    def forward_groups(self, parts: list[Part | None]) -> list[torch.Tensor]:
+        """Rank 0: one forward of each DP group's part (None: the group idles; one part without DP attention),
+        each run by its group's ranks -> each group's logits [len(sample_rows), sample_vocab] float32 (no rows
+        for an idle group)."""
+        headers = [None if p is None else _Header(p.batch.mode, p.batch.seq_lens_cpu, p.batch.extend_lens_cpu,
+                                                  p.batch.block_table.shape[1], p.sample_rows.numel())
+                   for p in parts]
+        if self.group.world_size > 1:
+            self._send(headers, parts)
+        mine, sampled = self._own_part(parts[self.dp_rank], headers)
+        logits = self._forward(*mine, dp_sampled=sampled)
+        return list(logits.split(sampled)) if sampled is not None else [logits]
+
+    def _own_part(self, part: Part | None, headers: list[_Header | None]) -> tuple[Part, list[int] | None]:
+        """This rank's part (an IDLE one for None) with every group's token counts set on its batch, and every
+        group's sampled rows (None without DP attention)."""
+        if part is None:
+            empty = torch.zeros(0, dtype=torch.int64, device=self.device)
+            table = torch.zeros(0, 1, dtype=torch.int32, device=self.device)
+            part = Part(empty, ForwardBatch.build(ForwardMode.IDLE, [], [], table, self.pool), empty)
+        if self.dp_size == 1:
+            return part, None
+        part.batch.dp_tokens = [0 if h is None else h.sizes[0] for h in headers]
+        return part, [0 if h is None else h.num_sampled for h in headers]
+
+    def _forward(self, input_ids: torch.Tensor, batch: ForwardBatch, sample_rows: torch.Tensor,
+                 dp_sampled: list[int] | None = None) -> torch.Tensor:
+        """This rank's forward -> logits [len(sample_rows), sample_vocab] float32, or under DP attention every
+        group's sampled rows, [sum(dp_sampled), sample_vocab] in group order."""
         graph = self.target_graphs.get(batch.mode)
         if graph is not None and graph.can_run(batch):
             return graph.replay(input_ids, batch)[0][sample_rows, : self.sample_vocab]
-        attention = self.attention_for(batch)
-        attention.plan(batch)
+        attention = None
+        if batch.mode is not ForwardMode.IDLE:
+            attention = self.attention_for(batch)
+            attention.plan(batch)
         hidden = self.model(input_ids, batch, attention)
-        return self.model.compute_logits(hidden[sample_rows])[:, : self.sample_vocab]
-
+        return self.model.compute_logits(hidden[sample_rows], dp_sampled)[:, : self.sample_vocab]
 
     # -- tensor-parallel ranks -----------------------------------------------------------------------
 
-    def _send(self, input_ids: torch.Tensor, batch: ForwardBatch, sample_rows: torch.Tensor) -> None:
-        """Rank 0: the batch to the other ranks. Its lengths as an object, then one device tensor
-        [input_ids | sample_rows | block table] (the ids may still be being sampled: stream-ordered)."""
-        table = batch.block_table
-        self.group.broadcast_object((batch.mode, batch.seq_lens_cpu, batch.extend_lens_cpu, table.shape[1],
-                                     sample_rows.numel()))
-        self.group.broadcast(torch.cat([input_ids, sample_rows, table.flatten().to(torch.int64)]))
+    def _send(self, headers: list[_Header | None], parts: list[Part | None]) -> None:
+        """Rank 0: every group's batch to the other ranks. The lengths as an object, then one device tensor of
+        each group's [input_ids | sample_rows | block table] (the ids may still be being sampled: stream-ordered)."""
+        self.group.broadcast_object(headers)
+        self.group.broadcast(torch.cat([t for p in parts if p is not None for t in
+                                        (p.input_ids, p.sample_rows, p.batch.block_table.flatten().to(torch.int64))]))
 
-    def _receive(self) -> tuple[torch.Tensor, ForwardBatch, torch.Tensor] | None:
-        """Ranks 1..P-1: the next batch rank 0 sends (input_ids, the batch prepared as rank 0 prepared it,
-        sample_rows), or None when rank 0 releases them."""
-        header = self.group.broadcast_object(None)
-        if header is None:
+    def _receive(self) -> tuple[Part, list[int] | None] | None:
+        """Ranks 1..P-1: this rank's group's part of the next forward rank 0 sends (the batch prepared as rank 0
+        prepared it) and every group's sampled rows (None without DP attention), or None when rank 0 releases
+        them."""
+        headers: list[_Header | None] | None = self.group.broadcast_object(None)
+        if headers is None:
             return None
-        mode, seq_lens, extend_lens, width, num_sampled = header
-        sizes = [sum(extend_lens), num_sampled, len(seq_lens) * width]
-        payload = self.group.broadcast(torch.empty(sum(sizes), dtype=torch.int64, device=self.device))
-        input_ids, sample_rows, table = payload.split(sizes)
-        table = table.view(len(seq_lens), width).to(torch.int32)
-        return input_ids, self.prepare(ForwardBatch.build(mode, seq_lens, extend_lens, table, self.pool)), sample_rows
+        sizes = [[0, 0, 0] if h is None else h.sizes for h in headers]
+        payload = self.group.broadcast(torch.empty(sum(map(sum, sizes)), dtype=torch.int64, device=self.device))
+        header, start = headers[self.dp_rank], sum(map(sum, sizes[: self.dp_rank]))
+        if header is None:
+            return self._own_part(None, headers)
+        input_ids, sample_rows, table = payload[start : start + sum(sizes[self.dp_rank])].split(header.sizes)
+        table = table.view(len(header.seq_lens), header.width).to(torch.int32)
+        batch = ForwardBatch.build(header.mode, header.seq_lens, header.extend_lens, table, self.pool)
+        return self._own_part(Part(input_ids, self.prepare(batch), sample_rows), headers)
 
     @torch.inference_mode()
     def follow(self) -> None:
-        """Ranks 1..P-1, after `warm_up`: run each forward rank 0 runs, until `release_followers`."""
+        """Ranks 1..P-1, after `warm_up`: run each forward rank 0 runs (their group's part of it), until
+        `release_followers`."""
         while (received := self._receive()) is not None:
-            self._forward(*received)
+            part, sampled = received
+            self._forward(*part, dp_sampled=sampled)
 
     def release_followers(self) -> None:
         """Rank 0, once its forwards are over: end the other ranks' `follow`."""

@@ -22,10 +22,11 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
+from typing import Protocol
 
 import torch
 
-from plugserve.core.block_table import to_device
+from plugserve.core.block_table import DeviceBlockTable, to_device
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode
 from plugserve.core.kv_cache import PoolAccountingError, pages_needed
 from plugserve.core.metrics import Metrics
@@ -52,6 +53,27 @@ class ScheduledBatch:
     resolve: list[tuple[int, int]]
     # Speculative prefill: [T] int64 on the device, the token after each new one (0 where it is being sampled)
     next_ids: torch.Tensor | None = None
+
+    @property
+    def sampled_requests(self) -> list[Request]:
+        """The requests this batch samples a token for, in the order of `sample_rows`."""
+        return [r for r, s in zip(self.requests, self.sampled, strict=True) if s]
+
+
+class SchedulerGauges(Protocol):
+    """What the metrics' gauges read after each batch."""
+
+    @property
+    def num_running(self) -> int: ...
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    @property
+    def kv_usage(self) -> float: ...
+
+    @property
+    def cache_hit_rate(self) -> float: ...
 
 
 @dataclass
@@ -84,9 +106,17 @@ class BatchResult:
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, radix: RadixCache, tokenizer, metrics: Metrics | None = None) -> None:
+    """One KV space's requests: its pages (`radix.allocator`, the prefix cache `radix`) and `block_table` (the
+    runner's, when None). Under DP attention each DP group has one (`core/dp_scheduler.py`)."""
+
+    def __init__(self, runner: ModelRunner, radix: RadixCache, tokenizer, metrics: Metrics | None = None,
+                 block_table: DeviceBlockTable | None = None) -> None:
         args = runner.args
         self.runner, self.radix, self.tokenizer, self.metrics = runner, radix, tokenizer, metrics
+        self.allocator = radix.allocator
+        self.block_table = block_table or runner.block_table
+        # Whose totals the metrics' gauges report: this scheduler's, or the DP scheduler's over every group.
+        self.gauges: SchedulerGauges = self
         self.page_size = runner.page_size
         self.max_running = runner.max_running_requests
         self.chunk_size = args.chunked_prefill_size if args.chunked_prefill_size > 0 else None
@@ -121,6 +151,19 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.running) + (self.chunked is not None)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        """Share of the KV pages that are not free (held by requests or the prefix cache)."""
+        return 1 - self.allocator.num_free / self.allocator.num_pages
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.radix.hit_rate
 
     @property
     def overlap_status(self) -> str:
@@ -179,7 +222,7 @@ class Scheduler:
         return self._schedule_extend() or self._schedule_decode()
 
     def _pages_available(self) -> int:
-        return self.runner.allocator.num_free + self.radix.evictable_pages
+        return self.allocator.num_free + self.radix.evictable_pages
 
     def _schedule_extend(self) -> ScheduledBatch | None:
         budget = self.chunk_size if self.chunk_size is not None else 1 << 62
@@ -325,7 +368,7 @@ class Scheduler:
 
     def _assemble(self, mode: ForwardMode, requests: list[Request], lens: list[int], sampled: list[bool],
                   input_ids: torch.Tensor, next_ids: torch.Tensor | None) -> ScheduledBatch:
-        device, table = self.runner.device, self.runner.block_table
+        device, table = self.runner.device, self.block_table
         for request in requests:
             if request.table_row < 0:
                 request.table_row = table.acquire()
@@ -356,15 +399,8 @@ class Scheduler:
     # -- running -------------------------------------------------------------------------------------
 
     def _run(self, batch: ScheduledBatch, prior: Future[BatchResult] | None) -> BatchResult:
-        input_ids = batch.input_ids
-        if batch.resolve:
-            assert prior is not None, "PENDING inputs without a batch in flight"
-            rows, sources = zip(*batch.resolve, strict=True)
-            input_ids = input_ids.clone()
-            # Stream-ordered index uploads: a blocking one would wait for the batch in flight.
-            input_ids[to_device(torch.tensor(rows), input_ids.device)] = prior.result().token_ids[
-                to_device(torch.tensor(sources), input_ids.device)]
-        requests = [r for r, s in zip(batch.requests, batch.sampled, strict=True) if s]
+        input_ids = self._resolve(batch, prior)
+        requests = batch.sampled_requests
         if self.spec is not None:
             if batch.mode is ForwardMode.TARGET_VERIFY:
                 return BatchResult.of(self.spec.verify(batch.forward_batch, input_ids, requests,
@@ -375,6 +411,18 @@ class Scheduler:
                                                    lambda logits: self._sample(logits, requests)))
         return BatchResult.of(self._sample(self.runner.forward(input_ids, batch.forward_batch, batch.sample_rows),
                                            requests))
+
+    def _resolve(self, batch: ScheduledBatch, prior: Future[BatchResult] | None) -> torch.Tensor:
+        """The batch's input ids [T] int64 on the device, those the batch in flight (`prior`) samples filled in."""
+        if not batch.resolve:
+            return batch.input_ids
+        assert prior is not None, "PENDING inputs without a batch in flight"
+        rows, sources = zip(*batch.resolve, strict=True)
+        input_ids = batch.input_ids.clone()
+        # Stream-ordered index uploads: a blocking one would wait for the batch in flight.
+        input_ids[to_device(torch.tensor(rows), input_ids.device)] = prior.result().token_ids[
+            to_device(torch.tensor(sources), input_ids.device)]
+        return input_ids
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> SampleOutput:
         """Tokens of the sampled `requests` from their logits [len(requests), vocab] float32."""
@@ -432,7 +480,7 @@ class Scheduler:
                 self._fail(request, "its output was processed", exc)
             row += was_sampled
         if self.metrics:
-            self.metrics.observe_batch(batch.mode, appended if verified else sum(batch.extend_lens), self)
+            self.metrics.observe_batch(batch.mode, appended if verified else sum(batch.extend_lens), self.gauges)
             if verified:
                 self.metrics.observe_verify(counts)
         self._drop_finished()
@@ -567,16 +615,16 @@ class Scheduler:
                 if page in owners:
                     problems.append(f"page {page} is held by request {request.rid} and by {owners[page]}")
                 owners[page] = f"request {request.rid}"
-        free = self.runner.allocator.check()
+        free = self.allocator.check()
         if owned_free := free & owners.keys():
             problems.append(f"free pages are also owned: {sorted(owned_free)[:16]}")
-        if leaked := set(range(self.runner.allocator.num_pages)) - free - owners.keys():
+        if leaked := set(range(self.allocator.num_pages)) - free - owners.keys():
             problems.append(f"{len(leaked)} pages leaked (allocated, owned by no request nor the cache): "
                             f"{sorted(leaked)[:16]}")
         rows = [r.table_row for r in requests if r.table_row >= 0]
         if len(set(rows)) != len(rows):
             problems.append("two requests share a block-table row")
-        if stray := self.runner.block_table.taken_rows - set(rows):
+        if stray := self.block_table.taken_rows - set(rows):
             problems.append(f"block-table rows taken by no request: {sorted(stray)[:16]}")
         if problems:
             raise PoolAccountingError("KV pool accounting: " + "; ".join(problems))
@@ -602,18 +650,18 @@ class Scheduler:
     def _trim_pages(self, request: Request) -> None:
         """Free the pages past a running request's length (they held drafts it rejected)."""
         keep = pages_needed(request.seq_len, self.page_size)
-        self.runner.allocator.free(request.pages[keep:])
+        self.allocator.free(request.pages[keep:])
         del request.pages[keep:]
 
     def _release(self, request: Request) -> None:
         """Give back a request's KV: full pages to the prefix cache, the rest to the allocator."""
         if request.table_row >= 0:
-            self.runner.block_table.release(request.table_row)
+            self.block_table.release(request.table_row)
             request.table_row = -1
         if not request.pages:
             return
         cached = self._cache_prefix(request)
-        self.runner.allocator.free(request.pages[cached:])
+        self.allocator.free(request.pages[cached:])
         if request.prefix_node is not None:
             self.radix.unlock(request.prefix_node)
             request.prefix_node = None

@@ -71,6 +71,8 @@ class ServerArgs(BaseModel):
     # parallelism
     tp_size: int = Field(1, ge=1)
     ep_size: int = Field(1, ge=1)
+    enable_dp_attention: bool = False
+    dp_size: int = Field(1, ge=1)
     nnodes: int = Field(1, ge=1)
     node_rank: int = Field(0, ge=0)
     dist_init_addr: str | None = None
@@ -151,9 +153,32 @@ class ServerArgs(BaseModel):
         if self.ep_size > 1 and self.enable_shared_experts_fusion:
             raise ValueError(f"{flag('enable_shared_experts_fusion')} does not combine with {flag('ep_size')} "
                              f"{self.ep_size}: the shared experts are split by width, the routed ones by expert")
+        self._check_dp_attention()
         if self.tp_size > 1 and self.device.startswith("cuda:"):
             raise ValueError(f"{flag('device')} {self.device} names one GPU: with {flag('tp_size')} {self.tp_size} "
                              "rank r of a node takes cuda:r (give auto or cuda)")
+
+    def _check_dp_attention(self) -> None:
+        if self.enable_dp_attention and self.dp_size == 1:
+            raise ValueError(f"{flag('enable_dp_attention')} needs {flag('dp_size')} > 1 (the number of "
+                             "data-parallel attention groups)")
+        if not self.enable_dp_attention:
+            if self.dp_size > 1:
+                raise ValueError(f"{flag('dp_size')} {self.dp_size} needs {flag('enable_dp_attention')}: data "
+                                 "parallelism runs as DP attention within one engine's --tp-size ranks")
+            return
+        if self.dp_size != self.tp_size:
+            raise ValueError(f"{flag('dp_size')} {self.dp_size} must equal {flag('tp_size')} ({self.tp_size}): "
+                             "each DP attention group is one rank (attention tensor parallelism within a group, "
+                             f"{flag('tp_size')} / {flag('dp_size')} > 1, is not supported)")
+        if self.cuda_graph_max_bs is not None:
+            raise ValueError(f"{flag('cuda_graph_max_bs')} does not combine with {flag('enable_dp_attention')}: "
+                             "decode runs eagerly under DP attention (no CUDA graphs for it yet)")
+
+    @property
+    def dp_attention_size(self) -> int:
+        """DP attention groups: --dp-size under --enable-dp-attention, else 1 (attention split over every rank)."""
+        return self.dp_size if self.enable_dp_attention else 1
 
     @property
     def ranks_per_node(self) -> int:
@@ -169,6 +194,9 @@ class ServerArgs(BaseModel):
         if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
             raise ValueError(f"{flag('speculative_algorithm')} {self.speculative_algorithm!r} is not one of: "
                              "NEXTN, EAGLE (NEXTN's alias for DeepSeek models)")
+        if self.enable_dp_attention:
+            raise ValueError(f"{flag('speculative_algorithm')} does not combine with {flag('enable_dp_attention')}: "
+                             "the draft and verify forwards do not run per DP group yet")
         if self.tp_size > 1:
             raise ValueError(f"{flag('speculative_algorithm')} runs with {flag('tp_size')} 1 only for now: the draft "
                              "and verify forwards are not yet sent to the other ranks")

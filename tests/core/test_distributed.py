@@ -14,6 +14,7 @@ from plugserve.core.distributed import (
     destroy_parallel_group,
     init_parallel_group,
     pick_free_port,
+    unpad_rows,
 )
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode
 from plugserve.core.kv_cache import pages_needed
@@ -28,6 +29,7 @@ def test_world_size_one_collectives_return_their_input() -> None:
     assert SINGLE.all_gather(x, dim=0) is x
     assert SINGLE.broadcast(x) is x
     assert SINGLE.broadcast_object(x) is x
+    assert SINGLE.gather_rows(x, [3]) is x and SINGLE.own_rows(x, [3]) is x
 
 
 def test_rank_outside_the_world_is_refused() -> None:
@@ -56,6 +58,13 @@ def _collectives(group: ParallelGroup) -> None:
     # Rank 0's values, whatever the others hold.
     assert torch.equal(group.broadcast(torch.full((3,), float(group.rank))), torch.zeros(3))
     assert group.broadcast_object(("batch", [group.rank])) == ("batch", [0])
+    # Variable row counts (rank 0: 3 rows, rank 1: 1 row; DP attention's tokens): padded to 3, then each keeps its own.
+    counts = [3, 1]
+    rows = torch.arange(counts[group.rank] * 2.0).view(-1, 2) + 10 * group.rank
+    gathered = group.gather_rows(rows, counts)
+    assert torch.equal(gathered, torch.tensor([[0.0, 1], [2, 3], [4, 5], [10, 11], [0, 0], [0, 0]]))
+    assert torch.equal(group.own_rows(gathered, counts), rows)
+    assert torch.equal(unpad_rows(gathered, counts), torch.tensor([[0.0, 1], [2, 3], [4, 5], [10, 11]]))
 
 
 def test_all_reduce_all_gather_and_broadcast_over_gloo() -> None:

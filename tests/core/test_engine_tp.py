@@ -1,5 +1,5 @@
-"""The engine with --tp-size 2 (and --ep-size 2) on the CPU (rank 1 a worker process, gloo) against
---tp-size 1 on the same checkpoint: the same greedy tokens; a killed rank ends the engine with an error
+"""The engine with --tp-size 2 (and --ep-size 2, and DP attention) on the CPU (rank 1 a worker process, gloo)
+against --tp-size 1 on the same checkpoint: the same greedy tokens; a killed rank ends the engine with an error
 naming it."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from plugserve.core.dp_scheduler import DPScheduler
 from plugserve.core.engine import Engine, EngineStopped
 from plugserve.core.sampling import SamplingParams
 from plugserve.core.server_args import ServerArgs
@@ -25,14 +26,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_hf_model(random_hf_model(tiny_v3_config()), tmp_path_factory.mktemp("v3"))
 
 
-def _args(model_dir: Path, tp_size: int, ep_size: int = 1) -> ServerArgs:
+def _args(model_dir: Path, tp_size: int, ep_size: int = 1, **flags: object) -> ServerArgs:
     # A small pool: each rank holds a whole one.
     return ServerArgs(model_path=str(model_dir), tokenizer_path=str(EMBEDDED_MODEL_DIR), device="cpu",
-                      max_total_tokens=2048, tp_size=tp_size, ep_size=ep_size)
+                      max_total_tokens=2048, tp_size=tp_size, ep_size=ep_size, **flags)
 
 
-def _tokens(engine: Engine) -> list[list[int]]:
-    return [r.token_ids for r in engine.generate(PROMPTS, GREEDY)]
+def _tokens(engine: Engine, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
+    return [r.token_ids for r in engine.generate(prompts, GREEDY)]
 
 
 @pytest.mark.parametrize("ep_size", [1, 2], ids=["tp2", "tp2-ep2"])
@@ -66,3 +67,26 @@ def test_a_killed_rank_ends_the_engine_with_an_error_naming_it(model_dir: Path) 
             engine.generate(PROMPTS[:1], GREEDY)
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize(("ep_size", "overlap"), [(1, True), (2, False)], ids=["dp2", "dp2-ep2-no-overlap"])
+def test_dp_attention_greedy_tokens_equal_tp1(model_dir: Path, ep_size: int, overlap: bool) -> None:
+    """Three concurrent requests spread over both DP groups, then one alone (the other group idles): the tokens
+    of --tp-size 1, every group's pages given back."""
+    single = Engine(_args(model_dir, 1))
+    try:
+        expected = _tokens(single)
+    finally:
+        single.shutdown()
+    engine = Engine(_args(model_dir, 2, ep_size, enable_dp_attention=True, dp_size=2,
+                          disable_overlap_schedule=not overlap))
+    try:
+        assert _tokens(engine) == expected
+        scheduler = engine.scheduler
+        assert isinstance(scheduler, DPScheduler) and all(g.radix.queried_tokens for g in scheduler.groups)
+        assert _tokens(engine, PROMPTS[1:2]) == expected[1:2]
+        engine.check_pool_accounting()
+        assert all(g.allocator.num_free + g.radix.evictable_pages == g.allocator.num_pages for g in scheduler.groups)
+    finally:
+        engine.shutdown()
+    assert engine.ranks is not None and all(p.exitcode == 0 for p in engine.ranks.workers.values())

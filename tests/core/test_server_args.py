@@ -83,3 +83,26 @@ def test_ep_size_is_1_or_the_tp_size(tp_size, ep_size):
 )
 def test_bad_expert_parallel_flags_are_refused_naming_the_flag(flags, message):
     assert message in _error(**flags)
+
+
+@pytest.mark.parametrize("ep_size", [1, 2])
+def test_dp_attention_takes_a_dp_size_of_the_tp_size(ep_size):
+    args = ServerArgs(tp_size=2, ep_size=ep_size, enable_dp_attention=True, dp_size=2)
+    assert args.dp_attention_size == 2 and ServerArgs(tp_size=2).dp_attention_size == 1
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"tp_size": 2, "enable_dp_attention": True}, "--enable-dp-attention needs --dp-size > 1"),
+        ({"tp_size": 2, "dp_size": 2}, "--dp-size 2 needs --enable-dp-attention"),
+        ({"tp_size": 4, "dp_size": 2, "enable_dp_attention": True}, "--dp-size 2 must equal --tp-size (4)"),
+        ({"tp_size": 2, "dp_size": 4, "enable_dp_attention": True}, "--dp-size 4 must equal --tp-size (2)"),
+        ({"tp_size": 2, "dp_size": 2, "enable_dp_attention": True, "cuda_graph_max_bs": 8},
+         "--cuda-graph-max-bs does not combine with --enable-dp-attention"),
+        ({"tp_size": 2, "dp_size": 2, "enable_dp_attention": True, "speculative_algorithm": "NEXTN"},
+         "--speculative-algorithm does not combine with --enable-dp-attention"),
+    ],
+)
+def test_bad_dp_attention_flags_are_refused_naming_the_flag(flags, message):
+    assert message in _error(**flags)

@@ -18,11 +18,18 @@ Expert parallelism (`expert_parallel`, over the same ranks): each rank holds E /
 instead of every expert's 1/P. The router still runs on every rank over all E (every rank has every token
 after attention's all-reduce); each rank adds its own experts' terms for all tokens, and the MoE block's
 all-reduce, the one tensor parallelism has anyway, combines them with the shared experts' partial sums.
+
+DP attention (`dp_attention`, one DP group per rank): each rank holds the whole attention and embedding and
+runs them on its own requests' tokens only (its batch, with its own KV pool; an IDLE batch when it has
+none). Before each MLP / MoE block, which stays split as above, the ranks' hidden states are all-gathered
+(padded to the largest rank's token count, `ForwardBatch.dp_tokens`); after it each rank keeps its own
+rows. The sampled rows are gathered the same way before the vocabulary-split LM head, so every rank gets
+every group's logits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +38,7 @@ from torch import nn
 
 from plugserve.core.config import ModelConfig
 from plugserve.core.dispatch import AttnForwardMethod
-from plugserve.core.distributed import SINGLE, ParallelGroup
+from plugserve.core.distributed import SINGLE, ParallelGroup, unpad_rows
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode
 from plugserve.core.interfaces import AttentionBackend, Fp8GemmBackend, MoEBackend
 from plugserve.core.layers.linear import Linear, WeightLoadError
@@ -291,7 +298,8 @@ class MLAAttention(nn.Module):
     W_UV applied to the latent-space output.
 
     Under tensor parallelism H below is this rank's heads (num_attention_heads / P); the latent, the rope
-    key and so the KV cache are every head's, the same on every rank.
+    key and so the KV cache are every head's, the same on every rank. Under DP attention `p` is
+    `Parameters.whole()`: every head, on this rank's own requests.
     """
 
     def __init__(self, p: Parameters, layer_id: int) -> None:
@@ -386,10 +394,14 @@ class MLAAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, p: Parameters, layer_id: int) -> None:
+    """Attention then MLP / MoE. `dp_attention`: the attention whole on this rank's tokens, the MLP over
+    every rank's (module docstring)."""
+
+    def __init__(self, p: Parameters, layer_id: int, dp_attention: bool = False) -> None:
         super().__init__()
+        self.group = p.group
         self.input_layernorm = p.norm(p.config.hidden_size)
-        self.self_attn = MLAAttention(p, layer_id)
+        self.self_attn = MLAAttention(p.whole() if dp_attention else p, layer_id)
         self.post_attention_layernorm = p.norm(p.config.hidden_size)
         name = f"model.layers.{layer_id}.mlp"
         self.mlp: DenseMLP | DeepseekMoE = (
@@ -414,17 +426,22 @@ class DecoderLayer(nn.Module):
             self.mlp.finalize(backends.gemm)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RotaryEmbedding, cos_sin: CosSin,
-                batch: ForwardBatch, attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+                batch: ForwardBatch, attn: AttentionBackend | None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden], the previous block's output, and the residual stream before it (None in the first
         layer) -> this block's output and the residual stream before it: the residual adds are fused into
-        the next norm."""
+        the next norm. `attn` None: an IDLE batch (T = 0), which only joins the MLP's collectives."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.add_forward(x, residual)
-        h = self.self_attn(h, rope, cos_sin, batch, attn)
+        if attn is not None:
+            h = self.self_attn(h, rope, cos_sin, batch, attn)
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp(h), residual
+        counts = batch.dp_tokens
+        if counts is None:
+            return self.mlp(h), residual
+        # DP attention: the MLP is split over every rank, so it runs on every rank's tokens.
+        return self.group.own_rows(self.mlp(self.group.gather_rows(h, counts)), counts), residual
 
 
 class NextNLayer(nn.Module):
@@ -462,16 +479,20 @@ class NextNLayer(nn.Module):
 class DeepseekForCausalLM(nn.Module):
     """The decoder stack plus lm head. KV-pool layer ids: decoder layers 0..L-1, then the NextN layer.
     `group`: the ranks this model is split over (module docstring); every rank runs every forward on the
-    same inputs. `expert_parallel`: the routed experts split over `group` whole (module docstring)."""
+    same inputs, or under `dp_attention` on its own DP group's inputs. `expert_parallel`: the routed experts
+    split over `group` whole (module docstring)."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-                 with_nextn: bool = False, group: ParallelGroup = SINGLE, expert_parallel: bool = False) -> None:
+                 with_nextn: bool = False, group: ParallelGroup = SINGLE, expert_parallel: bool = False,
+                 dp_attention: bool = False) -> None:
         super().__init__()
         p = Parameters(config, dtype, device, group, expert_parallel)
-        self.config = config
+        self.config, self.group = config, group
         vocab = (config.vocab_size, config.hidden_size, dtype, device)
-        self.embed_tokens = VocabParallelEmbedding(*vocab, group=group, name="model.embed_tokens")
-        self.layers = nn.ModuleList(DecoderLayer(p, i) for i in range(config.num_hidden_layers))
+        # Under DP attention each rank embeds its own tokens: the whole table.
+        self.embed_tokens = VocabParallelEmbedding(*vocab, group=SINGLE if dp_attention else group,
+                                                   name="model.embed_tokens")
+        self.layers = nn.ModuleList(DecoderLayer(p, i, dp_attention) for i in range(config.num_hidden_layers))
         self.norm = p.norm(config.hidden_size)
         self.lm_head = ParallelLMHead(*vocab, group=group, name="lm_head")
         self.nextn = NextNLayer(p, config.num_hidden_layers) if with_nextn else None
@@ -503,7 +524,12 @@ class DeepseekForCausalLM(nn.Module):
     def finalize(self, backends: ModelBackends) -> None:
         """After loading: pack weights for the backends (FP8 GEMM layouts, stacked experts, W_UK / W_UV)."""
         if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight  # the same vocabulary rows on every rank
+            head, table = self.lm_head, self.embed_tokens
+            if table.group.world_size == head.group.world_size:
+                head.weight = table.weight  # the same vocabulary rows on every rank
+            else:  # DP attention: the embedding is whole, the head this rank's rows of it
+                rows = slice(head.vocab_start, head.vocab_start + head.num_local)
+                head.weight.data[: head.num_local].copy_(table.weight[rows])
         for layer in self.layers:
             layer.finalize(backends)
         if self.nextn is not None:
@@ -538,8 +564,8 @@ class DeepseekForCausalLM(nn.Module):
                 attention: AttentionBackend | None = None) -> torch.Tensor:
         """input_ids [T] int64 (the batch's new tokens) -> final hidden states [T, hidden], normed.
         `attention`: a backend already planned for `batch` (a CUDA graph's, or a batch-size bucket's);
-        None plans the mode's backend."""
-        attn = self._attention(batch, attention)
+        None plans the mode's backend. An IDLE batch (DP attention) attends over nothing."""
+        attn = None if batch.mode is ForwardMode.IDLE else self._attention(batch, attention)
         cos_sin = self.rotary.cos_sin(batch.positions)
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
@@ -556,7 +582,11 @@ class DeepseekForCausalLM(nn.Module):
         cos_sin = self.rotary.cos_sin(batch.positions)
         return self.nextn(self.embed_tokens(next_ids), hidden, self.rotary, cos_sin, batch, attn)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, dp_rows: Sequence[int] | None = None) -> torch.Tensor:
         """hidden [n, hidden] -> logits [n, vocab] float32, the whole vocabulary on every rank (each rank's
-        [n, vocab / P] all-gathered: callers pass only the rows they sample)."""
-        return self.lm_head(hidden)
+        [n, vocab / P] all-gathered: callers pass only the rows they sample). Under DP attention `dp_rows`
+        gives each rank's n: every rank's rows are gathered first, and the logits are [sum(dp_rows), vocab],
+        rank 0's rows first."""
+        if dp_rows is None:
+            return self.lm_head(hidden)
+        return unpad_rows(self.lm_head(self.group.gather_rows(hidden, dp_rows)), dp_rows)

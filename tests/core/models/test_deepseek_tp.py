@@ -1,5 +1,5 @@
-"""DeepseekForCausalLM split over 2 ranks (tensor parallelism, and with expert parallelism) against the
-one-process model of the same checkpoint: what each rank loads of a block-FP8 checkpoint (in this process,
+"""DeepseekForCausalLM split over 2 ranks (tensor parallelism, with expert parallelism, with DP attention) against
+the one-process model of the same checkpoint: what each rank loads of a block-FP8 checkpoint (in this process,
 no collectives), and logits and greedy continuations on 2 spawned gloo ranks (float32, torch_ref backends)."""
 
 from __future__ import annotations
@@ -234,3 +234,63 @@ def test_tp2_logits_and_greedy_tokens_match_one_process(checkpoints: dict[str, P
 def test_tp2_ep2_logits_and_greedy_tokens_match_one_process(checkpoints: dict[str, Path]) -> None:
     """Each rank runs its 4 of the 8 experts for every token; the MoE all-reduce sums them."""
     run_ranks(_split_models_match_one_process, [checkpoints[name] for name in ("v3_fp8", "v2_lite")], True)
+
+
+def test_under_dp_attention_each_rank_holds_the_whole_attention_and_embedding(checkpoints: dict[str, Path]) -> None:
+    directory = checkpoints["v3_fp8"]
+    full = load_reference_model(directory)
+    rank = 1
+    mine = load_reference_model(directory, group=ParallelGroup(rank, WORLD_SIZE), dp_attention=True)
+    assert _same_bits(mine.embed_tokens.weight, full.embed_tokens.weight)
+    assert _same_bits(mine.lm_head.weight, _rows(full.lm_head.weight, rank))
+    for layer, full_layer in zip(mine.layers, full.layers, strict=True):
+        assert layer.self_attn.num_heads == full_layer.self_attn.num_heads
+        for name, tensor in full_layer.self_attn.state_dict().items():
+            assert _same_bits(layer.self_attn.state_dict()[name], tensor), name
+        if isinstance(layer.mlp, DeepseekMoE):
+            _check_moe(layer.mlp, full_layer.mlp, rank)  # type: ignore[arg-type]
+        else:
+            _check_mlp(layer.mlp, full_layer.mlp, rank)  # type: ignore[arg-type]
+
+
+# DP attention's steps: (mode, the requests in it, the slice of each prompt an EXTEND computes). Requests 0 and 1
+# are rank 0's, request 2 rank 1's: a prompt over the two ranks' different token counts, an extension over the
+# cached prefix (absorbed MLA), decodes, then a step where rank 1 idles and one where rank 0 does.
+DP_OWNER = [0, 0, 1]
+DP_STEPS = [
+    (ForwardMode.EXTEND, [0, 1, 2], slice(0, -4)),
+    (ForwardMode.EXTEND, [0, 1, 2], slice(-4, None)),
+    *[(ForwardMode.DECODE, [0, 1, 2], None)] * 2,
+    (ForwardMode.DECODE, [0, 1], None),
+    (ForwardMode.DECODE, [2], None),
+]
+
+
+def _dp_attention_matches_one_process(group: ParallelGroup, runs: list[tuple[Path, bool]]) -> None:
+    generator = torch.Generator().manual_seed(2)
+    for directory, expert_parallel in runs:
+        single = PagedRunner(load_reference_model(directory), page_size=4)
+        split = PagedRunner(load_reference_model(directory, group=group, expert_parallel=expert_parallel,
+                                                 dp_attention=True), page_size=4)
+        prompts = [torch.randint(0, single.model.config.vocab_size, (n,), generator=generator).tolist()
+                   for n in (21, 12, 17)]
+        single_requests, split_requests = [Request() for _ in prompts], [Request() for _ in prompts]
+        last: dict[int, int] = {}  # each request's greedy next token
+        for mode, active, part in DP_STEPS:
+            new = {i: prompts[i][part] if mode is ForwardMode.EXTEND else [last[i]] for i in active}
+            want = single.step(mode, [single_requests[i] for i in active], [new[i] for i in active])
+            mine = [i for i in active if DP_OWNER[i] == group.rank]
+            counts = [sum(len(new[i]) for i in active if DP_OWNER[i] == r) for r in range(WORLD_SIZE)]
+            got = split.step(mode if mine else ForwardMode.IDLE, [split_requests[i] for i in mine],
+                             [new[i] for i in mine], dp_tokens=counts)
+            torch.testing.assert_close(got, want, rtol=0, atol=TOLERANCE * want.abs().max().item())
+            ends = torch.tensor([len(new[i]) for i in active]).cumsum(0) - 1
+            assert got[ends].argmax(-1).tolist() == want[ends].argmax(-1).tolist(), directory.name
+            last.update(zip(active, want[ends].argmax(-1).tolist(), strict=True))
+
+
+def test_dp2_logits_and_greedy_tokens_match_one_process(checkpoints: dict[str, Path]) -> None:
+    """Each rank attends over its own requests only (rank 1 idles in one step, rank 0 in another); the MLPs and
+    the LM head see both ranks' tokens: the logits are the one-process model's over all requests. The MLPs split
+    by width (V3), and by expert (V2-Lite, without q LoRA)."""
+    run_ranks(_dp_attention_matches_one_process, [(checkpoints["v3"], False), (checkpoints["v2_lite"], True)])
