@@ -21,7 +21,14 @@ from plugserve.core.dispatch import (
 from plugserve.core.forward_batch import ForwardMode, Phase
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import KINDS, Kind
-from plugserve.registry import BATCH_BUCKETS, Registry, SelectionError, get_registry
+from plugserve.registry import (
+    BATCH_BUCKETS,
+    Registry,
+    SelectionError,
+    get_registry,
+    selection_table_match,
+    tables_dir,
+)
 from plugserve.server.launch import add_server_args, server_args_from
 
 # (mode, prefix lengths, new-token lengths) that show each branch of the MLA dispatch rule.
@@ -71,11 +78,18 @@ def describe(registry: Registry, hardware: Hardware, kinds: Sequence[Kind], expl
                      "memory_gib": round(hardware.total_memory_bytes / 2**30, 1)},
         "backends": backends,
         "broken_plugins": [{"plugin": b.plugin, "package": b.package, "error": b.error} for b in registry.broken],
+        "selection_table": _table_used(hardware),
         "auto": auto,
     }
     if explain and "attention" in kinds:
         result["mla_dispatch"] = _dispatch_table(registry, hardware)
     return result
+
+
+def _table_used(hardware: Hardware) -> dict[str, Any]:
+    """The measured table `auto` reads here (its path, None without one) and why that one."""
+    match = selection_table_match(hardware)
+    return {"path": None if match.key is None else str(tables_dir() / f"{match.key}.json"), "reason": match.reason}
 
 
 def cuda_graph_support(cls: type) -> str:
@@ -114,6 +128,9 @@ def _print(report: dict[str, Any], explain: bool, console: Console) -> None:
     console.print(table)
     for broken in report["broken_plugins"]:
         console.print(f"[red]broken plugin[/] {broken['plugin']} ({broken['package']}): {broken['error']}")
+    if explain:
+        used = report["selection_table"]
+        console.print(f"[bold]Selection table:[/] {used['path'] or 'none'} ({used['reason']})")
     auto = Table("kind", "phase", "batch size", "auto picks", *(["why"] if explain else []), title="auto selection")
     for (kind, phase, backend, reason), rows in itertools.groupby(
         report["auto"], key=lambda r: (r["kind"], r["phase"], r["backend"], r["reason"])

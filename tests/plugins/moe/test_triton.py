@@ -302,10 +302,27 @@ def test_config_files_round_trip_and_nearest_m(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
     configs.write_config_file(tmp_path / configs.config_file_name(16, 32, "dev", torch.float16, None),
                               {1: small, 512: large})
-    assert configs.get_config(200, 4, 16, 32, torch.float16, None, "cuda", "dev") == small
-    assert configs.get_config(300, 4, 16, 32, torch.float16, None, "cuda", "dev") == large
-    untuned = configs.get_config(300, 4, 16, 32, torch.float32, None, "cuda", "dev")
+    dev = Hardware("cuda", "dev", (9, 0), 0, 132)
+    assert configs.get_config(200, 4, 16, 32, torch.float16, None, dev) == small
+    assert configs.get_config(300, 4, 16, 32, torch.float16, None, dev) == large
+    untuned = configs.get_config(300, 4, 16, 32, torch.float32, None, dev)
     assert untuned == configs.default_config(300, 4, 16, False, torch.float32, "cuda")
+
+
+def test_another_sm90_gpu_takes_the_closest_measured_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    tuned = MoEConfig(16, GemmConfig(64, 128, 1, 4, 3), GemmConfig(128, 128, 1, 4, 4))
+    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
+    for key in ("NVIDIA_H100_80GB_HBM3", "NVIDIA_H200"):
+        configs.write_config_file(tmp_path / configs.config_file_name(16, 32, key, torch.float16, None), {1: tuned})
+    h200_nvl = Hardware("cuda", "NVIDIA H200 NVL", (9, 0), 141 * 2**30, 132)
+    with caplog.at_level("INFO", logger="plugserve.plugins.moe.configs"):
+        assert configs.get_config(1, 4, 16, 32, torch.float16, None, h200_nvl) == tuned
+    assert ("no tuned config E=16,N=32 for NVIDIA H200 NVL; using NVIDIA_H200, the closest measured "
+            "(same sm90 family, H200)") in caplog.text
+    a10 = Hardware("cuda", "NVIDIA A10", (8, 6), 24 * 2**30, 72)
+    assert configs.get_config(1, 4, 16, 32, torch.float16, None, a10) == configs.default_config(
+        1, 4, 16, False, torch.float16, "cuda")
 
 
 def test_capabilities_and_priority() -> None:
