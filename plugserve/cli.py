@@ -26,8 +26,8 @@ from plugserve.registry import (
     Registry,
     SelectionError,
     get_registry,
+    load_selection_table,
     selection_table_match,
-    tables_dir,
 )
 from plugserve.server.launch import add_server_args, server_args_from
 
@@ -87,9 +87,13 @@ def describe(registry: Registry, hardware: Hardware, kinds: Sequence[Kind], expl
 
 
 def _table_used(hardware: Hardware) -> dict[str, Any]:
-    """The measured table `auto` reads here (its path, None without one) and why that one."""
-    match = selection_table_match(hardware)
-    return {"path": None if match.key is None else str(tables_dir() / f"{match.key}.json"), "reason": match.reason}
+    """The measured table `auto` reads here (its path, None without one), why that one, and the parallelism
+    whose per-rank shapes it measured."""
+    loaded = load_selection_table(hardware)
+    if loaded is None:
+        return {"path": None, "reason": selection_table_match(hardware).reason}
+    table, path, match = loaded
+    return {"path": str(path), "reason": match.reason, "tp_size": table.tp_size, "ep_size": table.ep_size}
 
 
 def cuda_graph_support(cls: type) -> str:
@@ -130,7 +134,8 @@ def _print(report: dict[str, Any], explain: bool, console: Console) -> None:
         console.print(f"[red]broken plugin[/] {broken['plugin']} ({broken['package']}): {broken['error']}")
     if explain:
         used = report["selection_table"]
-        console.print(f"[bold]Selection table:[/] {used['path'] or 'none'} ({used['reason']})")
+        shapes = f", per-rank shapes of tp {used['tp_size']}, ep {used['ep_size']}" if used["path"] else ""
+        console.print(f"[bold]Selection table:[/] {used['path'] or 'none'} ({used['reason']}{shapes})")
     auto = Table("kind", "phase", "batch size", "auto picks", *(["why"] if explain else []), title="auto selection")
     for (kind, phase, backend, reason), rows in itertools.groupby(
         report["auto"], key=lambda r: (r["kind"], r["phase"], r["backend"], r["reason"])

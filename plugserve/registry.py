@@ -126,10 +126,14 @@ class RankedBucket(BaseModel):
 
 class SelectionTable(BaseModel):
     """What the shootout measured on one device: per kind and phase, batch buckets in increasing
-    `max_batch_size`, each with backend names fastest first. A batch beyond the last bucket uses it."""
+    `max_batch_size`, each with backend names fastest first. A batch beyond the last bucket uses it.
+    `tp_size` / `ep_size`: the parallelism whose per-rank shapes were measured (heads / tp, sliced GEMMs,
+    experts of width I / tp or n / ep whole ones)."""
 
     device_name: str
     source: str = ""
+    tp_size: int = 1
+    ep_size: int = 1
     rankings: dict[str, dict[str, list[RankedBucket]]]
 
     def order(self, kind: Kind, phase: Phase, batch_size: int) -> list[str]:

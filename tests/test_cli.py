@@ -85,7 +85,7 @@ def test_random_seed_is_sglangs_spelling_of_seed():
 
 
 def test_explain_names_the_table_used_and_why(tmp_path, monkeypatch, capsys):
-    table = {"device_name": "NVIDIA H200", "rankings": {}}
+    table = {"device_name": "NVIDIA H200", "tp_size": 8, "rankings": {}}
     (tmp_path / "NVIDIA_H200.json").write_text(json.dumps(table))
     monkeypatch.setenv(TABLES_ENV, str(tmp_path))
     gh200 = Hardware("cuda", "NVIDIA GH200 480GB", (9, 0), 96 * 2**30, 132)
@@ -94,6 +94,9 @@ def test_explain_names_the_table_used_and_why(tmp_path, monkeypatch, capsys):
         "path": str(tmp_path / "NVIDIA_H200.json"),
         "reason": "no selection table for NVIDIA GH200 480GB; using NVIDIA_H200, the closest measured "
                   "(H200: the nearest measured family to the GH200, same sm90)",
+        "tp_size": 8,
+        "ep_size": 1,
     }
     _print(report, explain=True, console=Console(width=300))
-    assert "Selection table: " + str(tmp_path / "NVIDIA_H200.json") in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "Selection table: " + str(tmp_path / "NVIDIA_H200.json") in out and "shapes of tp 8, ep 1)" in out

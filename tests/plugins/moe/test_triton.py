@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from plugserve.core.config import preset_config
 from plugserve.core.forward_batch import Phase
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import MoESpec, RouterConfig
@@ -323,6 +324,20 @@ def test_another_sm90_gpu_takes_the_closest_measured_config(tmp_path: Path, monk
     a10 = Hardware("cuda", "NVIDIA A10", (8, 6), 24 * 2**30, 72)
     assert configs.get_config(1, 4, 16, 32, torch.float16, None, a10) == configs.default_config(
         1, 4, 16, False, torch.float16, "cuda")
+
+
+@pytest.mark.parametrize(("ep_size", "ep_rank", "experts", "width"), [(1, 0, 256, 1024), (2, 1, 128, 2048)])
+def test_rank_configs_are_looked_up_under_per_rank_experts(ep_size: int, ep_rank: int, experts: int, width: int,
+                                                            tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSeek-V3 at --tp-size 2: tensor-parallel experts of width I / 2, or expert-parallel E / 2 whole ones."""
+    spec = preset_config("deepseek-v3").moe_spec(torch.bfloat16, 2, ep_size, ep_rank)
+    tuned = MoEConfig(32, GemmConfig(64, 128, 1, 4, 3), GemmConfig(128, 128, 1, 4, 4))
+    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
+    configs.write_config_file(tmp_path / configs.config_file_name(experts, width, "cpu", spec.dtype, (128, 128)),
+                              {1: tuned})
+    configs.write_config_file(tmp_path / configs.config_file_name(256, 2048, "cpu", spec.dtype, (128, 128)),
+                              {1: MoEConfig(64, tuned.w13, tuned.w2)})  # the whole layer's: never this rank's
+    assert TritonMoE(spec, torch.device("cpu")).config(1) == tuned
 
 
 def test_capabilities_and_priority() -> None:
