@@ -373,3 +373,26 @@ def test_tuner_refuses_the_cpu() -> None:
     result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "tune_fused_moe.py"), "--quick"],
                             capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode != 0 and "GPU" in result.stderr
+
+
+def test_tuner_checks_its_expert_parallel_size(capsys: pytest.CaptureFixture[str]) -> None:
+    """Before any GPU work: --ep is 1 or --tp (then a file of E / EP whole experts, the name each rank looks up)."""
+    from benchmarks import tune_fused_moe
+
+    for argv, message in [(["--model", "v3", "--tp", "8", "--ep", "4"], "--ep 4 must be 1 or the tensor-parallel "
+                                                                        "size (v3: --tp 8)"),
+                          (["--model", "v3", "--tp", "512", "--ep", "512"], "v3's experts do not split over --tp 512 "
+                                                                            "--ep 512")]:
+        with pytest.raises(SystemExit):
+            tune_fused_moe.main(argv)
+        assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("tp", "ep"), [(8, 1), (8, 8)])
+def test_tuner_tunes_the_experts_a_rank_looks_up(tp: int, ep: int) -> None:
+    from benchmarks import tune_fused_moe
+
+    tuned = tune_fused_moe.rank_spec(tune_fused_moe.MODELS["v3"], tp, ep, "fp8_w8a8")
+    served = preset_config("deepseek-v3").moe_spec(torch.bfloat16, tp, ep, 0)
+    assert (tuned.num_local_experts, tuned.intermediate_size) == (served.num_local_experts, served.intermediate_size)
+    assert (tuned.is_fp8, tuned.dtype, tuned.router.num_experts) == (served.is_fp8, served.dtype, 256)
