@@ -260,19 +260,19 @@ def run_plugserve(namespace: argparse.Namespace, parser: argparse.ArgumentParser
                   cases: list[tuple[int, int, int]], report: dict[str, Any]) -> None:
     """bench_one_batch's runner and run_once over `cases`; the runner is freed (with its CUDA graphs and KV
     pool) before returning, so that transformers' model fits."""
-    runner = bench_one_batch.build_runner(namespace, parser)
-    report["plugserve"] = {
-        "backends": [dataclasses.asdict(c) for c in runner.chosen],
-        "graph_status": runner.graph_status,
-        "dtype": str(runner.dtype).removeprefix("torch."),
-        "kv_dtype": str(runner.kv_dtype).removeprefix("torch."),
-        "server_args": runner.args.model_dump(),  # after bench_one_batch's static-batch settings
-    }
-    for batch_size, input_len, output_len in cases:
-        print(f"\n# plugserve: batch size {batch_size}, input {input_len}, output {output_len}")
-        result = bench_one_batch.run_once(runner, batch_size, input_len, output_len, runner.args.seed, verbose=False,
-                                          overlap=namespace.overlap)
-        report["rows"][(batch_size, input_len, output_len)]["plugserve"] = result
+    with bench_one_batch.build_runner(namespace, parser) as runner:
+        report["plugserve"] = {
+            "backends": [dataclasses.asdict(c) for c in runner.chosen],
+            "graph_status": runner.graph_status,
+            "dtype": str(runner.dtype).removeprefix("torch."),
+            "kv_dtype": str(runner.kv_dtype).removeprefix("torch."),
+            "server_args": runner.args.model_dump(),  # after bench_one_batch's static-batch settings
+        }
+        for batch_size, input_len, output_len in cases:
+            print(f"\n# plugserve: batch size {batch_size}, input {input_len}, output {output_len}")
+            result = bench_one_batch.run_once(runner, batch_size, input_len, output_len, runner.args.seed,
+                                              verbose=False, overlap=namespace.overlap)
+            report["rows"][(batch_size, input_len, output_len)]["plugserve"] = result
     del runner
     _free(device)
 

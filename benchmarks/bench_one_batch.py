@@ -9,7 +9,10 @@ the steps run until every request is done, decode throughput is the tokens over 
 "decode_throughput" (tokens over the steps' total time) goes into the JSON line beside the median, so that the
 two compare (benchmarks/run_fast_path_on_device.sh's `specvs` step). The runner's CUDA-graph status is printed
 and stored too.
-Prints SGLang's bench_one_batch format; --result-filename appends one JSON line per run.
+Prints SGLang's bench_one_batch format; --result-filename appends one JSON line per run (with the server flags
+it ran under). Every server flag is taken, the parallel ones included: with --tp-size N (and --ep-size) this
+process is rank 0 and starts the node's other ranks as workers, as the Engine does (core/ranks.py); other nodes
+of --nnodes run `plugserve serve --node-rank n`.
 
     python benchmarks/bench_one_batch.py --model-preset deepseek-v3 --num-layers 4 --load-format dummy \\
         --batch-size 1 8 32 --input-len 256 --output-len 32
@@ -18,21 +21,25 @@ Prints SGLang's bench_one_batch format; --result-filename appends one JSON line 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
 
+from plugserve.core.distributed import SINGLE
 from plugserve.core.model_runner import ModelRunner
 from plugserve.core.radix_cache import RadixCache
+from plugserve.core.ranks import Ranks
 from plugserve.core.request import Request
 from plugserve.core.sampling import SamplingParams
 from plugserve.core.scheduler import Scheduler
+from plugserve.core.server_args import ServerArgs
 from plugserve.core.tokenizer import EMBEDDED_MODEL_DIR, load_tokenizer
 from plugserve.server.launch import add_server_args, server_args_from
 
@@ -139,10 +146,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "tokens, e.g. benchmarks/data/heldout_docs.txt for the embedded model")
 
 
-def build_runner(namespace: argparse.Namespace, parser: argparse.ArgumentParser) -> ModelRunner:
-    """The static-batch runner of the parsed flags: radix cache off (overlap only with --overlap), every batch
-    in one unchunked prefill, a KV pool for the biggest run (unless the flags size it); warmed up (JIT, CUDA
-    graphs) and its chosen backends printed."""
+@contextlib.contextmanager
+def rank_zero_runner(args: ServerArgs) -> Iterator[ModelRunner]:
+    """This process's ModelRunner: rank 0 of --tp-size ranks, whose other ranks on this node run as worker
+    processes following its forwards (as the Engine starts them), released when the block ends; the one
+    process's at --tp-size 1."""
+    ranks = Ranks(args) if args.tp_size > 1 else None
+    runner = None
+    try:
+        runner = ModelRunner(args, ranks.group if ranks is not None else SINGLE)
+        yield runner
+    except BaseException:
+        if ranks is not None:
+            ranks.stop(None)  # the workers may wait in a collective rank 0 left: they are killed, not released
+        raise
+    if ranks is not None:
+        ranks.stop(runner)
+
+
+@contextlib.contextmanager
+def build_runner(namespace: argparse.Namespace, parser: argparse.ArgumentParser) -> Iterator[ModelRunner]:
+    """The static-batch runner of the parsed flags (rank 0 of its ranks, see rank_zero_runner): radix cache off
+    (overlap only with --overlap), every batch in one unchunked prefill, a KV pool for the biggest run (unless the
+    flags size it); warmed up (JIT, CUDA graphs) and its chosen backends printed."""
     if namespace.overlap and namespace.disable_overlap_schedule:
         parser.error("--overlap times decode under the overlap scheduler, which --disable-overlap-schedule turns off")
     if namespace.overlap and namespace.speculative_algorithm:
@@ -155,15 +181,18 @@ def build_runner(namespace: argparse.Namespace, parser: argparse.ArgumentParser)
     if namespace.max_total_tokens is None and namespace.mem_fraction_static is None:
         namespace.max_total_tokens = biggest + 64
     args = server_args_from(namespace, parser)
-    runner = ModelRunner(args)
-    runner.warm_up()  # as the engine does before serving: JIT compiles and CUDA-graph capture
-    print(f"max_total_num_tokens={runner.max_total_tokens}")
-    for c in runner.chosen:
-        print(f"{c.kind} {c.phase}: {c.name} ({c.reason})")
-    print(f"cuda_graph: {runner.graph_status}")
-    print("Warmup ...")
-    run_once(runner, max(namespace.batch_size), min(namespace.input_len), 4, args.seed, verbose=False)
-    return runner
+    if args.node_rank:
+        parser.error(f"--node-rank {args.node_rank}: bench_one_batch is node 0 (rank 0); the other nodes run "
+                     "`plugserve serve --node-rank n` with the same flags")
+    with rank_zero_runner(args) as runner:
+        runner.warm_up()  # as the engine does before serving: JIT compiles and CUDA-graph capture
+        print(f"max_total_num_tokens={runner.max_total_tokens}")
+        for c in runner.chosen:
+            print(f"{c.kind} {c.phase}: {c.name} ({c.reason})")
+        print(f"cuda_graph: {runner.graph_status}")
+        print("Warmup ...")
+        run_once(runner, max(namespace.batch_size), min(namespace.input_len), 4, args.seed, verbose=False)
+        yield runner
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -172,7 +201,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--result-filename", default=None, help="append one JSON line per run")
     parser.add_argument("--run-name", default="", help="a label stored in the JSON lines")
     namespace = parser.parse_args(argv)
-    runner = build_runner(namespace, parser)
+    with build_runner(namespace, parser) as runner:
+        benchmark(runner, namespace)
+
+
+def benchmark(runner: ModelRunner, namespace: argparse.Namespace) -> None:
+    """One run per combination of the batch shapes, each printed and appended to --result-filename."""
     text_tokens = None
     if namespace.prompt_text is not None:
         args = runner.args
@@ -188,7 +222,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 if namespace.result_filename:
                     result |= {"run_name": namespace.run_name, "device": runner.hardware.name,
                                "cuda_graph": runner.graph_status,
-                               "backends": {f"{c.kind}:{c.phase}": c.name for c in runner.chosen}}
+                               "backends": {f"{c.kind}:{c.phase}": c.name for c in runner.chosen},
+                               "server_args": runner.args.model_dump(mode="json")}
                     with open(namespace.result_filename, "a") as f:
                         f.write(json.dumps(result) + "\n")
 

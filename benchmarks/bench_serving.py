@@ -19,6 +19,8 @@ Notes on what is measured:
   lengths are always the re-encoded counts).
 - Output lengths come from the server's ``usage`` (``stream_options.include_usage``); when a server sends none they
   are counted by encoding the generated text with ``--tokenizer``.
+- Any server configuration is measured alike (tensor, expert parallelism...: the server's own flags); from a plugserve
+  server the JSON record keeps its launch flags (``server_args``, from ``GET /server_info``) beside the results.
 - TTFT runs from sending the request to the first chunk with non-empty text; ITLs are the gaps between successive
   non-empty chunks (a chunk holding several tokens is one gap, as in SGLang's default); E2E latency runs to the end of
   the stream. TPOT = (E2E - TTFT) / (output tokens - 1), for requests with more than one output token.
@@ -525,8 +527,10 @@ def result_record(
     model: str,
     metrics: dict[str, Any],
     results: Sequence[RequestResult],
+    server_args: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The JSON object written to ``--output-file``: config, metrics and per-request lists."""
+    """The JSON object written to ``--output-file``: config (with the server's launch flags where it says them),
+    metrics and per-request lists."""
     return {
         "date": datetime.now().isoformat(timespec="seconds"),
         # configuration
@@ -544,6 +548,7 @@ def result_record(
         "seed": args.seed,
         "warmup_requests": args.warmup_requests,
         "extra_request_body": args.extra_request_body_dict,
+        "server_args": server_args,
         # results
         **metrics,
         # per request, in send order
@@ -641,6 +646,19 @@ def fetch_model_id(base_url: str, api_key: str | None) -> str:
     return str(models[0]["id"])
 
 
+def fetch_server_args(base_url: str, api_key: str | None) -> dict[str, Any] | None:
+    """The launch flags of a plugserve server (``GET {base_url}/server_info``'s ``args``: --tp-size, --ep-size...),
+    None from a server without that endpoint."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.get(f"{base_url}/server_info", headers=headers, timeout=30.0, trust_env=False)
+        response.raise_for_status()
+        args = response.json().get("args")
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    return args if isinstance(args, dict) else None
+
+
 def load_tokenizer(path: str | None) -> tuple[Any, str]:
     """Load the tokenizer in directory `path` (default: plugserve's embedded one) offline; returns it and its path."""
     if path is None:
@@ -724,7 +742,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_report(metrics, args.backend, args.request_rate, args.max_concurrency))
 
     if args.output_file:
-        record = result_record(args, base_url, model, metrics, results)
+        record = result_record(args, base_url, model, metrics, results, fetch_server_args(base_url, args.api_key))
         out = Path(args.output_file)
         out.parent.mkdir(parents=True, exist_ok=True)
         with out.open("a", encoding="utf-8") as f:

@@ -20,6 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks import bench_one_batch
+from plugserve.core.model_runner import ModelRunner
 from plugserve.core.radix_cache import RadixCache
 from plugserve.core.request import Request
 from plugserve.core.sampling import SamplingParams
@@ -37,7 +38,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                              "time goes (Python, launches, waits), which the kernel table does not show")
     namespace = parser.parse_args(argv)
     namespace.output_len = [namespace.steps * (3 if namespace.host_profile else 1) + 2]
-    runner = bench_one_batch.build_runner(namespace, parser)
+    with bench_one_batch.build_runner(namespace, parser) as runner:
+        profile_steps(runner, namespace)
+
+
+def profile_steps(runner: ModelRunner, namespace: argparse.Namespace) -> None:
+    """Prefill, one decode step, then --steps decode steps under the profilers; the report printed and written."""
     batch_size, input_len = namespace.batch_size[0], namespace.input_len[0]
     scheduler = Scheduler(runner, RadixCache(runner.allocator, runner.page_size, enabled=False),
                           bench_one_batch._NoText())

@@ -2,12 +2,18 @@
 side by side with the device's own ceilings measured in the same run.
 
     python benchmarks/shootout.py --kinds attention gemm moe --output-dir benchmarks/results/<gpu>/shootout
+    python benchmarks/shootout.py --tp-size 8 [--ep-size 8] ...   # one rank's shapes of an 8-GPU deployment
 
 For each case and backend: time (CUDA events after warm-up, median of --reps), achieved GB/s and
 TFLOP/s, and the fraction of the limit, where limit = max(bytes / measured copy GB/s, flops / measured
 dense TFLOP/s of the dtype). Writes shootout.json, shootout.md, one PNG per kind, and the selection
 table `auto` reads (`<device_key>.json`, to copy into plugserve/tables/), ranking backends per kind,
 phase and batch bucket by measured time.
+
+Shapes are one rank's (--tp-size P, --ep-size E), sliced as the model slices them (ModelConfig.attention_spec /
+moe_spec, core/layers/parallel.py): attention at heads / P; GEMMs at DeepSeek-V3's projections' per-rank [N, K];
+MoE experts at width I / P (tensor-parallel) or n / P experts of width I (expert-parallel, rank 0's). The JSON
+files record P and E.
 """
 
 from __future__ import annotations
@@ -26,17 +32,19 @@ from pathlib import Path
 
 import torch
 
+from plugserve.core.config import ModelConfig, ModelConfigError, preset_config
 from plugserve.core.dispatch import prepare_attention
 from plugserve.core.forward_batch import ForwardMode, Phase
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import AttentionSpec, GemmSpec, MoESpec, RouterConfig
+from plugserve.core.interfaces import AttentionSpec, GemmSpec, MoESpec
 from plugserve.core.layers.quant import quantize_block_fp8
 from plugserve.registry import BATCH_BUCKETS, get_registry
 from plugserve.testing.batches import random_batch
 
-V3_GEMM_SHAPES = [(2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (36864, 7168), (7168, 18432)]
-V3_ROUTER = RouterConfig(256, 8, "sigmoid", "noaux_tc", 8, 4, True)
-V2_LITE_ROUTER = RouterConfig(64, 6, "softmax", "greedy", 1, 1, False)
+# The models whose shapes the shootout measures: GEMMs of the first, MoE layers of each (--quick: "tiny").
+GEMM_MODEL = "deepseek-v3"
+MOE_MODELS = ("deepseek-v3", "deepseek-v2-lite")
+QUICK_MODEL = "tiny"
 
 
 @dataclass
@@ -145,6 +153,32 @@ def attention_extend_cases(quick: bool) -> list[tuple[int, int]]:
     return [(64, 0), (64, 128)] if quick else [(t, p) for t in (512, 4096, 16384) for p in (0, 4096)]
 
 
+def gemm_shapes(config: ModelConfig, tp_size: int) -> list[tuple[int, int]]:
+    """[N, K] of every block-FP8 GEMM weight one of `tp_size` ranks holds (core/layers/parallel.py): q_a ++ kv_a
+    replicated (without q LoRA, q_proj's H/P heads ++ kv_a), q_b and kv_b column-parallel by heads, o_proj
+    row-parallel, the dense MLP's and shared experts' gate ++ up column- and down row-parallel (also under
+    expert parallelism, which splits only the routed experts). Raises ModelConfigError when a width does not
+    split over the ranks."""
+    c = config
+    heads = c.attention_spec(torch.bfloat16, tp_size=tp_size).num_heads
+    latent = c.kv_lora_rank + c.qk_rope_head_dim
+
+    def split(what: str, size: int) -> int:
+        if size % tp_size:
+            raise ModelConfigError(f"{what} {size} does not split over {tp_size} tensor-parallel ranks")
+        return size // tp_size
+
+    shapes = [(c.q_lora_rank + latent, c.hidden_size), (heads * c.qk_head_dim, c.q_lora_rank)] if c.q_lora_rank \
+        else [(heads * c.qk_head_dim + latent, c.hidden_size)]
+    shapes += [(heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank), (c.hidden_size, heads * c.v_head_dim)]
+    mlps = [("intermediate_size", c.intermediate_size)]
+    if c.n_shared_experts:
+        mlps.append(("the shared experts' intermediate size", c.n_shared_experts * c.moe_intermediate_size))
+    for what, width in mlps:
+        shapes += [(2 * split(what, width), c.hidden_size), (c.hidden_size, split(what, width))]
+    return shapes
+
+
 def library_call(backend: str, function: str) -> Callable[..., Callable[[], object]] | None:
     """`function` of benchmarks/library_calls/<backend>.py: it sets up and returns a call of the backend's
     library made directly, without plugserve (None when there is none, or its library is missing)."""
@@ -169,8 +203,8 @@ def run_attention(backends: list, device: torch.device, dtype: torch.dtype, head
                 mode, seq_lens, extend_lens = ForwardMode.DECODE, [kv] * batch_size, [1] * batch_size
                 kv_bytes = batch_size * kv * (spec.kv_lora_rank + spec.qk_rope_head_dim) * 2
                 flops = 2 * batch_size * heads * kv * (spec.kv_lora_rank * 2 + spec.qk_rope_head_dim)
-                case = Case("attention", phase.value, f"decode b{batch_size} kv{kv}", batch_size, kv_bytes, flops,
-                            "bf16")
+                case = Case("attention", phase.value, f"decode b{batch_size} kv{kv} h{heads}", batch_size, kv_bytes,
+                            flops, "bf16")
             else:
                 tokens, prefix = first, second
                 per_request = min(tokens, 4096)
@@ -179,7 +213,8 @@ def run_attention(backends: list, device: torch.device, dtype: torch.dtype, head
                 visible = n * sum(prefix + i + 1 for i in range(per_request))
                 flops = 2 * heads * visible * (spec.qk_head_dim + spec.v_head_dim)
                 io = n * (prefix + per_request) * heads * (spec.qk_head_dim + spec.v_head_dim) * 2
-                case = Case("attention", phase.value, f"extend t{tokens} prefix{prefix}", tokens, io, flops, "bf16")
+                case = Case("attention", phase.value, f"extend t{tokens} prefix{prefix} h{heads}", tokens, io, flops,
+                            "bf16")
             for entry in backends:
                 if not registry.usability(entry.cls, phase, hardware, spec):
                     continue
@@ -215,7 +250,7 @@ def run_attention(backends: list, device: torch.device, dtype: torch.dtype, head
 def run_gemm(backends: list, device: torch.device, dtype: torch.dtype, args, emit) -> None:
     registry, hardware = get_registry(), Hardware.detect(device)
     spec = GemmSpec(dtype=dtype)
-    shapes = [(256, 512)] if args.quick else V3_GEMM_SHAPES
+    shapes = gemm_shapes(preset_config(QUICK_MODEL if args.quick else GEMM_MODEL), args.tp_size)
     ms = [1, 8] if args.quick else [1, 8, 64, 256, 1024, 4096]
     for n, k in shapes:
         w_q, scale = quantize_block_fp8(torch.randn(n, k, device=device) / k**0.5, (128, 128))
@@ -234,20 +269,25 @@ def run_gemm(backends: list, device: torch.device, dtype: torch.dtype, args, emi
                      library=time_library(direct and partial(direct, x, w_q, scale), device, args))
 
 
+def moe_specs(dtype: torch.dtype, tp_size: int, ep_size: int, quick: bool) -> list[MoESpec]:
+    """Rank 0's block-FP8 routed experts of each measured model (ModelConfig.moe_spec: width I / P under
+    tensor parallelism, n / P whole experts under expert parallelism). Raises ModelConfigError when a model
+    does not split over the ranks."""
+    return [preset_config(name).quantized_fp8().moe_spec(dtype, tp_size, ep_size, 0)
+            for name in ((QUICK_MODEL,) if quick else MOE_MODELS)]
+
+
 def run_moe(backends: list, device: torch.device, dtype: torch.dtype, args, emit) -> None:
     registry, hardware = get_registry(), Hardware.detect(device)
-    configs = [(RouterConfig(16, 4, "sigmoid", "noaux_tc", 4, 2, True), 256, 128)] if args.quick else [
-        (V3_ROUTER, 7168, 256),  # V3's experts as one GPU of TP8 holds them
-        (V2_LITE_ROUTER, 2048, 1408),
-    ]
-    for router, hidden, inter in configs:
-        spec = MoESpec(hidden, inter, dtype, torch.float8_e4m3fn, router=router)
-        e = router.num_experts
+    for spec in moe_specs(dtype, args.tp_size, args.ep_size, args.quick):
+        router, hidden, inter = spec.router, spec.hidden_size, spec.intermediate_size
+        e, local, first = router.num_experts, spec.num_local_experts, spec.first_expert
         w13, s13 = zip(*(quantize_block_fp8(torch.randn(2 * inter, hidden, device=device) / hidden**0.5)
-                         for _ in range(e)), strict=True)
+                         for _ in range(local)), strict=True)
         w2, s2 = zip(*(quantize_block_fp8(torch.randn(hidden, inter, device=device) / inter**0.5)
-                       for _ in range(e)), strict=True)
+                       for _ in range(local)), strict=True)
         weights = (torch.stack(w13), torch.stack(w2), torch.stack(s13), torch.stack(s2))
+        experts = f"e{e}" if local == e else f"e{local}of{e}"  # expert parallel: this rank's of all
         for tokens in ([1, 8] if args.quick else [1, 8, 64, 512, 4096]):
             x = torch.randn(tokens, hidden, device=device, dtype=dtype)
             logits = torch.randn(tokens, e, device=device)
@@ -257,15 +297,15 @@ def run_moe(backends: list, device: torch.device, dtype: torch.dtype, args, emit
                     continue
                 backend = entry.cls(spec, device)
                 topk_weights, topk_ids = backend.route(logits, bias)
-                active = int(topk_ids.unique().numel())
-                # Bytes: the activated experts' e4m3 weights (3 matrices each) and the activations in and out.
-                weight_bytes = active * 3 * hidden * inter
-                flops = 2 * tokens * router.top_k * 3 * hidden * inter
+                mine = topk_ids[(topk_ids >= first) & (topk_ids < first + local)]  # the pairs this rank computes
+                # Bytes: the activated local experts' e4m3 weights (3 matrices each) and the activations in and out.
+                weight_bytes = int(mine.unique().numel()) * 3 * hidden * inter
+                flops = 2 * int(mine.numel()) * 3 * hidden * inter
                 case = Case("moe", (Phase.DECODE if tokens <= 512 else Phase.PREFILL).value,
-                            f"t{tokens} e{e}top{router.top_k} h{hidden} i{inter}", tokens,
+                            f"t{tokens} {experts}top{router.top_k} h{hidden} i{inter}", tokens,
                             weight_bytes + tokens * hidden * 4, flops, "fp8")
                 packed = backend.prepare(*weights)
-                run = partial(backend.forward, x, packed, topk_ids, topk_weights, router_scaling(router))
+                run = partial(backend.forward, x, packed, topk_ids, topk_weights, router.routed_scaling_factor)
                 emit(case, entry.name, *timed(run, device, args.warmup, args.reps_for(entry.name)))
 
 
@@ -281,16 +321,13 @@ def time_library(setup: Callable[[], Callable[[], object]] | None, device: torch
     return seconds
 
 
-def router_scaling(router: RouterConfig) -> float:
-    return 2.5 if router.topk_method == "noaux_tc" else 1.0
-
-
 # -- outputs -----------------------------------------------------------------------------------------
 
 
-def selection_table(rows: list[Row], hardware: Hardware, command: str) -> dict:
+def selection_table(rows: list[Row], hardware: Hardware, command: str, tp_size: int = 1, ep_size: int = 1) -> dict:
     """Per kind and phase, for each batch bucket, backend names ordered by their summed time over the
-    cases falling in that bucket (only backends measured on every such case compete)."""
+    cases falling in that bucket (only backends measured on every such case compete); with the parallelism
+    whose per-rank shapes they ran."""
     rankings: dict[str, dict[str, list[dict]]] = {}
     for kind in sorted({r.kind for r in rows}):
         for phase in sorted({r.phase for r in rows if r.kind == kind}):
@@ -310,16 +347,19 @@ def selection_table(rows: list[Row], hardware: Hardware, command: str) -> dict:
                 buckets.append({"max_batch_size": edge, "order": sorted(totals, key=totals.get)})
             if buckets:
                 rankings.setdefault(kind, {})[phase] = buckets
-    return {"device_name": hardware.name, "source": command, "rankings": rankings}
+    return {"device_name": hardware.name, "source": command, "tp_size": tp_size, "ep_size": ep_size,
+            "rankings": rankings}
 
 
-def write_outputs(rows: list[Row], ceilings: dict[str, float], hardware: Hardware, out: Path, command: str) -> None:
+def write_outputs(rows: list[Row], ceilings: dict[str, float], hardware: Hardware, out: Path, command: str,
+                  tp_size: int = 1, ep_size: int = 1) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "shootout.json").write_text(json.dumps({"device": hardware.name, "command": command,
-                                                   "ceilings": ceilings,
+                                                   "tp_size": tp_size, "ep_size": ep_size, "ceilings": ceilings,
                                                    "rows": [asdict(r) | {"wrapper_overhead": r.wrapper_overhead}
                                                             for r in rows]}, indent=1))
     lines = [f"# Shootout on {hardware.name}", "", f"`{command}`", "",
+             f"One rank's shapes at tensor parallelism {tp_size}, expert parallelism {ep_size}.", "",
              "Ceilings measured in the same run: " + ", ".join(f"{k} {v:.1f}" for k, v in ceilings.items()), "",
              "| kind | phase | shape | backend | time (us) | GB/s | TFLOP/s | fraction of limit | library direct (us) "
              "| wrapper overhead |",
@@ -328,7 +368,8 @@ def write_outputs(rows: list[Row], ceilings: dict[str, float], hardware: Hardwar
               f"{r.fraction_of_limit:.2f} | " + ("" if r.library_us is None else f"{r.library_us:.1f}") + " | "
               + ("" if r.wrapper_overhead is None else f"{r.wrapper_overhead:+.1%}") + " |" for r in rows]
     (out / "shootout.md").write_text("\n".join(lines) + "\n")
-    (out / f"{hardware.device_key}.json").write_text(json.dumps(selection_table(rows, hardware, command), indent=1))
+    (out / f"{hardware.device_key}.json").write_text(
+        json.dumps(selection_table(rows, hardware, command, tp_size, ep_size), indent=1))
     try:
         import matplotlib
 
@@ -353,6 +394,21 @@ def write_outputs(rows: list[Row], ceilings: dict[str, float], hardware: Hardwar
         plt.close(fig)
 
 
+def check_parallelism(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--tp-size / --ep-size as serving takes them, and every measured shape splitting over the ranks."""
+    if args.tp_size < 1:
+        parser.error(f"--tp-size {args.tp_size} must be at least 1")
+    if args.ep_size not in (1, args.tp_size):
+        parser.error(f"--ep-size {args.ep_size} must be 1 or --tp-size ({args.tp_size})")
+    if args.heads % args.tp_size:
+        parser.error(f"--heads {args.heads} does not split over --tp-size {args.tp_size}")
+    try:
+        gemm_shapes(preset_config(QUICK_MODEL if args.quick else GEMM_MODEL), args.tp_size)
+        moe_specs(torch.bfloat16, args.tp_size, args.ep_size, args.quick)
+    except (ModelConfigError, ValueError) as exc:
+        parser.error(f"--tp-size {args.tp_size} --ep-size {args.ep_size}: {exc}")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     kinds = ["attention", "gemm", "moe"]
@@ -360,7 +416,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--backends", nargs="*", default=None, help="KIND:NAME to include (default: every usable one)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--heads", type=int, default=128, help="attention heads (DeepSeek-V3 on one GPU: 128)")
+    parser.add_argument("--heads", type=int, default=128,
+                        help="the attention rows' model heads (DeepSeek-V3: 128); a rank runs heads / --tp-size "
+                             "(the GEMM rows slice DeepSeek-V3's own)")
+    parser.add_argument("--tp-size", type=int, default=1,
+                        help="tensor-parallel ranks P: one rank's shapes (heads / P, GEMMs sliced, experts I / P)")
+    parser.add_argument("--ep-size", type=int, default=1,
+                        help="expert-parallel ranks: 1 or --tp-size (then a rank holds n / P whole experts)")
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=20)
@@ -368,6 +430,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny grid (to check the script, e.g. on the CPU)")
     parser.add_argument("--output-dir", type=Path, required=True)
     args = parser.parse_args(argv)
+    check_parallelism(parser, args)
     args.reps_for = lambda name: args.reference_reps if name == "torch_ref" else args.reps
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     hardware = Hardware.detect(device)
@@ -394,12 +457,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         entries = [e for name, e in sorted(registry.backends[kind].items()) if wanted is None or (kind, name) in wanted]
         entries = [e for e in entries if registry.availability(e.cls, hardware)]
         if kind == "attention":
-            run_attention(entries, device, dtype, args.heads, args, emit)
+            run_attention(entries, device, dtype, args.heads // args.tp_size, args, emit)
         elif kind == "gemm":
             run_gemm(entries, device, dtype, args, emit)
         else:
             run_moe(entries, device, dtype, args, emit)
-        write_outputs(rows, ceilings, hardware, args.output_dir, command)  # after each kind: partial runs keep theirs
+        # After each kind: partial runs keep theirs.
+        write_outputs(rows, ceilings, hardware, args.output_dir, command, args.tp_size, args.ep_size)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """Tune the `triton` MoE backend's grouped-GEMM launch configurations on this GPU and write them to
 plugserve/plugins/moe/configs (the format is described in that package's docstring).
 
-Shapes (N: the expert intermediate size one GPU holds; w13 [E, 2N, H], w2 [E, H, N]):
+Shapes (one GPU's experts: w13 [E, 2N, H], w2 [E, H, N]):
   v3       DeepSeek-V3/R1: E=256, top-8, H=7168, N=2048/TP (TP 8: N=256), block-FP8 w8a8, 128 x 128 blocks
   v2-lite  DeepSeek-V2-Lite: E=64, top-6, H=2048, N=1408/TP (TP 1: N=1408), bfloat16 experts
   v2       DeepSeek-V2: E=160, top-6, H=5120, N=1536/TP (TP 1: N=1536; one layer's experts fit one GPU), bfloat16
+With --ep (expert parallelism, = --tp) a GPU holds E/EP whole experts instead: files E=256/8=32, N=2048 for V3 at
+--tp 8 --ep 8, the names the backend looks up on each rank (routing still ranks all E; the other ranks' pairs drop).
 
 For each token count M the BLOCK_SIZE_M candidates are tried in turn; for each, every tile candidate
 of the w13 pass (with its fused SiLU-and-mul) and of the w2 pass (with its weighted epilogue) is timed
@@ -121,7 +123,7 @@ class Experts:
 
     @classmethod
     def random(cls, spec: MoESpec, device: torch.device) -> Experts:
-        e, h, n, dtype = spec.num_experts, spec.hidden_size, spec.intermediate_size, spec.dtype
+        e, h, n, dtype = spec.num_local_experts, spec.hidden_size, spec.intermediate_size, spec.dtype
         g = torch.Generator(device).manual_seed(0)
         w13 = torch.randn(e, 2 * n, h, device=device, generator=g, dtype=dtype) / h**0.5
         w2 = torch.randn(e, h, n, device=device, generator=g, dtype=dtype) / n**0.5
@@ -148,7 +150,6 @@ def tune_batch(experts: Experts, num_tokens: int, block_ms: tuple[int, ...] | No
     topk_weights, topk_ids = TritonMoE(spec, device).route(torch.randn(num_tokens, e, device=device), bias)
     if block_ms is None or tiles is None:
         block_ms, tiles = decode_space(fp8, spec.dtype, num_tokens * k / e)
-    expert_bytes = (experts.w13[0].nbytes + experts.w2[0].nbytes) * torch.unique(topk_ids).numel()
     a, a_scale = kernels.per_token_group_quant(x, spec.block_shape[1]) if fp8 else (x, None)
     h_buf = torch.empty(num_tokens * k, n, device=device, dtype=torch.float32 if fp8 else spec.dtype)
     y = torch.empty(num_tokens * k, h, device=device, dtype=spec.dtype)
@@ -158,8 +159,13 @@ def tune_batch(experts: Experts, num_tokens: int, block_ms: tuple[int, ...] | No
                                 silu_mul=False, topk_weights=topk_weights, routed_scaling_factor=2.5,
                                 block_shape=spec.block_shape)
 
+    local_ids = topk_ids - spec.first_expert  # as the backend's forward: ids outside [0, local) are dropped
+    read = torch.unique(local_ids)
+    expert_bytes = (experts.w13[0].nbytes + experts.w2[0].nbytes) * int(((read >= 0) & (read < spec.num_local_experts))
+                                                                        .sum())
+
     def passes(block_m: int, w13_tiles: list[GemmConfig], w2_tiles: list[GemmConfig]) -> tuple[float, MoEConfig]:
-        alignment = kernels.moe_align_block_size(topk_ids, e, block_m)
+        alignment = kernels.moe_align_block_size(local_ids, spec.num_local_experts, block_m)
         t13, tile13 = fastest(functools.partial(w13_pass, alignment=alignment), w13_tiles, quick)
         w13_pass(alignment=alignment, config=tile13)  # the w2 pass's input
         h_in, h_scale = kernels.per_token_group_quant(h_buf, spec.block_shape[1]) if fp8 else (h_buf, None)
@@ -171,21 +177,28 @@ def tune_batch(experts: Experts, num_tokens: int, block_ms: tuple[int, ...] | No
         choices.append(passes(block_m, tiles, tiles))
         print(f"  M={num_tokens} BLOCK_SIZE_M={block_m}: {choices[-1][0] * 1e3:.1f} us", flush=True)
     total, best = min(choices, key=lambda c: c[0])
-    default = configs.default_config(num_tokens, k, e, fp8, spec.dtype, "cuda")
+    default = configs.default_config(num_tokens, k, spec.num_local_experts, fp8, spec.dtype, "cuda")
     return best, total, passes(default.block_m, [default.w13], [default.w2])[0], expert_bytes
 
 
-def tune_model(name: str, model: Model, tp: int, dtype_name: str, batch_sizes: tuple[int, ...], quick: bool,
+def rank_spec(model: Model, tp: int, ep: int, dtype_name: str) -> MoESpec:
+    """Rank 0's experts at --tp / --ep, as ModelConfig.moe_spec gives them to the backend (fp8_w8a8: block-FP8
+    experts under bfloat16 activations)."""
+    fp8 = dtype_name == "fp8_w8a8"
+    return MoESpec(model.hidden, model.intermediate // (tp // ep), torch.bfloat16 if fp8 else DTYPES[dtype_name],
+                   FP8_DTYPE if fp8 else None, BLOCK_SHAPE, model.router, ep_size=ep)
+
+
+def tune_model(name: str, model: Model, tp: int, ep: int, dtype_name: str, batch_sizes: tuple[int, ...], quick: bool,
                decode_max_tokens: int, out_dir: Path) -> Path:
-    """Tune every token count of one model and write its configuration file; returns its path."""
+    """Tune every token count of one model's rank 0 (experts of width I / tp, or E / ep whole ones) and write its
+    configuration file; returns its path."""
     device = torch.device("cuda")
     hardware = Hardware.detect(device)
-    fp8 = dtype_name == "fp8_w8a8"
-    dtype = torch.bfloat16 if fp8 else DTYPES[dtype_name]
-    spec = MoESpec(model.hidden, model.intermediate // tp, dtype, FP8_DTYPE if fp8 else None, BLOCK_SHAPE,
-                   model.router)
-    print(f"{name}: E={spec.num_experts} top-{spec.top_k} H={spec.hidden_size} N={spec.intermediate_size} "
-          f"(TP {tp}) {dtype_name} on {hardware.describe()}", flush=True)
+    spec = rank_spec(model, tp, ep, dtype_name)
+    fp8, dtype = spec.is_fp8, spec.dtype
+    print(f"{name}: E={spec.num_local_experts} of {spec.num_experts} top-{spec.top_k} H={spec.hidden_size} "
+          f"N={spec.intermediate_size} (TP {tp}, EP {ep}) {dtype_name} on {hardware.describe()}", flush=True)
     experts = Experts.random(spec, device)
     bandwidth = copy_bandwidth(device)
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)
@@ -201,12 +214,12 @@ def tune_model(name: str, model: Model, tp: int, dtype_name: str, batch_sizes: t
         rows.append((m, total, untuned, limit_ms))
         print(f"M={m}: best {total * 1e3:.1f} us (default configuration {untuned * 1e3:.1f} us, weight-read limit "
               f"{limit_ms * 1e3:.1f} us): {best[m].to_json()} [{time.perf_counter() - start:.0f} s]", flush=True)
-    print(f"\n{name} E={spec.num_experts} N={spec.intermediate_size} {dtype_name}: w13 + w2 passes, us")
+    print(f"\n{name} E={spec.num_local_experts} N={spec.intermediate_size} {dtype_name}: w13 + w2 passes, us")
     print("| M | tuned | default | weight-read limit | tuned: of limit |\n|---|---|---|---|---|")
     for m, total, untuned, limit_ms in rows:
         print(f"| {m} | {total * 1e3:.1f} | {untuned * 1e3:.1f} | {limit_ms * 1e3:.1f} | {limit_ms / total:.2f} |")
-    path = out_dir / configs.config_file_name(spec.num_experts, spec.intermediate_size, hardware.device_key, dtype,
-                                              BLOCK_SHAPE if fp8 else None)
+    path = out_dir / configs.config_file_name(spec.num_local_experts, spec.intermediate_size, hardware.device_key,
+                                              dtype, BLOCK_SHAPE if fp8 else None)
     configs.write_config_file(path, best)
     print(f"wrote {path}", flush=True)
     return path
@@ -217,6 +230,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["v3", "v2-lite"],
                         help="shapes to tune (default: v3 and v2-lite)")
     parser.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: v3 8, v2-lite 1)")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="expert-parallel size: 1, or --tp (a GPU holds E / EP whole experts)")
     parser.add_argument("--dtype", choices=["fp8_w8a8", *DTYPES], default=None,
                         help="expert format (default: v3 fp8_w8a8, v2-lite bfloat16)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=None, help="token counts M to tune")
@@ -225,6 +240,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="token counts up to this search the decode space (0: none)")
     parser.add_argument("--output-dir", type=Path, default=configs.CONFIG_DIR)
     args = parser.parse_args(argv)
+    for name in args.model:
+        tp = args.tp or MODELS[name].default_tp
+        if args.ep not in (1, tp):
+            parser.error(f"--ep {args.ep} must be 1 or the tensor-parallel size ({name}: --tp {tp})")
+        if MODELS[name].router.num_experts % args.ep or MODELS[name].intermediate % (tp // args.ep):
+            parser.error(f"{name}'s experts do not split over --tp {tp} --ep {args.ep}")
     if not torch.cuda.is_available():
         sys.exit("tune_fused_moe.py times Triton kernels on a CUDA GPU and none is visible here; on the CPU they "
                  "run only in Triton's interpreter, whose timings mean nothing. Run it on the GPU machine.")
@@ -232,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
     args.output_dir.mkdir(parents=True, exist_ok=True)
     for name in args.model:
         model = MODELS[name]
-        tune_model(name, model, args.tp or model.default_tp, args.dtype or model.default_dtype, batch_sizes,
+        tune_model(name, model, args.tp or model.default_tp, args.ep, args.dtype or model.default_dtype, batch_sizes,
                    args.quick, args.decode_max_tokens, args.output_dir)
 
 

@@ -21,7 +21,14 @@ from plugserve.core.dispatch import (
 from plugserve.core.forward_batch import ForwardMode, Phase
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import KINDS, Kind
-from plugserve.registry import BATCH_BUCKETS, Registry, SelectionError, get_registry
+from plugserve.registry import (
+    BATCH_BUCKETS,
+    Registry,
+    SelectionError,
+    get_registry,
+    load_selection_table,
+    selection_table_match,
+)
 from plugserve.server.launch import add_server_args, server_args_from
 
 # (mode, prefix lengths, new-token lengths) that show each branch of the MLA dispatch rule.
@@ -71,11 +78,22 @@ def describe(registry: Registry, hardware: Hardware, kinds: Sequence[Kind], expl
                      "memory_gib": round(hardware.total_memory_bytes / 2**30, 1)},
         "backends": backends,
         "broken_plugins": [{"plugin": b.plugin, "package": b.package, "error": b.error} for b in registry.broken],
+        "selection_table": _table_used(hardware),
         "auto": auto,
     }
     if explain and "attention" in kinds:
         result["mla_dispatch"] = _dispatch_table(registry, hardware)
     return result
+
+
+def _table_used(hardware: Hardware) -> dict[str, Any]:
+    """The measured table `auto` reads here (its path, None without one), why that one, and the parallelism
+    whose per-rank shapes it measured."""
+    loaded = load_selection_table(hardware)
+    if loaded is None:
+        return {"path": None, "reason": selection_table_match(hardware).reason}
+    table, path, match = loaded
+    return {"path": str(path), "reason": match.reason, "tp_size": table.tp_size, "ep_size": table.ep_size}
 
 
 def cuda_graph_support(cls: type) -> str:
@@ -114,6 +132,10 @@ def _print(report: dict[str, Any], explain: bool, console: Console) -> None:
     console.print(table)
     for broken in report["broken_plugins"]:
         console.print(f"[red]broken plugin[/] {broken['plugin']} ({broken['package']}): {broken['error']}")
+    if explain:
+        used = report["selection_table"]
+        shapes = f", per-rank shapes of tp {used['tp_size']}, ep {used['ep_size']}" if used["path"] else ""
+        console.print(f"[bold]Selection table:[/] {used['path'] or 'none'} ({used['reason']}{shapes})")
     auto = Table("kind", "phase", "batch size", "auto picks", *(["why"] if explain else []), title="auto selection")
     for (kind, phase, backend, reason), rows in itertools.groupby(
         report["auto"], key=lambda r: (r["kind"], r["phase"], r["backend"], r["reason"])

@@ -4,9 +4,10 @@ Every backend, built-in or third-party, arrives through the one hook `plugserve_
 plugin modules are registered by module name; third-party ones through setuptools entry points of
 the group "plugserve". A plugin that raises on import or in its hook is recorded as broken and
 skipped. `select` picks a backend per kind, phase and batch size: the requested name if usable,
-else the measured ranking stored for this device (plugserve/tables/<device>.json), else the
-highest declared priority for this GPU architecture. `build` constructs the first of those that
-passes its start-up self-check, falling back to the next and saying why.
+else the measured ranking stored for this device (plugserve/tables/<device>.json, or the closest
+measured GPU's of its compute capability: plugserve.core.device_match), else the highest declared
+priority for this GPU architecture. `build` constructs the first of those that passes its start-up
+self-check, falling back to the next and saying why.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import pluggy
 import torch
 from pydantic import BaseModel
 
+from plugserve.core.device_match import DeviceMatch, closest_measured
 from plugserve.core.forward_batch import Phase
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import (
@@ -124,10 +126,14 @@ class RankedBucket(BaseModel):
 
 class SelectionTable(BaseModel):
     """What the shootout measured on one device: per kind and phase, batch buckets in increasing
-    `max_batch_size`, each with backend names fastest first. A batch beyond the last bucket uses it."""
+    `max_batch_size`, each with backend names fastest first. A batch beyond the last bucket uses it.
+    `tp_size` / `ep_size`: the parallelism whose per-rank shapes were measured (heads / tp, sliced GEMMs,
+    experts of width I / tp or n / ep whole ones)."""
 
     device_name: str
     source: str = ""
+    tp_size: int = 1
+    ep_size: int = 1
     rankings: dict[str, dict[str, list[RankedBucket]]]
 
     def order(self, kind: Kind, phase: Phase, batch_size: int) -> list[str]:
@@ -149,11 +155,19 @@ def tables_dir() -> Path:
     return Path(os.environ.get(TABLES_ENV, Path(__file__).parent / "tables"))
 
 
-def load_selection_table(hardware: Hardware) -> tuple[SelectionTable, Path] | None:
-    path = tables_dir() / f"{hardware.device_key}.json"
-    if not path.is_file():
+def selection_table_match(hardware: Hardware) -> DeviceMatch:
+    """Which of the tables in `tables_dir()` `auto` reads on this device: its own, else the closest measured
+    GPU's of its compute capability (plugserve.core.device_match), and why."""
+    return closest_measured(hardware, (p.stem for p in tables_dir().glob("*.json")), "selection table")
+
+
+def load_selection_table(hardware: Hardware) -> tuple[SelectionTable, Path, DeviceMatch] | None:
+    """The table `auto` reads on this device (see selection_table_match), its path and why; None without one."""
+    match = selection_table_match(hardware)
+    if match.key is None:
         return None
-    return SelectionTable.model_validate(json.loads(path.read_text())), path
+    path = tables_dir() / f"{match.key}.json"
+    return SelectionTable.model_validate(json.loads(path.read_text())), path, match
 
 
 class Registry:
@@ -280,18 +294,20 @@ class Registry:
         ranked: list[Selection] = []
         loaded = load_selection_table(hardware)
         if loaded is not None:
-            table, path = loaded
+            table, path, match = loaded
+            stand_in = "" if match.exact else f"; {match.reason}"
             ranked += [
                 Selection(kind, phase, usable[name].cls,
                           f"fastest usable backend measured on {table.device_name} for {phase.value} at "
-                          f"batch size {batch_size} ({path.name})")
+                          f"batch size {batch_size} ({path.name}{stand_in})")
                 for name in table.order(kind, phase, batch_size) if name in usable
             ]
         measured = {s.backend.name for s in ranked}
+        no_table = "" if loaded is not None else f"{selection_table_match(hardware).reason}; "
         by_priority = sorted(usable.values(), key=lambda e: (e.cls.priority_on(hardware), e.name), reverse=True)
         ranked += [
-            Selection(kind, phase, e.cls, f"highest priority on {hardware.arch} ({e.cls.priority_on(hardware)}) "
-                                          f"among usable: {', '.join(sorted(usable))}")
+            Selection(kind, phase, e.cls, f"{no_table}highest priority on {hardware.arch} "
+                                          f"({e.cls.priority_on(hardware)}) among usable: {', '.join(sorted(usable))}")
             for e in by_priority if e.name not in measured
         ]
         return ranked
@@ -398,5 +414,7 @@ __all__ = [
     "SelectionTable",
     "get_registry",
     "hookimpl",
+    "load_selection_table",
     "select",
+    "selection_table_match",
 ]

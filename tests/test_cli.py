@@ -3,7 +3,11 @@ import os
 import subprocess
 import sys
 
-from plugserve.cli import main
+from rich.console import Console
+
+from plugserve.cli import _print, describe, main
+from plugserve.core.hardware import Hardware
+from plugserve.registry import TABLES_ENV, get_registry
 
 
 def test_backends_json_lists_reference_backends_and_auto_picks(capsys):
@@ -78,3 +82,21 @@ def test_random_seed_is_sglangs_spelling_of_seed():
     add_server_args(parser)
     assert server_args_from(parser.parse_args(["--random-seed", "7"]), parser).seed == 7
     assert server_args_from(parser.parse_args(["--seed", "8"]), parser).seed == 8
+
+
+def test_explain_names_the_table_used_and_why(tmp_path, monkeypatch, capsys):
+    table = {"device_name": "NVIDIA H200", "tp_size": 8, "rankings": {}}
+    (tmp_path / "NVIDIA_H200.json").write_text(json.dumps(table))
+    monkeypatch.setenv(TABLES_ENV, str(tmp_path))
+    gh200 = Hardware("cuda", "NVIDIA GH200 480GB", (9, 0), 96 * 2**30, 132)
+    report = describe(get_registry(), gh200, ["moe"], explain=True)
+    assert report["selection_table"] == {
+        "path": str(tmp_path / "NVIDIA_H200.json"),
+        "reason": "no selection table for NVIDIA GH200 480GB; using NVIDIA_H200, the closest measured "
+                  "(H200: the nearest measured family to the GH200, same sm90)",
+        "tp_size": 8,
+        "ep_size": 1,
+    }
+    _print(report, explain=True, console=Console(width=300))
+    out = capsys.readouterr().out
+    assert "Selection table: " + str(tmp_path / "NVIDIA_H200.json") in out and "shapes of tp 8, ep 1)" in out

@@ -212,3 +212,20 @@ def test_build_gives_each_candidate_the_spec_it_fits():
     backend, _ = registry.build("attention", Phase.DECODE, 1, torch.device("cpu"), SMALL,
                                 fit_spec=lambda cls, spec: dataclasses.replace(spec, page_size=64))
     assert backend.spec.page_size == 64
+
+
+def test_a_gpu_without_its_own_table_uses_the_closest_measured_and_says_so(tmp_path, monkeypatch):
+    registry = _registry(_backend("a", {"default": 100}), _backend("b"))
+    table = {"device_name": H100.name, "rankings": {"attention": {"decode": [{"max_batch_size": 8, "order": ["b"]}]}}}
+    (tmp_path / f"{H100.device_key}.json").write_text(json.dumps(table))
+    monkeypatch.setenv(TABLES_ENV, str(tmp_path))
+    pcie = dataclasses.replace(H100, name="NVIDIA H100 PCIe")
+    pick = registry.select("attention", Phase.DECODE, 4, pcie)
+    assert pick.backend.name == "b"
+    assert ("no selection table for NVIDIA H100 PCIe; using NVIDIA_H100_80GB_HBM3, the closest measured "
+            "(same sm90 family, H100)") in pick.reason
+    # Another compute capability: priority, saying that no table fits.
+    other = registry.select("attention", Phase.DECODE, 4, dataclasses.replace(B200, name="NVIDIA B200 2"))
+    assert other.backend.name == "a"
+    assert other.reason.startswith("no selection table for NVIDIA B200 2, nor for another GPU known to share its "
+                                   "compute capability (sm100) (measured: NVIDIA_H100_80GB_HBM3); highest priority")

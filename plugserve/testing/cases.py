@@ -3,13 +3,18 @@ keeps V3's head dims and expert counts where they are cheap and scales the rest 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 from plugserve.core.dispatch import AttnForwardMethod
 from plugserve.core.forward_batch import ForwardMode
 from plugserve.core.interfaces import RouterConfig
 
 PROFILES = ("small", "full")
+DEFAULT_HEADS = 16  # attention cases' heads unless a grid says otherwise (or --plugserve-heads)
+# The grids whose cases carry num_heads, which --plugserve-heads replaces.
+ATTENTION_GRIDS = ("mla_case", "graph_case", "mha_case")
 
 
 @dataclass(frozen=True)
@@ -20,7 +25,7 @@ class MLACase:
     mode: ForwardMode
     seq_lens: tuple[int, ...]
     extend_lens: tuple[int, ...]
-    num_heads: int = 16
+    num_heads: int = DEFAULT_HEADS
 
     def __str__(self) -> str:
         return f"{self.mode.name.lower()}-h{self.num_heads}-seq{'_'.join(map(str, self.seq_lens))}"
@@ -34,7 +39,7 @@ class MHACase:
     prefix_lens: tuple[int, ...]
     extend_lens: tuple[int, ...]
     chunk_capacity: int = 1 << 30
-    num_heads: int = 16
+    num_heads: int = DEFAULT_HEADS
 
     def __str__(self) -> str:
         return (f"{self.method.value}-h{self.num_heads}-prefix{'_'.join(map(str, self.prefix_lens))}"
@@ -51,7 +56,7 @@ class GraphCase:
     batch_size: int
     replays: tuple[tuple[int, ...], ...]
     per_request: int = 1
-    num_heads: int = 16
+    num_heads: int = DEFAULT_HEADS
 
     def __str__(self) -> str:
         return f"graph-{self.mode.name.lower()}-bs{self.batch_size}-h{self.num_heads}"
@@ -78,6 +83,14 @@ class MoECase:
         r = self.router
         return (f"t{self.num_tokens}-e{r.num_experts}top{r.top_k}-{r.topk_method}-{r.scoring_func}"
                 f"-h{self.hidden_size}-i{self.intermediate_size}")
+
+
+AttentionCase = TypeVar("AttentionCase", MLACase, MHACase, GraphCase)
+
+
+def at_heads(grid: Sequence[AttentionCase], heads: Sequence[int]) -> list[AttentionCase]:
+    """Each case of an attention grid at each of `heads` instead of its own head count (duplicates dropped)."""
+    return list(dict.fromkeys(replace(case, num_heads=h) for case in grid for h in heads))
 
 
 def _decode(seq_lens: tuple[int, ...], heads: int) -> MLACase:

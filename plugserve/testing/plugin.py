@@ -52,6 +52,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--plugserve-dtypes", default=None, metavar="D1,D2",
         help=f"restrict the activation dtypes checked (of {', '.join(DTYPES)})",
     )
+    group.addoption(
+        "--plugserve-heads", default=None, metavar="H1,H2",
+        help="run every attention case at these head counts instead of the grid's: one rank's heads under "
+             "tensor parallelism (DeepSeek-V3's 128 at --tp-size 8: 16)",
+    )
 
 
 class _Report:
@@ -80,6 +85,7 @@ class _Report:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    _heads(config)  # a bad value is a usage error before collection
     path = config.getoption("--plugserve-report", default=None)
     if path:
         config.pluginmanager.register(_Report(path), "plugserve-report")
@@ -92,6 +98,20 @@ def _device(config: pytest.Config) -> torch.device:
 
 def _profile(config: pytest.Config) -> str:
     return config.getoption("--plugserve-shapes") or ("full" if _device(config).type == "cuda" else "small")
+
+
+def _heads(config: pytest.Config) -> list[int] | None:
+    """--plugserve-heads as a list of positive ints, None when not given."""
+    value = config.getoption("--plugserve-heads")
+    if value is None:
+        return None
+    try:
+        heads = [int(h) for h in value.split(",")]
+    except ValueError:
+        heads = []
+    if not heads or min(heads) < 1:
+        raise pytest.UsageError(f"--plugserve-heads {value!r}: expected positive head counts, e.g. 16 or 16,64")
+    return heads
 
 
 def _requested(config: pytest.Config) -> dict[Kind, list[str]] | None:
@@ -146,9 +166,15 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         "moe_case": cases.moe_cases,
         "router_case": cases.router_cases,
     }
+    heads = _heads(config)
     for fixture, grid in grids.items():
         if fixture in metafunc.fixturenames:
-            metafunc.parametrize(fixture, grid(profile), ids=str)
+            grid_cases = grid(profile)
+            if heads is not None and fixture in cases.ATTENTION_GRIDS:
+                grid_cases = cases.at_heads(grid_cases, heads)
+            metafunc.parametrize(fixture, grid_cases, ids=str)
+    if "attention_heads" in metafunc.fixturenames:  # the attention tests outside the grids
+        metafunc.parametrize("attention_heads", heads or [cases.DEFAULT_HEADS], ids=lambda h: f"h{h}")
     if "page_size" in metafunc.fixturenames:
         # 128: the page size sm100 CUTLASS MLA forces; full shapes only, where a GPU runs them.
         page_sizes = [1, 16, 64] + ([128] if profile == "full" else [])

@@ -66,12 +66,13 @@ def test_forward_mla(attention_target: Target, mla_case: MLACase, page_size: int
 TREE_PARENTS = ((-1, 0, 0, 1, 1, 3), (-1, 0, 1, 0, 2, 2))
 
 
-def test_forward_mla_tree_verify(attention_target: Target, page_size: int, plugserve_hardware, plugserve_device):
+def test_forward_mla_tree_verify(attention_target: Target, page_size: int, attention_heads: int, plugserve_hardware,
+                                 plugserve_device):
     """TARGET_VERIFY of draft trees: a node sees its request's prefix, its ancestors and itself only."""
     caps = attention_target.cls.capabilities
     if not caps.tree_verify:  # type: ignore[attr-defined]
         pytest.skip(f"{attention_target.entry.name} does not declare tree_verify (draft trees)")
-    case = MLACase(ForwardMode.TARGET_VERIFY, (17, 40), (len(TREE_PARENTS[0]),) * 2)
+    case = MLACase(ForwardMode.TARGET_VERIFY, (17, 40), (len(TREE_PARENTS[0]),) * 2, attention_heads)
     spec, backend, batch = _mla_setup(attention_target, case, page_size, plugserve_hardware, plugserve_device)
     batch = batch.with_tree(DraftTree.of(torch.tensor(TREE_PARENTS, device=plugserve_device)))
     _check_forward_mla(spec, backend, batch, f"tree {TREE_PARENTS} {case}")
@@ -209,11 +210,11 @@ def test_forward_mha(attention_target: Target, mha_case: MHACase, plugserve_hard
     assert_lse_close(lse, expected_lse, dtype, f"forward_mha {mha_case} chunks merged: lse")
 
 
-def test_merge_attn_states(attention_target: Target, plugserve_hardware, plugserve_device):
+def test_merge_attn_states(attention_target: Target, attention_heads: int, plugserve_hardware, plugserve_device):
     caps = attention_target.cls.capabilities
     if AttnForwardMethod.MHA_CHUNKED_KV not in caps.methods:  # type: ignore[attr-defined]
         pytest.skip(f"{attention_target.entry.name} does not implement MHA_CHUNKED_KV")
-    spec = AttentionSpec(num_heads=16, dtype=attention_target.dtype)
+    spec = AttentionSpec(num_heads=attention_heads, dtype=attention_target.dtype)
     backend = _backend(attention_target, spec, Phase.PREFILL, plugserve_hardware, plugserve_device)
     t, h, d, device, dtype = 37, spec.num_heads, spec.v_head_dim, plugserve_device, spec.dtype
     out_a, out_b = (torch.randn(t, h, d, device=device, dtype=dtype) for _ in range(2))

@@ -412,6 +412,7 @@ def test_main_prints_table_and_writes_json(
     assert len(lines) == 1
     record = json.loads(lines[0])
     assert set(record) >= JSON_KEYS
+    assert record["server_args"] is None  # a server without plugserve's /server_info
     assert record["backend"] == backend and record["model"] == FAKE_MODEL and record["request_rate"] == "inf"
     assert record["completed"] == 6 and record["total_output_tokens"] == 48
     assert record["input_lens"] == [32] * 6 and record["output_lens"] == [8] * 6

@@ -46,6 +46,19 @@ def test_bench_one_batch_reports_the_accept_length_of_speculative_decoding(tmp_p
     assert 1 <= row["accept_length"] <= 3 and row["decode_steps"] <= 8 and row["decode_throughput"] > 0
 
 
+def test_bench_one_batch_runs_tensor_parallel_ranks(tmp_path, capsys):
+    """--tp-size 2 --ep-size 2 on the tiny preset: rank 0 here, rank 1 a worker process over gloo."""
+    out = tmp_path / "one_batch.jsonl"
+    bench_one_batch.main(["--model-preset", "tiny", "--load-format", "dummy", "--tp-size", "2", "--ep-size", "2",
+                          "--batch-size", "2", "--input-len", "8", "--output-len", "3", "--result-filename", str(out)])
+    assert capsys.readouterr().out.count("Prefill. latency:") == 2  # warm-up + the run
+    [row] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert (row["server_args"]["tp_size"], row["server_args"]["ep_size"]) == (2, 2)
+    assert row["batch_size"] == 2 and row["decode_steps"] == 2
+    assert row["prefill_throughput"] > 0 and row["median_decode_latency"] > 0 and row["overall_throughput"] > 0
+    assert row["backends"]["moe:decode"] == "torch_ref"
+
+
 def test_bench_serving_against_the_running_server(server, tmp_path, capsys):
     out = tmp_path / "serving.jsonl"
     code = bench_serving.main(["--base-url", server.base_url, "--api-key", API_KEY, "--num-prompts", "12",
@@ -58,5 +71,6 @@ def test_bench_serving_against_the_running_server(server, tmp_path, capsys):
         assert label in printed
     [row] = [json.loads(line) for line in out.read_text().splitlines()]
     assert row["completed"] == 12 and row["failed"] == 0
+    assert row["server_args"]["model_preset"] == "tiny" and row["server_args"]["tp_size"] == 1
     # ignore_eos makes every request generate exactly its max_tokens
     assert row["output_lens"] == row["max_tokens"]

@@ -1,10 +1,15 @@
 import json
 
 import pytest
+import torch
 
 from benchmarks import shootout
+from plugserve.core.config import preset_config
+from plugserve.core.distributed import ParallelGroup
 from plugserve.core.forward_batch import Phase
 from plugserve.core.hardware import Hardware
+from plugserve.core.layers.linear import Linear
+from plugserve.core.models.deepseek import DeepseekForCausalLM
 from plugserve.registry import SelectionTable
 
 
@@ -39,3 +44,49 @@ def test_wrapper_overhead_compares_with_the_library_called_directly():
     assert row.wrapper_overhead == pytest.approx(0.03)
     assert shootout.Row("gemm", "decode", "m8", "x", 1.0, 0, 0, 0, 8, "graph").wrapper_overhead is None
     assert shootout.library_call("no_such_backend", "gemm") is None
+
+
+@pytest.mark.parametrize(("name", "tp_size"), [("tiny", 1), ("tiny", 2), ("deepseek-v2-lite", 2), ("deepseek-v3", 8)])
+def test_gemm_shapes_are_the_fp8_layers_one_rank_holds(name, tp_size):
+    """Against the model itself on the meta device as rank 0 of tp_size (its routed experts go to the MoE backend)."""
+    config = preset_config(name).quantized_fp8((16, 16)).with_layers(4)
+    model = DeepseekForCausalLM(config, torch.float32, "meta", group=ParallelGroup(0, tp_size))
+    held = {(m.out_features, m.in_features) for path, m in model.named_modules()
+            if isinstance(m, Linear) and m.fp8_block and ".experts." not in path}
+    assert sorted(set(shootout.gemm_shapes(config, tp_size))) == sorted(held)
+
+
+def test_quick_shootout_at_two_ranks_measures_one_ranks_shapes(tmp_path):
+    common = ["--quick", "--device", "cpu", "--dtype", "float32", "--heads", "4", "--page-size", "16", "--warmup", "0",
+              "--reps", "1", "--reference-reps", "1", "--tp-size", "2"]
+    shootout.main([*common, "--output-dir", str(tmp_path / "tp"), "--backends", "attention:torch_ref",
+                   "gemm:torch_ref", "moe:torch_ref"])
+    data = json.loads((tmp_path / "tp" / "shootout.json").read_text())
+    assert (data["tp_size"], data["ep_size"]) == (2, 1)
+    shapes = {kind: {r["shape"] for r in data["rows"] if r["kind"] == kind} for kind in ("attention", "gemm", "moe")}
+    assert all(s.endswith(" h2") for s in shapes["attention"])  # 4 heads over 2 ranks
+    tiny = preset_config("tiny")
+    assert {s.split(" ", 1)[1] for s in shapes["gemm"]} == {f"n{n} k{k}" for n, k in shootout.gemm_shapes(tiny, 2)}
+    assert {s.split(" ", 1)[1] for s in shapes["moe"]} == {"e16top4 h256 i64"}  # width 128 / 2
+    table = SelectionTable.model_validate_json((tmp_path / "tp" / f"{Hardware.detect('cpu').device_key}.json")
+                                               .read_text())
+    assert (table.tp_size, table.ep_size) == (2, 1)
+
+    shootout.main([*common, "--ep-size", "2", "--kinds", "moe", "--output-dir", str(tmp_path / "ep"),
+                   "--backends", "moe:torch_ref"])
+    data = json.loads((tmp_path / "ep" / "shootout.json").read_text())
+    assert (data["tp_size"], data["ep_size"]) == (2, 2)
+    assert {r["shape"].split(" ", 1)[1] for r in data["rows"]} == {"e8of16top4 h256 i128"}  # rank 0's whole experts
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--tp-size", "2", "--ep-size", "3"], "--ep-size 3 must be 1 or --tp-size (2)"),
+    (["--tp-size", "3"], "--heads 128 does not split over --tp-size 3"),
+    (["--tp-size", "0"], "--tp-size 0 must be at least 1"),
+    (["--tp-size", "256", "--heads", "256"],
+     "--tp-size 256 --ep-size 1: num_attention_heads 128 does not split over 256"),  # V3's GEMMs
+])
+def test_parallelism_flags_are_checked_naming_the_flags(flags, message, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        shootout.main([*flags, "--output-dir", str(tmp_path)])
+    assert message in capsys.readouterr().err

@@ -114,7 +114,8 @@ def _kit(folder: Path, report: Path, *args: str) -> dict[str, set[str]]:
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs", "plugserve.testing",
          "--plugserve-device", "cpu", "--plugserve-dtypes", "float32", "--plugserve-report", str(report), *args],
-        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(folder)}, check=False,
+        capture_output=True, text=True, check=False,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))},
     )
     assert result.returncode in (0, 1), result.stdout[-3000:] + result.stderr[-3000:]
     failed: dict[str, set[str]] = {}
@@ -185,3 +186,20 @@ def test_third_party_plugin_installs_is_listed_selected_and_passes_the_kit(tmp_p
     )
     assert kit.returncode == 0, kit.stdout[-3000:]
     assert " passed" in kit.stdout and "failed" not in kit.stdout
+
+
+def test_kit_runs_attention_at_one_ranks_heads(tmp_path: Path):
+    """--plugserve-heads: every attention case at the given per-rank head counts (here 3: odd, and no grid's)."""
+    report = tmp_path / "report.json"
+    failed = _kit(tmp_path, report, "--plugserve-backend", "attention:torch_ref", "--plugserve-heads", "3",
+                  "-k", "test_forward_mla and not graph or test_merge_attn_states or test_forward_mha")
+    assert failed == {"torch_ref": set()}
+    ran = [r["test"] for r in json.loads(report.read_text())["results"] if r["outcome"] == "passed"]
+    assert ran and all("-h3" in test for test in ran), ran
+    assert {t.partition("::")[2].partition("[")[0] for t in ran} == {
+        "test_forward_mla", "test_forward_mla_tree_verify", "test_merge_attn_states", "test_forward_mha"}
+
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs",
+                             "plugserve.testing", "--plugserve-heads", "0"],
+                            capture_output=True, text=True, check=False)
+    assert result.returncode == 4 and "--plugserve-heads '0': expected positive head counts" in result.stderr

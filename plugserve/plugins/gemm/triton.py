@@ -6,7 +6,8 @@ SMs idle, K is split over several programs per tile (SPLIT_K) and their float32 
 Kernel launch configs are tuned per weight shape and GPU (benchmarks/tune_fp8_gemm.py) into
 `configs/N={N},K={K},device_name={device},dtype=fp8_w8a8,block_shape=[128, 128].json` (or the
 folder $PLUGSERVE_GEMM_CONFIG_DIR names), mapping batch sizes M to configs; a call takes the entry
-of the nearest M, or `default_config` when the shape has no file for this GPU.
+of the nearest M, or `default_config` when the shape has no file for this GPU nor for the closest
+measured one of its compute capability (plugserve.core.device_match; the choice is logged).
 
 The kernels (plugserve.plugins.gemm.triton_kernels) are imported on first use, not with the
 plugin: triton reads TRITON_INTERPRET when it defines them. fp8 `tl.dot` needs sm89 (Ada) or
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,10 +26,13 @@ from typing import ClassVar
 
 import torch
 
+from plugserve.core.device_match import DeviceMatch, closest_measured, measured_device_keys
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import Availability, Fp8GemmBackend, GemmCapabilities, GemmSpec
 from plugserve.plugins.triton_support import triton_availability
 from plugserve.registry import hookimpl
+
+logger = logging.getLogger(__name__)
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 # Where the backend looks for tuned configs instead of CONFIG_DIR (the tuning script's --output-dir).
@@ -68,6 +73,17 @@ def load_configs(
         raise ValueError(f"{path}: needs at least one entry, each with BLOCK_SIZE_K {block_shape[1]} and SPLIT_K "
                          f">= 1 (wrong for M {wrong})")
     return dict(sorted(configs.items()))
+
+
+@functools.cache
+def config_device(hardware: Hardware, n: int, k: int, block_shape: tuple[int, int], config_dir: Path) -> DeviceMatch:
+    """Whose tuned configs of an [N, K] weight this GPU uses: its own file's, else the closest measured GPU's;
+    logged once per shape when not its own."""
+    measured = measured_device_keys(config_dir, lambda key: config_file_name(n, k, key, block_shape))
+    match = closest_measured(hardware, measured, f"tuned config N={n},K={k}")
+    if not match.exact:
+        logger.info("triton fp8 GEMM: %s%s", match.reason, "" if match.key else "; default configs")
+    return match
 
 
 def default_config(m: int, block_shape: tuple[int, int] = (128, 128), n: int | None = None, k: int | None = None,
@@ -121,7 +137,7 @@ class TritonFp8Gemm(Fp8GemmBackend):
 
     def __init__(self, spec: GemmSpec, device: torch.device) -> None:
         super().__init__(spec, device)
-        self.device_name = Hardware.detect(device).device_key if device.type == "cuda" else "cpu"
+        self.hardware = Hardware.detect(device)
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
         self.config_dir = Path(os.environ.get(CONFIG_DIR_ENV, CONFIG_DIR))
 
@@ -132,13 +148,16 @@ class TritonFp8Gemm(Fp8GemmBackend):
 
     def prepare(self, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> TritonFp8Weight:
         """weight [N, K] float8_e4m3fn, weight_scale_inv [ceil(N/bn), ceil(K/bk)] float32, made
-        contiguous on this backend's device; looks up the tuned configs of [N, K] on this GPU once."""
+        contiguous on this backend's device; looks up the tuned configs of [N, K] (this rank's slice of a
+        tensor-parallel layer) on this GPU, or the closest measured one, once."""
         self.check_weight(weight, weight_scale_inv)
         n, k = weight.shape
+        block = self.spec.block_shape
+        device_key = config_device(self.hardware, n, k, block, self.config_dir).key
         return TritonFp8Weight(
             weight.to(self.device).contiguous(),
             weight_scale_inv.to(self.device).contiguous(),
-            load_configs(n, k, self.device_name, self.spec.block_shape, self.config_dir),
+            None if device_key is None else load_configs(n, k, device_key, block, self.config_dir),
         )
 
     def apply(self, x: torch.Tensor, packed: TritonFp8Weight) -> torch.Tensor:

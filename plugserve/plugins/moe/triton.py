@@ -188,8 +188,7 @@ class TritonMoE(MoEBackend):
         up under this rank's routed experts' count and top-k also when shared experts are fused."""
         spec = self.spec
         return get_config(num_tokens, spec.top_k, spec.num_local_experts, spec.intermediate_size, spec.dtype,
-                          spec.block_shape if spec.is_fp8 else None, self._hardware.device_type,
-                          self._hardware.device_key)
+                          spec.block_shape if spec.is_fp8 else None, self._hardware)
 
     def forward(
         self,

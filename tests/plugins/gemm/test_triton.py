@@ -16,10 +16,13 @@ import pytest
 import torch
 
 from benchmarks import tune_fp8_gemm
+from plugserve.core.config import preset_config
+from plugserve.core.distributed import ParallelGroup
 from plugserve.core.forward_batch import Phase
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import GemmSpec
 from plugserve.core.layers.quant import per_token_group_quant_fp8, quantize_block_fp8
+from plugserve.core.models.deepseek import DeepseekForCausalLM
 from plugserve.plugins.gemm.torch_ref import block_fp8_matmul
 from plugserve.plugins.gemm.triton import (
     CONFIG_DIR,
@@ -263,12 +266,48 @@ def test_backend_uses_the_config_dir_and_tuned_file(tmp_path: Path, monkeypatch:
     monkeypatch.setenv(CONFIG_DIR_ENV, str(tmp_path))
     backend = TritonFp8Gemm(GemmSpec(dtype=torch.float32), CPU)
     tuned = {1: default_config(1) | {"BLOCK_SIZE_N": 32}, 64: default_config(64) | {"GROUP_SIZE_M": 4}}
-    _write(tmp_path, 200, 300, backend.device_name, tuned)
+    _write(tmp_path, 200, 300, backend.hardware.device_key, tuned)
     x, w_q, w_s = _operands(3, 200, 300)
     packed = backend.prepare(w_q, w_s)
     assert packed.configs == tuned
     x_q, x_s = per_token_group_quant_fp8(x)
     assert_close(backend.apply(x, packed), block_fp8_matmul(x_q, x_s, w_q, w_s), torch.float32, "tuned config")
+
+
+def test_another_h100_takes_the_closest_measured_config_and_logs_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv(CONFIG_DIR_ENV, str(tmp_path))
+    tuned = {1: default_config(1) | {"BLOCK_SIZE_N": 32}}
+    _write(tmp_path, 200, 300, H100.device_key, tuned)
+    _, w_q, w_s = _operands(3, 200, 300)
+    backend = TritonFp8Gemm(GemmSpec(dtype=torch.float32), CPU)
+    backend.hardware = Hardware("cuda", "NVIDIA H100 NVL", (9, 0), 94 * 2**30, 132)
+    with caplog.at_level("INFO", logger="plugserve.plugins.gemm.triton"):
+        assert backend.prepare(w_q, w_s).configs == tuned
+    assert ("no tuned config N=200,K=300 for NVIDIA H100 NVL; using NVIDIA_H100_80GB_HBM3, the closest measured "
+            "(same sm90 family, H100)") in caplog.text
+    backend.hardware = Hardware("cuda", "NVIDIA A10", (8, 6), 24 * 2**30, 72)  # no sm86 GPU measured: defaults
+    with caplog.at_level("INFO", logger="plugserve.plugins.gemm.triton"):
+        assert backend.prepare(w_q, w_s).configs is None
+    assert "nor for another GPU known to share its compute capability (sm86)" in caplog.text
+    assert "; default configs" in caplog.text
+
+
+def test_tensor_parallel_layers_look_up_their_per_rank_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 of 2: q_b_proj's tuned file is the one of its N / 2 rows, o_proj's of its K / 2 columns."""
+    monkeypatch.setenv(CONFIG_DIR_ENV, str(tmp_path))
+    config = preset_config("tiny").quantized_fp8()  # 8 heads of 96 (q) and 64 (v) dims, q LoRA 192, hidden 256
+    model = DeepseekForCausalLM(config, torch.float32, CPU, group=ParallelGroup(0, 2))
+    attention = model.layers[0].self_attn
+    per_rank = {1: default_config(1) | {"GROUP_SIZE_M": 2}}
+    whole = {1: default_config(1) | {"GROUP_SIZE_M": 3}}
+    for (n, k), table in {(4 * 96, 192): per_rank, (8 * 96, 192): whole, (256, 4 * 64): per_rank,
+                          (256, 8 * 64): whole}.items():
+        _write(tmp_path, n, k, "cpu", table)
+    backend = TritonFp8Gemm(GemmSpec(dtype=torch.float32), CPU)
+    for layer in (attention.q_b_proj, attention.o_proj):
+        layer.finalize(backend)
+        assert layer._packed.configs == per_rank
 
 
 def test_shipped_config_files_are_valid() -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from plugserve.core.config import preset_config
 from plugserve.core.forward_batch import Phase
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import MoESpec, RouterConfig
@@ -302,10 +303,41 @@ def test_config_files_round_trip_and_nearest_m(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
     configs.write_config_file(tmp_path / configs.config_file_name(16, 32, "dev", torch.float16, None),
                               {1: small, 512: large})
-    assert configs.get_config(200, 4, 16, 32, torch.float16, None, "cuda", "dev") == small
-    assert configs.get_config(300, 4, 16, 32, torch.float16, None, "cuda", "dev") == large
-    untuned = configs.get_config(300, 4, 16, 32, torch.float32, None, "cuda", "dev")
+    dev = Hardware("cuda", "dev", (9, 0), 0, 132)
+    assert configs.get_config(200, 4, 16, 32, torch.float16, None, dev) == small
+    assert configs.get_config(300, 4, 16, 32, torch.float16, None, dev) == large
+    untuned = configs.get_config(300, 4, 16, 32, torch.float32, None, dev)
     assert untuned == configs.default_config(300, 4, 16, False, torch.float32, "cuda")
+
+
+def test_another_sm90_gpu_takes_the_closest_measured_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    tuned = MoEConfig(16, GemmConfig(64, 128, 1, 4, 3), GemmConfig(128, 128, 1, 4, 4))
+    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
+    for key in ("NVIDIA_H100_80GB_HBM3", "NVIDIA_H200"):
+        configs.write_config_file(tmp_path / configs.config_file_name(16, 32, key, torch.float16, None), {1: tuned})
+    h200_nvl = Hardware("cuda", "NVIDIA H200 NVL", (9, 0), 141 * 2**30, 132)
+    with caplog.at_level("INFO", logger="plugserve.plugins.moe.configs"):
+        assert configs.get_config(1, 4, 16, 32, torch.float16, None, h200_nvl) == tuned
+    assert ("no tuned config E=16,N=32 for NVIDIA H200 NVL; using NVIDIA_H200, the closest measured "
+            "(same sm90 family, H200)") in caplog.text
+    a10 = Hardware("cuda", "NVIDIA A10", (8, 6), 24 * 2**30, 72)
+    assert configs.get_config(1, 4, 16, 32, torch.float16, None, a10) == configs.default_config(
+        1, 4, 16, False, torch.float16, "cuda")
+
+
+@pytest.mark.parametrize(("ep_size", "ep_rank", "experts", "width"), [(1, 0, 256, 1024), (2, 1, 128, 2048)])
+def test_rank_configs_are_looked_up_under_per_rank_experts(ep_size: int, ep_rank: int, experts: int, width: int,
+                                                            tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSeek-V3 at --tp-size 2: tensor-parallel experts of width I / 2, or expert-parallel E / 2 whole ones."""
+    spec = preset_config("deepseek-v3").moe_spec(torch.bfloat16, 2, ep_size, ep_rank)
+    tuned = MoEConfig(32, GemmConfig(64, 128, 1, 4, 3), GemmConfig(128, 128, 1, 4, 4))
+    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
+    configs.write_config_file(tmp_path / configs.config_file_name(experts, width, "cpu", spec.dtype, (128, 128)),
+                              {1: tuned})
+    configs.write_config_file(tmp_path / configs.config_file_name(256, 2048, "cpu", spec.dtype, (128, 128)),
+                              {1: MoEConfig(64, tuned.w13, tuned.w2)})  # the whole layer's: never this rank's
+    assert TritonMoE(spec, torch.device("cpu")).config(1) == tuned
 
 
 def test_capabilities_and_priority() -> None:
@@ -353,3 +385,26 @@ def test_tuner_decode_space() -> None:
     assert {tile.block_n for tile in tiles} == {16, 32, 64, 128}
     block_ms, tiles = decode_space(False, torch.bfloat16, pairs_per_expert=64 * 6 / 64)
     assert block_ms == (16, 32) and {tile.block_k for tile in tiles} == {128, 256}
+
+
+def test_tuner_checks_its_expert_parallel_size(capsys: pytest.CaptureFixture[str]) -> None:
+    """Before any GPU work: --ep is 1 or --tp (then a file of E / EP whole experts, the name each rank looks up)."""
+    from benchmarks import tune_fused_moe
+
+    for argv, message in [(["--model", "v3", "--tp", "8", "--ep", "4"], "--ep 4 must be 1 or the tensor-parallel "
+                                                                        "size (v3: --tp 8)"),
+                          (["--model", "v3", "--tp", "512", "--ep", "512"], "v3's experts do not split over --tp 512 "
+                                                                            "--ep 512")]:
+        with pytest.raises(SystemExit):
+            tune_fused_moe.main(argv)
+        assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("tp", "ep"), [(8, 1), (8, 8)])
+def test_tuner_tunes_the_experts_a_rank_looks_up(tp: int, ep: int) -> None:
+    from benchmarks import tune_fused_moe
+
+    tuned = tune_fused_moe.rank_spec(tune_fused_moe.MODELS["v3"], tp, ep, "fp8_w8a8")
+    served = preset_config("deepseek-v3").moe_spec(torch.bfloat16, tp, ep, 0)
+    assert (tuned.num_local_experts, tuned.intermediate_size) == (served.num_local_experts, served.intermediate_size)
+    assert (tuned.is_fp8, tuned.dtype, tuned.router.num_experts) == (served.is_fp8, served.dtype, 256)

@@ -5,8 +5,10 @@ One file per (E, N, device, dtype):
 ``E={E},N={N},device_name={device},dtype={dtype}.json``, and for block-FP8 experts
 ``E={E},N={N},device_name={device},dtype=fp8_w8a8,block_shape=[128, 128].json``, where N is the expert
 intermediate size I as one GPU holds it (w13 [E, 2N, H], w2 [E, H, N]; DeepSeek-V3 with 8-way tensor
-parallelism: N = 2048 / 8 = 256), device is `Hardware.device_key` ("NVIDIA_H100_80GB_HBM3") and dtype
-the activation dtype ("bfloat16", "float16", "float32") of unquantized experts.
+parallelism: N = 2048 / 8 = 256; under expert parallelism E is one rank's n / P experts of whole width),
+device is `Hardware.device_key` ("NVIDIA_H100_80GB_HBM3") and dtype the activation dtype ("bfloat16",
+"float16", "float32") of unquantized experts. A GPU without its own file for (E, N, dtype) takes the
+closest measured GPU's of its compute capability (plugserve.core.device_match; the choice is logged).
 
 A file maps token counts M (T, not T * k) to a configuration; a batch uses the entry of the nearest M:
   {"64": {"BLOCK_SIZE_M": 32,
@@ -19,10 +21,16 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from plugserve.core.device_match import DeviceMatch, closest_measured, measured_device_keys
+from plugserve.core.hardware import Hardware
+
+logger = logging.getLogger(__name__)
 
 CONFIG_DIR = Path(__file__).parent
 
@@ -109,6 +117,19 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, fp8: bool, dty
     )
 
 
+@functools.cache
+def config_device(hardware: Hardware, num_experts: int, intermediate: int, dtype: torch.dtype,
+                  block_shape: tuple[int, int] | None, config_dir: Path) -> DeviceMatch:
+    """Whose tuned file of these experts this GPU uses: its own, else the closest measured GPU's; logged
+    once per shape when not its own."""
+    measured = measured_device_keys(
+        config_dir, lambda key: config_file_name(num_experts, intermediate, key, dtype, block_shape))
+    match = closest_measured(hardware, measured, f"tuned config E={num_experts},N={intermediate}")
+    if not match.exact:
+        logger.info("triton MoE: %s%s", match.reason, "" if match.key else "; default configs")
+    return match
+
+
 def get_config(
     num_tokens: int,
     top_k: int,
@@ -116,12 +137,14 @@ def get_config(
     intermediate: int,
     dtype: torch.dtype,
     block_shape: tuple[int, int] | None,
-    device_type: str,
-    device_key: str,
+    hardware: Hardware,
 ) -> MoEConfig:
-    """The tuned entry of the nearest token count for these experts on this device, else the default.
+    """The tuned entry of the nearest token count for these experts (one rank's: `num_experts` local experts of
+    width `intermediate`) on this device or the closest measured one, else the default.
     block_shape: that of block-FP8 experts, None for unquantized ones."""
-    tuned = load_config_file(CONFIG_DIR / config_file_name(num_experts, intermediate, device_key, dtype, block_shape))
+    device_key = config_device(hardware, num_experts, intermediate, dtype, block_shape, CONFIG_DIR).key
+    tuned = device_key and load_config_file(
+        CONFIG_DIR / config_file_name(num_experts, intermediate, device_key, dtype, block_shape))
     if tuned:
         return tuned[min(tuned, key=lambda m: abs(m - num_tokens))]
-    return default_config(num_tokens, top_k, num_experts, block_shape is not None, dtype, device_type)
+    return default_config(num_tokens, top_k, num_experts, block_shape is not None, dtype, hardware.device_type)
