@@ -84,7 +84,7 @@ def test_load_refuses_what_no_graph_holds():
 
 @pytest.fixture(scope="module")
 def runner() -> ModelRunner:
-    return ModelRunner(ServerArgs(model_preset="tiny", page_size=4, max_total_tokens=256))
+    return ModelRunner(ServerArgs(model_preset="tiny", device="cpu", page_size=4, max_total_tokens=256))  # eager: CPU
 
 
 def test_padded_static_batch_gives_the_real_rows_the_eager_logits(runner: ModelRunner):

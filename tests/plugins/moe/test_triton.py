@@ -306,6 +306,10 @@ def test_config_files_round_trip_and_nearest_m(tmp_path: Path, monkeypatch: pyte
     dev = Hardware("cuda", "dev", (9, 0), 0, 132)
     assert configs.get_config(200, 4, 16, 32, torch.float16, None, dev) == small
     assert configs.get_config(300, 4, 16, 32, torch.float16, None, dev) == large
+    assert configs.get_config(1024, 4, 16, 32, torch.float16, None, dev) == large
+    # Past twice the largest tuned M the file says nothing: prefill batches of a decode-tuned file take the default.
+    assert configs.get_config(1025, 4, 16, 32, torch.float16, None, dev) == configs.default_config(
+        1025, 4, 16, False, torch.float16, "cuda")
     untuned = configs.get_config(300, 4, 16, 32, torch.float32, None, dev)
     assert untuned == configs.default_config(300, 4, 16, False, torch.float32, "cuda")
 

@@ -140,11 +140,12 @@ def get_config(
     hardware: Hardware,
 ) -> MoEConfig:
     """The tuned entry of the nearest token count for these experts (one rank's: `num_experts` local experts of
-    width `intermediate`) on this device or the closest measured one, else the default.
+    width `intermediate`) on this device or the closest measured one, else the default. A file tuned only up to
+    some M (a decode-sized tuning) does not speak for batches beyond twice its largest M: those take the default.
     block_shape: that of block-FP8 experts, None for unquantized ones."""
     device_key = config_device(hardware, num_experts, intermediate, dtype, block_shape, CONFIG_DIR).key
     tuned = device_key and load_config_file(
         CONFIG_DIR / config_file_name(num_experts, intermediate, device_key, dtype, block_shape))
-    if tuned:
+    if tuned and num_tokens <= 2 * max(tuned):
         return tuned[min(tuned, key=lambda m: abs(m - num_tokens))]
     return default_config(num_tokens, top_k, num_experts, block_shape is not None, dtype, hardware.device_type)
