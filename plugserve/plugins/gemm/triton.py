@@ -138,7 +138,6 @@ class TritonFp8Gemm(Fp8GemmBackend):
     def __init__(self, spec: GemmSpec, device: torch.device) -> None:
         super().__init__(spec, device)
         self.hardware = Hardware.detect(device)
-        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
         self.config_dir = Path(os.environ.get(CONFIG_DIR_ENV, CONFIG_DIR))
 
     @classmethod
@@ -172,7 +171,8 @@ class TritonFp8Gemm(Fp8GemmBackend):
         block = self.spec.block_shape
         x_q, x_scales = triton_kernels.per_token_group_quant_fp8(x, block[1], column_major_scales=True)
         n = packed.weight.shape[0]
-        config = pick_config(x.shape[0], packed.configs, block, n, k, self.num_sms)
+        sms = self.hardware.multiprocessors if self.hardware.device_type == "cuda" else None  # interpreter: no split
+        config = pick_config(x.shape[0], packed.configs, block, n, k, sms)
         return triton_kernels.w8a8_block_fp8_matmul(
             x_q, x_scales, packed.weight, packed.weight_scale_inv, block, self.spec.dtype, config
         )
