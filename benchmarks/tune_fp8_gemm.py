@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from plugserve.core.layers.quant import quantize_block_fp8
+from plugserve.core.layers.quant import ceil_div, quantize_block_fp8
 from plugserve.plugins.gemm.triton import CONFIG_DIR, CONFIG_KEYS, Config, config_file_name, default_config
 
 BLOCK_SHAPE = (128, 128)
@@ -71,14 +71,14 @@ def candidates(m: int, space: dict[str, tuple[int, ...]], smem_bytes: int, n: in
     while the output tiles are fewer than the SMs, with at least two K blocks per split."""
     block_k = BLOCK_SHAPE[1]
     tallest = max(16, 1 << (m - 1).bit_length())
-    k_blocks = -(-k // block_k)
+    k_blocks = ceil_div(k, block_k)
     configs = []
     grid = itertools.product(space["BLOCK_SIZE_M"], space["BLOCK_SIZE_N"], space["GROUP_SIZE_M"],
                              space["num_warps"], space["num_stages"], space["SPLIT_K"])
     for bm, bn, group, warps, stages, split_k in grid:
-        if bm > tallest or (group > 1 and -(-m // bm) == 1) or stages * (bm + bn) * block_k > smem_bytes:
+        if bm > tallest or (group > 1 and ceil_div(m, bm) == 1) or stages * (bm + bn) * block_k > smem_bytes:
             continue
-        if split_k > 1 and (-(-m // bm) * -(-n // bn) >= num_sms or 2 * split_k > k_blocks):
+        if split_k > 1 and (ceil_div(m, bm) * ceil_div(n, bn) >= num_sms or 2 * split_k > k_blocks):
             continue
         configs.append({**dict(zip(CONFIG_KEYS, (bm, bn, block_k, group, warps, stages), strict=True)),
                         "SPLIT_K": split_k})

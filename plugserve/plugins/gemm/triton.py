@@ -29,6 +29,7 @@ import torch
 from plugserve.core.device_match import DeviceMatch, closest_measured, measured_device_keys
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import Availability, Fp8GemmBackend, GemmCapabilities, GemmSpec
+from plugserve.core.layers.quant import ceil_div
 from plugserve.plugins.triton_support import triton_availability
 from plugserve.registry import hookimpl
 
@@ -100,8 +101,8 @@ def default_config(m: int, block_shape: tuple[int, int] = (128, 128), n: int | N
         bm, bn, group, warps, stages = 64, 128, 8, 4, 3
     split_k = 1
     if n is not None and k is not None and num_sms:
-        tiles = -(-m // bm) * -(-n // bn)
-        split_k = max(1, min(_SPLIT_K_WAVES * num_sms // tiles, -(-k // block_shape[1]) // _SPLIT_K_MIN_BLOCKS))
+        tiles = ceil_div(m, bm) * ceil_div(n, bn)
+        split_k = max(1, min(_SPLIT_K_WAVES * num_sms // tiles, ceil_div(k, block_shape[1]) // _SPLIT_K_MIN_BLOCKS))
     return {**dict(zip(CONFIG_KEYS, (bm, bn, block_shape[1], group, warps, stages), strict=True)), "SPLIT_K": split_k}
 
 
