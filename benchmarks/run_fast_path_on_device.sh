@@ -9,8 +9,9 @@
 #                         --plugserve-backend,moe:triton,--plugserve-dtypes,bfloat16 -> conf-TAG.{txt,json}
 #   decode:TAG:ARGS       benchmarks/bench_decode_vs_hf.py with ARGS (commas for spaces) -> decode-TAG.{json,txt}
 #   profile:TAG:ARGS      benchmarks/profile_decode.py with ARGS -> profile-TAG.txt (kernel time per decode step)
-#   tune:TAG:ARGS         benchmarks/tune_fused_moe.py with ARGS, configs into $res/moe-configs-TAG and into
-#                         plugserve/plugins/moe/configs for the steps after it
+#   tune:TAG:ARGS         benchmarks/tune_fused_moe.py with ARGS, configs into $res/moe-configs-TAG (which starts
+#                         as a copy of the shipped ones, for --update) and into plugserve/plugins/moe/configs for
+#                         the steps after it
 #   gtune:TAG:ARGS        benchmarks/tune_fp8_gemm.py with ARGS, configs into $res/gemm-configs-TAG and into
 #                         plugserve/plugins/gemm/configs for the steps after it
 #   one:TAG:ARGS          benchmarks/bench_one_batch.py with ARGS -> one-TAG.{jsonl,txt}
@@ -57,6 +58,7 @@ for step in "$@"; do
       echo "profile $tag:"; head -n 30 $res/profile-$tag.txt ;;
     tune)
       mkdir -p $res/moe-configs-$tag
+      cp plugserve/plugins/moe/configs/*.json $res/moe-configs-$tag/
       timeout $limit python3 -m benchmarks.tune_fused_moe $args --output-dir $res/moe-configs-$tag > $res/tune-$tag.log 2>&1
       cp $res/moe-configs-$tag/*.json plugserve/plugins/moe/configs/ 2>/dev/null
       echo "tune $tag:"; tail -n 5 $res/tune-$tag.log; ls $res/moe-configs-$tag ;;
