@@ -12,7 +12,8 @@
 #   tune:TAG:ARGS         benchmarks/tune_fused_moe.py with ARGS, configs into $res/moe-configs-TAG (which starts
 #                         as a copy of the shipped ones, for --update) and into plugserve/plugins/moe/configs for
 #                         the steps after it
-#   gtune:TAG:ARGS        benchmarks/tune_fp8_gemm.py with ARGS, configs into $res/gemm-configs-TAG and into
+#   gtune:TAG:ARGS        benchmarks/tune_fp8_gemm.py with ARGS, configs into $res/gemm-configs-TAG (a copy of
+#                         the shipped ones first, for --update) and into
 #                         plugserve/plugins/gemm/configs for the steps after it
 #   one:TAG:ARGS          benchmarks/bench_one_batch.py with ARGS -> one-TAG.{jsonl,txt}
 #   specvs:TAG:ARGS       decode tokens/s without and with speculative decoding (CUDA graphs on both sides):
@@ -64,6 +65,7 @@ for step in "$@"; do
       echo "tune $tag:"; tail -n 5 $res/tune-$tag.log; ls $res/moe-configs-$tag ;;
     gtune)
       mkdir -p $res/gemm-configs-$tag
+      cp plugserve/plugins/gemm/configs/*.json $res/gemm-configs-$tag/
       timeout $limit python3 -m benchmarks.tune_fp8_gemm $args --output-dir $res/gemm-configs-$tag > $res/gtune-$tag.log 2>&1
       cp $res/gemm-configs-$tag/*.json plugserve/plugins/gemm/configs/ 2>/dev/null
       echo "gtune $tag:"; grep "M=\|wrote\|took" $res/gtune-$tag.log | tail -n 12 ;;

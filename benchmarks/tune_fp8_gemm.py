@@ -85,11 +85,15 @@ def candidates(m: int, space: dict[str, tuple[int, ...]], smem_bytes: int, n: in
     return configs
 
 
-def write_configs(best: dict[int, Config], n: int, k: int, device_name: str, output_dir: Path) -> Path:
-    """{M: config} -> `config_file_name(n, k, device_name)` in output_dir, keys in increasing M."""
+def write_configs(best: dict[int, Config], n: int, k: int, device_name: str, output_dir: Path,
+                  update: bool = False) -> Path:
+    """{M: config} -> `config_file_name(n, k, device_name)` in output_dir, keys in increasing M; `update`: the
+    existing file's entries for other M are kept."""
     output_dir.mkdir(parents=True, exist_ok=True)
     path = output_dir / config_file_name(n, k, device_name, BLOCK_SHAPE)
-    path.write_text(json.dumps({str(m): best[m] for m in sorted(best)}, indent=4) + "\n")
+    kept = {int(m): config for m, config in json.loads(path.read_text()).items()} if update and path.is_file() else {}
+    merged = kept | best
+    path.write_text(json.dumps({str(m): merged[m] for m in sorted(merged)}, indent=4) + "\n")
     return path
 
 
@@ -162,6 +166,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="a reduced space (BLOCK_SIZE_N 64/128, GROUP_SIZE_M 1/8, 3-4 stages) and shorter timing")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="activation and output dtype")
+    parser.add_argument("--update", action="store_true",
+                        help="merge into existing files: their entries for other batch sizes are kept")
     parser.add_argument("--output-dir", type=Path, default=CONFIG_DIR)
     args = parser.parse_args(argv)
     try:
@@ -183,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"N={n} K={k}: {V3_SHAPES.get((n, k), 'custom shape')}")
         shape_start = time.perf_counter()
         best = tune_shape(n, k, batch_sizes, space, DTYPES[args.dtype], reps, device)
-        path = write_configs(best, n, k, device_name, args.output_dir)
+        path = write_configs(best, n, k, device_name, args.output_dir, args.update)
         print(f"  wrote {path} ({time.perf_counter() - shape_start:.0f} s)")
     print(f"Tuning took {time.perf_counter() - start:.0f} s")
 

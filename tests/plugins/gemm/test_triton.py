@@ -378,3 +378,8 @@ def test_tune_output_loads_back(tmp_path: Path) -> None:
     assert path.name == config_file_name(7168, 2048, "NVIDIA_H100_80GB_HBM3")
     assert list(json.loads(path.read_text())) == ["1", "64", "4096"]
     assert load_configs(7168, 2048, "NVIDIA_H100_80GB_HBM3", BLOCK, tmp_path / "out") == dict(sorted(best.items()))
+    # --update keeps the other batch sizes of the file and replaces the re-tuned ones.
+    retuned = {64: default_config(1)}
+    tune_fp8_gemm.write_configs(retuned, 7168, 2048, "NVIDIA_H100_80GB_HBM3", tmp_path / "out", update=True)
+    assert load_configs.__wrapped__(7168, 2048, "NVIDIA_H100_80GB_HBM3", BLOCK, tmp_path / "out") == dict(
+        sorted((best | retuned).items()))
