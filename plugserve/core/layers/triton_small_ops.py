@@ -22,9 +22,9 @@ from plugserve.core.layers import small_ops
 # Dtypes the kernel stores the pool in. Its casts round to nearest even like torch's; torch's cast to fp8
 # gives NaN past e4m3's range where Triton's saturates, so an fp8 pool takes the eager op.
 KERNEL_POOL_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
-# q elements a program rotates: head blocks of BLOCK_H heads, so that H = 128 at decode spreads over 8 programs
-# (each a single load / store round trip) instead of looping in one.
-Q_ELEMENTS_PER_PROGRAM = 1024
+# q's rope pairs a program rotates (BLOCK_H heads of P / 2): with P = 64, 16 heads, so that V3's 128 heads at
+# decode spread over 8 programs, each one load / store round trip, instead of looping in one.
+Q_PAIRS_PER_PROGRAM = 512
 
 
 @triton.jit
@@ -96,7 +96,7 @@ def mla_norm_rope_cache(kv_a: torch.Tensor, q_rope: torch.Tensor, norm_weight: t
         return q_out
     kv_a, q_rope, cos, sin = (_last_dim_contiguous(x) for x in (kv_a, q_rope, cos, sin))
     block_half = triton.next_power_of_2(p // 2)
-    block_h = max(1, min(triton.next_power_of_2(h), Q_ELEMENTS_PER_PROGRAM // block_half))
+    block_h = max(1, min(triton.next_power_of_2(h), Q_PAIRS_PER_PROGRAM // block_half))
     _mla_norm_rope_cache_kernel[(t, 1 + triton.cdiv(h, block_h))](
         kv_a, q_rope, norm_weight, cos, sin, slots, buffer, q_out,
         kv_a.stride(0), q_rope.stride(0), q_rope.stride(1), cos.stride(0), sin.stride(0), slots.stride(0),

@@ -1,5 +1,5 @@
 """The fused MLA norm + rope + KV pool write kernel (`triton_small_ops.mla_norm_rope_cache`) against its eager
-op; the selection.
+op, alone and in the tiny model's decode; which path the model takes for which backend; the selection.
 
 Without a GPU the kernel runs in Triton's interpreter, in fp32 / fp16 only: the interpreter truncates float32
 to bf16 where the GPU rounds to nearest even.
@@ -21,8 +21,14 @@ from types import ModuleType
 import pytest
 import torch
 
+from plugserve.core.dispatch import AttnForwardMethod
+from plugserve.core.forward_batch import ForwardMode
 from plugserve.core.layers import small_ops
 from plugserve.core.layers.small_ops import EAGER, SmallOps
+from plugserve.core.models.deepseek import DeepseekForCausalLM
+from plugserve.plugins.attention.torch_ref import TorchRefAttention
+from tests.checkpoints import random_hf_model, save_hf_model, tiny_v3_config
+from tests.paged_runner import PagedRunner, Request, load_reference_model
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
@@ -158,6 +164,80 @@ def test_captures_in_a_cuda_graph_and_replays_on_new_inputs(kernels: ModuleType)
     graph.replay()
     _assert_matches(q, expected_q, "rotated q_rope (replayed)")
     _assert_matches(buffer, expected_buffer, "pool (replayed)")
+
+
+# ----------------------------------------------------------------------------------------------------
+# In the model
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> DeepseekForCausalLM:
+    directory = save_hf_model(random_hf_model(tiny_v3_config()), tmp_path_factory.mktemp("v3"))
+    return load_reference_model(directory)
+
+
+def _decode_logits(model: DeepseekForCausalLM, steps: int = 3) -> torch.Tensor:
+    """Prefill two prompts, then `steps` greedy decode steps of both: the decode logits [steps, 2, vocab]."""
+    runner = PagedRunner(model, page_size=4)
+    requests = [Request(), Request()]
+    prompts = [[5, 17, 99, 3, 250, 8, 41], [12, 7, 300, 64]]
+    last = runner.step(ForwardMode.EXTEND, requests, prompts)
+    tokens = [int(last[len(prompts[0]) - 1].argmax()), int(last[-1].argmax())]
+    rows = []
+    for _ in range(steps):
+        logits = runner.step(ForwardMode.DECODE, requests, [[token] for token in tokens])
+        assert runner.last_batch.attn_method is AttnForwardMethod.MLA
+        rows.append(logits)
+        tokens = [int(row.argmax()) for row in logits]
+    return torch.stack(rows)
+
+
+def _counting(function):
+    def run(*args):
+        run.calls += 1
+        return function(*args)
+
+    run.calls = 0
+    return run
+
+
+def test_model_decode_with_the_fused_kernel_equals_eager(kernels: ModuleType, tiny_model: DeepseekForCausalLM
+                                                         ) -> None:
+    eager = _decode_logits(tiny_model)
+    fused = _counting(kernels.mla_norm_rope_cache)
+    tiny_model.use_small_ops(SmallOps(mla_norm_rope_cache=fused))
+    try:
+        logits = _decode_logits(tiny_model)
+    finally:
+        tiny_model.use_small_ops(EAGER)
+    assert fused.calls == 3 * tiny_model.config.num_hidden_layers  # every layer of every decode step
+    torch.testing.assert_close(logits, eager, rtol=1e-5, atol=1e-5)
+
+
+class _OwnSetKv(TorchRefAttention):
+    """A backend with its own set_kv (here: the pool write, recorded)."""
+
+    calls = 0
+
+    def set_kv(self, layer_id: int, slots: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor) -> None:
+        type(self).calls += 1
+        super().set_kv(layer_id, slots, latent, k_rope)
+
+
+def test_a_backend_overriding_set_kv_keeps_the_unfused_path(tiny_model: DeepseekForCausalLM) -> None:
+    eager = _decode_logits(tiny_model)
+    backends = tiny_model.backends
+    default = backends.attention_decode
+    fused = _counting(small_ops.mla_norm_rope_cache)
+    backends.attention_decode = _OwnSetKv(default.spec, default.device)
+    tiny_model.use_small_ops(SmallOps(mla_norm_rope_cache=fused))
+    try:
+        logits = _decode_logits(tiny_model)
+    finally:
+        backends.attention_decode = default
+        tiny_model.use_small_ops(EAGER)
+    assert fused.calls == 0 and _OwnSetKv.calls == 3 * tiny_model.config.num_hidden_layers
+    assert torch.equal(logits, eager)
 
 
 def test_fused_kernels_are_selected_on_cuda_only(kernels: ModuleType) -> None:
