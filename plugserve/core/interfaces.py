@@ -368,6 +368,10 @@ class AttentionBackend(Backend):
     A backend implements the methods its `capabilities.methods` declare (MLA: forward_mla; MHA:
     forward_mha; MHA_CHUNKED_KV: forward_mha with prefix chunks and merge_attn_states); the registry
     refuses a class that declares one it does not implement. The others raise.
+
+    Under the default `set_kv` (pool rows stored as they are) the model's absorbed MLA path does not call it:
+    it writes the pool in one fused op with the latent's norm and the rope (`SmallOps.mla_norm_rope_cache`).
+    A backend that overrides `set_kv` (its own cache layout) is called with the normed latent and rotated key.
     """
 
     kind: ClassVar[Kind] = "attention"
@@ -422,7 +426,8 @@ class AttentionBackend(Backend):
         raise NotImplementedError(f"{self.name} does not run under CUDA graphs")
 
     def set_kv(self, layer_id: int, slots: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor) -> None:
-        """Write new tokens' latent [n, R] and rope key [n, P] at pool slots [n] int64. Override to fuse."""
+        """Write new tokens' latent [n, R] and rope key [n, P] at pool slots [n] int64, cast to the pool's dtype.
+        Override for another cache layout (the class docstring says what the model then calls)."""
         self.batch.kv_pool.write(layer_id, slots, latent, k_rope)
 
     def check_mla_inputs(self, q_nope: torch.Tensor, q_rope: torch.Tensor, same_dtype_as_cache: bool = True) -> None:

@@ -36,7 +36,7 @@ from plugserve.core.forward_batch import ForwardBatch, ForwardMode, Phase
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import AttentionBackend, AttentionSpec, MoESpec
 from plugserve.core.kv_cache import MLAKVPool, PageAllocator, pages_needed
-from plugserve.core.layers.small_ops import SmallOps
+from plugserve.core.layers.small_ops import EAGER, SmallOps
 from plugserve.core.loader import load_model, read_config, resolve_dtype
 from plugserve.core.models.deepseek import ModelBackends
 from plugserve.core.server_args import ServerArgs, flag
@@ -160,8 +160,8 @@ class ModelRunner:
                                 checkpoint_layers=checkpoint_layers, load_format=args.load_format, dtype=self.dtype,
                                 device=self.device, seed=args.seed, group=group, expert_parallel=args.ep_size > 1,
                                 dp_attention=self.dp_size > 1)
-        if args.enable_torch_compile:
-            self.model.use_small_ops(SmallOps.compiled(args.torch_compile_max_bs))
+        small_ops = SmallOps.compiled(args.torch_compile_max_bs) if args.enable_torch_compile else EAGER
+        self.model.use_small_ops(small_ops.with_fused_kernels(self.device))
         if self.device.type == "cuda":
             self.model.overlap_shared_experts(not args.disable_shared_experts_overlap)
         elif args.disable_shared_experts_overlap:

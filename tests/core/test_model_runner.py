@@ -38,6 +38,7 @@ def test_torch_compile_swaps_in_compiled_small_ops_and_graphs_are_off_on_the_cpu
     norm = runner.model.layers[0].input_layernorm
     assert norm.ops.rms_norm.__name__ == "compiled_rms_norm"
     assert runner.model.rotary.ops is norm.ops and runner.model.layers[0].mlp.ops is norm.ops
+    assert runner.model.layers[0].self_attn.ops is norm.ops  # the CPU has no fused kernels: compiled ops alone
     assert not runner.target_graphs and runner.graph_status == "no CUDA graphs on the CPU"
 
 

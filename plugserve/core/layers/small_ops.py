@@ -1,18 +1,20 @@
-"""The model's element-wise ops between backend calls (RMSNorm with the residual add, rope, SiLU-and-mul),
-as plain functions, eager or compiled.
+"""The model's element-wise ops between backend calls (RMSNorm with the residual add, rope, SiLU-and-mul,
+absorbed MLA's norm + rope + KV cache write), as plain functions, eager or compiled.
 
 At decode every one of them is a handful of tiny kernels per layer; under a CUDA graph the launches are
 free but each kernel still costs a few microseconds, which at batch 1 adds up to more than the weight
 reads. `--enable-torch-compile` replaces them by their torch.compile versions (Inductor fuses each into
 one or two kernels) for inputs of at most `--torch-compile-max-bs` rows; larger inputs (prefill) run the
 eager versions, so no prompt length ever triggers a recompile. The model's modules call the functions of
-the `SmallOps` they are given (`DeepseekForCausalLM.use_small_ops`).
+the `SmallOps` they are given (`DeepseekForCausalLM.use_small_ops`). On CUDA, `with_fused_kernels` also
+swaps in hand-written Triton kernels (`triton_small_ops`) where one kernel does what compiled torch cannot
+fuse, such as the write into the KV pool.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -53,6 +55,25 @@ def apply_rope(q_rope: torch.Tensor, k_rope: torch.Tensor, cos: torch.Tensor, si
     return _rotate(q_rope, cos[:, None, :], sin[:, None, :]), _rotate(k_rope, cos, sin)
 
 
+def mla_norm_rope_cache(kv_a: torch.Tensor, q_rope: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                        cos: torch.Tensor, sin: torch.Tensor, buffer: torch.Tensor, slots: torch.Tensor
+                        ) -> torch.Tensor:
+    """Absorbed MLA's new tokens into the KV pool: latent and rope key normed / rotated and stored, q rotated.
+
+    kv_a [T, R + P] (latent, then rope key; activation dtype); q_rope [T, H, P]; norm_weight [R]
+    (kv_a_layernorm's) and its eps; cos / sin [T, P/2] float32 (`rope_cos_sin`); buffer [num_slots, R + P]
+    (one layer of the pool, its own dtype); slots [T] int64. Writes buffer[slots] = rms_norm(latent) ++
+    rope(k_rope), each computed as `rms_norm` / `apply_rope` do and then cast to the buffer's dtype (as
+    `MLAKVPool.write` stores them), and returns q_rope rotated [T, H, P] in q_rope's dtype."""
+    r = norm_weight.shape[0]
+    latent, k_rope = kv_a.split([r, kv_a.shape[-1] - r], dim=-1)
+    latent = rms_norm(latent, norm_weight, eps)
+    q_rope, k_rope = apply_rope(q_rope, k_rope, cos, sin)
+    buffer[slots, :r] = latent.to(buffer.dtype)
+    buffer[slots, r:] = k_rope.to(buffer.dtype)
+    return q_rope
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [T, 2I] (gate columns, then up) -> silu(gate) * up [T, I]."""
     gate, up = gate_up.chunk(2, dim=-1)
@@ -66,6 +87,7 @@ class SmallOps:
     rope_cos_sin: Callable[..., tuple[torch.Tensor, torch.Tensor]] = rope_cos_sin
     apply_rope: Callable[..., tuple[torch.Tensor, torch.Tensor]] = apply_rope
     silu_and_mul: Callable[..., torch.Tensor] = silu_and_mul
+    mla_norm_rope_cache: Callable[..., torch.Tensor] = mla_norm_rope_cache
 
     @classmethod
     def compiled(cls, max_rows: int) -> SmallOps:
@@ -73,6 +95,18 @@ class SmallOps:
         dynamic so that one compilation serves every batch size; eager above."""
         eager = cls()
         return cls(**{name: _compiled_up_to(getattr(eager, name), max_rows) for name in cls.__dataclass_fields__})
+
+    def with_fused_kernels(self, device: torch.device) -> SmallOps:
+        """These ops with the Triton kernels of `triton_small_ops` in place of those they replace, on CUDA with
+        triton installed (also over compiled ops: torch.compile cannot fuse the KV pool write into the norm and
+        rope); unchanged elsewhere. The kernels are for every batch size, eager or compiled."""
+        if device.type != "cuda":
+            return self
+        try:
+            from plugserve.core.layers import triton_small_ops  # imports triton: only here, never at import
+        except ImportError:
+            return self
+        return replace(self, mla_norm_rope_cache=triton_small_ops.mla_norm_rope_cache)
 
 
 def _compiled_up_to(function: Callable[..., Any], max_rows: int) -> Callable[..., Any]:

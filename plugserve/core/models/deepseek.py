@@ -326,6 +326,7 @@ class MLAAttention(nn.Module):
         self.o_proj = p.row(f"{name}.o_proj", heads * c.v_head_dim, c.hidden_size)
         self.w_kc: torch.Tensor  # [H, nope, R], set at finalize
         self.w_vc: torch.Tensor  # [H, R, v]
+        self.ops: SmallOps = EAGER
 
     def checkpoint_tensors(self, prefix: str) -> dict[str, CheckpointTensor]:
         if self.q_lora_rank is not None:
@@ -357,12 +358,20 @@ class MLAAttention(nn.Module):
         if self.q_lora_rank is not None:
             q = self.q_b_proj(self.q_a_layernorm(q))
         q_nope, q_rope = q.view(t, h, -1).split([self.nope_dim, self.rope_dim], dim=-1)
-        latent, k_rope = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        latent = self.kv_a_layernorm(latent)
-        q_rope, k_rope = rope(q_rope, k_rope, cos_sin)
-        attn.set_kv(self.layer_id, batch.out_cache_loc, latent, k_rope)
-
         method = batch.attn_method or AttnForwardMethod.MLA
+        if method is AttnForwardMethod.MLA and type(attn).set_kv is AttentionBackend.set_kv:
+            # The backend stores pool rows as they are: norm, rope and the pool write as one op (one kernel on
+            # CUDA). The MHA paths need the normed latent and rotated rope key as tensors, and a backend's own
+            # set_kv may store them otherwise.
+            norm = self.kv_a_layernorm
+            q_rope = self.ops.mla_norm_rope_cache(kv_a, q_rope, norm.weight, norm.eps, *cos_sin,
+                                                  batch.kv_pool.buffer(self.layer_id), batch.out_cache_loc)
+        else:
+            latent, k_rope = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+            latent = self.kv_a_layernorm(latent)
+            q_rope, k_rope = rope(q_rope, k_rope, cos_sin)
+            attn.set_kv(self.layer_id, batch.out_cache_loc, latent, k_rope)
+
         if method is AttnForwardMethod.MLA:
             q_absorbed = torch.bmm(q_nope.transpose(0, 1), self.w_kc).transpose(0, 1)  # [T, H, R]
             out_latent = attn.forward_mla(q_absorbed, q_rope, self.layer_id)  # [T, H, R]
@@ -538,7 +547,8 @@ class DeepseekForCausalLM(nn.Module):
         self.backends = backends
 
     def use_small_ops(self, ops: SmallOps) -> None:
-        """Run the element-wise ops (norms, rope, SiLU-and-mul) through `ops` (eager or compiled)."""
+        """Run the element-wise ops (norms, rope, SiLU-and-mul, absorbed MLA's norm + rope + KV pool write) through
+        `ops` (eager, compiled, with fused kernels)."""
         for module in self.modules():
             if hasattr(module, "ops"):
                 module.ops = ops

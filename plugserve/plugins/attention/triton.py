@@ -3,7 +3,10 @@
     forward_mla   split-KV absorbed MLA over the paged latent cache, one query token per row: serves
                   DECODE, TARGET_VERIFY, DRAFT_EXTEND and EXTEND with a cached prefix alike
     forward_mha   flash attention over packed (varlen) requests, returning the log-sum-exp
-    merge_attn_states, set_kv   one fused kernel each
+    merge_attn_states   one fused kernel
+
+set_kv is the base class's (the pool write as it is): absorbed MLA then writes the pool in the model's
+fused norm + rope + cache kernel (`core/layers/triton_small_ops.py`), one launch per layer for all three.
 
 The kernels live in `triton_kernels`, imported when the first backend is built, never at module
 import: this module must import without triton, and `triton.jit` reads TRITON_INTERPRET when the
@@ -135,10 +138,6 @@ class TritonAttention(AttentionBackend):
             output_size=num_tokens,
         ))
         self._token_kv_len.copy_(batch.positions + 1)
-
-    def set_kv(self, layer_id: int, slots: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor) -> None:
-        """latent [n, R], k_rope [n, P] -> pool rows `slots` [n] int64 of layer `layer_id`, in one launch."""
-        self._kernels.set_kv(self.batch.kv_pool.buffer(layer_id), slots, latent, k_rope)
 
     def forward_mla(self, q_nope: torch.Tensor, q_rope: torch.Tensor, layer_id: int) -> torch.Tensor:
         """q_nope [T, H, R], q_rope [T, H, P] of the pool's dtype -> [T, H, R] in that dtype."""

@@ -5,7 +5,6 @@ defined whether it compiles for the GPU or runs in the interpreter (TRITON_INTER
 module must not be imported before that variable is set.
 
 Kernels:
-    _set_kv_kernel        latent ++ rope key of n tokens into their pool rows, one program per token
     _mla_kernel           absorbed MLA over the paged latent cache, one program per
                           (query token, KV split, block of heads); partial outputs + log2-sum-exp2
     _mla_reduce_kernel    combines the KV splits of one (token, head)
@@ -76,41 +75,6 @@ def _launch_first_fitting(kernel, grid: tuple[int, ...] | Callable[[dict], tuple
         _FITTING_CONFIG[key] = index
         return
     raise refused or ValueError("no config to launch")
-
-
-# ----------------------------------------------------------------------------------------------------
-# set_kv
-
-
-@triton.jit
-def _set_kv_kernel(
-    buf_ptr, slots_ptr, latent_ptr, rope_ptr,
-    stride_buf, stride_latent, stride_rope,
-    R: tl.constexpr, P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-):
-    i = tl.program_id(0).to(tl.int64)
-    row = buf_ptr + tl.load(slots_ptr + i).to(tl.int64) * stride_buf
-    r = tl.arange(0, BLOCK_R)
-    latent = tl.load(latent_ptr + i * stride_latent + r, mask=r < R)
-    tl.store(row + r, latent.to(buf_ptr.dtype.element_ty), mask=r < R)
-    p = tl.arange(0, BLOCK_P)
-    rope = tl.load(rope_ptr + i * stride_rope + p, mask=p < P)
-    tl.store(row + R + p, rope.to(buf_ptr.dtype.element_ty), mask=p < P)
-
-
-def set_kv(buffer: torch.Tensor, slots: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor) -> None:
-    """Write latent [n, R] and k_rope [n, P] (any float dtype, last dim contiguous) into rows `slots`
-    [n] int64 of buffer [num_slots, R + P], cast to the buffer's dtype. One launch for both parts."""
-    n, r = latent.shape
-    p = k_rope.shape[1]
-    if n == 0:
-        return
-    latent, k_rope, slots = _last_dim_contiguous(latent), _last_dim_contiguous(k_rope), slots.contiguous()
-    _set_kv_kernel[(n,)](
-        buffer, slots, latent, k_rope,
-        buffer.stride(0), latent.stride(0), k_rope.stride(0),
-        R=r, P=p, BLOCK_R=triton.next_power_of_2(r), BLOCK_P=triton.next_power_of_2(p),
-    )
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:

@@ -81,23 +81,6 @@ def test_availability_on_the_cpu_needs_the_interpreter(monkeypatch: pytest.Monke
     assert not available and "TRITON_INTERPRET=1" in available.reason
 
 
-@interpreted
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_set_kv_casts_into_shuffled_slots(dtype: torch.dtype) -> None:
-    spec = spec_of(torch.float16, page_size=16)
-    batch = random_batch(ForwardMode.EXTEND, [40, 9], [30, 9], spec, CPU)
-    # Views of one projection output, as the model hands them over: strided rows.
-    kv_a = torch.randn(batch.num_tokens, R + P, dtype=dtype)
-    latent, k_rope = kv_a.split([R, P], dim=-1)
-    expected = batch.kv_pool.buffer(LAYER).clone()
-    expected[batch.out_cache_loc] = kv_a.to(torch.float16)
-    other_layer = batch.kv_pool.buffer(0).clone()
-    backend, _ = backends(spec, batch)
-    backend.set_kv(LAYER, batch.out_cache_loc, latent, k_rope)
-    assert torch.equal(batch.kv_pool.buffer(LAYER), expected)
-    assert torch.equal(batch.kv_pool.buffer(0), other_layer)
-
-
 MLA_CASES = {
     "decode": (ForwardMode.DECODE, [1, 70, 130, 33], [1, 1, 1, 1]),
     "target_verify": (ForwardMode.TARGET_VERIFY, [5, 80], [4, 4]),

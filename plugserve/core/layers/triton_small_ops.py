@@ -1,0 +1,109 @@
+"""Small ops as hand-written Triton kernels, where one kernel does what torch (even compiled) needs several for.
+
+Imported only by `SmallOps.with_fused_kernels` (on CUDA) and by tests: importing plugserve.core must not
+import triton, and `triton.jit` decides when a kernel is defined whether it compiles for the GPU or runs in
+the interpreter (TRITON_INTERPRET=1, the CPU tests).
+
+    mla_norm_rope_cache   absorbed MLA's per-layer preparation of the new tokens: kv_a_layernorm of the latent,
+                          interleaved rope of the rope key and of q's rope part, and the KV pool write. Eager
+                          that is five kernels (an RMSNorm, two ropes, two index_put); here it is one launch.
+
+Only plain tl.load / tl.store / arithmetic / tl.sum, so that it compiles on older Triton releases too.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from plugserve.core.layers import small_ops
+
+# Dtypes the kernel stores the pool in. Its casts round to nearest even like torch's; torch's cast to fp8
+# gives NaN past e4m3's range where Triton's saturates, so an fp8 pool takes the eager op.
+KERNEL_POOL_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
+# q's rope pairs a program rotates (BLOCK_H heads of P / 2): with P = 64, 16 heads, so that V3's 128 heads at
+# decode spread over 8 programs, each one load / store round trip, instead of looping in one.
+Q_PAIRS_PER_PROGRAM = 512
+
+
+@triton.jit
+def _mla_norm_rope_cache_kernel(
+    kv_a_ptr, q_ptr, weight_ptr, cos_ptr, sin_ptr, slots_ptr, buf_ptr, q_out_ptr,
+    stride_kv_a, stride_q_t, stride_q_h, stride_cos, stride_sin, stride_slots, stride_buf, stride_out_t,
+    stride_out_h, eps,
+    H: tl.constexpr, R: tl.constexpr, P: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, ROUND_NORM: tl.constexpr,
+):
+    """Program (t, 0): pool row slots[t] = rms_norm(latent) ++ rope(k_rope). Program (t, 1 + b): heads
+    [b * BLOCK_H, (b + 1) * BLOCK_H) of q_rope[t] rotated into q_out[t]. Every cast goes through the input's
+    dtype first, as the eager ops round (`small_ops.rms_norm`, `small_ops._rotate`)."""
+    t = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    x_ty = kv_a_ptr.dtype.element_ty
+    j = tl.arange(0, BLOCK_HALF)  # rope pair j: elements 2j, 2j + 1
+    j_ok = j < P // 2
+    cos = tl.load(cos_ptr + t * stride_cos + j, mask=j_ok, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + t * stride_sin + j, mask=j_ok, other=0.0).to(tl.float32)
+    if block == 0:
+        buf_ty = buf_ptr.dtype.element_ty
+        kv = kv_a_ptr + t * stride_kv_a
+        row = buf_ptr + tl.load(slots_ptr + t * stride_slots).to(tl.int64) * stride_buf
+        # RMSNorm in float32, cast to x's dtype, times the weight (rounded to x's dtype when the weight has it:
+        # torch's product of two 16-bit tensors is 16-bit; of mixed dtypes, float32).
+        r = tl.arange(0, BLOCK_R)
+        x = tl.load(kv + r, mask=r < R, other=0.0).to(tl.float32)
+        normed = (x * tl.rsqrt(tl.sum(x * x, axis=0) / R + eps)).to(x_ty)
+        latent = tl.load(weight_ptr + r, mask=r < R, other=0.0).to(tl.float32) * normed.to(tl.float32)
+        if ROUND_NORM:
+            latent = latent.to(x_ty)
+        tl.store(row + r, latent.to(buf_ty), mask=r < R)
+        k_even = tl.load(kv + R + 2 * j, mask=j_ok, other=0.0).to(tl.float32)
+        k_odd = tl.load(kv + R + 2 * j + 1, mask=j_ok, other=0.0).to(tl.float32)
+        tl.store(row + R + 2 * j, (k_even * cos - k_odd * sin).to(x_ty).to(buf_ty), mask=j_ok)
+        tl.store(row + R + 2 * j + 1, (k_odd * cos + k_even * sin).to(x_ty).to(buf_ty), mask=j_ok)
+    else:
+        h = (block - 1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        ok = (h < H)[:, None] & j_ok[None, :]
+        q = q_ptr + t * stride_q_t + h[:, None] * stride_q_h + 2 * j[None, :]
+        q_even = tl.load(q, mask=ok, other=0.0).to(tl.float32)
+        q_odd = tl.load(q + 1, mask=ok, other=0.0).to(tl.float32)
+        out = q_out_ptr + t * stride_out_t + h[:, None] * stride_out_h + 2 * j[None, :]
+        q_ty = q_out_ptr.dtype.element_ty
+        tl.store(out, (q_even * cos[None, :] - q_odd * sin[None, :]).to(q_ty), mask=ok)
+        tl.store(out + 1, (q_odd * cos[None, :] + q_even * sin[None, :]).to(q_ty), mask=ok)
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    # The kernel takes a stride for every dim but the last (the model's views already have unit stride there).
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def mla_norm_rope_cache(kv_a: torch.Tensor, q_rope: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                        cos: torch.Tensor, sin: torch.Tensor, buffer: torch.Tensor, slots: torch.Tensor
+                        ) -> torch.Tensor:
+    """`small_ops.mla_norm_rope_cache` in one kernel launch (same arguments, same results; see there).
+
+    kv_a [T, R + P] and q_rope [T, H, P] may be strided views (last dim contiguous); cos / sin [T, P/2]
+    float32; buffer [num_slots, R + P]; slots [T] int64. Returns the rotated q_rope [T, H, P], a new
+    tensor. Grid (T, 1 + head blocks), no host sync, one allocation (the output): fine in a CUDA graph."""
+    if buffer.dtype not in KERNEL_POOL_DTYPES:
+        return small_ops.mla_norm_rope_cache(kv_a, q_rope, norm_weight, eps, cos, sin, buffer, slots)
+    t, h, p = q_rope.shape
+    r = norm_weight.shape[0]
+    q_out = torch.empty((t, h, p), dtype=q_rope.dtype, device=q_rope.device)
+    if t == 0:
+        return q_out
+    kv_a, q_rope, cos, sin = (_last_dim_contiguous(x) for x in (kv_a, q_rope, cos, sin))
+    block_half = triton.next_power_of_2(p // 2)
+    block_h = max(1, min(triton.next_power_of_2(h), Q_PAIRS_PER_PROGRAM // block_half))
+    _mla_norm_rope_cache_kernel[(t, 1 + triton.cdiv(h, block_h))](
+        kv_a, q_rope, norm_weight, cos, sin, slots, buffer, q_out,
+        kv_a.stride(0), q_rope.stride(0), q_rope.stride(1), cos.stride(0), sin.stride(0), slots.stride(0),
+        buffer.stride(0), q_out.stride(0), q_out.stride(1), eps,
+        H=h, R=r, P=p, BLOCK_H=block_h, BLOCK_R=triton.next_power_of_2(r), BLOCK_HALF=block_half,
+        ROUND_NORM=norm_weight.dtype == kv_a.dtype,
+        # Products and sums rounded one by one, as torch's element-wise kernels do (no FMA contraction).
+        enable_fp_fusion=False,
+    )
+    return q_out

@@ -1,0 +1,249 @@
+"""The fused MLA norm + rope + KV pool write kernel (`triton_small_ops.mla_norm_rope_cache`) against its eager
+op, alone and in the tiny model's decode; which path the model takes for which backend; the selection.
+
+Without a GPU the kernel runs in Triton's interpreter, in fp32 / fp16 only: the interpreter truncates float32
+to bf16 where the GPU rounds to nearest even.
+`triton.jit` decides when a function is defined whether it is interpreted, Triton's own library included,
+which is defined when triton is first imported, possibly by an earlier test. So unless TRITON_INTERPRET=1
+was set before this process started (tests/conftest.py sets it where no GPU is visible), the kernel tests
+run in a child pytest of this file started with it (`test_kernels_in_the_interpreter`).
+The bf16 test at DeepSeek's shapes runs only on a GPU (`test_bf16_on_the_gpu_at_deepseek_shapes`).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from plugserve.core.dispatch import AttnForwardMethod
+from plugserve.core.forward_batch import ForwardMode
+from plugserve.core.layers import small_ops
+from plugserve.core.layers.small_ops import EAGER, SmallOps
+from plugserve.core.models.deepseek import DeepseekForCausalLM
+from plugserve.plugins.attention.torch_ref import TorchRefAttention
+from tests.checkpoints import random_hf_model, save_hf_model, tiny_v3_config
+from tests.paged_runner import PagedRunner, Request, load_reference_model
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+KERNELS_HERE = ON_GPU or os.environ.get("TRITON_INTERPRET") == "1"
+REPO = Path(__file__).resolve().parents[3]
+EPS = 1e-6
+NOPE = 8  # q's nope columns before its rope part
+DTYPES = [torch.float32, torch.float16, *([torch.bfloat16] if ON_GPU else [])]
+
+
+@pytest.fixture(scope="module")
+def kernels() -> ModuleType:
+    """The kernel module, where its kernel can run in this process."""
+    if not KERNELS_HERE:
+        pytest.skip("runs in the TRITON_INTERPRET=1 child of test_kernels_in_the_interpreter")
+    from plugserve.core.layers import triton_small_ops
+
+    return triton_small_ops
+
+
+@pytest.mark.skipif(KERNELS_HERE, reason="the kernel tests run in this process")
+def test_kernels_in_the_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], cwd=REPO,
+                            env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-2000:]
+
+
+def _inputs(t: int, h: int, r: int, p: int, dtype: torch.dtype, pool_dtype: torch.dtype,
+            weight_dtype: torch.dtype | None = None, num_slots: int = 40, seed: int = 0):
+    """(kv_a, q_rope, weight, cos, sin, buffer, slots) laid out as the model hands them over: kv_a a column
+    slice of the wider qkv_a GEMM output, q_rope the rope columns of q [T, H, nope + P], shuffled slots, a
+    buffer already holding other tokens' rows, cos / sin as `rope_cos_sin` makes them."""
+    g = torch.Generator().manual_seed(seed)
+    qkv_a = torch.randn(t, 24 + r + p, generator=g).to(DEVICE, dtype)
+    kv_a = qkv_a[:, 24:]
+    q_rope = torch.randn(t, h, NOPE + p, generator=g).to(DEVICE, dtype)[..., NOPE:]
+    weight = (1 + 0.1 * torch.randn(r, generator=g)).to(DEVICE, weight_dtype or dtype)
+    positions = torch.randint(0, 4096, (t,), generator=g).to(DEVICE)
+    inv_freq = (1.0 / 10000 ** (torch.arange(0, p, 2, dtype=torch.float32) / p)).to(DEVICE)
+    cos, sin = small_ops.rope_cos_sin(positions, inv_freq, 1.2)
+    buffer = torch.randn(num_slots, r + p, generator=g).to(DEVICE, pool_dtype)
+    slots = torch.randperm(num_slots, generator=g)[:t].to(DEVICE)
+    return kv_a, q_rope, weight, cos, sin, buffer, slots
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many representable values apart two 16-bit float tensors are, elementwise (sign-magnitude bits
+    mapped to a monotonic integer line)."""
+    def line(x: torch.Tensor) -> torch.Tensor:
+        bits = x.contiguous().view(torch.int16).to(torch.int32)
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+
+    return (line(a) - line(b)).abs()
+
+
+def _assert_matches(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """float32: within 1e-6 relative; 16-bit: at most one unit in the last place apart."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
+    if actual.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6, msg=what)
+    else:
+        ulps = _ulps(actual, expected)
+        assert int(ulps.max()) <= 1, f"{what}: {int((ulps > 1).sum())} values over 1 ulp apart (max {int(ulps.max())})"
+
+
+def _check_against_eager(kernels: ModuleType, t: int, h: int, r: int, p: int, dtype: torch.dtype,
+                         pool_dtype: torch.dtype, weight_dtype: torch.dtype | None = None) -> None:
+    kv_a, q_rope, weight, cos, sin, buffer, slots = _inputs(t, h, r, p, dtype, pool_dtype, weight_dtype)
+    before, expected_buffer = buffer.clone(), buffer.clone()
+    expected_q = small_ops.mla_norm_rope_cache(kv_a, q_rope, weight, EPS, cos, sin, expected_buffer, slots)
+    q = kernels.mla_norm_rope_cache(kv_a, q_rope, weight, EPS, cos, sin, buffer, slots)
+    _assert_matches(q, expected_q, "rotated q_rope")
+    _assert_matches(buffer[slots, :r], expected_buffer[slots, :r], "normed latent in the pool")
+    _assert_matches(buffer[slots, r:], expected_buffer[slots, r:], "rotated rope key in the pool")
+    others = torch.ones(buffer.shape[0], dtype=torch.bool, device=DEVICE)
+    others[slots] = False
+    assert torch.equal(buffer[others], before[others]), "rows outside `slots` changed"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("r", "p"), [(32, 16), (48, 16)], ids=["R32", "R48"])  # 48: masked tail of the row
+@pytest.mark.parametrize("h", [1, 4])
+@pytest.mark.parametrize("t", [1, 3, 5])
+def test_equals_the_eager_op(kernels: ModuleType, t: int, h: int, r: int, p: int, dtype: torch.dtype) -> None:
+    _check_against_eager(kernels, t, h, r, p, dtype, dtype)
+
+
+@pytest.mark.parametrize(("dtype", "pool_dtype", "weight_dtype"), [
+    (torch.float16, torch.float32, None),  # the pool wider than the activations
+    (torch.float32, torch.float16, None),  # and narrower
+    (torch.float16, torch.float16, torch.float32),  # a float32 norm weight: the product stays float32
+], ids=["fp16-pool32", "fp32-pool16", "fp16-weight32"])
+def test_casts_like_the_eager_op(kernels: ModuleType, dtype: torch.dtype, pool_dtype: torch.dtype,
+                                 weight_dtype: torch.dtype | None) -> None:
+    _check_against_eager(kernels, 3, 20, 32, 8, dtype, pool_dtype, weight_dtype)  # 20 heads: two head blocks
+
+
+def test_no_tokens_is_a_no_op(kernels: ModuleType) -> None:
+    kv_a, q_rope, weight, cos, sin, buffer, slots = _inputs(0, 4, 32, 16, torch.float32, torch.float32)
+    before = buffer.clone()
+    q = kernels.mla_norm_rope_cache(kv_a, q_rope, weight, EPS, cos, sin, buffer, slots)
+    assert q.shape == (0, 4, 16) and torch.equal(buffer, before)
+
+
+def test_an_fp8_pool_takes_the_eager_op(kernels: ModuleType) -> None:
+    kv_a, q_rope, weight, cos, sin, buffer, slots = _inputs(3, 4, 32, 16, torch.float32, torch.float8_e4m3fn)
+    expected_buffer = buffer.clone()
+    expected_q = small_ops.mla_norm_rope_cache(kv_a, q_rope, weight, EPS, cos, sin, expected_buffer, slots)
+    q = kernels.mla_norm_rope_cache(kv_a, q_rope, weight, EPS, cos, sin, buffer, slots)
+    assert torch.equal(q, expected_q) and torch.equal(buffer.view(torch.uint8), expected_buffer.view(torch.uint8))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="bf16 at DeepSeek's shapes, compiled: needs a GPU")
+@pytest.mark.parametrize("h", [16, 128])  # V3's heads per rank at TP 8, and all of them
+@pytest.mark.parametrize("t", [1, 7, 64])
+def test_bf16_on_the_gpu_at_deepseek_shapes(kernels: ModuleType, t: int, h: int) -> None:
+    _check_against_eager(kernels, t, h, 512, 64, torch.bfloat16, torch.bfloat16)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+def test_captures_in_a_cuda_graph_and_replays_on_new_inputs(kernels: ModuleType) -> None:
+    kv_a, q_rope, weight, cos, sin, buffer, slots = _inputs(8, 16, 512, 64, torch.bfloat16, torch.bfloat16)
+    kernels.mla_norm_rope_cache(kv_a, q_rope, weight, EPS, cos, sin, buffer, slots)  # compiles outside the graph
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q = kernels.mla_norm_rope_cache(kv_a, q_rope, weight, EPS, cos, sin, buffer, slots)
+    new = _inputs(8, 16, 512, 64, torch.bfloat16, torch.bfloat16, seed=1)
+    for static, fresh in zip((kv_a, q_rope, cos, sin, slots), (new[0], new[1], new[3], new[4], new[6]), strict=True):
+        static.copy_(fresh)
+    expected_buffer = buffer.clone()
+    expected_q = small_ops.mla_norm_rope_cache(kv_a, q_rope, weight, EPS, cos, sin, expected_buffer, slots)
+    graph.replay()
+    _assert_matches(q, expected_q, "rotated q_rope (replayed)")
+    _assert_matches(buffer, expected_buffer, "pool (replayed)")
+
+
+# ----------------------------------------------------------------------------------------------------
+# In the model
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> DeepseekForCausalLM:
+    directory = save_hf_model(random_hf_model(tiny_v3_config()), tmp_path_factory.mktemp("v3"))
+    return load_reference_model(directory)
+
+
+def _decode_logits(model: DeepseekForCausalLM, steps: int = 3) -> torch.Tensor:
+    """Prefill two prompts, then `steps` greedy decode steps of both: the decode logits [steps, 2, vocab]."""
+    runner = PagedRunner(model, page_size=4)
+    requests = [Request(), Request()]
+    prompts = [[5, 17, 99, 3, 250, 8, 41], [12, 7, 300, 64]]
+    last = runner.step(ForwardMode.EXTEND, requests, prompts)
+    tokens = [int(last[len(prompts[0]) - 1].argmax()), int(last[-1].argmax())]
+    rows = []
+    for _ in range(steps):
+        logits = runner.step(ForwardMode.DECODE, requests, [[token] for token in tokens])
+        assert runner.last_batch.attn_method is AttnForwardMethod.MLA
+        rows.append(logits)
+        tokens = [int(row.argmax()) for row in logits]
+    return torch.stack(rows)
+
+
+def _counting(function):
+    def run(*args):
+        run.calls += 1
+        return function(*args)
+
+    run.calls = 0
+    return run
+
+
+def test_model_decode_with_the_fused_kernel_equals_eager(kernels: ModuleType, tiny_model: DeepseekForCausalLM
+                                                         ) -> None:
+    eager = _decode_logits(tiny_model)
+    fused = _counting(kernels.mla_norm_rope_cache)
+    tiny_model.use_small_ops(SmallOps(mla_norm_rope_cache=fused))
+    try:
+        logits = _decode_logits(tiny_model)
+    finally:
+        tiny_model.use_small_ops(EAGER)
+    assert fused.calls == 3 * tiny_model.config.num_hidden_layers  # every layer of every decode step
+    torch.testing.assert_close(logits, eager, rtol=1e-5, atol=1e-5)
+
+
+class _OwnSetKv(TorchRefAttention):
+    """A backend with its own set_kv (here: the pool write, recorded)."""
+
+    calls = 0
+
+    def set_kv(self, layer_id: int, slots: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor) -> None:
+        type(self).calls += 1
+        super().set_kv(layer_id, slots, latent, k_rope)
+
+
+def test_a_backend_overriding_set_kv_keeps_the_unfused_path(tiny_model: DeepseekForCausalLM) -> None:
+    eager = _decode_logits(tiny_model)
+    backends = tiny_model.backends
+    default = backends.attention_decode
+    fused = _counting(small_ops.mla_norm_rope_cache)
+    backends.attention_decode = _OwnSetKv(default.spec, default.device)
+    tiny_model.use_small_ops(SmallOps(mla_norm_rope_cache=fused))
+    try:
+        logits = _decode_logits(tiny_model)
+    finally:
+        backends.attention_decode = default
+        tiny_model.use_small_ops(EAGER)
+    assert fused.calls == 0 and _OwnSetKv.calls == 3 * tiny_model.config.num_hidden_layers
+    assert torch.equal(logits, eager)
+
+
+def test_fused_kernels_are_selected_on_cuda_only(kernels: ModuleType) -> None:
+    assert EAGER.with_fused_kernels(torch.device("cpu")) is EAGER
+    compiled = SmallOps.compiled(4)
+    assert compiled.with_fused_kernels(torch.device("cpu")) is compiled
+    fused = compiled.with_fused_kernels(torch.device("cuda"))  # selects without touching a GPU
+    assert fused.mla_norm_rope_cache.__module__ == "plugserve.core.layers.triton_small_ops"
+    assert fused.rms_norm is compiled.rms_norm
