@@ -90,10 +90,9 @@ def decode_space(fp8: bool, dtype: torch.dtype, pairs_per_expert: float) -> tupl
 
 
 def gemv_space(dtype: torch.dtype) -> list[GemmConfig]:
-    """Tile candidates of one small-batch GEMV pass: narrow N, deep K, several stages (GROUP_SIZE_M unused);
-    the [BLOCK_N, BLOCK_K] float32 accumulators live in registers, which bounds the tile."""
-    block_k = (64, 128) if dtype == torch.float32 else (128, 256)
-    axes = [(8, 16, 32), block_k, (1,), (4, 8), (2, 3, 4)]
+    """Tile candidates of one small-batch GEMV pass: narrow N, deep K, several stages (GROUP_SIZE_M unused)."""
+    block_k = (64, 128) if dtype == torch.float32 else (128, 256, 512)
+    axes = [(8, 16, 32), block_k, (1,), (2, 4), (2, 4)]
     return [GemmConfig(*values) for values in itertools.product(*axes)]
 
 

@@ -546,21 +546,18 @@ def _gemv_w13_kernel(
     x_ptrs = x_ptr + (pair // TOP_K) * stride_xm + offs_k
     gate_ptrs = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
     up_ptrs = gate_ptrs + N * stride_wn
-    # Products accumulate element-wise and are reduced across K once, after the loop: a reduction per K
-    # step would put cross-lane shuffles between the loads.
-    acc_gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_gate = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = offs_k < K - k0
         x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)[None, :]
         tile_mask = n_mask[:, None] & k_mask[None, :]
-        acc_gate += tl.load(gate_ptrs, mask=tile_mask, other=0.0).to(tl.float32) * x
-        acc_up += tl.load(up_ptrs, mask=tile_mask, other=0.0).to(tl.float32) * x
+        acc_gate += tl.sum(tl.load(gate_ptrs, mask=tile_mask, other=0.0).to(tl.float32) * x, 1)
+        acc_up += tl.sum(tl.load(up_ptrs, mask=tile_mask, other=0.0).to(tl.float32) * x, 1)
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
-    gate = tl.sum(acc_gate, 1)
-    h = gate * tl.sigmoid(gate) * tl.sum(acc_up, 1)
+    h = acc_gate * tl.sigmoid(acc_gate) * acc_up
     tl.store(h_ptr + pair * stride_hm + offs_n, h.to(h_ptr.dtype.element_ty), mask=n_mask)
 
 
@@ -578,7 +575,7 @@ def _gemv_w2_kernel(
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     k_steps = tl.cdiv(K, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # reduced across K once, at the end
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for step in range(0, TOP_K * k_steps):
         pair = token * TOP_K + step // k_steps
         k0 = (step % k_steps) * BLOCK_K
@@ -589,8 +586,8 @@ def _gemv_w2_kernel(
         h *= tl.load(topk_weights_ptr + pair)
         w_ptrs = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :]
         w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        acc += w * h[None, :]
-    out = tl.sum(acc, 1) * routed_scaling_factor
+        acc += tl.sum(w * h[None, :], 1)
+    out = acc * routed_scaling_factor
     tl.store(out_ptr + token * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 

@@ -433,7 +433,7 @@ def test_tuner_gemv_space() -> None:
     from benchmarks.tune_fused_moe import gemv_space
 
     assert {tile.block_n for tile in gemv_space(torch.bfloat16)} == {8, 16, 32}
-    assert max(tile.block_k for tile in gemv_space(torch.bfloat16)) == 256
+    assert max(tile.block_k for tile in gemv_space(torch.bfloat16)) == 512
     assert max(tile.block_k for tile in gemv_space(torch.float32)) == 128
 
 
