@@ -14,16 +14,11 @@ on its own, and the BLOCK_SIZE_M with the fastest w13 + w2 is kept. Routing is t
 on random logits. The default search takes hours; --quick (a small space, six token counts) about
 five minutes on an H100 for both models. Token counts up to --decode-max-tokens (default 64) search the
 decode space instead: BLOCK_SIZE_M near the pairs an expert gets and narrow, deep, many-staged tiles, the
-shapes that stream the routed experts' weights fastest when there are few rows to multiply. Unquantized
-experts at up to --gemv-max-tokens (default 8) also try the small-batch GEMVs (`fused_experts_gemv`, every
-tile of its GEMV space per pass); the whole forwards of the best grouped and the best GEMV configuration
-(alignment and top-k sum included) decide between them. Every count prints its whole-forward time, the
-default configuration's and its fraction of the weight-read limit (the bytes of the distinct experts the
-batch routes to over the copy bandwidth measured at start). --update keeps the other token counts of an
-existing file.
+shapes that stream the routed experts' weights fastest when there are few rows to multiply. Every count
+also prints its fraction of the weight-read limit (the bytes of the distinct experts the batch routes to
+over the copy bandwidth measured at start).
 
     python -m benchmarks.tune_fused_moe --quick
-    python -m benchmarks.tune_fused_moe --model v2-lite --batch-sizes 1 2 4 8 --update
     python -m benchmarks.tune_fused_moe --model v3 --tp 8 --batch-sizes 1 64 512 --output-dir /tmp/configs
 """
 
@@ -89,13 +84,6 @@ def decode_space(fp8: bool, dtype: torch.dtype, pairs_per_expert: float) -> tupl
     return block_ms, [GemmConfig(*values) for values in itertools.product(*axes)]
 
 
-def gemv_space(dtype: torch.dtype) -> list[GemmConfig]:
-    """Tile candidates of one small-batch GEMV pass: narrow N, deep K, several stages (GROUP_SIZE_M unused)."""
-    block_k = (64, 128) if dtype == torch.float32 else (128, 256, 512)
-    axes = [(8, 16, 32), block_k, (1,), (2, 4), (2, 4)]
-    return [GemmConfig(*values) for values in itertools.product(*axes)]
-
-
 def copy_bandwidth(device: torch.device) -> float:
     """Bytes per second of a 1 GiB device-to-device copy, read plus write."""
     import triton.testing
@@ -149,10 +137,9 @@ class Experts:
 
 
 def tune_batch(experts: Experts, num_tokens: int, block_ms: tuple[int, ...] | None, tiles: list[GemmConfig] | None,
-               quick: bool, gemv: bool) -> tuple[MoEConfig, float, float, int]:
-    """(best configuration, its whole-forward milliseconds, the default configuration's, the bytes of the distinct
-    experts' weights the batch reads) for M = num_tokens. block_ms / tiles None: the decode space. `gemv`: the
-    small-batch GEMVs compete too."""
+               quick: bool) -> tuple[MoEConfig, float, float, int]:
+    """(best configuration, its w13 + w2 milliseconds, the default configuration's, the bytes of the distinct
+    experts' weights the batch reads) for M = num_tokens. block_ms / tiles None: the decode space."""
     from plugserve.plugins.moe import triton_kernels as kernels
     from plugserve.plugins.moe.triton import TritonMoE
 
@@ -172,7 +159,7 @@ def tune_batch(experts: Experts, num_tokens: int, block_ms: tuple[int, ...] | No
                                 silu_mul=False, topk_weights=topk_weights, routed_scaling_factor=2.5,
                                 block_shape=spec.block_shape)
 
-    local_ids = (topk_ids - spec.first_expert).int()  # as the backend's forward: ids outside [0, local) dropped
+    local_ids = topk_ids - spec.first_expert  # as the backend's forward: ids outside [0, local) are dropped
     read = torch.unique(local_ids)
     expert_bytes = (experts.w13[0].nbytes + experts.w2[0].nbytes) * int(((read >= 0) & (read < spec.num_local_experts))
                                                                         .sum())
@@ -185,32 +172,13 @@ def tune_batch(experts: Experts, num_tokens: int, block_ms: tuple[int, ...] | No
         t2, tile2 = fastest(functools.partial(w2_pass, h_in, h_scale, alignment=alignment), w2_tiles, quick)
         return t13 + t2, MoEConfig(block_m, tile13, tile2)
 
-    def forward_ms(config: MoEConfig) -> float:
-        return time_ms(lambda: kernels.fused_experts(x, experts.w13, experts.w2, experts.w13_scale_inv,
-                                                     experts.w2_scale_inv, local_ids, topk_weights, 2.5, config,
-                                                     spec.block_shape), quick)
-
     choices = []
     for block_m in block_ms:
         choices.append(passes(block_m, tiles, tiles))
-        print(f"  M={num_tokens} BLOCK_SIZE_M={block_m}: {choices[-1][0] * 1e3:.1f} us (w13 + w2)", flush=True)
-    best = min(choices, key=lambda c: c[0])[1]
-    candidates = [(forward_ms(best), best)]
-    if gemv and not fp8:
-        out = torch.empty_like(x)
-        space = gemv_space(spec.dtype)
-        t13, tile13 = fastest(functools.partial(kernels.gemv_w13, x, experts.w13, h_buf, local_ids), space, quick)
-        kernels.gemv_w13(x, experts.w13, h_buf, local_ids, tile13)
-        t2, tile2 = fastest(functools.partial(kernels.gemv_w2, h_buf, experts.w2, out, local_ids, topk_weights, 2.5),
-                            space, quick)
-        print(f"  M={num_tokens} GEMV: {(t13 + t2) * 1e3:.1f} us (w13 + w2)", flush=True)
-        gemv_config = MoEConfig(0, tile13, tile2, gemv=True)
-        candidates.append((forward_ms(gemv_config), gemv_config))
-        print(f"  M={num_tokens} whole forward: grouped {candidates[0][0] * 1e3:.1f} us, GEMV "
-              f"{candidates[1][0] * 1e3:.1f} us", flush=True)
-    total, best = min(candidates, key=lambda c: c[0])
+        print(f"  M={num_tokens} BLOCK_SIZE_M={block_m}: {choices[-1][0] * 1e3:.1f} us", flush=True)
+    total, best = min(choices, key=lambda c: c[0])
     default = configs.default_config(num_tokens, k, spec.num_local_experts, fp8, spec.dtype, "cuda")
-    return best, total, forward_ms(default), expert_bytes
+    return best, total, passes(default.block_m, [default.w13], [default.w2])[0], expert_bytes
 
 
 def rank_spec(model: Model, tp: int, ep: int, dtype_name: str) -> MoESpec:
@@ -222,9 +190,9 @@ def rank_spec(model: Model, tp: int, ep: int, dtype_name: str) -> MoESpec:
 
 
 def tune_model(name: str, model: Model, tp: int, ep: int, dtype_name: str, batch_sizes: tuple[int, ...], quick: bool,
-               decode_max_tokens: int, gemv_max_tokens: int, out_dir: Path, update: bool = False) -> Path:
+               decode_max_tokens: int, out_dir: Path) -> Path:
     """Tune every token count of one model's rank 0 (experts of width I / tp, or E / ep whole ones) and write its
-    configuration file (`update`: merged into the existing file's other token counts); returns its path."""
+    configuration file; returns its path."""
     device = torch.device("cuda")
     hardware = Hardware.detect(device)
     spec = rank_spec(model, tp, ep, dtype_name)
@@ -241,20 +209,19 @@ def tune_model(name: str, model: Model, tp: int, ep: int, dtype_name: str, batch
         start = time.perf_counter()
         decode = m <= decode_max_tokens
         best[m], total, untuned, expert_bytes = tune_batch(experts, m, None if decode else block_ms,
-                                                           None if decode else tiles, quick, m <= gemv_max_tokens)
+                                                           None if decode else tiles, quick)
         limit_ms = expert_bytes / bandwidth * 1e3
         rows.append((m, total, untuned, limit_ms))
         print(f"M={m}: best {total * 1e3:.1f} us (default configuration {untuned * 1e3:.1f} us, weight-read limit "
               f"{limit_ms * 1e3:.1f} us): {best[m].to_json()} [{time.perf_counter() - start:.0f} s]", flush=True)
-    print(f"\n{name} E={spec.num_local_experts} N={spec.intermediate_size} {dtype_name}: whole forward, us")
+    print(f"\n{name} E={spec.num_local_experts} N={spec.intermediate_size} {dtype_name}: w13 + w2 passes, us")
     print("| M | tuned | default | weight-read limit | tuned: of limit |\n|---|---|---|---|---|")
     for m, total, untuned, limit_ms in rows:
         print(f"| {m} | {total * 1e3:.1f} | {untuned * 1e3:.1f} | {limit_ms * 1e3:.1f} | {limit_ms / total:.2f} |")
     path = out_dir / configs.config_file_name(spec.num_local_experts, spec.intermediate_size, hardware.device_key,
                                               dtype, BLOCK_SHAPE if fp8 else None)
-    kept = configs.load_config_file.__wrapped__(path) if update else None
-    configs.write_config_file(path, (kept or {}) | best)
-    print(f"wrote {path}" + (f" (kept M {sorted(set(kept) - set(best))})" if kept else ""), flush=True)
+    configs.write_config_file(path, best)
+    print(f"wrote {path}", flush=True)
     return path
 
 
@@ -271,10 +238,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="a small search over six token counts (~5 min)")
     parser.add_argument("--decode-max-tokens", type=int, default=64,
                         help="token counts up to this search the decode space (0: none)")
-    parser.add_argument("--gemv-max-tokens", type=int, default=8,
-                        help="token counts up to this also try the small-batch GEMVs (unquantized experts; 0: none)")
-    parser.add_argument("--update", action="store_true",
-                        help="merge into the existing file: its entries for other token counts are kept")
     parser.add_argument("--output-dir", type=Path, default=configs.CONFIG_DIR)
     args = parser.parse_args(argv)
     for name in args.model:
@@ -291,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.model:
         model = MODELS[name]
         tune_model(name, model, args.tp or model.default_tp, args.ep, args.dtype or model.default_dtype, batch_sizes,
-                   args.quick, args.decode_max_tokens, args.gemv_max_tokens, args.output_dir, args.update)
+                   args.quick, args.decode_max_tokens, args.output_dir)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,7 @@ TRITON_INTERPRET=1 set before this import the kernels run on the CPU in Triton's
 Notation: T tokens, k experts per token (top-k), P = T * k token-expert pairs (pair p = t * k + j is
 slot j of token t), E experts, H hidden size, I expert intermediate size.
 
-Pipeline of `fused_experts` (small batches of unquantized experts take `fused_experts_gemv` instead, when
-their configuration says so):
+Pipeline of `fused_experts`:
   1. `moe_align_block_size`: pairs sorted by expert, each expert's run padded to a multiple of
      BLOCK_M, so that every M-block of the grouped GEMM belongs to one expert.
   2. block-FP8 only: `per_token_group_quant` of x [T, H] (1 x 128 groups).
@@ -519,127 +518,6 @@ def grouped_gemm(
 
 
 # ----------------------------------------------------------------------------------------------------
-# Small batches: the two passes as GEMVs straight from the top-k ids
-#
-# With a handful of tokens every pair multiplies one row by its expert's matrix: a grouped GEMM pads that
-# row to a 16-row tensor-core tile and needs the alignment first and the top-k sum after (four launches).
-# Here a program of the w13 pass reads the expert id of its pair itself, and a program of the w2 pass walks
-# all k pairs of its token, summing their weighted products in float32 as it goes: two launches, each a
-# stream of weight tiles reduced on the CUDA cores.
-
-
-@triton.jit
-def _gemv_w13_kernel(
-    x_ptr, w_ptr, h_ptr, ids_ptr, N, K, num_experts,
-    stride_xm, stride_we, stride_wn, stride_hm,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """h[p, n] = silu(W_gate[e] x[t])[n] * (W_up[e] x[t])[n] for pair p = t * TOP_K + j of expert e =
-    ids[p] and BLOCK_N columns n; a dropped id (outside [0, E)) writes nothing (the w2 pass skips it)."""
-    pair = tl.program_id(0).to(tl.int64)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    if (expert < 0) | (expert >= num_experts):
-        return
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + (pair // TOP_K) * stride_xm + offs_k
-    gate_ptrs = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
-    up_ptrs = gate_ptrs + N * stride_wn
-    acc_gate = tl.zeros([BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = offs_k < K - k0
-        x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-        tile_mask = n_mask[:, None] & k_mask[None, :]
-        acc_gate += tl.sum(tl.load(gate_ptrs, mask=tile_mask, other=0.0).to(tl.float32) * x, 1)
-        acc_up += tl.sum(tl.load(up_ptrs, mask=tile_mask, other=0.0).to(tl.float32) * x, 1)
-        x_ptrs += BLOCK_K
-        gate_ptrs += BLOCK_K
-        up_ptrs += BLOCK_K
-    h = acc_gate * tl.sigmoid(acc_gate) * acc_up
-    tl.store(h_ptr + pair * stride_hm + offs_n, h.to(h_ptr.dtype.element_ty), mask=n_mask)
-
-
-@triton.jit
-def _gemv_w2_kernel(
-    h_ptr, w_ptr, out_ptr, ids_ptr, topk_weights_ptr, N, K, num_experts, routed_scaling_factor,
-    stride_hm, stride_we, stride_wn, stride_om,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """out[t, n] = routed_scaling_factor * sum_j topk_weights[p] * (W2[e] h[p])[n] over the pairs p = t * TOP_K
-    + j of token t with an expert e = ids[p] in [0, E), for BLOCK_N columns n. The k pairs' K steps run as
-    one loop, so that the loads of one pair's last tiles and the next pair's first overlap."""
-    token = tl.program_id(0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    k_steps = tl.cdiv(K, BLOCK_K)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for step in range(0, TOP_K * k_steps):
-        pair = token * TOP_K + step // k_steps
-        k0 = (step % k_steps) * BLOCK_K
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        used = (expert >= 0) & (expert < num_experts)
-        k_mask = offs_k < tl.where(used, K - k0, 0)  # a dropped pair loads nothing
-        h = tl.load(h_ptr + pair * stride_hm + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        h *= tl.load(topk_weights_ptr + pair)
-        w_ptrs = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :]
-        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(w * h[None, :], 1)
-    out = acc * routed_scaling_factor
-    tl.store(out_ptr + token * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
-
-
-def gemv_w13(x: torch.Tensor, w13: torch.Tensor, h: torch.Tensor, ids: torch.Tensor, config: GemmConfig) -> None:
-    """The w13 pass of `fused_experts_gemv` into h [T * k, I]: x [T, H] contiguous, w13 [E, 2I, H] with unit
-    stride along H, ids [T, k] int32 contiguous."""
-    pairs, intermediate = h.shape
-    _gemv_w13_kernel[(pairs, triton.cdiv(intermediate, config.block_n))](
-        x, w13, h, ids, intermediate, x.shape[1], w13.shape[0], x.stride(0), w13.stride(0), w13.stride(1),
-        h.stride(0), TOP_K=ids.shape[1], BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
-
-
-def gemv_w2(h: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor,
-            routed_scaling_factor: float, config: GemmConfig) -> None:
-    """The w2 pass of `fused_experts_gemv` into out [T, H]: h [T * k, I], w2 [E, H, I] with unit stride along I,
-    ids [T, k] int32 and topk_weights [T, k] float32, contiguous."""
-    num_tokens, hidden = out.shape
-    _gemv_w2_kernel[(num_tokens, triton.cdiv(hidden, config.block_n))](
-        h, w2, out, ids, topk_weights, hidden, h.shape[1], w2.shape[0], routed_scaling_factor,
-        h.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        TOP_K=ids.shape[1], BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
-
-
-def fused_experts_gemv(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    routed_scaling_factor: float,
-    config: MoEConfig,
-) -> torch.Tensor:
-    """`fused_experts` for small batches of unquantized experts, as two GEMV passes (see above): x [T, H];
-    w13 [E, 2I, H], w2 [E, H, I] in x's dtype with unit stride along H / I; topk_ids [T, k] int32,
-    topk_weights [T, k] float32 -> [T, H] in x's dtype. h [T * k, I] is rounded to x's dtype between the
-    passes, as the grouped path's is; the k products of a token are summed in float32."""
-    num_tokens = x.shape[0]
-    out = torch.empty_like(x)
-    if num_tokens == 0:
-        return out
-    x, ids = x.contiguous(), topk_ids.contiguous()
-    h = torch.empty(num_tokens * ids.shape[1], w2.shape[2], dtype=x.dtype, device=x.device)
-    gemv_w13(x, w13, h, ids, config.w13)
-    gemv_w2(h, w2, out, ids, topk_weights.float().contiguous(), routed_scaling_factor, config.w2)
-    return out
-
-
-# ----------------------------------------------------------------------------------------------------
 # Top-k reduction and the whole routed-experts forward
 
 
@@ -675,20 +553,14 @@ def fused_experts(
     with block scales [E, ceil(2I/bn), ceil(H/bk)] / [E, ceil(H/bn), ceil(I/bk)]; topk_ids [T, k] int
     (ids outside [0, E) contribute nothing), topk_weights [T, k] float32. Returns [T, H] of x's dtype:
     routed_scaling_factor * sum_j topk_weights[t, j] * W2 (silu(W_gate x) * (W_up x)) of expert
-    topk_ids[t, j]. With FP8 weights x and h are quantized per 1 x bk token group before their GEMMs.
-    A `config.gemv` configuration runs `fused_experts_gemv` instead (unquantized experts only)."""
-    fp8 = w13_scale_inv is not None
-    ids = topk_ids.to(torch.int32).contiguous()
-    if config.gemv:
-        if fp8:
-            raise ValueError("the small-batch GEMVs take unquantized experts only; block-FP8 ones need a "
-                             "grouped-GEMM configuration")
-        return fused_experts_gemv(x, w13, w2, ids, topk_weights, routed_scaling_factor, config)
+    topk_ids[t, j]. With FP8 weights x and h are quantized per 1 x bk token group before their GEMMs."""
     num_tokens, hidden = x.shape
     num_experts, intermediate, top_k = w13.shape[0], w2.shape[2], topk_ids.shape[1]
     out = torch.empty_like(x)
     if num_tokens == 0:
         return out
+    fp8 = w13_scale_inv is not None
+    ids = topk_ids.to(torch.int32).contiguous()
     alignment = moe_align_block_size(ids, num_experts, config.block_m)
     num_pairs = alignment.num_pairs
 

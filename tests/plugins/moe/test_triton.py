@@ -248,41 +248,6 @@ def test_fused_experts_match_reference(kernels, t: int, dtype: torch.dtype, fp8:
     assert_close(out, expected, dtype, f"triton MoE t={t} {dtype} fp8={fp8}")
 
 
-# The small-batch GEMVs with tiles that leave partial last tiles along N (I = 200, H = 320) and K.
-GEMV_TILES = MoEConfig(0, GemmConfig(32, 64, 1, 4, 2), GemmConfig(64, 128, 1, 4, 2), gemv=True)
-
-
-@pytest.mark.parametrize(("t", "dtype"), [(1, torch.float32), (3, torch.float16), (2, torch.bfloat16)],
-                         ids=lambda p: str(p).removeprefix("torch."))
-def test_gemv_path_matches_reference(kernels, t: int, dtype: torch.dtype) -> None:
-    h, i = 320, 200
-    w13, w2, _, _ = _experts(SMALL_V3.num_experts, h, i, dtype, False)
-    weights, ids = _routing(t, SMALL_V3)
-    ids[0, 1] = -1  # a dropped pair (another rank's expert)
-    x = torch.randn(t, h, device=DEVICE).to(dtype)
-    out = kernels.fused_experts(x, w13, w2, None, None, ids, weights, RSF, GEMV_TILES)
-    kept = torch.where(ids >= 0, weights, 0.0)
-    expected = fused_experts_reference(x, w13, w2, ids.clamp(min=0), kept, RSF)
-    assert out.dtype == dtype
-    assert_close(out, expected, dtype, f"triton MoE GEMVs t={t} {dtype}")
-
-
-def test_gemv_path_refuses_fp8_experts(kernels) -> None:
-    w13, w2, s13, s2 = _experts(SMALL_V3.num_experts, 128, 128, torch.float16, True)
-    weights, ids = _routing(1, SMALL_V3)
-    with pytest.raises(ValueError, match="unquantized experts only"):
-        kernels.fused_experts(torch.randn(1, 128, device=DEVICE, dtype=torch.float16), w13, w2, s13, s2, ids,
-                              weights, RSF, GEMV_TILES)
-
-
-def test_untuned_small_batches_take_the_gemvs() -> None:
-    for device_type in ("cpu", "cuda"):
-        small = configs.default_config(configs.GEMV_MAX_TOKENS, 6, 64, False, torch.bfloat16, device_type)
-        assert small.gemv
-        assert not configs.default_config(configs.GEMV_MAX_TOKENS + 1, 6, 64, False, torch.bfloat16, device_type).gemv
-        assert not configs.default_config(1, 8, 256, True, torch.bfloat16, device_type).gemv  # block-FP8
-
-
 def test_dropped_ids_contribute_nothing(kernels) -> None:
     h, i, t = 128, 64, 6
     backend = TritonMoE(MoESpec(h, i, torch.float32, None, router=SMALL_V3), DEVICE)
@@ -336,11 +301,9 @@ def test_config_files_round_trip_and_nearest_m(tmp_path: Path, monkeypatch: pyte
     small = MoEConfig(16, GemmConfig(64, 128, 1, 4, 3), GemmConfig(128, 128, 1, 4, 4))
     large = MoEConfig(64, GemmConfig(128, 128, 16, 8, 3), GemmConfig(256, 128, 32, 8, 4))
     monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
-    gemv = MoEConfig(0, GemmConfig(16, 256, 1, 4, 4), GemmConfig(8, 512, 1, 2, 2), gemv=True)
     configs.write_config_file(tmp_path / configs.config_file_name(16, 32, "dev", torch.float16, None),
-                              {1: gemv, 16: small, 512: large})
+                              {1: small, 512: large})
     dev = Hardware("cuda", "dev", (9, 0), 0, 132)
-    assert configs.get_config(2, 4, 16, 32, torch.float16, None, dev) == gemv
     assert configs.get_config(200, 4, 16, 32, torch.float16, None, dev) == small
     assert configs.get_config(300, 4, 16, 32, torch.float16, None, dev) == large
     assert configs.get_config(1024, 4, 16, 32, torch.float16, None, dev) == large
@@ -426,15 +389,6 @@ def test_tuner_decode_space() -> None:
     assert {tile.block_n for tile in tiles} == {16, 32, 64, 128}
     block_ms, tiles = decode_space(False, torch.bfloat16, pairs_per_expert=64 * 6 / 64)
     assert block_ms == (16, 32) and {tile.block_k for tile in tiles} == {128, 256}
-
-
-def test_tuner_gemv_space() -> None:
-    """The small-batch GEMVs search narrow, deep tiles; float32 ones half as deep (their registers)."""
-    from benchmarks.tune_fused_moe import gemv_space
-
-    assert {tile.block_n for tile in gemv_space(torch.bfloat16)} == {8, 16, 32}
-    assert max(tile.block_k for tile in gemv_space(torch.bfloat16)) == 512
-    assert max(tile.block_k for tile in gemv_space(torch.float32)) == 128
 
 
 def test_tuner_checks_its_expert_parallel_size(capsys: pytest.CaptureFixture[str]) -> None:

@@ -15,8 +15,6 @@ A file maps token counts M (T, not T * k) to a configuration; a batch uses the e
           "w13": {"BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1, "num_warps": 4, "num_stages": 3},
           "w2": {...}}, ...}
 BLOCK_SIZE_M is shared by both passes (the pairs are padded to it once); each pass has its own tile.
-An entry {"GEMV": true, "w13": {...}, "w2": {...}} runs that token count as the small-batch GEMVs instead
-(`triton_kernels.fused_experts_gemv`: no alignment, no BLOCK_SIZE_M, GROUP_SIZE_M unused).
 """
 
 from __future__ import annotations
@@ -35,8 +33,6 @@ from plugserve.core.hardware import Hardware
 logger = logging.getLogger(__name__)
 
 CONFIG_DIR = Path(__file__).parent
-# Untuned, batches of up to this many tokens take the small-batch GEMVs (unquantized experts only).
-GEMV_MAX_TOKENS = 4
 
 
 @dataclass(frozen=True)
@@ -62,24 +58,18 @@ class GemmConfig:
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """BLOCK_SIZE_M (the padding of each expert's run of pairs) and the tile of each pass; `gemv`: the
-    small-batch path instead, whose passes take BLOCK_SIZE_N x BLOCK_SIZE_K tiles and no BLOCK_SIZE_M (0)."""
+    """BLOCK_SIZE_M (the padding of each expert's run of pairs) and the tile of each pass."""
 
     block_m: int
     w13: GemmConfig
     w2: GemmConfig
-    gemv: bool = False
 
     def to_json(self) -> dict[str, object]:
-        head: dict[str, object] = {"GEMV": True} if self.gemv else {"BLOCK_SIZE_M": self.block_m}
-        return head | {"w13": self.w13.to_json(), "w2": self.w2.to_json()}
+        return {"BLOCK_SIZE_M": self.block_m, "w13": self.w13.to_json(), "w2": self.w2.to_json()}
 
     @classmethod
     def from_json(cls, entry: dict) -> MoEConfig:
-        w13, w2 = GemmConfig.from_json(entry["w13"]), GemmConfig.from_json(entry["w2"])
-        if entry.get("GEMV"):
-            return cls(0, w13, w2, gemv=True)
-        return cls(entry["BLOCK_SIZE_M"], w13, w2)
+        return cls(entry["BLOCK_SIZE_M"], GemmConfig.from_json(entry["w13"]), GemmConfig.from_json(entry["w2"]))
 
 
 def config_file_name(
@@ -108,17 +98,9 @@ def load_config_file(path: Path) -> dict[int, MoEConfig] | None:
 
 def default_config(num_tokens: int, top_k: int, num_experts: int, fp8: bool, dtype: torch.dtype,
                    device_type: str) -> MoEConfig:
-    """Untuned: up to GEMV_MAX_TOKENS unquantized tokens the small-batch GEMVs (narrow, deep tiles);
-    beyond, a BLOCK_SIZE_M near the pairs an expert gets (T * k / E), tiles that fit the shared memory of
-    any sm80+ GPU (3 stages; 2 for float32). On the CPU (Triton's interpreter), few large programs, since
-    each costs Python time."""
-    if num_tokens <= GEMV_MAX_TOKENS and not fp8:
-        if device_type == "cpu":
-            tile = GemmConfig(block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=1)
-            return MoEConfig(0, tile, tile, gemv=True)
-        block_k = 128 if dtype == torch.float32 else 256
-        tile = GemmConfig(block_n=16, block_k=block_k, group_m=1, num_warps=4, num_stages=4)
-        return MoEConfig(0, tile, tile, gemv=True)
+    """Untuned: a BLOCK_SIZE_M near the pairs an expert gets (T * k / E), tiles that fit the shared
+    memory of any sm80+ GPU (3 stages; 2 for float32). On the CPU (Triton's interpreter), few large
+    programs, since each costs Python time."""
     if device_type == "cpu":
         tile = GemmConfig(block_n=128, block_k=128, group_m=1, num_warps=4, num_stages=1)
         return MoEConfig(16, tile, tile)
