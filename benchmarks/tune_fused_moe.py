@@ -16,9 +16,10 @@ five minutes on an H100 for both models. Token counts up to --decode-max-tokens 
 decode space instead: BLOCK_SIZE_M near the pairs an expert gets and narrow, deep, many-staged tiles, the
 shapes that stream the routed experts' weights fastest when there are few rows to multiply. Every count
 also prints its fraction of the weight-read limit (the bytes of the distinct experts the batch routes to
-over the copy bandwidth measured at start).
+over the copy bandwidth measured at start). --update keeps the other token counts of an existing file.
 
     python -m benchmarks.tune_fused_moe --quick
+    python -m benchmarks.tune_fused_moe --model v2-lite --batch-sizes 1 2 4 8 --update
     python -m benchmarks.tune_fused_moe --model v3 --tp 8 --batch-sizes 1 64 512 --output-dir /tmp/configs
 """
 
@@ -165,7 +166,7 @@ def tune_batch(experts: Experts, num_tokens: int, block_ms: tuple[int, ...] | No
                                                                         .sum())
 
     def passes(block_m: int, w13_tiles: list[GemmConfig], w2_tiles: list[GemmConfig]) -> tuple[float, MoEConfig]:
-        alignment = kernels.moe_align_block_size(local_ids, spec.num_local_experts, block_m)
+        alignment = kernels.align_pairs(local_ids, spec.num_local_experts, block_m)
         t13, tile13 = fastest(functools.partial(w13_pass, alignment=alignment), w13_tiles, quick)
         w13_pass(alignment=alignment, config=tile13)  # the w2 pass's input
         h_in, h_scale = kernels.per_token_group_quant(h_buf, spec.block_shape[1]) if fp8 else (h_buf, None)
@@ -190,9 +191,9 @@ def rank_spec(model: Model, tp: int, ep: int, dtype_name: str) -> MoESpec:
 
 
 def tune_model(name: str, model: Model, tp: int, ep: int, dtype_name: str, batch_sizes: tuple[int, ...], quick: bool,
-               decode_max_tokens: int, out_dir: Path) -> Path:
+               decode_max_tokens: int, out_dir: Path, update: bool = False) -> Path:
     """Tune every token count of one model's rank 0 (experts of width I / tp, or E / ep whole ones) and write its
-    configuration file; returns its path."""
+    configuration file (`update`: merged into the existing file's other token counts); returns its path."""
     device = torch.device("cuda")
     hardware = Hardware.detect(device)
     spec = rank_spec(model, tp, ep, dtype_name)
@@ -220,8 +221,9 @@ def tune_model(name: str, model: Model, tp: int, ep: int, dtype_name: str, batch
         print(f"| {m} | {total * 1e3:.1f} | {untuned * 1e3:.1f} | {limit_ms * 1e3:.1f} | {limit_ms / total:.2f} |")
     path = out_dir / configs.config_file_name(spec.num_local_experts, spec.intermediate_size, hardware.device_key,
                                               dtype, BLOCK_SHAPE if fp8 else None)
-    configs.write_config_file(path, best)
-    print(f"wrote {path}", flush=True)
+    kept = configs.load_config_file.__wrapped__(path) if update else None
+    configs.write_config_file(path, (kept or {}) | best)
+    print(f"wrote {path}" + (f" (kept M {sorted(set(kept) - set(best))})" if kept else ""), flush=True)
     return path
 
 
@@ -238,6 +240,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="a small search over six token counts (~5 min)")
     parser.add_argument("--decode-max-tokens", type=int, default=64,
                         help="token counts up to this search the decode space (0: none)")
+    parser.add_argument("--update", action="store_true",
+                        help="merge into the existing file: its entries for other token counts are kept")
     parser.add_argument("--output-dir", type=Path, default=configs.CONFIG_DIR)
     args = parser.parse_args(argv)
     for name in args.model:
@@ -254,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.model:
         model = MODELS[name]
         tune_model(name, model, args.tp or model.default_tp, args.ep, args.dtype or model.default_dtype, batch_sizes,
-                   args.quick, args.decode_max_tokens, args.output_dir)
+                   args.quick, args.decode_max_tokens, args.output_dir, args.update)
 
 
 if __name__ == "__main__":

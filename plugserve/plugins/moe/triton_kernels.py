@@ -7,7 +7,9 @@ slot j of token t), E experts, H hidden size, I expert intermediate size.
 
 Pipeline of `fused_experts`:
   1. `moe_align_block_size`: pairs sorted by expert, each expert's run padded to a multiple of
-     BLOCK_M, so that every M-block of the grouped GEMM belongs to one expert.
+     BLOCK_M, so that every M-block of the grouped GEMM belongs to one expert. One token (decode at
+     batch 1) needs no sorting: its k experts are distinct, so each pair is its own M-block
+     (`pair_blocks`, no kernel).
   2. block-FP8 only: `per_token_group_quant` of x [T, H] (1 x 128 groups).
   3. w13 pass of `_fused_moe_gemm_kernel`: h[p] = silu(x[t] @ W_gate^T) * (x[t] @ W_up^T), [P, I]
      (SiLU-and-mul fused into the epilogue: each program holds the gate and the up tile).
@@ -176,6 +178,35 @@ class BlockAlignment:
     @property
     def num_blocks(self) -> int:
         return self.expert_ids.numel()
+
+    @property
+    def per_pair(self) -> bool:
+        """One M-block per pair (`pair_blocks`): sorted_ids and num_padded are unused."""
+        return False
+
+
+@dataclass(frozen=True)
+class PairBlocks(BlockAlignment):
+    """One M-block per token-expert pair, in pair order: block p holds pair p alone (its other BLOCK_M - 1 rows
+    are padding) and expert_ids is the top-k ids themselves, dropped ids included (the GEMM skips them)."""
+
+    @property
+    def per_pair(self) -> bool:
+        return True
+
+
+def pair_blocks(topk_ids: torch.Tensor, block_m: int) -> PairBlocks:
+    """The alignment of one token without a kernel: its k experts are distinct, so sorting its pairs by expert
+    would give each its own M-block anyway. topk_ids [1, k] int32 contiguous."""
+    ids = topk_ids.reshape(-1)
+    return PairBlocks(ids, ids, ids, block_m, ids.numel())
+
+
+def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> BlockAlignment:
+    """The grouped GEMM's alignment of a batch: `pair_blocks` for one token, else `moe_align_block_size`."""
+    if topk_ids.shape[0] == 1:
+        return pair_blocks(topk_ids.to(torch.int32).contiguous(), block_m)
+    return moe_align_block_size(topk_ids, num_experts, block_m)
 
 
 @triton.jit
@@ -403,10 +434,10 @@ def _mma(acc, a, b, a_scale, b_scale, FP8: tl.constexpr, DOT_FP32: tl.constexpr)
 def _fused_moe_gemm_kernel(
     a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr,
     sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-    N, K, num_pairs, padded_rows, routed_scaling_factor,
+    N, K, num_pairs, padded_rows, num_experts, routed_scaling_factor,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
-    A_ROW_DIV: tl.constexpr, SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    PER_PAIR: tl.constexpr, A_ROW_DIV: tl.constexpr, SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE_M: tl.constexpr,
 ):
@@ -415,7 +446,8 @@ def _fused_moe_gemm_kernel(
     SILU_MUL: B holds 2N rows (gate, then up) and C = silu(acc_gate) * acc_up;
     MUL_WEIGHT: C *= topk_weights[p] * routed_scaling_factor.
     FP8: A and B float8 with A scales per row and 1 x GROUP_K group, B scales per GROUP_N x GROUP_K
-    block, applied per K-tile (BLOCK_K divides GROUP_K)."""
+    block, applied per K-tile (BLOCK_K divides GROUP_K).
+    PER_PAIR (`PairBlocks`): M-block p is pair p alone, of expert expert_ids[p], skipped when that id is dropped."""
     pid = tl.program_id(0)
     # Programs sweep GROUP_SIZE_M M-blocks per column of N-blocks, so weight tiles are reused in L2.
     num_pid_m = tl.cdiv(padded_rows, BLOCK_M)
@@ -425,13 +457,17 @@ def _fused_moe_gemm_kernel(
     rows_of_group = min(num_pid_m - first_m, GROUP_SIZE_M)
     pid_m = first_m + (pid % per_group) % rows_of_group
     pid_n = (pid % per_group) // rows_of_group
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
-        return
-
-    pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    if PER_PAIR:
+        if (expert < 0) | (expert >= num_experts):
+            return
+        pair = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs)
+    else:
+        if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+            return
+        pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     row_mask = pair < num_pairs
     a_row = (pair // A_ROW_DIV).to(tl.int64)
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -506,11 +542,11 @@ def grouped_gemm(
     _fused_moe_gemm_kernel[grid](
         a, w, out, a_scale, w_scale, topk_weights,
         alignment.sorted_ids, alignment.expert_ids, alignment.num_padded,
-        n, k, alignment.num_pairs, alignment.num_blocks * alignment.block_m, routed_scaling_factor,
+        n, k, alignment.num_pairs, alignment.num_blocks * alignment.block_m, w.shape[0], routed_scaling_factor,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         a_scale.stride(0) if fp8 else 0, a_scale.stride(1) if fp8 else 0,
         w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0, w_scale.stride(2) if fp8 else 0,
-        A_ROW_DIV=a_row_div, SILU_MUL=silu_mul, MUL_WEIGHT=topk_weights is not None,
+        PER_PAIR=alignment.per_pair, A_ROW_DIV=a_row_div, SILU_MUL=silu_mul, MUL_WEIGHT=topk_weights is not None,
         FP8=fp8, GROUP_N=block_shape[0], GROUP_K=block_shape[1], DOT_FP32=INTERPRET and a.dtype == torch.bfloat16,
         BLOCK_M=alignment.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_SIZE_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -561,7 +597,7 @@ def fused_experts(
         return out
     fp8 = w13_scale_inv is not None
     ids = topk_ids.to(torch.int32).contiguous()
-    alignment = moe_align_block_size(ids, num_experts, config.block_m)
+    alignment = align_pairs(ids, num_experts, config.block_m)
     num_pairs = alignment.num_pairs
 
     a, a_scale = per_token_group_quant(x, block_shape[1]) if fp8 else (x.contiguous(), None)

@@ -159,6 +159,14 @@ def test_align_block_size_beyond_one_program(kernels) -> None:
     assert int(a.num_padded) == num_padded
 
 
+def test_one_token_takes_a_block_per_pair_without_sorting(kernels) -> None:
+    """Decode at batch 1: the k distinct experts of the token each get their own M-block, with no kernel."""
+    ids = torch.tensor([[5, 2, 9]], dtype=torch.int32, device=DEVICE)
+    one = kernels.align_pairs(ids, 16, 16)
+    assert one.per_pair and one.num_blocks == 3 and one.expert_ids.tolist() == [5, 2, 9]
+    assert not kernels.align_pairs(ids.repeat(2, 1), 16, 16).per_pair
+
+
 def test_align_block_size_empty(kernels) -> None:
     a = kernels.moe_align_block_size(torch.empty(0, 4, dtype=torch.int32, device=DEVICE), 16, 16)
     assert a.num_blocks == 0 and a.sorted_ids.numel() == 0 and int(a.num_padded) == 0
@@ -248,16 +256,18 @@ def test_fused_experts_match_reference(kernels, t: int, dtype: torch.dtype, fp8:
     assert_close(out, expected, dtype, f"triton MoE t={t} {dtype} fp8={fp8}")
 
 
-def test_dropped_ids_contribute_nothing(kernels) -> None:
-    h, i, t = 128, 64, 6
+@pytest.mark.parametrize("t", [1, 6])  # one token: one M-block per pair (pair_blocks), no alignment kernel
+def test_dropped_ids_contribute_nothing(kernels, t: int) -> None:
+    h, i = 128, 64
     backend = TritonMoE(MoESpec(h, i, torch.float32, None, router=SMALL_V3), DEVICE)
     w13, w2, _, _ = _experts(16, h, i, torch.float32, False)
     weights, ids = _routing(t, SMALL_V3)
     dropped = ids.clone()
     dropped[::2, 1] = -1
+    dropped[0, 2] = SMALL_V3.num_experts  # past the experts this rank holds
     x = torch.randn(t, h, device=DEVICE)
     out = backend.forward(x, backend.prepare(w13, w2), dropped, weights, RSF)
-    kept = torch.where(dropped >= 0, weights, 0.0)
+    kept = torch.where((dropped >= 0) & (dropped < SMALL_V3.num_experts), weights, 0.0)
     assert_close(out, fused_experts_reference(x, w13, w2, ids, kept, RSF), torch.float32, "dropped ids")
 
 
