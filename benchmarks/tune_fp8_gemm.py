@@ -161,7 +161,7 @@ def tune_shape(
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", metavar="N,K", default=None,
-                        help="weight shapes to tune (default: DeepSeek-V3's, see V3_SHAPES)")
+                        help="weight shapes to tune, N,K or NxK (default: DeepSeek-V3's, see V3_SHAPES)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=list(BATCH_SIZES), metavar="M")
     parser.add_argument("--quick", action="store_true",
                         help="a reduced space (BLOCK_SIZE_N 64/128, GROUP_SIZE_M 1/8, 3-4 stages) and shorter timing")
@@ -171,7 +171,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--output-dir", type=Path, default=CONFIG_DIR)
     args = parser.parse_args(argv)
     try:
-        shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else list(V3_SHAPES)
+        shapes = ([tuple(int(v) for v in s.replace("x", ",").split(",")) for s in args.shapes] if args.shapes
+                  else list(V3_SHAPES))
     except ValueError:
         parser.error(f"--shapes takes N,K pairs such as 2112,7168, got {args.shapes}")
     if any(len(shape) != 2 for shape in shapes) or min(args.batch_sizes) < 1:

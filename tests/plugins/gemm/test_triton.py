@@ -352,6 +352,11 @@ def test_tune_script_refuses_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(SystemExit, match="CUDA GPU and none is visible"):
         tune_fp8_gemm.main(["--quick"])
+    # Shapes parse as N,K or NxK (the device recipe turns commas into spaces) before the device check.
+    with pytest.raises(SystemExit, match="CUDA GPU and none is visible"):
+        tune_fp8_gemm.main(["--shapes", "7168x16384", "2112,7168"])
+    with pytest.raises(SystemExit, match="2"):  # argparse's usage error
+        tune_fp8_gemm.main(["--shapes", "7168x"])
 
 
 def test_tune_search_space() -> None:
