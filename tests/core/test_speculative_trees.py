@@ -210,3 +210,18 @@ def test_sampled_requests_are_refused_with_trees(trees):
     with pytest.raises(ValueError, match=r"--speculative-eagle-topk 2 .*only greedy requests"):
         trees.generate(PROMPTS[0], SamplingParams(max_new_tokens=4, temperature=0.7))
     assert trees.generate(PROMPTS[0], SamplingParams(max_new_tokens=4, temperature=0.7, top_k=1))[0].token_ids
+
+
+def test_trees_on_the_triton_decode_backend_equal_its_outputs_without_speculation(checkpoint):
+    """The Triton attention backend's tree-masked TARGET_VERIFY (interpreted on the CPU: two short requests;
+    compiled on a GPU): greedy tokens with trees equal the same backend's without speculation."""
+    triton = {"decode_attention_backend": "triton"}
+    params = SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True)
+    outputs = []
+    for flags in ({}, TREE):
+        engine = Engine(_args(checkpoint, **triton, **flags))
+        try:
+            outputs.append(_outputs(engine.generate(PROMPTS[:2], params)))
+        finally:
+            engine.shutdown()
+    assert outputs[1] == outputs[0]

@@ -36,6 +36,10 @@ def _cumsum_with_zero(lens: torch.Tensor) -> torch.Tensor:
     return cu
 
 
+# Draft-tree nodes a request: each token's visible nodes are one int64 bit set.
+MAX_TREE_NODES = 64
+
+
 class TritonAttention(AttentionBackend):
     """MLA attention in Triton kernels: CUDA, or the CPU under TRITON_INTERPRET=1 (tests only).
 
@@ -52,6 +56,7 @@ class TritonAttention(AttentionBackend):
         devices=frozenset({"cuda", "cpu"}),
         min_capability=(8, 0),  # bf16 tl.dot needs Ampere or newer
         graph_modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND}),
+        tree_verify=True,  # up to MAX_TREE_NODES nodes a request, masked per token by a 64-bit set
     )
     priority: ClassVar[dict[str, int]] = {"cuda": 50, "cpu": -1}  # on the CPU (interpreter) the reference wins
 
@@ -65,6 +70,7 @@ class TritonAttention(AttentionBackend):
         self._mla_config = triton_kernels.mla_config(spec.num_heads, spec.kv_cache_dtype or spec.dtype,
                                                      hardware.capability)
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None  # forward_mla's split partials
+        self._tree: tuple[torch.Tensor, torch.Tensor] | None = None  # a draft-tree batch's (tree_start, tree_bits)
         self._graph_token_req: torch.Tensor | None = None  # [max_num_tokens] int32, set by init_cuda_graph
         self._graph_token_kv_len: torch.Tensor | None = None
         self._graph_workspace: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -91,6 +97,7 @@ class TritonAttention(AttentionBackend):
             output_size=num_tokens,
         )
         self._token_kv_len = (batch.positions + 1).to(torch.int32)
+        self._tree = None if batch.tree is None else self._tree_rows(batch)
         self._num_splits = self._mla_splits(num_tokens, max(batch.seq_lens_cpu, default=0))
         self._workspace = None  # forward_mla allocates its partials
         self._max_q_len = max(batch.extend_lens_cpu, default=0)
@@ -98,6 +105,22 @@ class TritonAttention(AttentionBackend):
             self._causal_kv_lens, self._cu_causal_kv = batch.extend_lens_cpu, batch.cu_extend_lens
         else:
             self._causal_kv_lens, self._cu_causal_kv = batch.seq_lens_cpu, _cumsum_with_zero(batch.seq_lens)
+
+    def _tree_rows(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """A draft-tree batch's per-token mask for forward_mla: (tree_start [T] int32, the position of the token's
+        request's first node; tree_bits [T] int64, bit j set where it sees node j). token_kv_len becomes the
+        request's length, keys past the tree's first masked in the kernel. On the device, no sync."""
+        tree = batch.tree
+        assert tree is not None
+        n = tree.num_nodes
+        if n > MAX_TREE_NODES:
+            raise ValueError(f"triton attention: draft trees of at most {MAX_TREE_NODES} nodes a request (one 64-bit "
+                             f"mask per node), got {n}: lower --speculative-num-draft-tokens")
+        self._token_kv_len = torch.repeat_interleave(batch.seq_lens.to(torch.int32), n, output_size=batch.num_tokens)
+        start = torch.repeat_interleave((batch.seq_lens - n).to(torch.int32), n, output_size=batch.num_tokens)
+        powers = torch.ones(n, dtype=torch.int64, device=start.device) << torch.arange(n, device=start.device)
+        bits = (tree.mask.to(torch.int64) * powers).sum(-1)  # distinct powers of two: the sum is the bitwise or
+        return start, bits.view(-1)
 
     def _mla_splits(self, num_tokens: int, max_kv_len: int) -> int:
         """KV splits for num_tokens query rows times the config's head blocks (host-side, no sync)."""
@@ -127,7 +150,10 @@ class TritonAttention(AttentionBackend):
     def plan_replay(self, batch: ForwardBatch) -> None:
         """token_req / token_kv_len of this batch into the leading rows of the fixed buffers, on the
         device; the split count captured for its size."""
+        if batch.tree is not None:
+            raise ValueError("triton attention: a draft tree's mask changes every round; trees run without CUDA graphs")
         self.batch = batch
+        self._tree = None
         num_tokens = batch.num_tokens
         self._token_req = self._graph_token_req[:num_tokens]  # type: ignore[index]
         self._token_kv_len = self._graph_token_kv_len[:num_tokens]  # type: ignore[index]
@@ -147,6 +173,7 @@ class TritonAttention(AttentionBackend):
         return self._kernels.mla_attention(
             q_nope, q_rope, pool.buffer(layer_id), batch.block_table, self._token_req, self._token_kv_len,
             pool.page_size, self.spec.softmax_scale, self._mla_config, self._num_splits, self._workspace,
+            self._tree,
         )
 
     def forward_mha(

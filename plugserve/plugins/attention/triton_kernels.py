@@ -212,15 +212,16 @@ def _mla_load_q(q_rows, q_rope_rows, head_mask, R: tl.constexpr, P: tl.constexpr
 @triton.jit
 def _mla_block(
     q_lo, q_hi, q_rope, q_rows, q_rope_rows, head_mask, kv_ptr, kv, kv_rope, block_table_row, stride_kv, b, kv_len,
-    m, denom, acc_lo, acc_hi, qk_scale,
+    tree_start, tree_bits, m, denom, acc_lo, acc_hi, qk_scale,
     R: tl.constexpr, P: tl.constexpr, HALF_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr, RELOAD_Q: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, TREE: tl.constexpr, TMA: tl.constexpr, RELOAD_Q: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
     """Online softmax over key block b (keys b * BLOCK_N ...): returns the updated row max m and denominator
     [BLOCK_H] and accumulator halves [BLOCK_H, HALF_R], all float32 and base 2. MASKED: keys from kv_len
     on are dropped (only the sequence's last block has any); that block is read through pointers even
-    under TMA, so that nothing past kv_len enters the dots (0 * inf would poison them). RELOAD_Q: the
+    under TMA, so that nothing past kv_len enters the dots (0 * inf would poison them). TREE (with MASKED):
+    key tree_start + j, a draft-tree node, is seen only where bit j of tree_bits is set. RELOAD_Q: the
     query block is loaded here (q_lo, q_hi, q_rope are None), see `MlaConfig.reload_q`."""
     if RELOAD_Q:
         q_lo, q_hi, q_rope = _mla_load_q(q_rows, q_rope_rows, head_mask, R, P, HALF_R, BLOCK_P)
@@ -250,11 +251,19 @@ def _mla_block(
     scores = tl.dot(q_hi, tl.trans(hi), scores, input_precision=INPUT_PRECISION)
     scores = tl.dot(q_rope, tl.trans(rope), scores, input_precision=INPUT_PRECISION) * qk_scale
     if MASKED:
-        scores = tl.where((n < kv_len)[None, :], scores, float("-inf"))
-    # Every block holds a visible key, so m_new is finite from the first block on (alpha = 0 there).
+        visible = n < kv_len
+        if TREE:
+            node = n - tree_start
+            bit = (tree_bits >> tl.where(node > 0, node, 0).to(tl.int64)) & 1
+            visible = visible & ((node < 0) | (bit != 0))
+        scores = tl.where(visible[None, :], scores, float("-inf"))
     m_new = tl.maximum(m, tl.max(scores, 1))
-    alpha = tl.exp2(m - m_new)
-    probs = tl.exp2(scores - m_new[:, None])
+    # Without TREE every block holds a visible key, so m_new is finite from the first block on (alpha = 0 there);
+    # a tree's split may open on nodes its query does not see, leaving m at -inf until a visible key (alpha and
+    # probs must then be 0, not NaN).
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new) if TREE else m_new
+    alpha = tl.exp2(m - m_ref)
+    probs = tl.exp2(scores - m_ref[:, None])
     denom = denom * alpha + tl.sum(probs, 1)
     probs = probs.to(lo.dtype)
     acc_lo = tl.dot(probs, lo, acc_lo * alpha[:, None], input_precision=INPUT_PRECISION)
@@ -264,17 +273,20 @@ def _mla_block(
 
 @triton.jit
 def _mla_kernel(
-    q_nope_ptr, q_rope_ptr, kv_ptr, kv, kv_rope, block_table_ptr, token_req_ptr, token_kv_len_ptr, out_ptr, lse_ptr,
+    q_nope_ptr, q_rope_ptr, kv_ptr, kv, kv_rope, block_table_ptr, token_req_ptr, token_kv_len_ptr, tree_start_ptr,
+    tree_bits_ptr, out_ptr, lse_ptr,
     stride_qn_t, stride_qn_h, stride_qr_t, stride_qr_h, stride_kv, stride_bt,
     stride_o_t, stride_o_h, stride_o_s, stride_lse_t, stride_lse_h,
     num_heads, num_splits, min_split_blocks, qk_scale,
     R: tl.constexpr, P: tl.constexpr, HALF_R: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    SPLIT: tl.constexpr, TMA: tl.constexpr, RELOAD_Q: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, TREE: tl.constexpr, TMA: tl.constexpr, RELOAD_Q: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
     # kv_ptr: the pool [num_slots, R + P]; kv / kv_rope (TMA, else None): descriptors of its [BLOCK_N, HALF_R]
     # and [BLOCK_N, BLOCK_P] boxes. SPLIT: out_ptr / lse_ptr are float32 partials and base-2 log-sum-exps
-    # (unit stride over splits), else out_ptr is the output and no lse is kept.
+    # (unit stride over splits), else out_ptr is the output and no lse is kept. TREE: the token is a draft-tree
+    # node whose keys from tree_start[t] on are the tree's nodes, seen per tree_bits[t]; every block from the
+    # tree's first on is masked.
     pid = tl.program_id(0)
     head_blocks = tl.cdiv(num_heads, BLOCK_H)
     head_block = pid % head_blocks
@@ -308,18 +320,32 @@ def _mla_kernel(
     denom = tl.zeros([BLOCK_H], tl.float32)
     acc_lo = tl.zeros([BLOCK_H, HALF_R], tl.float32)
     acc_hi = tl.zeros([BLOCK_H, HALF_R], tl.float32)
-    full = tl.minimum(last, kv_len // BLOCK_N)
+    if TREE:
+        tree_start = tl.load(tree_start_ptr + t)
+        tree_bits = tl.load(tree_bits_ptr + t)
+        full = tl.minimum(last, tree_start // BLOCK_N)
+    else:
+        tree_start = 0
+        tree_bits = 0
+        full = tl.minimum(last, kv_len // BLOCK_N)
     for b in range(first, full):
         m, denom, acc_lo, acc_hi = _mla_block(
             q_lo, q_hi, q_rope, q_rows, q_rope_rows, head_mask, kv_ptr, kv, kv_rope, block_table_row, stride_kv, b,
-            kv_len, m, denom, acc_lo, acc_hi, qk_scale,
-            R, P, HALF_R, BLOCK_P, BLOCK_N, PAGE_SIZE, False, TMA, RELOAD_Q, INPUT_PRECISION,
+            kv_len, tree_start, tree_bits, m, denom, acc_lo, acc_hi, qk_scale,
+            R, P, HALF_R, BLOCK_P, BLOCK_N, PAGE_SIZE, False, False, TMA, RELOAD_Q, INPUT_PRECISION,
         )
-    if full < last:
+    if TREE:
+        for b in range(tl.maximum(first, full), last):
+            m, denom, acc_lo, acc_hi = _mla_block(
+                q_lo, q_hi, q_rope, q_rows, q_rope_rows, head_mask, kv_ptr, kv, kv_rope, block_table_row, stride_kv,
+                b, kv_len, tree_start, tree_bits, m, denom, acc_lo, acc_hi, qk_scale,
+                R, P, HALF_R, BLOCK_P, BLOCK_N, PAGE_SIZE, True, True, TMA, RELOAD_Q, INPUT_PRECISION,
+            )
+    elif full < last:
         m, denom, acc_lo, acc_hi = _mla_block(
             q_lo, q_hi, q_rope, q_rows, q_rope_rows, head_mask, kv_ptr, kv, kv_rope, block_table_row, stride_kv, full,
-            kv_len, m, denom, acc_lo, acc_hi, qk_scale,
-            R, P, HALF_R, BLOCK_P, BLOCK_N, PAGE_SIZE, True, TMA, RELOAD_Q, INPUT_PRECISION,
+            kv_len, tree_start, tree_bits, m, denom, acc_lo, acc_hi, qk_scale,
+            R, P, HALF_R, BLOCK_P, BLOCK_N, PAGE_SIZE, True, False, TMA, RELOAD_Q, INPUT_PRECISION,
         )
 
     r = tl.arange(0, HALF_R)
@@ -376,6 +402,7 @@ def mla_attention(
     config: MlaConfig,
     num_splits: int,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    tree: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Absorbed MLA, one row per query token.
 
@@ -386,7 +413,9 @@ def mla_attention(
     `num_splits` >= 1 KV splits per token (`mla_num_splits`): with more than one, float32 partials
     [T, H, splits, R] and log-sum-exps [T, H, splits] go to `workspace` (two flat float32 buffers of at
     least `mla_workspace_size` rows times R, and rows; allocated here when None), then a second kernel
-    reduces them. Returns out [T, H, R] in q's dtype.
+    reduces them. `tree`: every token is a draft-tree node (token_kv_len then counts its request's whole
+    tree): (tree_start [T] int32, the position of its request's first node; tree_bits [T] int64, bit j set
+    when it sees node j, itself and its ancestors; at most 64 nodes). Returns out [T, H, R] in q's dtype.
     """
     t, h, r = q_nope.shape
     p = q_rope.shape[2]
@@ -417,7 +446,8 @@ def mla_attention(
     half_r = _pow2_at_least(r, 2 * MIN_DOT) // 2
     block_p = _pow2_at_least(p, MIN_DOT)
     shape = dict(R=r, P=p, HALF_R=half_r, BLOCK_P=block_p, BLOCK_H=config.block_h, PAGE_SIZE=page_size,
-                 SPLIT=num_splits > 1, INPUT_PRECISION=_input_precision(q_nope.dtype))
+                 SPLIT=num_splits > 1, TREE=tree is not None, INPUT_PRECISION=_input_precision(q_nope.dtype))
+    tree_start, tree_bits = tree if tree is not None else (token_kv_len, token_kv_len)  # unread without TREE
 
     def args(launch: dict) -> tuple:
         if launch["TMA"]:
@@ -425,7 +455,8 @@ def mla_attention(
             kv_rope = TensorDescriptor.from_tensor(kv_buffer, [launch["BLOCK_N"], block_p])
         else:
             kv, kv_rope = None, None
-        return (q_nope, q_rope, kv_buffer, kv, kv_rope, block_table, token_req, token_kv_len, part_out, part_lse,
+        return (q_nope, q_rope, kv_buffer, kv, kv_rope, block_table, token_req, token_kv_len, tree_start, tree_bits,
+                part_out, part_lse,
                 q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), kv_buffer.stride(0),
                 block_table.stride(0), *o_strides, *lse_strides, h, num_splits,
                 triton.cdiv(MLA_MIN_KEYS_PER_SPLIT, launch["BLOCK_N"]), sm_scale * LOG2E)
@@ -435,7 +466,7 @@ def mla_attention(
                 for c in _mla_fallbacks(config)]
     grid = (t * num_splits * triton.cdiv(h, config.block_h),)
     _launch_first_fitting(_mla_kernel, grid, args, launches,
-                          ("mla", device, q_nope.dtype, r, p, page_size, config, num_splits > 1))
+                          ("mla", device, q_nope.dtype, r, p, page_size, config, num_splits > 1, tree is not None))
     if num_splits > 1:
         _mla_reduce_kernel[(t, h)](
             part_out, part_lse, out,

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from plugserve.core.dispatch import AttnForwardMethod, prepare_attention
-from plugserve.core.forward_batch import ForwardBatch, ForwardMode
+from plugserve.core.forward_batch import DraftTree, ForwardBatch, ForwardMode
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import AttentionSpec
 from plugserve.plugins.attention.torch_ref import TorchRefAttention, merge_attn_states, ragged_attention
@@ -120,6 +120,38 @@ def new_tokens(spec: AttentionSpec, batch: ForwardBatch) -> tuple[torch.Tensor, 
     t, dtype = batch.num_tokens, spec.dtype
     return (torch.randn(t, spec.num_heads, R, dtype=dtype), torch.randn(t, spec.num_heads, P, dtype=dtype),
             torch.randn(t, R, dtype=dtype), torch.randn(t, P, dtype=dtype))
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_draft_forest_across_key_blocks_and_splits(kernels: ModuleType, dtype: torch.dtype,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """TARGET_VERIFY of a NextN draft forest (several roots): request 0's 20 nodes start on a key-block boundary
+    (prefix 32, blocks of 16) with 16 roots filling block 2 and a chain after them, so that a chain node's
+    split over block 2 sees none of its keys (its partial weighs nothing, not NaN); request 1's tree straddles
+    blocks. One key block a split, against the oracle."""
+    monkeypatch.setattr(kernels, "MLA_MIN_KEYS_PER_SPLIT", 1)
+    spec = spec_of(dtype, page_size=16)
+    parents = torch.tensor([[-1] * 16 + [-1, 16, 17, 18],
+                            [-1, 0, 0, 1, -1, 4, 2, 5, 6, 3, 9, 10, 11, -1, 13, 14, 15, 8, 7, 0]])
+    batch = random_batch(ForwardMode.TARGET_VERIFY, [52, 45], [20, 20], spec, CPU).with_tree(DraftTree.of(parents))
+    backend, _ = backends(spec, batch)
+    q_nope, q_rope, latent, k_rope = new_tokens(spec, batch)
+    expected, _ = oracle.mla(batch, LAYER, q_nope, q_rope, latent, k_rope, oracle.softmax_scale(spec))
+    backend.set_kv(LAYER, batch.out_cache_loc, latent, k_rope)
+    for splits in (1, 4):
+        out = kernels.mla_attention(q_nope, q_rope, batch.kv_pool.buffer(LAYER), batch.block_table,
+                                    backend._token_req, backend._token_kv_len, 16, spec.softmax_scale,
+                                    kernels.MlaConfig(16, 16, 1, 1), splits, tree=backend._tree)
+        assert_close(out, expected, dtype, f"forward_mla of a draft forest, {splits} KV splits")
+
+
+def test_trees_past_64_nodes_are_refused() -> None:
+    spec = spec_of(torch.float32, page_size=16)
+    batch = random_batch(ForwardMode.TARGET_VERIFY, [80], [65], spec, CPU)
+    batch = batch.with_tree(DraftTree.of(torch.arange(-1, 64)[None]))
+    with pytest.raises(ValueError, match="at most 64 nodes"):
+        TritonAttention(spec, CPU).plan(batch)
 
 
 @interpreted
