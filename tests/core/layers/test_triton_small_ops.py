@@ -3,19 +3,12 @@ op, alone and in the tiny model's decode; which path the model takes for which b
 
 Without a GPU the kernel runs in Triton's interpreter, in fp32 / fp16 only: the interpreter truncates float32
 to bf16 where the GPU rounds to nearest even.
-`triton.jit` decides when a function is defined whether it is interpreted, Triton's own library included,
-which is defined when triton is first imported, possibly by an earlier test. So unless TRITON_INTERPRET=1
-was set before this process started (tests/conftest.py sets it where no GPU is visible), the kernel tests
-run in a child pytest of this file started with it (`test_kernels_in_the_interpreter`).
+Where they cannot run in this process, the kernel tests run in an interpreted child pytest (tests/interpreter.py).
 The bf16 test at DeepSeek's shapes runs only on a GPU (`test_bf16_on_the_gpu_at_deepseek_shapes`).
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -28,33 +21,20 @@ from plugserve.core.layers.small_ops import EAGER, SmallOps
 from plugserve.core.models.deepseek import DeepseekForCausalLM
 from plugserve.plugins.attention.torch_ref import TorchRefAttention
 from tests.checkpoints import random_hf_model, save_hf_model, tiny_v3_config
+from tests.interpreter import interpreter_child, kernels_fixture
 from tests.paged_runner import PagedRunner, Request, load_reference_model
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
-KERNELS_HERE = ON_GPU or os.environ.get("TRITON_INTERPRET") == "1"
-REPO = Path(__file__).resolve().parents[3]
 EPS = 1e-6
 NOPE = 8  # q's nope columns before its rope part
 DTYPES = [torch.float32, torch.float16, *([torch.bfloat16] if ON_GPU else [])]
 
 
-@pytest.fixture(scope="module")
-def kernels() -> ModuleType:
-    """The kernel module, where its kernel can run in this process."""
-    if not KERNELS_HERE:
-        pytest.skip("runs in the TRITON_INTERPRET=1 child of test_kernels_in_the_interpreter")
-    from plugserve.core.layers import triton_small_ops
-
-    return triton_small_ops
+kernels = kernels_fixture("plugserve.core.layers.triton_small_ops")
 
 
-@pytest.mark.skipif(KERNELS_HERE, reason="the kernel tests run in this process")
-def test_kernels_in_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], cwd=REPO,
-                            env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-2000:]
+test_kernels_in_the_interpreter = interpreter_child(__file__)
 
 
 def _inputs(t: int, h: int, r: int, p: int, dtype: torch.dtype, pool_dtype: torch.dtype,

@@ -30,11 +30,11 @@ from plugserve.plugins.gemm.deepgemm import DeepGemmFp8Gemm, padded_weight
 from plugserve.plugins.gemm.torch_ref import TorchRefFp8Gemm
 from plugserve.registry import Registry
 from plugserve.testing.tolerances import assert_close
+from tests.interpreter import KERNELS_HERE, interpreter_child
 from tests.plugins import fake_deep_gemm
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
-KERNELS_HERE = ON_GPU or os.environ.get("TRITON_INTERPRET") == "1"
 REPO = Path(__file__).resolve().parents[3]
 H100 = Hardware("cuda", "NVIDIA H100 80GB HBM3", (9, 0), 80 << 30, 132)
 A100 = Hardware("cuda", "NVIDIA A100-SXM4-80GB", (8, 0), 80 << 30, 108)
@@ -247,12 +247,7 @@ def backend(monkeypatch: pytest.MonkeyPatch) -> DeepGemmFp8Gemm:
     return DeepGemmFp8Gemm(GemmSpec(torch.bfloat16), DEVICE)
 
 
-@pytest.mark.skipif(KERNELS_HERE, reason="the kernel tests run in this process")
-def test_kernels_in_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], cwd=REPO,
-                            env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-2000:]
+test_kernels_in_the_interpreter = interpreter_child(__file__)
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 256, 512), (7, 384, 1024), (33, 201, 320), (130, 128, 128)])

@@ -7,8 +7,6 @@ interpreter (see tests/plugins/moe/test_triton.py for why they may run in a chil
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,33 +23,21 @@ from plugserve.plugins.moe.deepgemm import MASKED_MAX_TOKENS, DeepGemmMoE
 from plugserve.plugins.moe.torch_ref import fused_experts_reference, select_experts
 from plugserve.registry import Registry
 from plugserve.testing.tolerances import assert_close
+from tests.interpreter import interpreter_child, kernels_fixture
 from tests.plugins import fake_deep_gemm
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
-KERNELS_HERE = ON_GPU or os.environ.get("TRITON_INTERPRET") == "1"
-REPO = Path(__file__).resolve().parents[3]
 H100 = Hardware("cuda", "NVIDIA H100 80GB HBM3", (9, 0), 80 << 30, 132)
 ROUTER = RouterConfig(16, 4, "sigmoid", "noaux_tc", n_group=4, topk_group=2, norm_topk_prob=True)
 SPEC = MoESpec(256, 128, torch.bfloat16, torch.float8_e4m3fn, router=ROUTER)
 RSF = 2.5  # routed_scaling_factor
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    if not KERNELS_HERE:
-        pytest.skip("runs in the TRITON_INTERPRET=1 child of test_kernels_in_the_interpreter")
-    from plugserve.plugins.moe import deepgemm_kernels
-
-    return deepgemm_kernels
+kernels = kernels_fixture("plugserve.plugins.moe.deepgemm_kernels")
 
 
-@pytest.mark.skipif(KERNELS_HERE, reason="the kernel tests run in this process")
-def test_kernels_in_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], cwd=REPO,
-                            env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-2000:]
+test_kernels_in_the_interpreter = interpreter_child(__file__, timeout=900)
 
 
 # -- declaration, capabilities, availability -------------------------------------------------------------

@@ -3,11 +3,8 @@ three-kernel paths) against a plain-torch oracle, the fused router, the activati
 experts (fp32 / fp16 / bf16 and block-FP8 weights), dropped expert ids, shared-expert fusion,
 configuration files, and the availability rules.
 
-Without a GPU the kernels run in Triton's interpreter. `triton.jit` decides when a function is defined
-whether it is interpreted, Triton's own library (tl.sigmoid, tl.cumsum, ...) included, which is defined
-when triton is first imported, possibly by an earlier test. So unless TRITON_INTERPRET=1 was set
-before this process started, the kernel tests run in a child pytest of this file started with it
-(`test_kernels_in_the_interpreter`) and are skipped here.
+Without a GPU the kernels run in Triton's interpreter, in this process or an interpreted child pytest
+(tests/interpreter.py).
 """
 
 from __future__ import annotations
@@ -31,31 +28,19 @@ from plugserve.plugins.moe.torch_ref import fused_experts_reference, select_expe
 from plugserve.plugins.moe.triton import TritonMoE
 from plugserve.testing.cases import V2_LITE_ROUTER, V2_ROUTER, V3_ROUTER
 from plugserve.testing.tolerances import assert_close
+from tests.interpreter import interpreter_child, kernels_fixture
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
-KERNELS_HERE = ON_GPU or os.environ.get("TRITON_INTERPRET") == "1"
 SMALL_V3 = RouterConfig(16, 4, "sigmoid", "noaux_tc", n_group=4, topk_group=2, norm_topk_prob=True)
 RSF = 2.5  # routed_scaling_factor
 REPO = Path(__file__).resolve().parents[3]
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    """The kernel module, where its kernels can run in this process."""
-    if not KERNELS_HERE:
-        pytest.skip("runs in the TRITON_INTERPRET=1 child of test_kernels_in_the_interpreter")
-    from plugserve.plugins.moe import triton_kernels
-
-    return triton_kernels
+kernels = kernels_fixture("plugserve.plugins.moe.triton_kernels")
 
 
-@pytest.mark.skipif(KERNELS_HERE, reason="the kernel tests run in this process")
-def test_kernels_in_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], cwd=REPO,
-                            env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-2000:]
+test_kernels_in_the_interpreter = interpreter_child(__file__)
 
 
 def _quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
