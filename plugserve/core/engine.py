@@ -41,7 +41,7 @@ from plugserve.core.ranks import Ranks
 from plugserve.core.request import FinishReason, Request, RequestOutput, TokenLogprob
 from plugserve.core.sampling import SamplingParams, make_generator
 from plugserve.core.scheduler import Scheduler
-from plugserve.core.server_args import ServerArgs, flag
+from plugserve.core.server_args import ServerArgs
 from plugserve.core.tokenizer import EMBEDDED_MODEL_DIR, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -256,12 +256,6 @@ class Engine:
                rid: str | None = None) -> str:
         """Queue one request (n must be 1 here: `generate` and the server expand n). Returns its id."""
         params.validate()
-        spec = self.runner.args.speculative
-        if spec is not None and spec.topk > 1 and not params.is_greedy:
-            # Verifying a tree losslessly for sampling needs a multi-draft rule plugserve does not implement.
-            raise ValueError(f"temperature {params.temperature}: with {flag('speculative_eagle_topk')} {spec.topk} "
-                             "(draft trees) only greedy requests (temperature 0) are served; launch with topk 1 "
-                             "to sample with speculative decoding")
         ids = self.tokenize(prompt)
         rid = rid or uuid.uuid4().hex
 

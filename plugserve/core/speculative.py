@@ -1,5 +1,5 @@
 """Speculative decoding with the target's own NextN (MTP) layer as the draft: chains (EAGLE with topk 1) and
-EAGLE-2 trees (topk > 1, greedy requests only).
+EAGLE-2 trees (topk > 1).
 
 A running request's tokens are x_0 .. x_{L-1}. The target's KV holds positions 0 .. L - 2 (as without
 speculation), and so does the NextN layer's (position i read x_{i+1} and the target's final normed hidden state
@@ -32,7 +32,9 @@ With topk > 1 a round drafts a tree of n = num_draft_tokens nodes, node 0 being 
                 first on ties, so every kept node's parent is kept) become the tree, in creation order.
   verify        one TARGET_VERIFY forward of the n nodes with the tree mask (`DraftTree`), node i in the slot of
                 position L - 1 + i at position L - 1 + depth.
-  accept        `verify_tree`: from the root, the child holding the target's argmax, as long as there is one.
+  accept        `verify_tree`: from the root, the child holding the target's argmax, as long as there is one;
+                sampled requests try the children as candidates in turn, each kept with its share of the
+                target's probability the rejected siblings leave (lossless: `_sample_tree_walks`).
   keep          the accepted nodes' target KV moves to the slots of positions L .. L - 1 + a, so the request's KV
                 is in position order again; then draft extend as for chains, over the accepted nodes (padded
                 with the last one).
@@ -123,7 +125,7 @@ class SpeculativeWorker:
         b, n = batch.batch_size, self.num_draft_tokens
         rows = self._rows([r.table_row for r in requests])
         if self.topk > 1:
-            return self._verify_tree(batch, input_ids.view(b, n)[:, :1], requests, rows)
+            return self._verify_tree(batch, input_ids.view(b, n)[:, :1], requests, rows, default_generator)
         drafts, draft_probs = self._draft(batch, requests, rows, default_generator)
         ids = torch.cat([input_ids.view(b, n)[:, :1], drafts], dim=1)
         hidden, logits = self._verify_chains(ids.view(-1), batch)
@@ -143,8 +145,8 @@ class SpeculativeWorker:
         hidden, _ = self._target(input_ids, batch)
         return hidden, self._logits(hidden)
 
-    def _verify_tree(self, batch: ForwardBatch, roots: torch.Tensor, requests: Sequence[Request], rows: torch.Tensor
-                     ) -> SampleOutput:
+    def _verify_tree(self, batch: ForwardBatch, roots: torch.Tensor, requests: Sequence[Request], rows: torch.Tensor,
+                     default_generator: torch.Generator | None) -> SampleOutput:
         """`verify` with draft trees; roots [B, 1] int64: each request's last token."""
         drafts, parents = self._draft_tree(batch, rows)
         tree = batch.with_tree(DraftTree.of(parents))
@@ -152,7 +154,8 @@ class SpeculativeWorker:
         hidden, _ = self._target(tokens.view(-1), tree)
         out, path = verify_tree(self._logits(hidden).view(*tokens.shape, -1), tokens, parents,
                                 [r.params for r in requests], [r.prompt_ids for r in requests],
-                                [r.output_ids[: r.num_resolved] for r in requests])
+                                [r.output_ids[: r.num_resolved] for r in requests], [r.generator for r in requests],
+                                default_generator)
         slots = batch.out_cache_loc.view(tokens.shape)
         batch.kv_pool.copy_slots(slots.gather(1, path[:, 1:]).view(-1), slots[:, 1:].reshape(-1),
                                  range(len(self.model.layers)))
@@ -364,17 +367,22 @@ def verify_drafts(logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch
 
 
 def verify_tree(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, params: list[SamplingParams],
-                prompt_ids: list[list[int]], output_ids: list[list[int]]) -> tuple[SampleOutput, torch.Tensor]:
-    """Which path of each greedy request's draft tree the target accepts, and its token after it.
+                prompt_ids: list[list[int]], output_ids: list[list[int]],
+                generators: list[torch.Generator | None] | None = None,
+                default_generator: torch.Generator | None = None) -> tuple[SampleOutput, torch.Tensor]:
+    """Which path of each request's draft tree the target accepts, and its token after it.
 
     logits [B, n, V] float32: the target's at every node; tokens [B, n] int64, node 0 the request's last token;
-    parents [B, n] int64 as `DraftTree` takes them (siblings hold different tokens). prompt_ids / output_ids as
-    `sample` takes them; penalties count a node's ancestors (the root excepted) as generated tokens.
+    parents [B, n] int64 as `DraftTree` takes them (siblings hold different tokens). prompt_ids / output_ids /
+    generators as `sample` takes them (generators None: every request's is None); penalties count a node's
+    ancestors (the root excepted) as generated tokens.
 
-    From the root, the walk moves to the child holding the target's argmax at the current node while there is
-    one; the target's argmax at the last node follows. Returns the SampleOutput of `verify_drafts` (token_ids
-    [B, n]) and path [B, n] int64: the nodes the tokens were taken at, the root first, the last repeated past
-    the accepted ones.
+    Greedy requests: from the root, the walk moves to the child holding the target's argmax at the current node
+    while there is one; the target's argmax at the last node follows. Sampled requests (`_sample_tree_walks`):
+    the children are candidates tried in turn, each kept with its probability under what the target's
+    distribution at the node leaves after the rejected ones, so that every token is distributed as the target's
+    own sampling would draw it. Returns the SampleOutput of `verify_drafts` (token_ids [B, n]) and path [B, n]
+    int64: the nodes the tokens were taken at, the root first, the last repeated past the accepted ones.
     """
     b, n, vocab = logits.shape
     if any(p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty for p in params):
@@ -404,10 +412,69 @@ def verify_tree(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tenso
     path = torch.stack(steps, dim=1)
     accept_lens = (path[:, 1:] != path[:, :-1]).sum(dim=1)
     bonus = target.gather(1, path.gather(1, accept_lens[:, None])).squeeze(1)
+    rows = [i for i, p in enumerate(params) if not p.is_greedy]
+    if rows:
+        index = to_device(torch.tensor(rows), logits.device)
+        walks = _sample_tree_walks(logits[index], tokens[index], parents[index], [params[i] for i in rows],
+                                   [generators[i] if generators else None for i in rows], default_generator)
+        path, accept_lens, bonus = (x.index_copy(0, index, y) for x, y in zip((path, accept_lens, bonus), walks,
+                                                                              strict=True))
     out = torch.cat([tokens.gather(1, path[:, 1:]), bonus[:, None]], dim=1).scatter(1, accept_lens[:, None],
                                                                                      bonus[:, None])
     path_logits = logits.gather(1, path[:, :, None].expand(b, n, vocab))
     return _with_logprobs(path_logits, out, accept_lens, params), path
+
+
+def _sample_tree_walks(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, params: list[SamplingParams],
+                       generators: list[torch.Generator | None], default_generator: torch.Generator | None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`verify_tree` for sampled requests: logits [R, n, V] float32 (penalties applied), tokens / parents [R, n]
+    int64 -> (path [R, n], accept_lens [R], bonus [R]) as `verify_tree` returns them.
+
+    At node v, with p the target's distribution there (the request's temperature and filters, normalized), the
+    children c_1, c_2 ... (deterministic candidates, such as EAGLE-2's top-k) are tried in node order: c_j is
+    kept with probability p(c_j) / (1 - p(c_1) - ... - p(c_{j-1})), i.e. with its share of what the rejected
+    siblings leave, and the walk moves to it; when none is kept (or v is a leaf) the bonus token is drawn from p
+    without the rejected candidates. So token t is kept at c_j with probability p(t) and drawn as the bonus with
+    probability p(t) too, the chain of those terms being sampling without replacement from p. One uniform per
+    node (each node is tried at most once); the walk itself runs on the host over the candidates' probabilities."""
+    r, n, vocab = logits.shape
+    probs = filtered_probs(logits.reshape(r * n, vocab), [x for x in params for _ in range(n)]).view(r, n, vocab)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    at_parent = probs.gather(1, parents.clamp_min(0)[:, :, None].expand(r, n, vocab))
+    candidate_probs = at_parent.gather(2, tokens[:, :, None]).squeeze(2).tolist()  # p of node c's token at its parent
+    uniforms = row_noise((r, n), generators, default_generator, logits.device, exponential=False).tolist()
+    host_parents, host_tokens = parents.tolist(), tokens.tolist()
+    walks, lens, ends, rejected = [], [], [], []  # per request: path, drafts kept, last node, tokens rejected there
+    for row in range(r):
+        walk = [0]
+        while True:
+            left, kept, tried = 1.0, None, []
+            for child in (c for c in range(1, n) if host_parents[row][c] == walk[-1]):
+                p = candidate_probs[row][child]
+                if p > 0 and uniforms[row][child] * left < p:
+                    kept = child
+                    break
+                left -= p
+                tried.append(host_tokens[row][child])
+            if kept is None:
+                break
+            walk.append(kept)
+        walks.append(walk + [walk[-1]] * (n - len(walk)))
+        lens.append(len(walk) - 1)
+        ends.append(walk[-1])
+        rejected.append(tried)
+    device = logits.device
+    at_end = probs[torch.arange(r, device=device), to_device(torch.tensor(ends), device)]
+    residual = at_end
+    cells = [(row, token) for row, tokens_there in enumerate(rejected) for token in tokens_there]
+    if cells:
+        at = to_device(torch.tensor(cells), device)
+        residual = residual.index_put((at[:, 0], at[:, 1]), torch.zeros((), device=device))
+    # All zero only through rounding (the last candidate holding all that was left is kept for certain).
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, at_end)
+    path, accept_lens = to_device(torch.tensor(walks), device), to_device(torch.tensor(lens), device)
+    return path, accept_lens, draw(residual, generators, default_generator)
 
 
 def _with_logprobs(logits: torch.Tensor, tokens: torch.Tensor, accept_lens: torch.Tensor,

@@ -18,7 +18,7 @@ from plugserve.core.server_args import ServerArgs
 from plugserve.core.speculative import verify_tree
 from plugserve.plugins.attention.torch_ref import TorchRefAttention
 from tests.checkpoints import add_mtp_layer, random_hf_model, save_hf_model, tiny_v3_config
-from tests.core.test_speculative import GREEDY, PROMPTS, _args, _outputs
+from tests.core.test_speculative import GREEDY, PROMPTS, SAMPLED, TARGET_LOGITS, _args, _outputs, _target_probs
 from tests.engine_checks import assert_every_page_is_back
 from tests.paged_runner import load_reference_model
 
@@ -206,10 +206,51 @@ def test_draft_token_counts_a_tree_cannot_hold_are_refused():
         ServerArgs(**{**flags, "speculative_num_draft_tokens": 1})
 
 
-def test_sampled_requests_are_refused_with_trees(trees):
-    with pytest.raises(ValueError, match=r"--speculative-eagle-topk 2 .*only greedy requests"):
-        trees.generate(PROMPTS[0], SamplingParams(max_new_tokens=4, temperature=0.7))
-    assert trees.generate(PROMPTS[0], SamplingParams(max_new_tokens=4, temperature=0.7, top_k=1))[0].token_ids
+# A tree over 4 tokens whose target distribution depends on depth only (as TARGET_LOGITS on position): the root's
+# candidates 0, 1, 2; node 1 (token 0) has candidates 0, 3; node 2 (token 1) has candidate 1.
+TREE_TOKENS = torch.tensor([[3, 0, 1, 2, 0, 3, 1]])
+TREE_PARENTS = torch.tensor([[-1, 0, 0, 0, 1, 1, 2]])
+DEPTH_LOGITS = TARGET_LOGITS[[0, 1, 1, 1, 2, 2, 2]]  # [n, V]: a node's logits are its depth's
+
+
+def _two_tokens(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes t1 * 4 + t2 [rows], accept_lens [rows]) of one verify of the tree per row, the second token drawn
+    straight from the target where the walk stopped at the root, as the next round would."""
+    generator = torch.Generator().manual_seed(0)
+    out, _ = verify_tree(DEPTH_LOGITS.expand(rows, -1, -1), TREE_TOKENS.expand(rows, -1),
+                         TREE_PARENTS.expand(rows, -1), [SAMPLED] * rows, [[0]] * rows, [[]] * rows, [None] * rows,
+                         generator)
+    fresh = torch.multinomial(_target_probs()[1], rows, replacement=True, generator=generator)
+    second = torch.where(out.accept_lens >= 1, out.token_ids[:, 1], fresh)
+    return out.token_ids[:, 0] * 4 + second, out.accept_lens
+
+
+def test_sampling_a_tree_keeps_the_targets_distribution():
+    """Total variation between 40000 draws of two tokens and the target's joint distribution (12 cells) is about
+    0.01 from sampling noise. The accept lengths follow: the first token is kept exactly when it is a root
+    candidate (probability p(0) + p(1) + p(2)), the second when it is one of its node's; a walk keeping each
+    candidate with its plain probability instead of its share of what the rejected siblings leave would keep the
+    first with 1 - (1 - p(0))(1 - p(1))(1 - p(2)), far off."""
+    p = _target_probs()
+    joint = (p[0][:, None] * p[1][None, :]).flatten()
+    codes, accept_lens = _two_tokens(40000)
+    counts = torch.bincount(codes, minlength=16).float() / len(codes)
+    assert 0.5 * (counts - joint).abs().sum().item() < 0.025
+    first_kept = p[0][:3].sum().item()
+    second_kept = (p[0][0] * (p[1][0] + p[1][3]) + p[0][1] * p[1][1]).item()
+    assert abs((accept_lens >= 1).float().mean().item() - first_kept) < 0.01
+    assert abs((accept_lens == 2).float().mean().item() - second_kept) < 0.01
+    assert abs((1 - (1 - p[0][:3]).prod()).item() - first_kept) > 0.05  # the check tells the two rules apart
+
+
+def test_sampled_requests_with_trees_stay_in_the_targets_top_k_and_repeat_with_their_seed(trees):
+    params = SamplingParams(max_new_tokens=10, temperature=1.0, top_k=2, seed=5, n=3, logprobs=True,
+                            top_logprobs=2, ignore_eos=True)
+    first, second = trees.generate(PROMPTS[:2], params), trees.generate(PROMPTS[:2], params)
+    assert [r.token_ids for r in first] == [r.token_ids for r in second]
+    assert len({tuple(r.token_ids) for r in first}) > 2
+    assert all(t.token_id in [i for i, _ in t.top] for r in first for t in r.logprobs)
+    assert_every_page_is_back(trees)
 
 
 def test_trees_on_the_triton_decode_backend_equal_its_outputs_without_speculation(checkpoint):
