@@ -174,32 +174,21 @@ class BlockAlignment:
     num_padded: torch.Tensor
     block_m: int
     num_pairs: int
+    # One M-block per pair, in pair order (`pair_blocks`): block p holds pair p alone (its other BLOCK_M - 1 rows
+    # padding), expert_ids is the top-k ids themselves, dropped ids included (the GEMM skips those blocks), and
+    # sorted_ids / num_padded are unused.
+    per_pair: bool = False
 
     @property
     def num_blocks(self) -> int:
         return self.expert_ids.numel()
 
-    @property
-    def per_pair(self) -> bool:
-        """One M-block per pair (`pair_blocks`): sorted_ids and num_padded are unused."""
-        return False
 
-
-@dataclass(frozen=True)
-class PairBlocks(BlockAlignment):
-    """One M-block per token-expert pair, in pair order: block p holds pair p alone (its other BLOCK_M - 1 rows
-    are padding) and expert_ids is the top-k ids themselves, dropped ids included (the GEMM skips them)."""
-
-    @property
-    def per_pair(self) -> bool:
-        return True
-
-
-def pair_blocks(topk_ids: torch.Tensor, block_m: int) -> PairBlocks:
+def pair_blocks(topk_ids: torch.Tensor, block_m: int) -> BlockAlignment:
     """The alignment of one token without a kernel: its k experts are distinct, so sorting its pairs by expert
-    would give each its own M-block anyway. topk_ids [1, k] int32 contiguous."""
+    would give each its own M-block anyway. topk_ids [1, k] int32 contiguous (see `BlockAlignment.per_pair`)."""
     ids = topk_ids.reshape(-1)
-    return PairBlocks(ids, ids, ids, block_m, ids.numel())
+    return BlockAlignment(ids, ids, ids, block_m, ids.numel(), per_pair=True)
 
 
 def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> BlockAlignment:
@@ -447,7 +436,7 @@ def _fused_moe_gemm_kernel(
     MUL_WEIGHT: C *= topk_weights[p] * routed_scaling_factor.
     FP8: A and B float8 with A scales per row and 1 x GROUP_K group, B scales per GROUP_N x GROUP_K
     block, applied per K-tile (BLOCK_K divides GROUP_K).
-    PER_PAIR (`PairBlocks`): M-block p is pair p alone, of expert expert_ids[p], skipped when that id is dropped."""
+    PER_PAIR (`pair_blocks`): M-block p is pair p alone, of expert expert_ids[p], skipped when that id is dropped."""
     pid = tl.program_id(0)
     # Programs sweep GROUP_SIZE_M M-blocks per column of N-blocks, so weight tiles are reused in L2.
     num_pid_m = tl.cdiv(padded_rows, BLOCK_M)
