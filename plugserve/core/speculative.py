@@ -438,12 +438,12 @@ def _sample_tree_walks(logits: torch.Tensor, tokens: torch.Tensor, parents: torc
     without the rejected candidates. So token t is kept at c_j with probability p(t) and drawn as the bonus with
     probability p(t) too, the chain of those terms being sampling without replacement from p. One uniform per
     node (each node is tried at most once); the walk itself runs on the host over the candidates' probabilities."""
-    r, n, vocab = logits.shape
+    (r, n, vocab), device = logits.shape, logits.device
     probs = filtered_probs(logits.reshape(r * n, vocab), [x for x in params for _ in range(n)]).view(r, n, vocab)
     probs = probs / probs.sum(dim=-1, keepdim=True)
-    at_parent = probs.gather(1, parents.clamp_min(0)[:, :, None].expand(r, n, vocab))
-    candidate_probs = at_parent.gather(2, tokens[:, :, None]).squeeze(2).tolist()  # p of node c's token at its parent
-    uniforms = row_noise((r, n), generators, default_generator, logits.device, exponential=False).tolist()
+    rows = torch.arange(r, device=device)
+    candidate_probs = probs[rows[:, None], parents.clamp_min(0), tokens].tolist()  # p of node c's token at its parent
+    uniforms = row_noise((r, n), generators, default_generator, device, exponential=False).tolist()
     host_parents, host_tokens = parents.tolist(), tokens.tolist()
     walks, lens, ends, rejected = [], [], [], []  # per request: path, drafts kept, last node, tokens rejected there
     for row in range(r):
@@ -464,8 +464,7 @@ def _sample_tree_walks(logits: torch.Tensor, tokens: torch.Tensor, parents: torc
         lens.append(len(walk) - 1)
         ends.append(walk[-1])
         rejected.append(tried)
-    device = logits.device
-    at_end = probs[torch.arange(r, device=device), to_device(torch.tensor(ends), device)]
+    at_end = probs[rows, to_device(torch.tensor(ends), device)]
     residual = at_end
     cells = [(row, token) for row, tokens_there in enumerate(rejected) for token in tokens_there]
     if cells:
