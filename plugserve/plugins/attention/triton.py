@@ -96,8 +96,10 @@ class TritonAttention(AttentionBackend):
             torch.arange(batch.batch_size, dtype=torch.int32, device=device), batch.extend_lens,
             output_size=num_tokens,
         )
-        self._token_kv_len = (batch.positions + 1).to(torch.int32)
-        self._tree = None if batch.tree is None else self._tree_rows(batch)
+        if batch.tree is None:
+            self._token_kv_len, self._tree = (batch.positions + 1).to(torch.int32), None
+        else:
+            self._token_kv_len, self._tree = self._tree_rows(batch)
         self._num_splits = self._mla_splits(num_tokens, max(batch.seq_lens_cpu, default=0))
         self._workspace = None  # forward_mla allocates its partials
         self._max_q_len = max(batch.extend_lens_cpu, default=0)
@@ -106,21 +108,23 @@ class TritonAttention(AttentionBackend):
         else:
             self._causal_kv_lens, self._cu_causal_kv = batch.seq_lens_cpu, _cumsum_with_zero(batch.seq_lens)
 
-    def _tree_rows(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """A draft-tree batch's per-token mask for forward_mla: (tree_start [T] int32, the position of the token's
-        request's first node; tree_bits [T] int64, bit j set where it sees node j). token_kv_len becomes the
-        request's length, keys past the tree's first masked in the kernel. On the device, no sync."""
+    @staticmethod
+    def _tree_rows(batch: ForwardBatch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """A draft-tree batch's token_kv_len [T] int32 (every node's: its request's length, the keys from the
+        tree's first on masked in the kernel) and per-token mask for forward_mla: (tree_start [T] int32, the
+        position of the request's first node; tree_bits [T] int64, bit j set where the token sees node j). On the
+        device, no sync."""
         tree = batch.tree
         assert tree is not None
         n = tree.num_nodes
         if n > MAX_TREE_NODES:
             raise ValueError(f"triton attention: draft trees of at most {MAX_TREE_NODES} nodes a request (one 64-bit "
                              f"mask per node), got {n}: lower --speculative-num-draft-tokens")
-        self._token_kv_len = torch.repeat_interleave(batch.seq_lens.to(torch.int32), n, output_size=batch.num_tokens)
+        kv_len = torch.repeat_interleave(batch.seq_lens.to(torch.int32), n, output_size=batch.num_tokens)
         start = torch.repeat_interleave((batch.seq_lens - n).to(torch.int32), n, output_size=batch.num_tokens)
         powers = torch.ones(n, dtype=torch.int64, device=start.device) << torch.arange(n, device=start.device)
         bits = (tree.mask.to(torch.int64) * powers).sum(-1)  # distinct powers of two: the sum is the bitwise or
-        return start, bits.view(-1)
+        return kv_len, (start, bits.view(-1))
 
     def _mla_splits(self, num_tokens: int, max_kv_len: int) -> int:
         """KV splits for num_tokens query rows times the config's head blocks (host-side, no sync)."""
