@@ -253,16 +253,28 @@ def test_sampled_requests_with_trees_stay_in_the_targets_top_k_and_repeat_with_t
     assert_every_page_is_back(trees)
 
 
-def test_trees_on_the_triton_decode_backend_equal_its_outputs_without_speculation(checkpoint):
-    """The Triton attention backend's tree-masked TARGET_VERIFY (interpreted on the CPU: two short requests;
-    compiled on a GPU): greedy tokens with trees equal the same backend's without speculation."""
-    triton = {"decode_attention_backend": "triton"}
-    params = SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True)
-    outputs = []
-    for flags in ({}, TREE):
-        engine = Engine(_args(checkpoint, **triton, **flags))
-        try:
-            outputs.append(_outputs(engine.generate(PROMPTS[:2], params)))
-        finally:
-            engine.shutdown()
-    assert outputs[1] == outputs[0]
+CHAINS = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 3}
+TRITON = {"decode_attention_backend": "triton"}
+SHORT = SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True)
+
+
+def _triton_outputs(checkpoint, **flags) -> list[tuple]:
+    engine = Engine(_args(checkpoint, **TRITON, **flags))
+    try:
+        return _outputs(engine.generate(PROMPTS[:2], SHORT))
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def triton_plain(checkpoint) -> list[tuple]:
+    """Greedy outputs of two short requests on the Triton decode backend without speculation."""
+    return _triton_outputs(checkpoint)
+
+
+@pytest.mark.parametrize("speculation", [CHAINS, TREE], ids=["chains", "trees"])
+def test_rounds_on_the_triton_decode_backend_equal_its_outputs_without_speculation(checkpoint, triton_plain,
+                                                                                   speculation):
+    """The Triton attention backend's TARGET_VERIFY and DRAFT_EXTEND, causal or tree-masked (interpreted on the
+    CPU, compiled on a GPU): greedy tokens with speculation equal the same backend's without."""
+    assert _triton_outputs(checkpoint, **speculation) == triton_plain
