@@ -306,14 +306,20 @@ def test_greedy_verification_accepts_the_run_the_targets_argmax_agrees_with():
                                                                                                   [5]]
 
 
-def test_sampled_requests_stay_in_the_targets_top_k_and_repeat_with_their_seed(spec):
+def check_seeded_sampling(engine: Engine) -> None:
+    """Seeded sampled requests (top-k 2, n 3) repeat token for token, differ between samples, and draw every
+    token from the target's top 2 at its position; every page comes back."""
     params = SamplingParams(max_new_tokens=12, temperature=1.0, top_k=2, seed=5, n=3, logprobs=True,
                             top_logprobs=2, ignore_eos=True)
-    first, second = spec.generate(PROMPTS[:2], params), spec.generate(PROMPTS[:2], params)
+    first, second = engine.generate(PROMPTS[:2], params), engine.generate(PROMPTS[:2], params)
     assert [r.token_ids for r in first] == [r.token_ids for r in second]
     assert len({tuple(r.token_ids) for r in first}) > 2
     assert all(t.token_id in [i for i, _ in t.top] for r in first for t in r.logprobs)
-    assert_every_page_is_back(spec)
+    assert_every_page_is_back(engine)
+
+
+def test_sampled_requests_stay_in_the_targets_top_k_and_repeat_with_their_seed(spec):
+    check_seeded_sampling(spec)
 
 
 def test_accept_length_is_in_metrics_and_server_info(plain, spec, monkeypatch):

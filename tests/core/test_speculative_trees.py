@@ -18,7 +18,16 @@ from plugserve.core.server_args import ServerArgs
 from plugserve.core.speculative import verify_tree
 from plugserve.plugins.attention.torch_ref import TorchRefAttention
 from tests.checkpoints import add_mtp_layer, random_hf_model, save_hf_model, tiny_v3_config
-from tests.core.test_speculative import GREEDY, PROMPTS, SAMPLED, TARGET_LOGITS, _args, _outputs, _target_probs
+from tests.core.test_speculative import (
+    GREEDY,
+    PROMPTS,
+    SAMPLED,
+    TARGET_LOGITS,
+    _args,
+    _outputs,
+    _target_probs,
+    check_seeded_sampling,
+)
 from tests.engine_checks import assert_every_page_is_back
 from tests.paged_runner import load_reference_model
 
@@ -244,13 +253,7 @@ def test_sampling_a_tree_keeps_the_targets_distribution():
 
 
 def test_sampled_requests_with_trees_stay_in_the_targets_top_k_and_repeat_with_their_seed(trees):
-    params = SamplingParams(max_new_tokens=10, temperature=1.0, top_k=2, seed=5, n=3, logprobs=True,
-                            top_logprobs=2, ignore_eos=True)
-    first, second = trees.generate(PROMPTS[:2], params), trees.generate(PROMPTS[:2], params)
-    assert [r.token_ids for r in first] == [r.token_ids for r in second]
-    assert len({tuple(r.token_ids) for r in first}) > 2
-    assert all(t.token_id in [i for i, _ in t.top] for r in first for t in r.logprobs)
-    assert_every_page_is_back(trees)
+    check_seeded_sampling(trees)
 
 
 CHAINS = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 3}
