@@ -62,9 +62,7 @@ class MLAKVPool:
 
     def write(self, layer_id: int, slots: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor) -> None:
         """Store latent [n, kv_lora_rank] and k_rope [n, rope] at `slots` [n] int64."""
-        buf = self._buffers[layer_id]
-        buf[slots, : self.kv_lora_rank] = latent.to(self.dtype)
-        buf[slots, self.kv_lora_rank :] = k_rope.to(self.dtype)
+        store_rows(self._buffers[layer_id], slots, latent, k_rope)
 
     def gather(self, layer_id: int, slots: torch.Tensor) -> torch.Tensor:
         """Rows at `slots` [n] int64 -> [n, kv_lora_rank + rope]."""
@@ -76,6 +74,14 @@ class MLAKVPool:
         for layer in layers:
             buf = self._buffers[layer]
             buf[dst] = buf[src]
+
+
+def store_rows(buffer: torch.Tensor, slots: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor) -> None:
+    """Rows `slots` [n] int64 of one layer's buffer [num_slots, R + P] = latent [n, R] ++ k_rope [n, P], cast to
+    the buffer's dtype."""
+    r = latent.shape[-1]
+    buffer[slots, :r] = latent.to(buffer.dtype)
+    buffer[slots, r:] = k_rope.to(buffer.dtype)
 
 
 def token_slots(

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from plugserve.core.kv_cache import store_rows
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """DeepSeek's RMSNorm: x [..., D] normalized in float32, cast back to x's dtype, times weight [D]."""
@@ -63,14 +65,14 @@ def mla_norm_rope_cache(kv_a: torch.Tensor, q_rope: torch.Tensor, norm_weight: t
     kv_a [T, R + P] (latent, then rope key; activation dtype); q_rope [T, H, P]; norm_weight [R]
     (kv_a_layernorm's) and its eps; cos / sin [T, P/2] float32 (`rope_cos_sin`); buffer [num_slots, R + P]
     (one layer of the pool, its own dtype); slots [T] int64. Writes buffer[slots] = rms_norm(latent) ++
-    rope(k_rope), each computed as `rms_norm` / `apply_rope` do and then cast to the buffer's dtype (as
-    `MLAKVPool.write` stores them), and returns q_rope rotated [T, H, P] in q_rope's dtype."""
+    rope(k_rope), each computed as `rms_norm` / `apply_rope` do and then cast to the buffer's dtype
+    (`kv_cache.store_rows`, as `MLAKVPool.write` stores them), and returns q_rope rotated [T, H, P] in q_rope's
+    dtype."""
     r = norm_weight.shape[0]
     latent, k_rope = kv_a.split([r, kv_a.shape[-1] - r], dim=-1)
     latent = rms_norm(latent, norm_weight, eps)
     q_rope, k_rope = apply_rope(q_rope, k_rope, cos, sin)
-    buffer[slots, :r] = latent.to(buffer.dtype)
-    buffer[slots, r:] = k_rope.to(buffer.dtype)
+    store_rows(buffer, slots, latent, k_rope)
     return q_rope
 
 
