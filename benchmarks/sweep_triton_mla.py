@@ -100,7 +100,7 @@ def sweep_shape(heads: int, batch_size: int, kv: int, ceilings: dict[str, float]
     record(backend._mla_config, backend._num_splits, True, lambda: backend.forward_mla(q_nope, q_rope, 0))
     for config in candidates(heads, args.quick):
         rows = batch_size * -(-heads // config.block_h)
-        host = kernels.mla_num_splits(rows, kv, backend._multiprocessors)
+        host = kernels.mla_num_splits(rows, kv, backend._multiprocessors, kernels.mla_min_split_keys(heads))
         for splits in sorted({host, max(1, host // 2), min(kernels.MLA_MAX_SPLITS, 2 * host)}):
             size = kernels.mla_workspace_size(batch_size, heads, splits)
             workspace = (torch.empty(size * spec.kv_lora_rank, device=device), torch.empty(size, device=device))

@@ -129,7 +129,8 @@ class TritonAttention(AttentionBackend):
     def _mla_splits(self, num_tokens: int, max_kv_len: int) -> int:
         """KV splits for num_tokens query rows times the config's head blocks (host-side, no sync)."""
         head_blocks = -(-self.spec.num_heads // self._mla_config.block_h)
-        return self._kernels.mla_num_splits(num_tokens * head_blocks, max_kv_len, self._multiprocessors)
+        return self._kernels.mla_num_splits(num_tokens * head_blocks, max_kv_len, self._multiprocessors,
+                                            self._kernels.mla_min_split_keys(self.spec.num_heads))
 
     def init_cuda_graph(self, max_batch_size: int, max_num_tokens: int, max_pages: int) -> None:
         """Fixed token_req / token_kv_len [max_num_tokens] int32; splits sized for max_pages full pages,

@@ -31,10 +31,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 LOG2E = math.log2(math.e)
 # tl.dot needs every operand dimension >= 16.
 MIN_DOT = 16
-# KV splits: at least this many keys each (also enforced in the kernel, for CUDA graphs sized for the
-# longest sequence), at most MLA_MAX_SPLITS, programs filling MLA_MIN_FILL of the SMs in each of at
-# most MLA_MAX_WAVES waves.
-MLA_MIN_KEYS_PER_SPLIT = 256
+# KV splits: at least `mla_min_split_keys` keys each (MLA_SPLIT_KEYS_PER_HEAD per head, at least
+# MLA_MIN_SPLIT_KEYS; also enforced in the kernel, for CUDA graphs sized for the longest sequence), at most
+# MLA_MAX_SPLITS, programs filling MLA_MIN_FILL of the SMs in each of at most MLA_MAX_WAVES waves.
+MLA_SPLIT_KEYS_PER_HEAD = 2
+MLA_MIN_SPLIT_KEYS = 32
 MLA_MAX_SPLITS = 128
 MLA_MIN_FILL = 0.8
 MLA_MAX_WAVES = 2
@@ -171,18 +172,28 @@ def mla_tma_fits(config: MlaConfig, kv_lora_rank: int, rope_dim: int, page_size:
             and rope_dim == _pow2_at_least(rope_dim, MIN_DOT) and (capability is None or capability >= (9, 0)))
 
 
-def mla_num_splits(rows: int, max_kv_len: int, multiprocessors: int) -> int:
+def mla_min_split_keys(num_heads: int) -> int:
+    """The fewest keys a KV split of `num_heads` heads takes. A split costs its partial output, [H, R] float32
+    written and read again: per head about as much as 2 keys' latent rows (bf16, R + P = 576), so a split
+    of 2 keys a head moves as much partial as KV. Every key of a split is read in sequence, one dependent
+    load after another, so at small batch the fewer keys a split has, the shorter the step: 256 keys at
+    128 heads, 32 at 16 (DeepSeek-V2-Lite, or V3 over 8 ranks), where 256 would read a 288-key decode in
+    one split of 8 blocks."""
+    return max(MLA_MIN_SPLIT_KEYS, _pow2_at_least(MLA_SPLIT_KEYS_PER_HEAD * num_heads))
+
+
+def mla_num_splits(rows: int, max_kv_len: int, multiprocessors: int, min_keys: int) -> int:
     """KV splits for `rows` (query token, head block) rows: the fewest whose programs fill at least
     MLA_MIN_FILL of the SMs in every wave (one resident program per SM, the big-block configs' case),
     or 1 if those take more than MLA_MAX_WAVES waves; at most MLA_MAX_SPLITS (the most there are if
-    none fills), and at least MLA_MIN_KEYS_PER_SPLIT keys each. Splitting costs partials written and
-    read again ([H, R] fp32 per token and split: as much as the KV of ~230 keys at 128 heads), so it is
-    for batches that leave SMs idle, and the wave bound keeps a launch's partials near 2 x SMs x 128
-    KB (in L2). On 132 SMs: 128 heads in blocks of 64 at batch 1 -> 53 splits (106 programs), batch 32
-    -> 2 (128), batch 50 -> 1 (5 would fill 4 waves), 64 and up -> 1. Under CUDA graphs `max_kv_len`
-    is the longest a graph serves, so the count depends on the batch size only; the kernel itself
-    keeps splits at MLA_MIN_KEYS_PER_SPLIT keys and leaves the rest empty on shorter sequences."""
-    limit = max(1, min(MLA_MAX_SPLITS, triton.cdiv(max_kv_len, MLA_MIN_KEYS_PER_SPLIT)))
+    none fills), and at least `min_keys` keys each (`mla_min_split_keys`). Splitting costs partials
+    written and read again, so it is for batches that leave SMs idle, and the wave bound keeps a
+    launch's partials near 2 x SMs x 128 KB (in L2). On 132 SMs, 128 heads in blocks of 64 (256 keys a
+    split): batch 1 -> 53 splits (106 programs), batch 32 -> 2 (128), batch 50 -> 1 (5 would fill 4
+    waves), 64 and up -> 1. Under CUDA graphs `max_kv_len` is the longest a graph serves, so the count
+    depends on the batch size only; the kernel itself keeps splits at `min_keys` keys and leaves the rest
+    empty on shorter sequences."""
+    limit = max(1, min(MLA_MAX_SPLITS, triton.cdiv(max_kv_len, min_keys)))
     for splits in range(1, limit + 1):
         programs = rows * splits
         waves = triton.cdiv(programs, multiprocessors)
@@ -459,7 +470,7 @@ def mla_attention(
                 part_out, part_lse,
                 q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), kv_buffer.stride(0),
                 block_table.stride(0), *o_strides, *lse_strides, h, num_splits,
-                triton.cdiv(MLA_MIN_KEYS_PER_SPLIT, launch["BLOCK_N"]), sm_scale * LOG2E)
+                triton.cdiv(mla_min_split_keys(h), launch["BLOCK_N"]), sm_scale * LOG2E)
 
     launches = [shape | dict(BLOCK_N=c.block_n, TMA=c.tma, RELOAD_Q=c.reload_q, num_warps=c.num_warps,
                              num_stages=c.num_stages)

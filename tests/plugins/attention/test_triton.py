@@ -130,7 +130,7 @@ def test_draft_forest_across_key_blocks_and_splits(kernels: ModuleType, dtype: t
     (prefix 32, blocks of 16) with 16 roots filling block 2 and a chain after them, so that a chain node's
     split over block 2 sees none of its keys (its partial weighs nothing, not NaN); request 1's tree straddles
     blocks. One key block a split, against the oracle."""
-    monkeypatch.setattr(kernels, "MLA_MIN_KEYS_PER_SPLIT", 1)
+    monkeypatch.setattr(kernels, "mla_min_split_keys", lambda num_heads: 1)
     spec = spec_of(dtype, page_size=16)
     parents = torch.tensor([[-1] * 16 + [-1, 16, 17, 18],
                             [-1, 0, 0, 1, -1, 4, 2, 5, 6, 3, 9, 10, 11, -1, 13, 14, 15, 8, 7, 0]])
@@ -163,7 +163,7 @@ def test_mla_launches_against_the_oracle(kernels: ModuleType, dtype: torch.dtype
     KV splits, the first also at 16. Page 16 over 1, 300 and 129 keys, splits down to one key block (not
     256 keys): 16 splits of 300 keys leave 6 empty, the 1-key request every split but the first; 300 and
     129 end in a partial key block, 128 (the verify row before it) on a whole one."""
-    monkeypatch.setattr(kernels, "MLA_MIN_KEYS_PER_SPLIT", 1)
+    monkeypatch.setattr(kernels, "mla_min_split_keys", lambda num_heads: 1)
     spec = spec_of(dtype, page_size=16)
     batch = random_batch(ForwardMode.TARGET_VERIFY, [1, 300, 129], [1, 3, 2], spec, CPU)
     backend, _ = backends(spec, batch)
@@ -201,15 +201,20 @@ def test_launch_heuristics(kernels: ModuleType) -> None:
     assert kernels.mla_block_h(20, bf16, sm90) == 32 and kernels.mla_block_h(128, torch.float32, sm90) == 16
     assert kernels.mla_config(128, bf16, sm90) == kernels.MlaConfig(64, 32, 8, 5)
     assert kernels.mla_config(16, bf16, sm90) == kernels.MlaConfig(16, 32, 4, 5, reload_q=True)
-    # (token, head block) rows -> splits filling 80% of every wave on 132 SMs.
-    assert kernels.mla_num_splits(2, 32768, h100) == 53  # batch 1, 128 heads in 2 blocks: 106 programs
-    assert kernels.mla_num_splits(64, 32768, h100) == 2  # batch 32: 128 programs
-    assert kernels.mla_num_splits(128, 32768, h100) == 1  # batch 64: one wave without splitting
-    assert kernels.mla_num_splits(32, 8192, h100) == 4  # batch 32, 16 heads in one block
-    assert kernels.mla_num_splits(2, 600, h100) == 3  # never below 256 keys a split
-    assert kernels.mla_num_splits(1, 1 << 20, h100) == 106
-    assert kernels.mla_num_splits(100, 1 << 20, h100) == 1  # 2 splits fill no better, 5 take 4 waves
-    assert kernels.mla_num_splits(80, 1 << 20, h100) == 3  # 240 programs: 2 waves, 91% full
+    assert kernels.mla_min_split_keys(128) == 256 and kernels.mla_min_split_keys(16) == 32
+    assert kernels.mla_min_split_keys(20) == 64 and kernels.mla_min_split_keys(1) == 32
+    # (token, head block) rows -> splits filling 80% of every wave on 132 SMs; 128 heads: 256 keys a split.
+    assert kernels.mla_num_splits(2, 32768, h100, 256) == 53  # batch 1, 128 heads in 2 blocks: 106 programs
+    assert kernels.mla_num_splits(64, 32768, h100, 256) == 2  # batch 32: 128 programs
+    assert kernels.mla_num_splits(128, 32768, h100, 256) == 1  # batch 64: one wave without splitting
+    assert kernels.mla_num_splits(2, 600, h100, 256) == 3  # never below 256 keys a split
+    assert kernels.mla_num_splits(1, 1 << 20, h100, 256) == 106
+    assert kernels.mla_num_splits(100, 1 << 20, h100, 256) == 1  # 2 splits fill no better, 5 take 4 waves
+    assert kernels.mla_num_splits(80, 1 << 20, h100, 256) == 3  # 240 programs: 2 waves, 91% full
+    # 16 heads in one block: 32 keys a split.
+    assert kernels.mla_num_splits(32, 8192, h100, 32) == 4  # batch 32
+    assert kernels.mla_num_splits(1, 4096, h100, 32) == 106  # batch 1: a 288-key decode runs 9 splits of 32
+    assert kernels.mla_num_splits(1, 288, h100, 32) == 9
     assert kernels.mla_workspace_size(32, 128, 1) == 0 and kernels.mla_workspace_size(32, 128, 2) == 32 * 128 * 2
 
 
@@ -228,15 +233,15 @@ def test_graph_replays_write_partials_to_the_workspace(dtype: torch.dtype) -> No
     lse_workspace.fill_(float("nan"))
     backend.plan_capture(batch)
     splits = backend._num_splits
-    assert splits == 4  # 2 programs cannot fill 132 SMs: as many splits as 1024 keys allow
+    assert splits == 16  # 2 programs cannot fill 132 SMs: as many splits as 1024 keys allow, 64 keys each
     q_nope, q_rope, latent, k_rope = new_tokens(spec, batch)
     expected, _ = oracle.mla(batch, LAYER, q_nope, q_rope, latent, k_rope, oracle.softmax_scale(spec))
     backend.set_kv(LAYER, batch.out_cache_loc, latent, k_rope)
     assert_close(backend.forward_mla(q_nope, q_rope, LAYER), expected, dtype, "forward_mla from a graph plan")
-    # Splits keep 256 keys (4 blocks of 64) however many there are: 300 keys fill 2, 77 keys 1; the rest
-    # write only their -inf log-sum-exps.
+    # Splits keep 64 keys (20 heads: `mla_min_split_keys`, one block of 64) however many there are: 300 keys
+    # fill 5, 77 keys 2; the rest write only their -inf log-sum-exps.
     lse = lse_workspace[: backend._kernels.mla_workspace_size(2, HEADS, splits)].view(2, HEADS, splits)
-    assert torch.equal(torch.isfinite(lse).sum(-1), torch.tensor([[2] * HEADS, [1] * HEADS]))
+    assert torch.equal(torch.isfinite(lse).sum(-1), torch.tensor([[5] * HEADS, [2] * HEADS]))
     assert not torch.isnan(lse).any()
 
 
