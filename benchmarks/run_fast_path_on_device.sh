@@ -24,6 +24,8 @@
 #   accuracy:TAG:ARGS     benchmarks/accuracy.py with ARGS on the GPU (default: the embedded model, every backend)
 #                         -> accuracy-TAG.{json,txt}
 #   serving:TAG:ARGS      a server with ARGS + bench_serving (256 prompts 256/128, concurrency 64) -> serving-TAG.*
+#   py:TAG:MODULE,ARGS    python3 -m benchmarks.MODULE ARGS (a sweep, bench or tuner; `{res}` in ARGS is the results
+#                         folder) -> py-TAG.txt
 # Each step ends after $STEP_TIMEOUT seconds (300).
 set -uo pipefail
 site=/tmp/site
@@ -97,6 +99,9 @@ PY
       timeout $limit python3 -m benchmarks.accuracy $args --device cuda --result-filename $res/accuracy-$tag.json \
         > $res/accuracy-$tag.txt 2>&1
       echo "accuracy $tag (rc $?):"; grep -v "INFO\|it/s]" $res/accuracy-$tag.txt | tail -n 24 ;;
+    py)
+      timeout $limit python3 -m benchmarks.${args//\{res\}/$res} > $res/py-$tag.txt 2>&1
+      echo "py $tag (rc $?):"; tail -n 25 $res/py-$tag.txt ;;
     serving)
       python3 -m plugserve.server $args --port 30000 --log-level warning > $res/server-$tag.log 2>&1 &
       server=$!

@@ -29,9 +29,21 @@ TOLERANCES: dict[torch.dtype, Tolerance] = {
 }
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str) -> None:
-    """Raise AssertionError naming `what`, the worst element and the cosine when `actual` is off."""
+# Block-FP8 MoE (w8a8) quantizes the SiLU-and-mul intermediate, which backend and oracle compute in different
+# precisions (float32 against float64): an element within that difference of an e4m3 rounding boundary rounds
+# one way in each, one e4m3 step apart (up to 1/8 of it), and at a few hundred tokens some do. Each moves its
+# outputs by w2's column times that step, past float32's and float16's bounds (H200, 512 tokens, E = 64: 0.6 %
+# of max |ref|). The output bound then admits 1 % of max |ref|; the cosine floor still catches a systematic error.
+W8A8_MOE_ATOL = 1e-2
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str,
+                 atol: float | None = None) -> None:
+    """Raise AssertionError naming `what`, the worst element and the cosine when `actual` is off. `atol`:
+    at least this times max |reference| (W8A8_MOE_ATOL), where the dtype's own is tighter."""
     tol = TOLERANCES[dtype]
+    if atol is not None and atol > tol.atol:
+        tol = Tolerance(atol, tol.rtol, tol.min_cosine, tol.lse_atol)
     if actual.shape != expected.shape:
         raise AssertionError(f"{what}: shape {tuple(actual.shape)} != reference {tuple(expected.shape)}")
     a, e = actual.double(), expected.double()
