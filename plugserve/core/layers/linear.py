@@ -12,11 +12,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from plugserve.core.interfaces import Fp8GemmBackend
 from plugserve.core.layers.quant import FP8_DTYPE, dequantize_block_fp8, quantize_block_fp8, scale_grid
-from plugserve.core.layers.small_ops import EAGER, SmallOps
 
 
 class WeightLoadError(ValueError):
@@ -55,7 +55,6 @@ class Linear(nn.Module):
         self._staging: torch.Tensor | None = None  # float shards awaiting quantization
         self._gemm: Fp8GemmBackend | None = None
         self._packed: Any = None
-        self.ops: SmallOps = EAGER  # the model-dtype product (`SmallOps.linear`)
 
     def checkpoint_shape(self, shard: int) -> tuple[int, int]:
         """Shape of the checkpoint tensor of `shard`: [output_sizes[shard], in_features] here; the whole
@@ -126,7 +125,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] in the model dtype."""
         if self.fp8_block is None:
-            return self.ops.linear(x, self.weight)
+            return F.linear(x, self.weight)
         if self._gemm is None:
             raise RuntimeError("block-FP8 Linear used before finalize()")
         return self._gemm.apply(x.reshape(-1, self.in_features), self._packed).view(*x.shape[:-1], -1)

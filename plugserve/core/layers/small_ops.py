@@ -13,7 +13,6 @@ fuse, such as the write into the KV pool.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -77,17 +76,6 @@ def mla_norm_rope_cache(kv_a: torch.Tensor, q_rope: torch.Tensor, norm_weight: t
     return q_rope
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """A model-dtype Linear: x [..., K] @ weight [N, K]^T -> [..., N]."""
-    return F.linear(x, weight)
-
-
-def absorb(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Absorbed MLA's per-head products: x [T, H, K] and weight [H, K, N] -> [T, H, N], y[t, h] = x[t, h] @ weight[h]
-    (q_nope times W_UK into the latent, the latent output times W_UV)."""
-    return torch.bmm(x.transpose(0, 1), weight).transpose(0, 1)
-
-
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [T, 2I] (gate columns, then up) -> silu(gate) * up [T, I]."""
     gate, up = gate_up.chunk(2, dim=-1)
@@ -102,35 +90,25 @@ class SmallOps:
     apply_rope: Callable[..., tuple[torch.Tensor, torch.Tensor]] = apply_rope
     silu_and_mul: Callable[..., torch.Tensor] = silu_and_mul
     mla_norm_rope_cache: Callable[..., torch.Tensor] = mla_norm_rope_cache
-    # Weight-streaming products: compile leaves them to cuBLAS; `with_fused_kernels` may take Triton GEMVs.
-    linear: Callable[..., torch.Tensor] = linear
-    absorb: Callable[..., torch.Tensor] = absorb
 
     @classmethod
     def compiled(cls, max_rows: int) -> SmallOps:
-        """Every element-wise op through torch.compile for inputs of at most `max_rows` rows (first dimension),
-        marked dynamic so that one compilation serves every batch size; eager above."""
+        """Every op through torch.compile for inputs of at most `max_rows` rows (first dimension), marked
+        dynamic so that one compilation serves every batch size; eager above."""
         eager = cls()
-        return cls(**{name: _compiled_up_to(getattr(eager, name), max_rows) for name in cls.__dataclass_fields__
-                      if name not in _PRODUCTS})
+        return cls(**{name: _compiled_up_to(getattr(eager, name), max_rows) for name in cls.__dataclass_fields__})
 
     def with_fused_kernels(self, device: torch.device) -> SmallOps:
         """These ops with the Triton kernels of `triton_small_ops` in place of those they replace, on CUDA with
         triton installed (also over compiled ops: torch.compile cannot fuse the KV pool write into the norm and
-        rope), and the GEMVs of `triton_gemv` for the products its measured table names (decode's few rows);
-        unchanged elsewhere. The kernels are for every batch size, eager or compiled."""
+        rope); unchanged elsewhere. The kernels are for every batch size, eager or compiled."""
         if device.type != "cuda":
             return self
-        try:  # import triton only here, never at import
-            from plugserve.core.layers import triton_gemv, triton_small_ops
+        try:
+            from plugserve.core.layers import triton_small_ops  # imports triton: only here, never at import
         except ImportError:
             return self
-        table = functools.partial(triton_gemv.table_for, device)
-        return replace(self, mla_norm_rope_cache=triton_small_ops.mla_norm_rope_cache,
-                       linear=triton_gemv.linear_op(table), absorb=triton_gemv.absorb_op(table))
-
-
-_PRODUCTS = frozenset({"linear", "absorb"})
+        return replace(self, mla_norm_rope_cache=triton_small_ops.mla_norm_rope_cache)
 
 
 def _compiled_up_to(function: Callable[..., Any], max_rows: int) -> Callable[..., Any]:

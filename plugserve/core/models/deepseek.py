@@ -373,9 +373,9 @@ class MLAAttention(nn.Module):
             attn.set_kv(self.layer_id, batch.out_cache_loc, latent, k_rope)
 
         if method is AttnForwardMethod.MLA:
-            q_absorbed = self.ops.absorb(q_nope, self.w_kc)  # [T, H, R]
+            q_absorbed = torch.bmm(q_nope.transpose(0, 1), self.w_kc).transpose(0, 1)  # [T, H, R]
             out_latent = attn.forward_mla(q_absorbed, q_rope, self.layer_id)  # [T, H, R]
-            out = self.ops.absorb(out_latent, self.w_vc)  # [T, H, v]
+            out = torch.bmm(out_latent.transpose(0, 1), self.w_vc).transpose(0, 1)  # [T, H, v]
         else:
             out = self._mha(torch.cat([q_nope, q_rope], dim=-1), latent, k_rope, batch, attn)
         return self.o_proj(out.reshape(t, h * self.v_dim))
