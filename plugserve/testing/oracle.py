@@ -274,8 +274,11 @@ class Routing:
     near_tie: torch.Tensor
 
 
-def route(router_logits: torch.Tensor, router: RouterConfig, correction_bias: torch.Tensor | None) -> Routing:
-    """`MoEBackend.route`: router_logits [T, E] (and the e_score_correction_bias [E], noaux_tc only).
+def route(router_logits: torch.Tensor, router: RouterConfig, correction_bias: torch.Tensor | None,
+          tie: float = ROUTER_TIE) -> Routing:
+    """`MoEBackend.route`: router_logits [T, E] (and the e_score_correction_bias [E], noaux_tc only). `tie`: the
+    relative closeness of a near tie (ROUTER_TIE for float32 logits the backend is given; more for logits it
+    computes itself, whose float32 sums are further off).
 
     scores = softmax or sigmoid of the logits. greedy (V2-Lite): the k best scores. group_limited_greedy
     (V2): the k best among the topk_group groups of E / n_group experts with the best max score. noaux_tc
@@ -289,7 +292,7 @@ def route(router_logits: torch.Tensor, router: RouterConfig, correction_bias: to
     if v3 and correction_bias is None:
         raise ValueError("noaux_tc needs the correction bias")
     choice = scores + correction_bias.double() if v3 else scores  # type: ignore[union-attr]
-    tie = ROUTER_TIE * choice.abs().amax(dim=1)
+    tie = tie * choice.abs().amax(dim=1)
     near_tie = torch.zeros(num_tokens, dtype=torch.bool, device=logits.device)
     allowed = torch.ones_like(choice, dtype=torch.bool)
     if router.topk_method != "greedy":

@@ -34,8 +34,29 @@ def test_route(moe_target: Target, router_case: MoECase, plugserve_hardware, plu
     e = router_case.router.num_experts
     logits = torch.randn(router_case.num_tokens, e, device=plugserve_device)
     bias = torch.randn(e, device=plugserve_device) * 0.1 if router_case.router.topk_method == "noaux_tc" else None
-    weights, ids = backend.route(logits, bias)
-    expected = oracle.route(logits, router_case.router, bias)
+    _check_routing(backend.route(logits, bias), oracle.route(logits, router_case.router, bias), 1e-5)
+
+
+# A route_hidden case's hidden size, and how near a tie is for logits summed in float32 over it by the backend.
+ROUTE_HIDDEN_SIZE = 1024
+ROUTE_HIDDEN_TIE = 1e-4
+
+
+def test_route_hidden(moe_target: Target, router_case: MoECase, plugserve_hardware, plugserve_device):
+    """`route_hidden`: the gate's logits from hidden states (in the model dtype, as the model keeps the gate on a
+    GPU), then the selection, against the oracle's routing of the float64 logits."""
+    spec = MoESpec(dtype=moe_target.dtype, router=router_case.router)
+    backend = _backend(moe_target, spec, plugserve_hardware, plugserve_device)
+    e, h = router_case.router.num_experts, ROUTE_HIDDEN_SIZE
+    x = torch.randn(router_case.num_tokens, h, device=plugserve_device).to(spec.dtype)
+    gate = (torch.randn(e, h, device=plugserve_device) / h**0.5).to(spec.dtype)
+    bias = torch.randn(e, device=plugserve_device) * 0.1 if router_case.router.topk_method == "noaux_tc" else None
+    expected = oracle.route(x.double() @ gate.double().T, router_case.router, bias, tie=ROUTE_HIDDEN_TIE)
+    _check_routing(backend.route_hidden(x, gate, bias), expected, 1e-4)
+
+
+def _check_routing(routed: tuple[torch.Tensor, torch.Tensor], expected: oracle.Routing, rtol: float) -> None:
+    weights, ids = routed
     assert ids.dtype == torch.int32 and weights.dtype == torch.float32
     assert ids.shape == weights.shape == expected.ids.shape
     # Any order of the k chosen experts is fine: compare sorted by expert id. Tokens whose choice is a
@@ -44,7 +65,7 @@ def test_route(moe_target: Target, router_case: MoECase, plugserve_hardware, plu
     decided = ~expected.near_tie
     assert torch.equal(ids_sorted[decided], expected.ids[decided]), "chosen experts differ from the oracle"
     torch.testing.assert_close(weights.gather(1, order)[decided].double(), expected.weights[decided],
-                               rtol=1e-5, atol=1e-6)
+                               rtol=rtol, atol=rtol / 10)
 
 
 def _quantize_experts(w: torch.Tensor, spec: MoESpec) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,7 +33,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from plugserve.core.config import ModelConfig
@@ -273,18 +272,10 @@ class DeepseekMoE(nn.Module):
         main.wait_stream(self.shared_stream)
         return routed + shared
 
-    def _router_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] -> [T, E] float32, DeepSeek's float32 gate. On a GPU with a 16-bit model the gate
-        stays 16-bit: products of 16-bit values are exact in float32, so one GEMM with a float32 output
-        gives the float32 gate's logits (up to summation order) without the cast of x and the slow float32
-        GEMV (three kernels, 7 us per layer at batch 1 on an H100)."""
-        if self.gate.dtype == x.dtype != torch.float32:
-            return torch.mm(x, self.gate.t(), out_dtype=torch.float32)
-        return F.linear(x.float(), self.gate)
-
     def _routed(self, x: torch.Tensor) -> torch.Tensor:
-        router_logits = self._router_logits(x)
-        weights, ids = self._moe.route(router_logits, self.e_score_correction_bias)  # type: ignore[union-attr]
+        # The gate (16-bit on a GPU with a 16-bit model, else float32: `interfaces.router_logits`) and the
+        # selection, through the backend: one kernel at decode sizes where it fuses them.
+        weights, ids = self._moe.route_hidden(x, self.gate, self.e_score_correction_bias)  # type: ignore[union-attr]
         return self._moe.forward(x, self._packed, ids, weights, self.routed_scaling_factor)  # type: ignore[union-attr]
 
 

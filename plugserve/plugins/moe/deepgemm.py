@@ -100,6 +100,12 @@ class DeepGemmMoE(MoEBackend):
         topk_ids [T, k] int32), by the `triton` backend's fused router kernel."""
         return self.router.route(router_logits, correction_bias)
 
+    def route_hidden(
+        self, x: torch.Tensor, gate: torch.Tensor, correction_bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`MoEBackend.route_hidden` by the `triton` backend's (one kernel at decode sizes)."""
+        return self.router.route_hidden(x, gate, correction_bias)
+
     def prepare(
         self,
         w13: torch.Tensor,

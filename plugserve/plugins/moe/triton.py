@@ -3,7 +3,9 @@ activation dtype (bf16 / fp16 / fp32 experts) or block-FP8 w8a8 (e4m3 experts in
 activations quantized per 1 x 128 token group).
 
 - `route`: one fused kernel for every router variant (greedy, group_limited_greedy, noaux_tc; softmax
-  or sigmoid scores), one program per token.
+  or sigmoid scores), one program per token. `route_hidden` at decode sizes: the gate GEMV and that
+  selection in one launch (`fused_router`: the programs that stream the gate count themselves in, and
+  the last one selects).
 - `forward`: moe_align_block_size (pairs sorted by expert, padded to BLOCK_SIZE_M), a grouped GEMM
   over w13 with SiLU-and-mul in its epilogue, a grouped GEMM over w2 multiplying by the top-k weight
   times routed_scaling_factor in its epilogue, and a top-k sum (see `triton_kernels`). Launch
@@ -83,6 +85,14 @@ class TritonMoE(MoEBackend):
     def __init__(self, spec: MoESpec, device: torch.device) -> None:
         super().__init__(spec, device)
         self._hardware = Hardware.detect(device)
+        from plugserve.plugins.moe import triton_kernels
+
+        # fused_router's float32 logits and arrival count, made here (not in a forward a CUDA graph may capture)
+        # and shared by every layer and replay.
+        self._router_scratch = (
+            torch.empty(triton_kernels.FUSED_ROUTER_MAX_TOKENS * spec.num_experts, dtype=torch.float32, device=device),
+            torch.zeros(1, dtype=torch.int32, device=device),
+        )
 
     @classmethod
     def availability(cls, hardware: Hardware) -> Availability:
@@ -96,9 +106,31 @@ class TritonMoE(MoEBackend):
         float32, topk_ids [T, k] int32), best expert first, without routed_scaling_factor."""
         from plugserve.plugins.moe import triton_kernels
 
+        if router_logits.dim() != 2:
+            raise ValueError(f"router_logits must be [T, E], got {tuple(router_logits.shape)}")
+        self._check_routing(router_logits.shape[1], correction_bias)
+        return triton_kernels.grouped_topk(router_logits, correction_bias, self.spec.router,
+                                           self.spec.num_shared_experts)
+
+    def route_hidden(
+        self, x: torch.Tensor, gate: torch.Tensor, correction_bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`MoEBackend.route_hidden`. Up to FUSED_ROUTER_MAX_TOKENS tokens (decode) in one kernel, `fused_router`:
+        the gate's logits and the selection, where the GEMM and `route` take two launches."""
+        from plugserve.plugins.moe import triton_kernels
+
+        if x.dim() != 2 or x.shape[0] > triton_kernels.FUSED_ROUTER_MAX_TOKENS:
+            return super().route_hidden(x, gate, correction_bias)
+        if gate.dim() != 2 or gate.shape[1] != x.shape[1]:
+            raise ValueError(f"gate must be [E, {x.shape[1]}] for x {tuple(x.shape)}, got {tuple(gate.shape)}")
+        self._check_routing(gate.shape[0], correction_bias)
+        return triton_kernels.fused_router(x, gate.contiguous(), correction_bias, self.spec.router,
+                                           self.spec.num_shared_experts, self._router_scratch)
+
+    def _check_routing(self, num_experts: int, correction_bias: torch.Tensor | None) -> None:
         router = self.spec.router
-        if router_logits.dim() != 2 or router_logits.shape[1] != router.num_experts:
-            raise ValueError(f"router_logits must be [T, {router.num_experts}], got {tuple(router_logits.shape)}")
+        if num_experts != router.num_experts:
+            raise ValueError(f"router logits must have {router.num_experts} experts, got {num_experts}")
         if router.topk_method != "greedy" and router.num_experts % router.n_group:
             raise ValueError(f"{router.topk_method} needs num_experts ({router.num_experts}) divisible by n_group "
                              f"({router.n_group})")
@@ -109,7 +141,6 @@ class TritonMoE(MoEBackend):
         if correction_bias is not None and tuple(correction_bias.shape) != (router.num_experts,):
             raise ValueError(f"correction_bias must have shape ({router.num_experts},), "
                              f"got {tuple(correction_bias.shape)}")
-        return triton_kernels.grouped_topk(router_logits, correction_bias, router, self.spec.num_shared_experts)
 
     def prepare(
         self,

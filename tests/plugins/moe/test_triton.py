@@ -183,6 +183,47 @@ def test_route_matches_reference(kernels, router: RouterConfig, t: int) -> None:
     assert torch.all(weights[:, :-1] >= weights[:, 1:]) or router.topk_method == "noaux_tc", "best first"
 
 
+@pytest.mark.parametrize("t", [1, 3, 4, 5])
+@pytest.mark.parametrize("router", [V3_ROUTER, V2_ROUTER, SMALL_V3, RouterConfig(24, 4, "softmax", "greedy", 1, 1,
+                                                                                  True)],
+                         ids=lambda r: f"e{r.num_experts}-{r.topk_method}")
+@pytest.mark.parametrize("num_shared", [0, 2])
+def test_route_hidden_matches_the_gate_then_route(kernels, router: RouterConfig, t: int, num_shared: int) -> None:
+    """Up to four tokens in the one-launch router (5: the GEMM and `route`), repeated (the arrival count is back at
+    0 after each launch), against the reference router on the float64 logits."""
+    backend = TritonMoE(MoESpec(dtype=torch.float16, router=router, num_shared_experts=num_shared), DEVICE)
+    g = torch.Generator().manual_seed(t)
+    hidden = 96  # not a multiple of the kernel's K chunk
+    x = torch.randn(t, hidden, generator=g).to(DEVICE, torch.float16)
+    gate = (torch.randn(router.num_experts, hidden, generator=g) / hidden**0.5).to(DEVICE, torch.float16)
+    bias = (torch.randn(router.num_experts, generator=g) * 0.1).to(DEVICE) if router.topk_method == "noaux_tc" else None
+    ref_weights, ref_ids = select_experts((x.double() @ gate.double().T).float(), router, bias)
+    for _ in range(2):
+        weights, ids = backend.route_hidden(x, gate, bias)
+        assert int(backend._router_scratch[1].item()) == 0
+        assert ids.shape == weights.shape == (t, router.top_k + num_shared)
+        ids_sorted, order = ids[:, : router.top_k].long().sort(dim=1)
+        ref_sorted, ref_order = ref_ids.long().sort(dim=1)
+        assert torch.equal(ids_sorted, ref_sorted)
+        torch.testing.assert_close(weights[:, : router.top_k].gather(1, order), ref_weights.gather(1, ref_order),
+                                   rtol=1e-4, atol=1e-5)
+        shared = torch.arange(router.num_experts, router.num_experts + num_shared, dtype=torch.int32, device=DEVICE)
+        assert torch.equal(ids[:, router.top_k :], shared.expand(t, num_shared))
+
+
+def test_route_hidden_takes_one_launch_only_at_decode_sizes(kernels, monkeypatch: pytest.MonkeyPatch) -> None:
+    backend = TritonMoE(MoESpec(dtype=torch.float16, router=SMALL_V3), DEVICE)
+    fused: list[int] = []
+    real = kernels.fused_router
+    monkeypatch.setattr(kernels, "fused_router", lambda x, *args: fused.append(x.shape[0]) or real(x, *args))
+    gate, bias = torch.randn(16, 32, device=DEVICE), torch.zeros(16, device=DEVICE)
+    for t in (1, kernels.FUSED_ROUTER_MAX_TOKENS, kernels.FUSED_ROUTER_MAX_TOKENS + 1):
+        backend.route_hidden(torch.randn(t, 32, device=DEVICE), gate, bias)
+    assert fused == [1, kernels.FUSED_ROUTER_MAX_TOKENS]
+    with pytest.raises(ValueError, match="gate must be"):
+        backend.route_hidden(torch.randn(1, 32, device=DEVICE), gate[:, :16], bias)
+
+
 def test_route_rejects_misused_bias(kernels) -> None:
     backend = TritonMoE(MoESpec(dtype=torch.float16, router=V2_LITE_ROUTER), DEVICE)
     with pytest.raises(ValueError, match="correction_bias"):
