@@ -3,6 +3,8 @@ side by side with the device's own ceilings measured in the same run.
 
     python benchmarks/shootout.py --kinds attention gemm moe --output-dir benchmarks/results/<gpu>/shootout
     python benchmarks/shootout.py --tp-size 8 [--ep-size 8] ...   # one rank's shapes of an 8-GPU deployment
+    python benchmarks/shootout.py --kinds attention --heads 16 --merge-into plugserve/tables/<gpu>.json ...
+                                  # attention's ranking at 16 heads a rank, beside the table's 128
 
 For each case and backend: time (CUDA events after warm-up, median of --reps), achieved GB/s and
 TFLOP/s, and the fraction of the limit, where limit = max(bytes / measured copy GB/s, flops / measured
@@ -324,10 +326,11 @@ def time_library(setup: Callable[[], Callable[[], object]] | None, device: torch
 # -- outputs -----------------------------------------------------------------------------------------
 
 
-def selection_table(rows: list[Row], hardware: Hardware, command: str, tp_size: int = 1, ep_size: int = 1) -> dict:
+def selection_table(rows: list[Row], hardware: Hardware, command: str, tp_size: int = 1, ep_size: int = 1,
+                    attention_heads: int = 128) -> dict:
     """Per kind and phase, for each batch bucket, backend names ordered by their summed time over the
     cases falling in that bucket (only backends measured on every such case compete); with the parallelism
-    whose per-rank shapes they ran."""
+    whose per-rank shapes they ran and the heads a rank's attention ran."""
     rankings: dict[str, dict[str, list[dict]]] = {}
     for kind in sorted({r.kind for r in rows}):
         for phase in sorted({r.phase for r in rows if r.kind == kind}):
@@ -348,11 +351,30 @@ def selection_table(rows: list[Row], hardware: Hardware, command: str, tp_size: 
             if buckets:
                 rankings.setdefault(kind, {})[phase] = buckets
     return {"device_name": hardware.name, "source": command, "tp_size": tp_size, "ep_size": ep_size,
-            "rankings": rankings}
+            "attention_heads": attention_heads, "rankings": rankings}
+
+
+def merge_attention(path: Path, measured: dict) -> None:
+    """Put `measured`'s attention rankings into the selection table at `path` (of the same device and
+    parallelism): as its main attention ranking when measured at the table's `attention_heads`, else under
+    `attention_by_heads`, so that `auto` picks by the heads a model runs per rank (registry.SelectionTable)."""
+    table = json.loads(path.read_text())
+    if (table["device_name"], table.get("tp_size", 1)) != (measured["device_name"], measured["tp_size"]):
+        raise SystemExit(f"--merge-into {path}: measured on {measured['device_name']} at tp {measured['tp_size']}, "
+                         f"the table is {table['device_name']}'s at tp {table.get('tp_size', 1)}")
+    if "attention" not in measured["rankings"]:
+        raise SystemExit("--merge-into takes attention rankings: run with --kinds attention")
+    heads = measured["attention_heads"]
+    if heads == table.get("attention_heads", 128):
+        table["rankings"]["attention"] = measured["rankings"]["attention"]
+    else:
+        table.setdefault("attention_by_heads", {})[str(heads)] = measured["rankings"]["attention"]
+    table["source"] = f"{table.get('source', '')}; attention at {heads} heads: {measured['source']}"
+    path.write_text(json.dumps(table, indent=1) + "\n")
 
 
 def write_outputs(rows: list[Row], ceilings: dict[str, float], hardware: Hardware, out: Path, command: str,
-                  tp_size: int = 1, ep_size: int = 1) -> None:
+                  tp_size: int = 1, ep_size: int = 1, attention_heads: int = 128) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "shootout.json").write_text(json.dumps({"device": hardware.name, "command": command,
                                                    "tp_size": tp_size, "ep_size": ep_size, "ceilings": ceilings,
@@ -369,7 +391,7 @@ def write_outputs(rows: list[Row], ceilings: dict[str, float], hardware: Hardwar
               + ("" if r.wrapper_overhead is None else f"{r.wrapper_overhead:+.1%}") + " |" for r in rows]
     (out / "shootout.md").write_text("\n".join(lines) + "\n")
     (out / f"{hardware.device_key}.json").write_text(
-        json.dumps(selection_table(rows, hardware, command, tp_size, ep_size), indent=1))
+        json.dumps(selection_table(rows, hardware, command, tp_size, ep_size, attention_heads), indent=1))
     try:
         import matplotlib
 
@@ -429,6 +451,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--reference-reps", type=int, default=3, help="repetitions for the slow torch_ref backends")
     parser.add_argument("--quick", action="store_true", help="tiny grid (to check the script, e.g. on the CPU)")
     parser.add_argument("--output-dir", type=Path, required=True)
+    parser.add_argument("--merge-into", type=Path, default=None,
+                        help="a selection table (plugserve/tables/<device>.json) to merge this run's attention "
+                             "rankings into, under the heads a rank ran (see registry.SelectionTable)")
     args = parser.parse_args(argv)
     check_parallelism(parser, args)
     args.reps_for = lambda name: args.reference_reps if name == "torch_ref" else args.reps
@@ -453,17 +478,20 @@ def main(argv: Sequence[str] | None = None) -> None:
                  f"{row.wrapper_overhead:+.1%}"), flush=True)
 
     command = "python benchmarks/shootout.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    heads = args.heads // args.tp_size  # a rank's
     for kind in args.kinds:
         entries = [e for name, e in sorted(registry.backends[kind].items()) if wanted is None or (kind, name) in wanted]
         entries = [e for e in entries if registry.availability(e.cls, hardware)]
         if kind == "attention":
-            run_attention(entries, device, dtype, args.heads // args.tp_size, args, emit)
+            run_attention(entries, device, dtype, heads, args, emit)
         elif kind == "gemm":
             run_gemm(entries, device, dtype, args, emit)
         else:
             run_moe(entries, device, dtype, args, emit)
         # After each kind: partial runs keep theirs.
-        write_outputs(rows, ceilings, hardware, args.output_dir, command, args.tp_size, args.ep_size)
+        write_outputs(rows, ceilings, hardware, args.output_dir, command, args.tp_size, args.ep_size, heads)
+    if args.merge_into is not None:
+        merge_attention(args.merge_into, selection_table(rows, hardware, command, args.tp_size, args.ep_size, heads))
 
 
 if __name__ == "__main__":

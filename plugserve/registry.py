@@ -19,6 +19,7 @@ import importlib
 import inspect
 import json
 import logging
+import math
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -128,16 +129,34 @@ class SelectionTable(BaseModel):
     """What the shootout measured on one device: per kind and phase, batch buckets in increasing
     `max_batch_size`, each with backend names fastest first. A batch beyond the last bucket uses it.
     `tp_size` / `ep_size`: the parallelism whose per-rank shapes were measured (heads / tp, sliced GEMMs,
-    experts of width I / tp or n / ep whole ones)."""
+    experts of width I / tp or n / ep whole ones). Attention's ranking depends on the heads a rank runs
+    (FlashInfer's MLA has a fixed cost that a 16-head decode of a few hundred keys does not hide, where
+    Triton's splits do): `rankings["attention"]` was measured at `attention_heads` per rank, and
+    `attention_by_heads` holds the phases measured at other head counts (`shootout.py --heads H
+    --merge-into TABLE`); a problem takes the measured head count nearest its own (by ratio)."""
 
     device_name: str
     source: str = ""
     tp_size: int = 1
     ep_size: int = 1
+    attention_heads: int = 128
     rankings: dict[str, dict[str, list[RankedBucket]]]
+    attention_by_heads: dict[int, dict[str, list[RankedBucket]]] = {}
 
-    def order(self, kind: Kind, phase: Phase, batch_size: int) -> list[str]:
-        buckets = sorted(self.rankings.get(kind, {}).get(phase.value, []), key=lambda b: b.max_batch_size)
+    def measured_heads(self, num_heads: int) -> int:
+        """Of the head counts attention was measured at, the nearest to `num_heads` by ratio (ties: more heads)."""
+        measured = {self.attention_heads, *self.attention_by_heads}
+        return min(measured, key=lambda h: (abs(math.log2(h / num_heads)), -h))
+
+    def order(self, kind: Kind, phase: Phase, batch_size: int, num_heads: int | None = None) -> list[str]:
+        """Backend names fastest first for `batch_size` (attention: measured at the nearest head count to
+        `num_heads`, when given)."""
+        by_phase = self.rankings.get(kind, {})
+        if kind == "attention" and num_heads is not None:
+            heads = self.measured_heads(num_heads)
+            if heads != self.attention_heads:
+                by_phase = self.attention_by_heads[heads]
+        buckets = sorted(by_phase.get(phase.value, []), key=lambda b: b.max_batch_size)
         if not buckets:
             return []
         edges = [b.max_batch_size for b in buckets]
@@ -296,11 +315,13 @@ class Registry:
         if loaded is not None:
             table, path, match = loaded
             stand_in = "" if match.exact else f"; {match.reason}"
+            heads = getattr(spec, "num_heads", None) if kind == "attention" else None
+            at_heads = f", {table.measured_heads(heads)} heads" if heads is not None else ""
             ranked += [
                 Selection(kind, phase, usable[name].cls,
                           f"fastest usable backend measured on {table.device_name} for {phase.value} at "
-                          f"batch size {batch_size} ({path.name}{stand_in})")
-                for name in table.order(kind, phase, batch_size) if name in usable
+                          f"batch size {batch_size}{at_heads} ({path.name}{stand_in})")
+                for name in table.order(kind, phase, batch_size, heads) if name in usable
             ]
         measured = {s.backend.name for s in ranked}
         no_table = "" if loaded is not None else f"{selection_table_match(hardware).reason}; "

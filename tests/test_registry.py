@@ -163,6 +163,28 @@ def test_auto_follows_the_measured_table_per_bucket_and_skips_unusable(tmp_path,
     assert registry.select("attention", Phase.PREFILL, 4, H100).backend.name == "a"  # no table: priority
 
 
+def test_auto_ranks_attention_by_the_heads_measured_nearest_the_models(tmp_path, monkeypatch):
+    """A table measured at 128 heads with attention also measured at 16 (shootout --merge-into): 16-head problems
+    (V2-Lite, V3 over 8 ranks) and 32-head ones take the 16-head ranking, 64 and 128 the main one."""
+    registry = _registry(_backend("a"), _backend("b"))
+    table = {
+        "device_name": H100.name,
+        "rankings": {"attention": {"decode": [{"max_batch_size": 8, "order": ["a", "b"]}]}},
+        "attention_by_heads": {"16": {"decode": [{"max_batch_size": 8, "order": ["b", "a"]}]}},
+    }
+    (tmp_path / f"{H100.device_key}.json").write_text(json.dumps(table))
+    monkeypatch.setenv(TABLES_ENV, str(tmp_path))
+
+    def pick(heads: int) -> str:
+        spec = AttentionSpec(num_heads=heads, dtype=torch.bfloat16)
+        selection = registry.select("attention", Phase.DECODE, 1, H100, spec=spec)
+        return f"{selection.backend.name} {selection.reason.split('batch size 1, ')[1].split(' (')[0]}"
+
+    assert pick(16) == "b 16 heads" and pick(32) == "b 16 heads"
+    assert pick(64) == "a 128 heads" and pick(128) == "a 128 heads"
+    assert registry.select("attention", Phase.DECODE, 1, H100).backend.name == "a"  # no spec: the main ranking
+
+
 def test_availability_is_asked_once_and_an_exception_becomes_a_reason():
     calls = []
 

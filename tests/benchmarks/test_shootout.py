@@ -39,6 +39,22 @@ def test_selection_table_ranks_by_summed_time_over_the_bucket():
     assert buckets[1] == {"max_batch_size": 8, "order": ["a"]}
 
 
+def test_merge_into_files_attention_under_the_heads_it_ran(tmp_path):
+    cpu = Hardware.detect("cpu")
+    rows = [shootout.Row("attention", "decode", "b1", b, us, 0, 0, 0, 1, "graph") for b, us in [("a", 2), ("b", 1)]]
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(shootout.selection_table(
+        [*rows, shootout.Row("gemm", "decode", "m1", "g", 1, 0, 0, 0, 1, "graph")], cpu, "all kinds")))
+    flipped = [shootout.Row("attention", "decode", "b1", r.backend, 3 - r.us, 0, 0, 0, 1, "graph") for r in rows]
+    shootout.merge_attention(path, shootout.selection_table(flipped, cpu, "16 heads", attention_heads=16))
+    table = SelectionTable.model_validate_json(path.read_text())
+    assert table.order("attention", Phase.DECODE, 1) == ["b", "a"]  # 128 heads: unchanged
+    assert table.order("attention", Phase.DECODE, 1, num_heads=16) == ["a", "b"]
+    assert table.order("gemm", Phase.DECODE, 1) == ["g"] and "16 heads" in table.source
+    with pytest.raises(SystemExit, match="--kinds attention"):
+        shootout.merge_attention(path, shootout.selection_table(rows[:0], cpu, "nothing", attention_heads=16))
+
+
 def test_wrapper_overhead_compares_with_the_library_called_directly():
     row = shootout.Row("gemm", "decode", "m8", "x", 103.0, 0, 0, 0, 8, "graph", library_us=100.0)
     assert row.wrapper_overhead == pytest.approx(0.03)
