@@ -37,7 +37,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="also time the steps without any profiler, then under cProfile: where the host's "
                              "time goes (Python, launches, waits), which the kernel table does not show")
     namespace = parser.parse_args(argv)
-    namespace.output_len = [namespace.steps * (3 if namespace.host_profile else 1) + 2]
+    # A speculative round can give every request up to num_draft_tokens tokens: budget for that many a step.
+    per_step = 1
+    if namespace.speculative_algorithm:
+        per_step = namespace.speculative_num_draft_tokens or (namespace.speculative_num_steps or 1) + 1
+    namespace.output_len = [(namespace.steps * (3 if namespace.host_profile else 1) + 2) * per_step]
     with bench_one_batch.build_runner(namespace, parser) as runner:
         profile_steps(runner, namespace)
 
