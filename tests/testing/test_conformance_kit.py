@@ -135,7 +135,7 @@ def test_kit_fails_wrong_backends(make_plugin, tmp_path: Path):
         "attention:hot_softmax": {"test_forward_mla", "test_forward_mha", "test_forward_mla_tree_verify"},
         "moe:no_scaling": {"test_forward", "test_forward_on_one_ranks_experts"},
         "moe:wrong_expert": {"test_forward", "test_forward_on_one_ranks_experts"},
-        "moe:no_bias": {"test_route"},
+        "moe:no_bias": {"test_route", "test_route_hidden"},  # route_hidden's default goes through route
         "gemm:one_scale": {"test_apply"},
     }
     folder = make_plugin("wrong-kernels", "wrong_kernels_plugin", WRONG_BACKENDS)
@@ -148,8 +148,8 @@ def test_kit_checks_the_torch_references_against_its_oracle(make_plugin, tmp_pat
     references = ("attention:torch_ref", "gemm:torch_ref", "moe:torch_ref")
     failed = _kit(folder, tmp_path / "report.json", *(a for b in references for a in ("--plugserve-backend", b)))
     # A top-left mask is right without a cached prefix (not in DECODE); the others are wrong everywhere.
-    assert failed == {"torch_ref": {"test_forward_mla", "test_forward_mha", "test_route", "test_quantize_activation",
-                                    "test_apply"}}
+    assert failed == {"torch_ref": {"test_forward_mla", "test_forward_mha", "test_route", "test_route_hidden",
+                                    "test_quantize_activation", "test_apply"}}
 
 
 def test_third_party_plugin_installs_is_listed_selected_and_passes_the_kit(tmp_path: Path):
