@@ -370,7 +370,8 @@ class AttentionBackend(Backend):
     refuses a class that declares one it does not implement. The others raise.
 
     Under the default `set_kv` (pool rows stored as they are) the model's absorbed MLA path does not call it:
-    it writes the pool in one fused op with the latent's norm and the rope (`SmallOps.mla_norm_rope_cache`).
+    it writes the pool in one fused op with the latent's norm, the rope and W_UK's absorption
+    (`SmallOps.mla_prepare`).
     A backend that overrides `set_kv` (its own cache layout) is called with the normed latent and rotated key.
     """
 
@@ -450,6 +451,14 @@ class AttentionBackend(Backend):
         new ones written by `set_kv`, causally. With `batch.tree` (backends declaring tree_verify) new token i
         of a request sees its prefix and the new tokens j where tree.mask[b, i, j]. Returns [T, H, R]."""
         raise NotImplementedError(f"{self.name} does not run absorbed MLA")
+
+    def forward_mla_projected(self, q_nope: torch.Tensor, q_rope: torch.Tensor, layer_id: int, w_vc: torch.Tensor
+                              ) -> torch.Tensor:
+        """`forward_mla`'s output through W_UV, per head: w_vc [H, R, v] of q's dtype -> [T, H, v] in that dtype
+        (the latent output rounded to it first, as two steps would). The model's absorbed path calls this; a
+        backend may fold the product into its own last kernel. This default: forward_mla, then a bmm."""
+        out = self.forward_mla(q_nope, q_rope, layer_id)
+        return torch.bmm(out.transpose(0, 1), w_vc).transpose(0, 1)
 
     def forward_mha(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_chunk: int | None = None

@@ -91,6 +91,13 @@ def _check_forward_mla(spec: AttentionSpec, backend: AttentionBackend, batch: Fo
     out = backend.forward_mla(q_nope, q_rope, LAYER)
     assert out.dtype == dtype
     assert_close(out, expected, dtype, f"forward_mla {what}")
+    if batch.mode is ForwardMode.DECODE:
+        # The model's call at decode: the output through W_UV, which a backend may fold into its last kernel.
+        w_vc = (torch.randn(h, spec.kv_lora_rank, spec.v_head_dim, device=device) / spec.kv_lora_rank**0.5).to(dtype)
+        projected = backend.forward_mla_projected(q_nope, q_rope, LAYER, w_vc)
+        assert projected.dtype == dtype and projected.shape == (t, h, spec.v_head_dim)
+        expected = torch.einsum("thr,hrv->thv", expected.to(dtype).double(), w_vc.double())
+        assert_close(projected, expected, dtype, f"forward_mla_projected {what}")
 
 
 def test_forward_mla_in_cuda_graph(attention_target: Target, graph_case: GraphCase, page_size: int,

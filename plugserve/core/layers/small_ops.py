@@ -1,5 +1,5 @@
 """The model's element-wise ops between backend calls (RMSNorm with the residual add, rope, SiLU-and-mul,
-absorbed MLA's norm + rope + KV cache write), as plain functions, eager or compiled.
+absorbed MLA's norm + rope + KV cache write + W_UK absorption), as plain functions, eager or compiled.
 
 At decode every one of them is a handful of tiny kernels per layer; under a CUDA graph the launches are
 free but each kernel still costs a few microseconds, which at batch 1 adds up to more than the weight
@@ -57,23 +57,28 @@ def apply_rope(q_rope: torch.Tensor, k_rope: torch.Tensor, cos: torch.Tensor, si
     return _rotate(q_rope, cos[:, None, :], sin[:, None, :]), _rotate(k_rope, cos, sin)
 
 
-def mla_norm_rope_cache(kv_a: torch.Tensor, q_rope: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                        cos: torch.Tensor, sin: torch.Tensor, buffer: torch.Tensor, slots: torch.Tensor
-                        ) -> torch.Tensor:
-    """Absorbed MLA's new tokens into the KV pool: latent and rope key normed / rotated and stored, q rotated.
+def absorb_q(q_nope: torch.Tensor, w_kc: torch.Tensor) -> torch.Tensor:
+    """W_UK absorbed into q: q_nope [T, H, D] @ w_kc [H, D, R] per head -> [T, H, R] (a view of [H, T, R])."""
+    return torch.bmm(q_nope.transpose(0, 1), w_kc).transpose(0, 1)
 
-    kv_a [T, R + P] (latent, then rope key; activation dtype); q_rope [T, H, P]; norm_weight [R]
-    (kv_a_layernorm's) and its eps; cos / sin [T, P/2] float32 (`rope_cos_sin`); buffer [num_slots, R + P]
-    (one layer of the pool, its own dtype); slots [T] int64. Writes buffer[slots] = rms_norm(latent) ++
-    rope(k_rope), each computed as `rms_norm` / `apply_rope` do and then cast to the buffer's dtype
-    (`kv_cache.store_rows`, as `MLAKVPool.write` stores them), and returns q_rope rotated [T, H, P] in q_rope's
-    dtype."""
+
+def mla_prepare(kv_a: torch.Tensor, q_nope: torch.Tensor, q_rope: torch.Tensor, w_kc: torch.Tensor,
+                norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, buffer: torch.Tensor,
+                slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MLA's new tokens: latent and rope key normed / rotated into the KV pool, q absorbed and rotated.
+
+    kv_a [T, R + P] (latent, then rope key; activation dtype); q_nope [T, H, D] and q_rope [T, H, P]; w_kc
+    [H, D, R] (W_UK); norm_weight [R] (kv_a_layernorm's) and its eps; cos / sin [T, P/2] float32
+    (`rope_cos_sin`); buffer [num_slots, R + P] (one layer of the pool, its own dtype); slots [T] int64. Writes
+    buffer[slots] = rms_norm(latent) ++ rope(k_rope), each computed as `rms_norm` / `apply_rope` do and then cast
+    to the buffer's dtype (`kv_cache.store_rows`, as `MLAKVPool.write` stores them), and returns (`absorb_q`
+    [T, H, R], q_rope rotated [T, H, P]) in q's dtype."""
     r = norm_weight.shape[0]
     latent, k_rope = kv_a.split([r, kv_a.shape[-1] - r], dim=-1)
     latent = rms_norm(latent, norm_weight, eps)
     q_rope, k_rope = apply_rope(q_rope, k_rope, cos, sin)
     store_rows(buffer, slots, latent, k_rope)
-    return q_rope
+    return absorb_q(q_nope, w_kc), q_rope
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -89,7 +94,7 @@ class SmallOps:
     rope_cos_sin: Callable[..., tuple[torch.Tensor, torch.Tensor]] = rope_cos_sin
     apply_rope: Callable[..., tuple[torch.Tensor, torch.Tensor]] = apply_rope
     silu_and_mul: Callable[..., torch.Tensor] = silu_and_mul
-    mla_norm_rope_cache: Callable[..., torch.Tensor] = mla_norm_rope_cache
+    mla_prepare: Callable[..., tuple[torch.Tensor, torch.Tensor]] = mla_prepare
 
     @classmethod
     def compiled(cls, max_rows: int) -> SmallOps:
@@ -100,15 +105,16 @@ class SmallOps:
 
     def with_fused_kernels(self, device: torch.device) -> SmallOps:
         """These ops with the Triton kernels of `triton_small_ops` in place of those they replace, on CUDA with
-        triton installed (also over compiled ops: torch.compile cannot fuse the KV pool write into the norm and
-        rope); unchanged elsewhere. The kernels are for every batch size, eager or compiled."""
+        triton installed (also over compiled ops: torch.compile fuses neither the KV pool write into the norm and
+        rope nor W_UK's product into them); unchanged elsewhere. The kernels are for every batch size, eager or
+        compiled."""
         if device.type != "cuda":
             return self
         try:
             from plugserve.core.layers import triton_small_ops  # imports triton: only here, never at import
         except ImportError:
             return self
-        return replace(self, mla_norm_rope_cache=triton_small_ops.mla_norm_rope_cache)
+        return replace(self, mla_prepare=triton_small_ops.mla_prepare)
 
 
 def _compiled_up_to(function: Callable[..., Any], max_rows: int) -> Callable[..., Any]:

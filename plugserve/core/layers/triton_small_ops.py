@@ -4,9 +4,10 @@ Imported only by `SmallOps.with_fused_kernels` (on CUDA) and by tests: importing
 import triton, and `triton.jit` decides when a kernel is defined whether it compiles for the GPU or runs in
 the interpreter (TRITON_INTERPRET=1, the CPU tests).
 
-    mla_norm_rope_cache   absorbed MLA's per-layer preparation of the new tokens: kv_a_layernorm of the latent,
-                          interleaved rope of the rope key and of q's rope part, and the KV pool write. Eager
-                          that is five kernels (an RMSNorm, two ropes, two index_put); here it is one launch.
+    mla_prepare   absorbed MLA's per-layer preparation of the new tokens: kv_a_layernorm of the latent,
+                  interleaved rope of the rope key and of q's rope part, the KV pool write, and (at decode sizes)
+                  W_UK's product with q's nope part. Eager that is six kernels (an RMSNorm, two ropes, two
+                  index_put, a bmm); here it is one launch.
 
 Only plain tl.load / tl.store / arithmetic / tl.sum, so that it compiles on older Triton releases too.
 """
@@ -25,22 +26,44 @@ KERNEL_POOL_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
 # q's rope pairs a program rotates (BLOCK_H heads of P / 2): with P = 64, 16 heads, so that V3's 128 heads at
 # decode spread over 8 programs, each one load / store round trip, instead of looping in one.
 Q_PAIRS_PER_PROGRAM = 512
+# W_UK's product in the same launch up to this many tokens: each absorbing program holds a [D, ABSORB_BLOCK_R] tile of
+# one head's W_UK and runs every token through it (one pass over W_UK, like a bmm, but no launch of its own); more
+# tokens take the bmm.
+FUSED_ABSORB_MAX_TOKENS = 8
+ABSORB_BLOCK_R = 64
 
 
 @triton.jit
-def _mla_norm_rope_cache_kernel(
-    kv_a_ptr, q_ptr, weight_ptr, cos_ptr, sin_ptr, slots_ptr, buf_ptr, q_out_ptr,
-    stride_kv_a, stride_q_t, stride_q_h, stride_cos, stride_sin, stride_slots, stride_buf, stride_out_t,
-    stride_out_h, eps,
-    H: tl.constexpr, R: tl.constexpr, P: tl.constexpr,
+def _mla_prepare_kernel(
+    kv_a_ptr, q_ptr, weight_ptr, cos_ptr, sin_ptr, slots_ptr, buf_ptr, q_out_ptr, q_nope_ptr, w_kc_ptr, q_abs_ptr,
+    num_tokens, stride_kv_a, stride_q_t, stride_q_h, stride_cos, stride_sin, stride_slots, stride_buf, stride_out_t,
+    stride_out_h, stride_nope_t, stride_nope_h, stride_w_h, stride_w_d, stride_abs_t, stride_abs_h, eps,
+    H: tl.constexpr, R: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, ROUND_NORM: tl.constexpr,
+    ROPE_BLOCKS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_RA: tl.constexpr,
 ):
-    """Program (t, 0): pool row slots[t] = rms_norm(latent) ++ rope(k_rope). Program (t, 1 + b): heads
-    [b * BLOCK_H, (b + 1) * BLOCK_H) of q_rope[t] rotated into q_out[t]. Every cast goes through the input's
-    dtype first, as the eager ops round (`small_ops.rms_norm`, `small_ops._rotate`)."""
+    """Program (t, 0): pool row slots[t] = rms_norm(latent) ++ rope(k_rope). Program (t, 1 + b), b < ROPE_BLOCKS:
+    heads [b * BLOCK_H, (b + 1) * BLOCK_H) of q_rope[t] rotated into q_out[t]. Every cast goes through the input's
+    dtype first, as the eager ops round (`small_ops.rms_norm`, `small_ops._rotate`). Program (0, 1 + ROPE_BLOCKS + a)
+    (launched only to absorb): q_abs[:, h, r-block] = q_nope[:, h] @ w_kc[h, :, r-block] for every token, float32
+    sums, with h, r-block = divmod(a, ceil(R / BLOCK_RA))."""
     t = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     x_ty = kv_a_ptr.dtype.element_ty
+    if block > ROPE_BLOCKS:
+        if t == 0:
+            a = block - 1 - ROPE_BLOCKS
+            h = (a // tl.cdiv(R, BLOCK_RA)).to(tl.int64)
+            r = (a % tl.cdiv(R, BLOCK_RA)) * BLOCK_RA + tl.arange(0, BLOCK_RA)
+            d = tl.arange(0, BLOCK_D)
+            w = tl.load(w_kc_ptr + h * stride_w_h + d[:, None] * stride_w_d + r[None, :],
+                        mask=(d < D)[:, None] & (r < R)[None, :], other=0.0).to(tl.float32)
+            for token in range(num_tokens):
+                q = tl.load(q_nope_ptr + token * stride_nope_t + h * stride_nope_h + d, mask=d < D, other=0.0)
+                product = tl.sum(q.to(tl.float32)[:, None] * w, axis=0)
+                tl.store(q_abs_ptr + token * stride_abs_t + h * stride_abs_h + r,
+                         product.to(q_abs_ptr.dtype.element_ty), mask=r < R)
+        return
     j = tl.arange(0, BLOCK_HALF)  # rope pair j: elements 2j, 2j + 1
     j_ok = j < P // 2
     cos = tl.load(cos_ptr + t * stride_cos + j, mask=j_ok, other=0.0).to(tl.float32)
@@ -79,31 +102,39 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def mla_norm_rope_cache(kv_a: torch.Tensor, q_rope: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                        cos: torch.Tensor, sin: torch.Tensor, buffer: torch.Tensor, slots: torch.Tensor
-                        ) -> torch.Tensor:
-    """`small_ops.mla_norm_rope_cache` in one kernel launch (same arguments, same results; see there).
+def mla_prepare(kv_a: torch.Tensor, q_nope: torch.Tensor, q_rope: torch.Tensor, w_kc: torch.Tensor,
+                norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, buffer: torch.Tensor,
+                slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`small_ops.mla_prepare` in one kernel launch (same arguments, same results; see there), W_UK's product
+    included up to FUSED_ABSORB_MAX_TOKENS tokens (beyond, `small_ops.absorb_q` follows).
 
-    kv_a [T, R + P] and q_rope [T, H, P] may be strided views (last dim contiguous); cos / sin [T, P/2]
-    float32; buffer [num_slots, R + P]; slots [T] int64. Returns the rotated q_rope [T, H, P], a new
-    tensor. Grid (T, 1 + head blocks), no host sync, one allocation (the output): fine in a CUDA graph."""
+    kv_a [T, R + P], q_nope [T, H, D] and q_rope [T, H, P] may be strided views (last dim contiguous); w_kc
+    [H, D, R]; cos / sin [T, P/2] float32; buffer [num_slots, R + P]; slots [T] int64. Returns (q absorbed
+    [T, H, R], q_rope rotated [T, H, P]), new tensors. Grid (T, 1 + head blocks + absorbing programs), no host
+    sync, only the outputs allocated: fine in a CUDA graph."""
     if buffer.dtype not in KERNEL_POOL_DTYPES:
-        return small_ops.mla_norm_rope_cache(kv_a, q_rope, norm_weight, eps, cos, sin, buffer, slots)
+        return small_ops.mla_prepare(kv_a, q_nope, q_rope, w_kc, norm_weight, eps, cos, sin, buffer, slots)
     t, h, p = q_rope.shape
-    r = norm_weight.shape[0]
+    r, d = norm_weight.shape[0], q_nope.shape[2]
     q_out = torch.empty((t, h, p), dtype=q_rope.dtype, device=q_rope.device)
     if t == 0:
-        return q_out
-    kv_a, q_rope, cos, sin = (_last_dim_contiguous(x) for x in (kv_a, q_rope, cos, sin))
+        return torch.empty((t, h, r), dtype=q_nope.dtype, device=q_nope.device), q_out
+    kv_a, q_nope, q_rope, w_kc, cos, sin = (_last_dim_contiguous(x) for x in (kv_a, q_nope, q_rope, w_kc, cos, sin))
     block_half = triton.next_power_of_2(p // 2)
     block_h = max(1, min(triton.next_power_of_2(h), Q_PAIRS_PER_PROGRAM // block_half))
-    _mla_norm_rope_cache_kernel[(t, 1 + triton.cdiv(h, block_h))](
-        kv_a, q_rope, norm_weight, cos, sin, slots, buffer, q_out,
-        kv_a.stride(0), q_rope.stride(0), q_rope.stride(1), cos.stride(0), sin.stride(0), slots.stride(0),
-        buffer.stride(0), q_out.stride(0), q_out.stride(1), eps,
-        H=h, R=r, P=p, BLOCK_H=block_h, BLOCK_R=triton.next_power_of_2(r), BLOCK_HALF=block_half,
-        ROUND_NORM=norm_weight.dtype == kv_a.dtype,
+    rope_blocks = triton.cdiv(h, block_h)
+    absorb = t <= FUSED_ABSORB_MAX_TOKENS
+    absorbing = h * triton.cdiv(r, ABSORB_BLOCK_R) if absorb else 0
+    q_abs = torch.empty((t, h, r), dtype=q_nope.dtype, device=q_nope.device) if absorb else q_out  # unwritten
+    _mla_prepare_kernel[(t, 1 + rope_blocks + absorbing)](
+        kv_a, q_rope, norm_weight, cos, sin, slots, buffer, q_out, q_nope, w_kc, q_abs,
+        t, kv_a.stride(0), q_rope.stride(0), q_rope.stride(1), cos.stride(0), sin.stride(0), slots.stride(0),
+        buffer.stride(0), q_out.stride(0), q_out.stride(1), q_nope.stride(0), q_nope.stride(1), w_kc.stride(0),
+        w_kc.stride(1), q_abs.stride(0), q_abs.stride(1), eps,
+        H=h, R=r, P=p, D=d, BLOCK_H=block_h, BLOCK_R=triton.next_power_of_2(r), BLOCK_HALF=block_half,
+        ROUND_NORM=norm_weight.dtype == kv_a.dtype, ROPE_BLOCKS=rope_blocks, BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_RA=ABSORB_BLOCK_R,
         # Products and sums rounded one by one, as torch's element-wise kernels do (no FMA contraction).
         enable_fp_fusion=False,
     )
-    return q_out
+    return (q_abs if absorb else small_ops.absorb_q(q_nope, w_kc)), q_out

@@ -50,7 +50,7 @@ from plugserve.core.layers.parallel import (
     VocabParallelEmbedding,
 )
 from plugserve.core.layers.rotary import RotaryEmbedding
-from plugserve.core.layers.small_ops import EAGER, SmallOps
+from plugserve.core.layers.small_ops import EAGER, SmallOps, absorb_q
 
 CosSin = tuple[torch.Tensor, torch.Tensor]  # rope cos, sin [T, P/2] float32 of a forward's positions
 
@@ -351,22 +351,23 @@ class MLAAttention(nn.Module):
         q_nope, q_rope = q.view(t, h, -1).split([self.nope_dim, self.rope_dim], dim=-1)
         method = batch.attn_method or AttnForwardMethod.MLA
         if method is AttnForwardMethod.MLA and type(attn).set_kv is AttentionBackend.set_kv:
-            # The backend stores pool rows as they are: norm, rope and the pool write as one op (one kernel on
-            # CUDA). The MHA paths need the normed latent and rotated rope key as tensors, and a backend's own
-            # set_kv may store them otherwise.
+            # The backend stores pool rows as they are: norm, rope, the pool write and W_UK's absorption as one op
+            # (one kernel on CUDA). The MHA paths need the normed latent and rotated rope key as tensors, and a
+            # backend's own set_kv may store them otherwise.
             norm = self.kv_a_layernorm
-            q_rope = self.ops.mla_norm_rope_cache(kv_a, q_rope, norm.weight, norm.eps, *cos_sin,
-                                                  batch.kv_pool.buffer(self.layer_id), batch.out_cache_loc)
+            q_absorbed, q_rope = self.ops.mla_prepare(kv_a, q_nope, q_rope, self.w_kc, norm.weight, norm.eps,
+                                                      *cos_sin, batch.kv_pool.buffer(self.layer_id),
+                                                      batch.out_cache_loc)
         else:
             latent, k_rope = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
             latent = self.kv_a_layernorm(latent)
             q_rope, k_rope = rope(q_rope, k_rope, cos_sin)
             attn.set_kv(self.layer_id, batch.out_cache_loc, latent, k_rope)
+            if method is AttnForwardMethod.MLA:
+                q_absorbed = absorb_q(q_nope, self.w_kc)  # [T, H, R]
 
         if method is AttnForwardMethod.MLA:
-            q_absorbed = torch.bmm(q_nope.transpose(0, 1), self.w_kc).transpose(0, 1)  # [T, H, R]
-            out_latent = attn.forward_mla(q_absorbed, q_rope, self.layer_id)  # [T, H, R]
-            out = torch.bmm(out_latent.transpose(0, 1), self.w_vc).transpose(0, 1)  # [T, H, v]
+            out = attn.forward_mla_projected(q_absorbed, q_rope, self.layer_id, self.w_vc)  # [T, H, v]
         else:
             out = self._mha(torch.cat([q_nope, q_rope], dim=-1), latent, k_rope, batch, attn)
         return self.o_proj(out.reshape(t, h * self.v_dim))

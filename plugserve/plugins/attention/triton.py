@@ -2,6 +2,7 @@
 
     forward_mla   split-KV absorbed MLA over the paged latent cache, one query token per row: serves
                   DECODE, TARGET_VERIFY, DRAFT_EXTEND and EXTEND with a cached prefix alike
+    forward_mla_projected   the same, W_UV's product folded into the split reduce at decode sizes
     forward_mha   flash attention over packed (varlen) requests, returning the log-sum-exp
     merge_attn_states   one fused kernel
 
@@ -38,6 +39,9 @@ def _cumsum_with_zero(lens: torch.Tensor) -> torch.Tensor:
 
 # Draft-tree nodes a request: each token's visible nodes are one int64 bit set.
 MAX_TREE_NODES = 64
+# forward_mla_projected: up to this many query tokens the split reduce also multiplies by W_UV (its programs grow with
+# the tokens, each reading a slice of W_UV again); more tokens take forward_mla and a bmm.
+FUSED_V_PROJ_MAX_TOKENS = 8
 
 
 class TritonAttention(AttentionBackend):
@@ -179,6 +183,21 @@ class TritonAttention(AttentionBackend):
             q_nope, q_rope, pool.buffer(layer_id), batch.block_table, self._token_req, self._token_kv_len,
             pool.page_size, self.spec.softmax_scale, self._mla_config, self._num_splits, self._workspace,
             self._tree,
+        )
+
+    def forward_mla_projected(self, q_nope: torch.Tensor, q_rope: torch.Tensor, layer_id: int, w_vc: torch.Tensor
+                              ) -> torch.Tensor:
+        """`AttentionBackend.forward_mla_projected`; up to FUSED_V_PROJ_MAX_TOKENS tokens (decode) the split-KV
+        reduce multiplies by W_UV itself, where forward_mla and a bmm take two launches."""
+        if q_nope.shape[0] > FUSED_V_PROJ_MAX_TOKENS:
+            return super().forward_mla_projected(q_nope, q_rope, layer_id, w_vc)
+        batch = self.batch
+        pool = batch.kv_pool
+        self.check_mla_inputs(q_nope, q_rope)
+        return self._kernels.mla_attention(
+            q_nope, q_rope, pool.buffer(layer_id), batch.block_table, self._token_req, self._token_kv_len,
+            pool.page_size, self.spec.softmax_scale, self._mla_config, self._num_splits, self._workspace,
+            self._tree, w_vc,
         )
 
     def forward_mha(

@@ -41,6 +41,8 @@ MLA_MIN_FILL = 0.8
 MLA_MAX_WAVES = 2
 # Splits the MLA reduce merges per step ([16, 512] fp32 partials: 64 registers a thread on 4 warps).
 MLA_REDUCE_SPLITS = 16
+# W_UV columns per program of the reduce that also projects: a [R, 16] tile (64 float32 registers a thread at R = 512).
+MLA_REDUCE_BLOCK_V = 16
 
 
 def _pow2_at_least(n: int, floor: int = 1) -> int:
@@ -370,13 +372,16 @@ def _mla_kernel(
 
 @triton.jit
 def _mla_reduce_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr,
-    stride_po_t, stride_po_h, stride_po_s, stride_pl_t, stride_pl_h, stride_o_t, stride_o_h,
+    part_out_ptr, part_lse_ptr, out_ptr, w_vc_ptr,
+    stride_po_t, stride_po_h, stride_po_s, stride_pl_t, stride_pl_h, stride_o_t, stride_o_h, stride_w_h, stride_w_r,
     num_splits,
-    R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
+    R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, V: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     # One (token, head): an online log-sum-exp merge over the splits, BLOCK_S at a time. Empty splits
-    # have lse -inf, weight 0, and their (unwritten) partials are not read.
+    # have lse -inf, weight 0, and their (unwritten) partials are not read. V > 0: program (t, h, v-block) also
+    # multiplies the merged latent, rounded to out's dtype, by w_vc[h, :, v-block] (W_UV) and stores that
+    # [BLOCK_V] slice of out [T, H, V]: each v-block's program merges the same splits again, which at decode costs
+    # less than a bmm's launch.
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -398,7 +403,15 @@ def _mla_reduce_kernel(
         acc = acc * scale + tl.sum(weights[:, None] * parts, 0)
         total = total * scale + tl.sum(weights, 0)
         m = m_new
-    tl.store(out_ptr + t * stride_o_t + h * stride_o_h + r, (acc / total).to(out_ptr.dtype.element_ty), mask=r < R)
+    latent = (acc / total).to(out_ptr.dtype.element_ty)
+    if V > 0:
+        v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+        w = tl.load(w_vc_ptr + h.to(tl.int64) * stride_w_h + r[:, None] * stride_w_r + v[None, :],
+                    mask=(r < R)[:, None] & (v < V)[None, :], other=0.0)
+        projected = tl.sum(latent.to(tl.float32)[:, None] * w.to(tl.float32), axis=0)
+        tl.store(out_ptr + t * stride_o_t + h * stride_o_h + v, projected.to(out_ptr.dtype.element_ty), mask=v < V)
+    else:
+        tl.store(out_ptr + t * stride_o_t + h * stride_o_h + r, latent, mask=r < R)
 
 
 def mla_attention(
@@ -414,6 +427,7 @@ def mla_attention(
     num_splits: int,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     tree: tuple[torch.Tensor, torch.Tensor] | None = None,
+    w_vc: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Absorbed MLA, one row per query token.
 
@@ -426,7 +440,9 @@ def mla_attention(
     least `mla_workspace_size` rows times R, and rows; allocated here when None), then a second kernel
     reduces them. `tree`: every token is a draft-tree node (token_kv_len then counts its request's whole
     tree): (tree_start [T] int32, the position of its request's first node; tree_bits [T] int64, bit j set
-    when it sees node j, itself and its ancestors; at most 64 nodes). Returns out [T, H, R] in q's dtype.
+    when it sees node j, itself and its ancestors; at most 64 nodes). Returns out [T, H, R] in q's dtype, or with
+    w_vc [H, R, V] (W_UV, q's dtype) out rounded to q's dtype times w_vc per head, [T, H, V]: in the reduce kernel
+    when there are splits, else by a bmm.
     """
     t, h, r = q_nope.shape
     p = q_rope.shape[2]
@@ -478,12 +494,19 @@ def mla_attention(
     grid = (t * num_splits * triton.cdiv(h, config.block_h),)
     _launch_first_fitting(_mla_kernel, grid, args, launches,
                           ("mla", device, q_nope.dtype, r, p, page_size, config, num_splits > 1, tree is not None))
-    if num_splits > 1:
-        _mla_reduce_kernel[(t, h)](
-            part_out, part_lse, out,
-            *part_out.stride()[:3], *part_lse.stride()[:2], out.stride(0), out.stride(1), num_splits,
-            R=r, BLOCK_S=min(MLA_REDUCE_SPLITS, triton.next_power_of_2(num_splits)), BLOCK_R=triton.next_power_of_2(r),
-        )
+    if num_splits == 1:
+        return out if w_vc is None else torch.bmm(out.transpose(0, 1), w_vc).transpose(0, 1)
+    v = 0 if w_vc is None else w_vc.shape[2]
+    if w_vc is not None:
+        out = torch.empty(t, h, v, dtype=q_nope.dtype, device=device)
+        w_vc = _last_dim_contiguous(w_vc)
+    _mla_reduce_kernel[(t, h, triton.cdiv(v, MLA_REDUCE_BLOCK_V) if v else 1)](
+        part_out, part_lse, out, w_vc,
+        *part_out.stride()[:3], *part_lse.stride()[:2], out.stride(0), out.stride(1),
+        w_vc.stride(0) if v else 0, w_vc.stride(1) if v else 0, num_splits,
+        R=r, BLOCK_S=min(MLA_REDUCE_SPLITS, triton.next_power_of_2(num_splits)), BLOCK_R=triton.next_power_of_2(r),
+        V=v, BLOCK_V=MLA_REDUCE_BLOCK_V,
+    )
     return out
 
 

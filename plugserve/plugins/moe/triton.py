@@ -8,7 +8,8 @@ activations quantized per 1 x 128 token group).
   the last one selects).
 - `forward`: moe_align_block_size (pairs sorted by expert, padded to BLOCK_SIZE_M), a grouped GEMM
   over w13 with SiLU-and-mul in its epilogue, a grouped GEMM over w2 multiplying by the top-k weight
-  times routed_scaling_factor in its epilogue, and a top-k sum (see `triton_kernels`). Launch
+  times routed_scaling_factor in its epilogue, and a top-k sum (for one token, in that epilogue too;
+  see `triton_kernels`). Launch
   configurations come from tuned files in `configs/` (benchmarks/tune_fused_moe.py) or a default.
 - Shared-expert fusion (`MoESpec.num_shared_experts`): `prepare(..., shared_w13=, shared_w2=)` appends
   the shared expert(s) as extra experts, the router kernel gives them to every token, and `forward`
@@ -87,12 +88,15 @@ class TritonMoE(MoEBackend):
         self._hardware = Hardware.detect(device)
         from plugserve.plugins.moe import triton_kernels
 
-        # fused_router's float32 logits and arrival count, made here (not in a forward a CUDA graph may capture)
-        # and shared by every layer and replay.
+        # fused_router's float32 logits and arrival count, and the w2 pass's arrival counts (one per column block of
+        # the smallest BLOCK_N) for one token's top-k sum, made here (not in a forward a CUDA graph may capture) and
+        # shared by every layer and replay.
         self._router_scratch = (
             torch.empty(triton_kernels.FUSED_ROUTER_MAX_TOKENS * spec.num_experts, dtype=torch.float32, device=device),
             torch.zeros(1, dtype=torch.int32, device=device),
         )
+        self._pair_sum_arrived = torch.zeros(ceil_div(spec.hidden_size, triton_kernels.MIN_BLOCK_N), dtype=torch.int32,
+                                             device=device)
 
     @classmethod
     def availability(cls, hardware: Hardware) -> Availability:
@@ -244,7 +248,7 @@ class TritonMoE(MoEBackend):
             topk_ids = topk_ids - spec.first_expert
         return triton_kernels.fused_experts(
             x, packed.w13, packed.w2, packed.w13_scale_inv, packed.w2_scale_inv, topk_ids, topk_weights,
-            routed_scaling_factor, self.config(x.shape[0]), spec.block_shape,
+            routed_scaling_factor, self.config(x.shape[0]), spec.block_shape, self._pair_sum_arrived,
         )
 
 

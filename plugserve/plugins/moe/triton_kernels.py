@@ -15,7 +15,8 @@ Pipeline of `fused_experts`:
      (SiLU-and-mul fused into the epilogue: each program holds the gate and the up tile).
   4. block-FP8 only: `per_token_group_quant` of h.
   5. w2 pass: y[p] = weight[p] * routed_scaling_factor * (h[p] @ W2^T), [P, H].
-  6. `_topk_sum_kernel`: out[t] = sum_j y[t * k + j], [T, H].
+  6. `_topk_sum_kernel`: out[t] = sum_j y[t * k + j], [T, H]. For one token the w2 pass does this sum itself
+     (its SUM_PAIRS epilogue: the last program of each column block to finish adds that block's k rows).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ _ALIGN_SUB = 32  # pairs compared at once when ranking pairs within a chunk
 _ALIGN_BLOCKS = 256  # M-blocks labelled at once by the scan kernel
 _QUANT_GROUPS = 8  # 1 x group_size groups per program of the activation quantizer
 _SUM_BLOCK_H = 1024  # hidden columns per program of the top-k sum
+MIN_BLOCK_N = 16  # the narrowest GEMM column block (tl.dot's minimum): sizes the w2 pass's arrival counts
 # fused_router: at most this many tokens (its last program selects every token's experts one after another), over
 # about ROUTER_PROGRAMS programs.
 FUSED_ROUTER_MAX_TOKENS = 4
@@ -522,11 +524,12 @@ def _mma(acc, a, b, a_scale, b_scale, FP8: tl.constexpr, DOT_FP32: tl.constexpr)
 @triton.jit
 def _fused_moe_gemm_kernel(
     a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr,
-    sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, sum_ptr, arrived_ptr,
     N, K, num_pairs, padded_rows, num_experts, routed_scaling_factor,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
     PER_PAIR: tl.constexpr, A_ROW_DIV: tl.constexpr, SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    SUM_PAIRS: tl.constexpr,
     FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE_M: tl.constexpr,
 ):
@@ -536,7 +539,10 @@ def _fused_moe_gemm_kernel(
     MUL_WEIGHT: C *= topk_weights[p] * routed_scaling_factor.
     FP8: A and B float8 with A scales per row and 1 x GROUP_K group, B scales per GROUP_N x GROUP_K
     block, applied per K-tile (BLOCK_K divides GROUP_K).
-    PER_PAIR (`pair_blocks`): M-block p is pair p alone, of expert expert_ids[p], skipped when that id is dropped."""
+    PER_PAIR (`pair_blocks`): M-block p is pair p alone, of expert expert_ids[p], skipped when that id is dropped.
+    SUM_PAIRS (PER_PAIR, one token): also sum[n] = sum over the used pairs p of C[p, n] in float32, in pair order,
+    by the program of each column block that arrives last (an atomic count per column block in arrived_ptr, after
+    every program's stores; set back to 0 for the next launch), so that no top-k sum kernel follows."""
     pid = tl.program_id(0)
     # Programs sweep GROUP_SIZE_M M-blocks per column of N-blocks, so weight tiles are reused in L2.
     num_pid_m = tl.cdiv(padded_rows, BLOCK_M)
@@ -547,10 +553,16 @@ def _fused_moe_gemm_kernel(
     pid_m = first_m + (pid % per_group) % rows_of_group
     pid_n = (pid % per_group) // rows_of_group
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    k_end = K
     if PER_PAIR:
-        if (expert < 0) | (expert >= num_experts):
-            return
-        pair = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs)
+        dropped = (expert < 0) | (expert >= num_experts)
+        if SUM_PAIRS:  # a dropped pair's program still arrives: it computes and stores nothing
+            k_end = tl.where(dropped, 0, K)
+            pair = tl.where((tl.arange(0, BLOCK_M) == 0) & ~dropped, pid_m, num_pairs)
+        else:
+            if dropped:
+                return
+            pair = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs)
     else:
         if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
             return
@@ -573,7 +585,7 @@ def _fused_moe_gemm_kernel(
         if SILU_MUL:
             up_scale_ptrs = b_scale_ptr + expert * stride_bse + ((offs_n + N) // GROUP_N) * stride_bsn
 
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(0, k_end, BLOCK_K):
         k_mask = offs_k < K - k0
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
@@ -600,6 +612,17 @@ def _fused_moe_gemm_kernel(
         acc = acc * (weight * routed_scaling_factor)[:, None]
     c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+    if SUM_PAIRS:
+        tl.debug_barrier()  # every thread's stores before the arrival (release) below
+        if tl.atomic_add(arrived_ptr + pid_n, 1, sem="acq_rel") == num_pid_m - 1:
+            total = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for p in range(num_pairs):
+                other = tl.zeros([BLOCK_N], dtype=tl.int32) + tl.load(expert_ids_ptr + p)  # a vector mask
+                used = (other >= 0) & (other < num_experts)
+                total += tl.load(c_ptr + p * stride_cm + offs_n * stride_cn, mask=n_mask & used, other=0.0).to(
+                    tl.float32)
+            tl.store(sum_ptr + offs_n, total.to(sum_ptr.dtype.element_ty), mask=n_mask)
+            tl.atomic_xchg(arrived_ptr + pid_n, 0)
 
 
 def grouped_gemm(
@@ -616,26 +639,32 @@ def grouped_gemm(
     topk_weights: torch.Tensor | None = None,
     routed_scaling_factor: float = 1.0,
     block_shape: tuple[int, int] = (128, 128),
+    pair_sum: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """One pass of the grouped GEMM into out [P, N] (see `_fused_moe_gemm_kernel`).
 
     a [rows, K] (row of pair p: p // a_row_div) of the activation dtype, or float8 with a_scale
     [rows, ceil(K/bk)]; w [E, N or 2N (silu_mul), K] of a's dtype, or float8 with w_scale
     [E, ceil(w.shape[1]/bn), ceil(K/bk)]; topk_weights [P] float32 to multiply by (times
-    routed_scaling_factor)."""
+    routed_scaling_factor). pair_sum (a per-pair alignment only): (sum [N], arrived [>= ceil(N / BLOCK_N)] int32
+    zeros) to also write the sum of out's used rows into, by the same launch (SUM_PAIRS)."""
     fp8 = w_scale is not None
     if fp8 and block_shape[1] % config.block_k:
         raise ValueError(f"BLOCK_SIZE_K {config.block_k} must divide the FP8 block's K size {block_shape[1]}")
     n, k = out.shape[1], a.shape[1]
+    if pair_sum is not None and (not alignment.per_pair or pair_sum[1].numel() < triton.cdiv(n, config.block_n)):
+        raise ValueError("pair_sum needs a per-pair alignment and an arrival count per column block")
     grid = (alignment.num_blocks * triton.cdiv(n, config.block_n),)
     _fused_moe_gemm_kernel[grid](
         a, w, out, a_scale, w_scale, topk_weights,
         alignment.sorted_ids, alignment.expert_ids, alignment.num_padded,
+        *(pair_sum if pair_sum is not None else (None, None)),
         n, k, alignment.num_pairs, alignment.num_blocks * alignment.block_m, w.shape[0], routed_scaling_factor,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         a_scale.stride(0) if fp8 else 0, a_scale.stride(1) if fp8 else 0,
         w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0, w_scale.stride(2) if fp8 else 0,
         PER_PAIR=alignment.per_pair, A_ROW_DIV=a_row_div, SILU_MUL=silu_mul, MUL_WEIGHT=topk_weights is not None,
+        SUM_PAIRS=pair_sum is not None,
         FP8=fp8, GROUP_N=block_shape[0], GROUP_K=block_shape[1], DOT_FP32=INTERPRET and a.dtype == torch.bfloat16,
         BLOCK_M=alignment.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_SIZE_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -673,12 +702,15 @@ def fused_experts(
     routed_scaling_factor: float,
     config: MoEConfig,
     block_shape: tuple[int, int] = (128, 128),
+    arrived: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I] in x's dtype, or float8_e4m3fn
     with block scales [E, ceil(2I/bn), ceil(H/bk)] / [E, ceil(H/bn), ceil(I/bk)]; topk_ids [T, k] int
     (ids outside [0, E) contribute nothing), topk_weights [T, k] float32. Returns [T, H] of x's dtype:
     routed_scaling_factor * sum_j topk_weights[t, j] * W2 (silu(W_gate x) * (W_up x)) of expert
-    topk_ids[t, j]. With FP8 weights x and h are quantized per 1 x bk token group before their GEMMs."""
+    topk_ids[t, j]. With FP8 weights x and h are quantized per 1 x bk token group before their GEMMs.
+    arrived: int32 zeros, at least one per column block of the w2 pass (kept by the caller across launches,
+    left at 0): one token's top-k sum then happens inside the w2 pass (SUM_PAIRS), not in a kernel of its own."""
     num_tokens, hidden = x.shape
     num_experts, intermediate, top_k = w13.shape[0], w2.shape[2], topk_ids.shape[1]
     out = torch.empty_like(x)
@@ -696,9 +728,12 @@ def fused_experts(
                  block_shape=block_shape)
     h, h_scale = per_token_group_quant(h, block_shape[1]) if fp8 else (h, None)
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    in_pass = alignment.per_pair and arrived is not None and arrived.numel() >= triton.cdiv(hidden, config.w2.block_n)
     grouped_gemm(h, h_scale, w2, w2_scale_inv, y, alignment, config.w2, a_row_div=1, silu_mul=False,
                  topk_weights=topk_weights.float().contiguous(), routed_scaling_factor=routed_scaling_factor,
-                 block_shape=block_shape)
+                 block_shape=block_shape, pair_sum=(out.view(-1), arrived) if in_pass else None)
+    if in_pass:
+        return out
     block_h = min(_SUM_BLOCK_H, triton.next_power_of_2(hidden))
     _topk_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
         y, ids, out, hidden, num_experts, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK_H=block_h

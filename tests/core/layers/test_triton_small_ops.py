@@ -1,5 +1,6 @@
-"""The fused MLA norm + rope + KV pool write kernel (`triton_small_ops.mla_norm_rope_cache`) against its eager
-op, alone and in the tiny model's decode; which path the model takes for which backend; the selection.
+"""The fused MLA norm + rope + KV pool write + W_UK absorption kernel (`triton_small_ops.mla_prepare`) against its
+eager op and a float64 product, alone and in the tiny model's decode; which path the model takes for which backend;
+the selection.
 
 Without a GPU the kernel runs in Triton's interpreter, in fp32 / fp16 only: the interpreter truncates float32
 to bf16 where the GPU rounds to nearest even.
@@ -27,7 +28,7 @@ from tests.paged_runner import PagedRunner, Request, load_reference_model
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 EPS = 1e-6
-NOPE = 8  # q's nope columns before its rope part
+NOPE = 24  # q's nope columns before its rope part (not a power of two: the absorbing tile is masked)
 DTYPES = [torch.float32, torch.float16, *([torch.bfloat16] if ON_GPU else [])]
 
 
@@ -39,13 +40,14 @@ test_kernels_in_the_interpreter = interpreter_child(__file__)
 
 def _inputs(t: int, h: int, r: int, p: int, dtype: torch.dtype, pool_dtype: torch.dtype,
             weight_dtype: torch.dtype | None = None, num_slots: int | None = None, seed: int = 0):
-    """(kv_a, q_rope, weight, cos, sin, buffer, slots) laid out as the model hands them over: kv_a a column
-    slice of the wider qkv_a GEMM output, q_rope the rope columns of q [T, H, nope + P], shuffled slots, a
-    buffer already holding other tokens' rows, cos / sin as `rope_cos_sin` makes them."""
+    """(kv_a, q_nope, q_rope, w_kc, weight, cos, sin, buffer, slots) laid out as the model hands them over: kv_a a
+    column slice of the wider qkv_a GEMM output, q_nope / q_rope the columns of q [T, H, nope + P], W_UK [H, nope, R],
+    shuffled slots, a buffer already holding other tokens' rows, cos / sin as `rope_cos_sin` makes them."""
     g = torch.Generator().manual_seed(seed)
     qkv_a = torch.randn(t, 24 + r + p, generator=g).to(DEVICE, dtype)
     kv_a = qkv_a[:, 24:]
-    q_rope = torch.randn(t, h, NOPE + p, generator=g).to(DEVICE, dtype)[..., NOPE:]
+    q_nope, q_rope = torch.randn(t, h, NOPE + p, generator=g).to(DEVICE, dtype).split([NOPE, p], dim=-1)
+    w_kc = (torch.randn(h, NOPE, r, generator=g) / NOPE**0.5).to(DEVICE, dtype)
     weight = (1 + 0.1 * torch.randn(r, generator=g)).to(DEVICE, weight_dtype or dtype)
     positions = torch.randint(0, 4096, (t,), generator=g).to(DEVICE)
     inv_freq = (1.0 / 10000 ** (torch.arange(0, p, 2, dtype=torch.float32) / p)).to(DEVICE)
@@ -53,7 +55,7 @@ def _inputs(t: int, h: int, r: int, p: int, dtype: torch.dtype, pool_dtype: torc
     num_slots = num_slots or max(40, 2 * t)  # rows for other tokens too
     buffer = torch.randn(num_slots, r + p, generator=g).to(DEVICE, pool_dtype)
     slots = torch.randperm(num_slots, generator=g)[:t].to(DEVICE)
-    return kv_a, q_rope, weight, cos, sin, buffer, slots
+    return kv_a, q_nope, q_rope, w_kc, weight, cos, sin, buffer, slots
 
 
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -78,11 +80,12 @@ def _assert_matches(actual: torch.Tensor, expected: torch.Tensor, what: str) -> 
 
 def _check_against_eager(kernels: ModuleType, t: int, h: int, r: int, p: int, dtype: torch.dtype,
                          pool_dtype: torch.dtype, weight_dtype: torch.dtype | None = None) -> None:
-    kv_a, q_rope, weight, cos, sin, buffer, slots = _inputs(t, h, r, p, dtype, pool_dtype, weight_dtype)
+    kv_a, q_nope, q_rope, w_kc, weight, cos, sin, buffer, slots = _inputs(t, h, r, p, dtype, pool_dtype, weight_dtype)
     before, expected_buffer = buffer.clone(), buffer.clone()
-    expected_q = small_ops.mla_norm_rope_cache(kv_a, q_rope, weight, EPS, cos, sin, expected_buffer, slots)
-    q = kernels.mla_norm_rope_cache(kv_a, q_rope, weight, EPS, cos, sin, buffer, slots)
+    _, expected_q = small_ops.mla_prepare(kv_a, q_nope, q_rope, w_kc, weight, EPS, cos, sin, expected_buffer, slots)
+    q_abs, q = kernels.mla_prepare(kv_a, q_nope, q_rope, w_kc, weight, EPS, cos, sin, buffer, slots)
     _assert_matches(q, expected_q, "rotated q_rope")
+    _assert_matches(q_abs, torch.einsum("thd,hdr->thr", q_nope.double(), w_kc.double()).to(dtype), "absorbed q")
     _assert_matches(buffer[slots, :r], expected_buffer[slots, :r], "normed latent in the pool")
     _assert_matches(buffer[slots, r:], expected_buffer[slots, r:], "rotated rope key in the pool")
     others = torch.ones(buffer.shape[0], dtype=torch.bool, device=DEVICE)
@@ -93,7 +96,7 @@ def _check_against_eager(kernels: ModuleType, t: int, h: int, r: int, p: int, dt
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(("r", "p"), [(32, 16), (48, 16)], ids=["R32", "R48"])  # 48: masked tail of the row
 @pytest.mark.parametrize("h", [1, 4])
-@pytest.mark.parametrize("t", [1, 3, 5])
+@pytest.mark.parametrize("t", [1, 3, 9])  # 9: past FUSED_ABSORB_MAX_TOKENS, W_UK's product by the bmm
 def test_equals_the_eager_op(kernels: ModuleType, t: int, h: int, r: int, p: int, dtype: torch.dtype) -> None:
     _check_against_eager(kernels, t, h, r, p, dtype, dtype)
 
@@ -109,18 +112,20 @@ def test_casts_like_the_eager_op(kernels: ModuleType, dtype: torch.dtype, pool_d
 
 
 def test_no_tokens_is_a_no_op(kernels: ModuleType) -> None:
-    kv_a, q_rope, weight, cos, sin, buffer, slots = _inputs(0, 4, 32, 16, torch.float32, torch.float32)
+    kv_a, q_nope, q_rope, w_kc, weight, cos, sin, buffer, slots = _inputs(0, 4, 32, 16, torch.float32, torch.float32)
     before = buffer.clone()
-    q = kernels.mla_norm_rope_cache(kv_a, q_rope, weight, EPS, cos, sin, buffer, slots)
-    assert q.shape == (0, 4, 16) and torch.equal(buffer, before)
+    q_abs, q = kernels.mla_prepare(kv_a, q_nope, q_rope, w_kc, weight, EPS, cos, sin, buffer, slots)
+    assert q_abs.shape == (0, 4, 32) and q.shape == (0, 4, 16) and torch.equal(buffer, before)
 
 
 def test_an_fp8_pool_takes_the_eager_op(kernels: ModuleType) -> None:
-    kv_a, q_rope, weight, cos, sin, buffer, slots = _inputs(3, 4, 32, 16, torch.float32, torch.float8_e4m3fn)
+    kv_a, q_nope, q_rope, w_kc, weight, cos, sin, buffer, slots = _inputs(3, 4, 32, 16, torch.float32,
+                                                                          torch.float8_e4m3fn)
     expected_buffer = buffer.clone()
-    expected_q = small_ops.mla_norm_rope_cache(kv_a, q_rope, weight, EPS, cos, sin, expected_buffer, slots)
-    q = kernels.mla_norm_rope_cache(kv_a, q_rope, weight, EPS, cos, sin, buffer, slots)
-    assert torch.equal(q, expected_q) and torch.equal(buffer.view(torch.uint8), expected_buffer.view(torch.uint8))
+    expected = small_ops.mla_prepare(kv_a, q_nope, q_rope, w_kc, weight, EPS, cos, sin, expected_buffer, slots)
+    q_abs, q = kernels.mla_prepare(kv_a, q_nope, q_rope, w_kc, weight, EPS, cos, sin, buffer, slots)
+    assert torch.equal(q_abs, expected[0]) and torch.equal(q, expected[1])
+    assert torch.equal(buffer.view(torch.uint8), expected_buffer.view(torch.uint8))
 
 
 @pytest.mark.skipif(not ON_GPU, reason="bf16 at DeepSeek's shapes, compiled: needs a GPU")
@@ -132,18 +137,22 @@ def test_bf16_on_the_gpu_at_deepseek_shapes(kernels: ModuleType, t: int, h: int)
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
 def test_captures_in_a_cuda_graph_and_replays_on_new_inputs(kernels: ModuleType) -> None:
-    kv_a, q_rope, weight, cos, sin, buffer, slots = _inputs(8, 16, 512, 64, torch.bfloat16, torch.bfloat16)
-    kernels.mla_norm_rope_cache(kv_a, q_rope, weight, EPS, cos, sin, buffer, slots)  # compiles outside the graph
+    kv_a, q_nope, q_rope, w_kc, weight, cos, sin, buffer, slots = _inputs(8, 16, 512, 64, torch.bfloat16,
+                                                                          torch.bfloat16)
+    kernels.mla_prepare(kv_a, q_nope, q_rope, w_kc, weight, EPS, cos, sin, buffer, slots)  # compiles outside the graph
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        q = kernels.mla_norm_rope_cache(kv_a, q_rope, weight, EPS, cos, sin, buffer, slots)
+        q_abs, q = kernels.mla_prepare(kv_a, q_nope, q_rope, w_kc, weight, EPS, cos, sin, buffer, slots)
     new = _inputs(8, 16, 512, 64, torch.bfloat16, torch.bfloat16, seed=1)
-    for static, fresh in zip((kv_a, q_rope, cos, sin, slots), (new[0], new[1], new[3], new[4], new[6]), strict=True):
+    for static, fresh in zip((kv_a, q_nope, q_rope, cos, sin, slots), (new[0], new[1], new[2], new[5], new[6], new[8]),
+                             strict=True):
         static.copy_(fresh)
     expected_buffer = buffer.clone()
-    expected_q = small_ops.mla_norm_rope_cache(kv_a, q_rope, weight, EPS, cos, sin, expected_buffer, slots)
+    _, expected_q = small_ops.mla_prepare(kv_a, q_nope, q_rope, w_kc, weight, EPS, cos, sin, expected_buffer, slots)
     graph.replay()
     _assert_matches(q, expected_q, "rotated q_rope (replayed)")
+    _assert_matches(q_abs, torch.einsum("thd,hdr->thr", q_nope.double(), w_kc.double()).to(torch.bfloat16),
+                    "absorbed q (replayed)")
     _assert_matches(buffer, expected_buffer, "pool (replayed)")
 
 
@@ -187,8 +196,8 @@ def _counting(function):
 def test_model_decode_with_the_fused_kernel_equals_eager(kernels: ModuleType, tiny_model: DeepseekForCausalLM
                                                          ) -> None:
     eager = _decode_logits(tiny_model)
-    fused = _counting(kernels.mla_norm_rope_cache)
-    tiny_model.use_small_ops(SmallOps(mla_norm_rope_cache=fused))
+    fused = _counting(kernels.mla_prepare)
+    tiny_model.use_small_ops(SmallOps(mla_prepare=fused))
     try:
         logits = _decode_logits(tiny_model)
     finally:
@@ -211,9 +220,9 @@ def test_a_backend_overriding_set_kv_keeps_the_unfused_path(tiny_model: Deepseek
     eager = _decode_logits(tiny_model)
     backends = tiny_model.backends
     default = backends.attention_decode
-    fused = _counting(small_ops.mla_norm_rope_cache)
+    fused = _counting(small_ops.mla_prepare)
     backends.attention_decode = _OwnSetKv(default.spec, default.device)
-    tiny_model.use_small_ops(SmallOps(mla_norm_rope_cache=fused))
+    tiny_model.use_small_ops(SmallOps(mla_prepare=fused))
     try:
         logits = _decode_logits(tiny_model)
     finally:
@@ -228,5 +237,5 @@ def test_fused_kernels_are_selected_on_cuda_only(kernels: ModuleType) -> None:
     compiled = SmallOps.compiled(4)
     assert compiled.with_fused_kernels(torch.device("cpu")) is compiled
     fused = compiled.with_fused_kernels(torch.device("cuda"))  # selects without touching a GPU
-    assert fused.mla_norm_rope_cache.__module__ == "plugserve.core.layers.triton_small_ops"
+    assert fused.mla_prepare.__module__ == "plugserve.core.layers.triton_small_ops"
     assert fused.rms_norm is compiled.rms_norm

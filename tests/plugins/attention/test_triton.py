@@ -180,6 +180,36 @@ def test_mla_launches_against_the_oracle(kernels: ModuleType, dtype: torch.dtype
 
 
 @interpreted
+@interpreted
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_forward_mla_projected_folds_w_uv_into_the_reduce(kernels: ModuleType, dtype: torch.dtype,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """W_UV (V = 24: a masked second column block) in the split reduce, at 1 and 3 splits (1: forward_mla and a bmm);
+    through the backend at 3 and at FUSED_V_PROJ_MAX_TOKENS + 1 tokens (forward_mla and a bmm). Against the oracle's
+    latent output rounded to the dtype, times W_UV in float64."""
+    from plugserve.plugins.attention import triton as triton_backend
+
+    monkeypatch.setattr(kernels, "mla_min_split_keys", lambda num_heads: 1)
+    spec = spec_of(dtype, page_size=16)
+    w_vc = (torch.randn(HEADS, R, V) / R**0.5).to(dtype)
+    for rows in (3, triton_backend.FUSED_V_PROJ_MAX_TOKENS + 1):
+        batch = random_batch(ForwardMode.DECODE, [1, 70, 130, 33, 5, 9, 40, 17, 64][:rows], [1] * rows, spec, CPU)
+        backend, _ = backends(spec, batch)
+        q_nope, q_rope, latent, k_rope = new_tokens(spec, batch)
+        latent_out, _ = oracle.mla(batch, LAYER, q_nope, q_rope, latent, k_rope, oracle.softmax_scale(spec))
+        expected = torch.einsum("thr,hrv->thv", latent_out.to(dtype).double(), w_vc.double())
+        backend.set_kv(LAYER, batch.out_cache_loc, latent, k_rope)
+        out = backend.forward_mla_projected(q_nope, q_rope, LAYER, w_vc)
+        assert out.shape == (rows, HEADS, V) and out.dtype == dtype
+        assert_close(out, expected, dtype, f"forward_mla_projected, {rows} tokens")
+        if rows <= triton_backend.FUSED_V_PROJ_MAX_TOKENS:
+            for splits in (1, 3):
+                out = kernels.mla_attention(q_nope, q_rope, batch.kv_pool.buffer(LAYER), batch.block_table,
+                                            backend._token_req, backend._token_kv_len, 16, spec.softmax_scale,
+                                            kernels.MlaConfig(16, 16, 1, 1), splits, w_vc=w_vc)
+                assert_close(out, expected, dtype, f"mla_attention with W_UV, {splits} KV splits")
+
+
 def test_mla_refuses_what_does_not_fit(kernels: ModuleType) -> None:
     spec = spec_of(torch.float16, page_size=16)
     batch = random_batch(ForwardMode.DECODE, [40, 9], [1, 1], spec, CPU)

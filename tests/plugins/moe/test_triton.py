@@ -295,6 +295,30 @@ def test_dropped_ids_contribute_nothing(kernels, t: int) -> None:
     out = backend.forward(x, backend.prepare(w13, w2), dropped, weights, RSF)
     kept = torch.where((dropped >= 0) & (dropped < SMALL_V3.num_experts), weights, 0.0)
     assert_close(out, fused_experts_reference(x, w13, w2, ids, kept, RSF), torch.float32, "dropped ids")
+    assert not backend._pair_sum_arrived.any()
+
+
+@pytest.mark.parametrize("config", [None, SMALL_TILES], ids=["default", "small_tiles"])
+def test_one_token_sums_its_pairs_in_the_w2_pass(kernels, monkeypatch: pytest.MonkeyPatch, config) -> None:
+    """One token: the w2 pass's last program of each column block adds the pairs (no top-k sum launch), the
+    arrival counts are back at 0 after each call, and too few counts fall back to the sum kernel."""
+    h, i = 256, 192
+    backend = TritonMoE(MoESpec(h, i, torch.float16, None, router=SMALL_V3), DEVICE)
+    w13, w2, _, _ = _experts(16, h, i, torch.float16, False)
+    packed = backend.prepare(w13, w2)
+    config = config or backend.config(1)
+    sums: list[int] = []
+    real_sum = kernels._topk_sum_kernel
+    monkeypatch.setattr(kernels, "_topk_sum_kernel", type("Counted", (), {
+        "__getitem__": lambda self, grid: sums.append(1) or real_sum[grid]})())
+    for seed, arrived in ((0, backend._pair_sum_arrived), (1, backend._pair_sum_arrived), (2, None),
+                          (3, torch.zeros(1, dtype=torch.int32, device=DEVICE))):
+        weights, ids = _routing(1, SMALL_V3, seed)
+        x = torch.randn(1, h, device=DEVICE).to(torch.float16)
+        out = kernels.fused_experts(x, packed.w13, packed.w2, None, None, ids, weights, RSF, config, arrived=arrived)
+        assert_close(out, fused_experts_reference(x, w13, w2, ids, weights, RSF), torch.float16, f"seed {seed}")
+        assert not backend._pair_sum_arrived.any()
+    assert len(sums) == 2  # the calls without enough arrival counts
 
 
 def test_empty_batch(kernels) -> None:
