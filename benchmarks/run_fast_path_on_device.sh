@@ -26,6 +26,8 @@
 #   serving:TAG:ARGS      a server with ARGS + bench_serving (256 prompts 256/128, concurrency 64) -> serving-TAG.*
 #   py:TAG:MODULE,ARGS    python3 -m benchmarks.MODULE ARGS (a sweep, bench or tuner; `{res}` in ARGS is the results
 #                         folder) -> py-TAG.txt
+#   env:NAME:VALUE        export NAME=VALUE (commas for spaces) for the steps after it (an empty VALUE unsets
+#                         NAME), e.g. env:SPEC_FLAGS:--speculative-algorithm,NEXTN,--speculative-eagle-topk,4
 # Each step ends after $STEP_TIMEOUT seconds (300).
 set -uo pipefail
 site=/tmp/site
@@ -39,6 +41,9 @@ for step in "$@"; do
   IFS=: read -r kind tag args <<< "$step"
   args=${args//,/ }
   case $kind in
+    env)
+      if [ -n "$args" ]; then export "$tag=$args"; else unset "$tag"; fi
+      echo "env $tag=${args}" ;;
     setup)
       python3 -m pip install -q --no-index --no-deps --target $site .carry/slim/*.whl 2>&1 | tail -2
       bash .carry/c1/install-on-device.sh > /dev/null
