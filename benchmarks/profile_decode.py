@@ -34,14 +34,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--output", default=None, help="write the report here too")
     parser.add_argument("--trace", default=None, help="write a Chrome trace (json) here")
     parser.add_argument("--host-profile", action="store_true",
-                        help="also time the steps without any profiler, then under cProfile: where the host's "
-                             "time goes (Python, launches, waits), which the kernel table does not show")
+                        help="also time the steps without any profiler, then by phase, then under cProfile: where "
+                             "the host's time goes (Python, launches, waits), which the kernel table does not show")
     namespace = parser.parse_args(argv)
     # A speculative round can give every request up to num_draft_tokens tokens: budget for that many a step.
     per_step = 1
     if namespace.speculative_algorithm:
         per_step = namespace.speculative_num_draft_tokens or (namespace.speculative_num_steps or 1) + 1
-    namespace.output_len = [(namespace.steps * (3 if namespace.host_profile else 1) + 2) * per_step]
+    namespace.output_len = [(namespace.steps * (4 if namespace.host_profile else 1) + 2) * per_step]
     with bench_one_batch.build_runner(namespace, parser) as runner:
         profile_steps(runner, namespace)
 
@@ -93,14 +93,15 @@ def profile_steps(runner: ModelRunner, namespace: argparse.Namespace) -> None:
 
 def _host_profile(scheduler: Scheduler, steps: int) -> list[str]:
     """Wall time per decode step with no profiler (each step synchronized, as bench_one_batch times it),
-    then the same steps under cProfile: host functions by own and by cumulative time. Uses 2 * steps of the
-    requests' output budget."""
+    then the same steps timed by phase (`_time_phases`), then under cProfile: host functions by own and by
+    cumulative time. Uses 3 * steps of the requests' output budget."""
     walls = []
     for _ in range(steps):
         start = time.perf_counter()
         scheduler.step()
         torch.cuda.synchronize()
         walls.append(time.perf_counter() - start)
+    phases = _time_phases(scheduler, steps)
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(steps):
@@ -112,8 +113,62 @@ def _host_profile(scheduler: Scheduler, steps: int) -> list[str]:
     stats.sort_stats("tottime").print_stats(30)
     stats.sort_stats("cumulative").print_stats(45)
     walls_ms = ", ".join(f"{w * 1e3:.2f}" for w in walls)
-    return ["", f"host: wall ms per step without a profiler: {walls_ms}",
+    return ["", f"host: wall ms per step without a profiler: {walls_ms}", *phases,
             f"cProfile over {steps} steps (times are totals, inflated by cProfile itself):", out.getvalue()]
+
+
+def _phase_targets(scheduler: Scheduler) -> list[tuple[object, str]]:
+    """(owner, attribute) of the functions a step's host time is split by: scheduling, the forward's pieces
+    (speculative ones too), the graph replays' input loads and attention plans, processing the outputs."""
+    from plugserve.core import cuda_graph_runner, forward_batch, speculative
+
+    targets: list[tuple[object, str]] = [
+        (Scheduler, "_schedule"), (Scheduler, "_run"), (Scheduler, "_process"),
+        (forward_batch.ForwardBatch, "build"), (cuda_graph_runner.CudaGraphRunner, "replay"),
+        (cuda_graph_runner.GraphInputs, "load"), (cuda_graph_runner.CudaGraphRunner, "_launch"),
+        (speculative.SpeculativeWorker, "_draft"), (speculative.SpeculativeWorker, "_draft_step"),
+        (speculative.SpeculativeWorker, "_verify_chains"), (speculative.SpeculativeWorker, "_draft_extend"),
+        (speculative.SpeculativeWorker, "_logits"), (speculative, "verify_drafts"), (speculative, "_draft_tokens"),
+    ]
+    backends = {type(b.backend) for b in scheduler.runner.decode_buckets}
+    return targets + [(backend, "plan_replay") for backend in backends if "plan_replay" in backend.__dict__]
+
+
+def _time_phases(scheduler: Scheduler, steps: int) -> list[str]:
+    """The same steps again with each of `_phase_targets` timed on the host (inclusive of what it calls and of any
+    wait on the GPU inside it; nothing synchronized but the step's end): calls and milliseconds a step."""
+    totals: dict[str, list[float]] = {}
+    originals = []
+    for owner, name in _phase_targets(scheduler):
+        raw = owner.__dict__[name]
+        function = raw.__func__ if isinstance(raw, classmethod) else raw
+        label = f"{getattr(owner, '__name__', owner)}.{name}".removeprefix("plugserve.core.")
+
+        def timed(*args, _function=function, _label=label, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _function(*args, **kwargs)
+            finally:
+                total = totals.setdefault(_label, [0, 0.0])
+                total[0] += 1
+                total[1] += time.perf_counter() - start
+
+        setattr(owner, name, classmethod(timed) if isinstance(raw, classmethod) else timed)
+        originals.append((owner, name, raw))
+    try:
+        start = time.perf_counter()
+        for _ in range(steps):
+            scheduler.step()
+            torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / steps
+    finally:
+        for owner, name, raw in originals:
+            setattr(owner, name, raw)
+    lines = ["", f"host time by phase ({steps} steps, {wall * 1e3:.3f} ms a step with the timers; inclusive):",
+             f"{'ms/step':>8} {'calls/step':>10}  function"]
+    for label, (calls, seconds) in sorted(totals.items(), key=lambda item: -item[1][1]):
+        lines.append(f"{seconds / steps * 1e3:8.3f} {calls / steps:10.1f}  {label}")
+    return [*lines, ""]
 
 
 if __name__ == "__main__":

@@ -101,6 +101,21 @@ def test_a_backend_declaring_a_method_it_lacks_is_refused():
     assert "declares MHA but does not implement forward_mha" in registry.broken[0].error
 
 
+def test_a_backend_planning_in_graphs_it_never_runs_under_is_refused():
+    from plugserve.core.interfaces import AttentionBackend
+
+    class NoGraphs(AttentionBackend):
+        name = "no_graphs"
+        capabilities = AttentionCapabilities(dtypes=frozenset({torch.float32}), methods=frozenset(
+            {AttnForwardMethod.MLA}), graph_plan_on_device=True)
+
+        def forward_mla(self, q_nope, q_rope, layer_id):
+            return q_nope
+
+    registry = _registry(NoGraphs)
+    assert "declares graph_plan_on_device without graph_modes" in registry.broken[0].error
+
+
 def test_two_backends_with_one_name_is_an_error_naming_both_packages():
     registry = _registry(_backend("same"))
     with pytest.raises(RegistryError, match=r"'test-package'.*'other-package'"):

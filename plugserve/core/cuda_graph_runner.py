@@ -8,7 +8,8 @@ first, every mode's in one memory pool. A batch of b requests replays the graph 
 >= b: its inputs (token ids, and for the NextN layer the hidden states it reads) are copied into static
 buffers (`GraphInputs`), the rows past b are padding (tokens at positions 0.. of a row whose pages are all the
 pool's padding page, so they read and write only that page), the attention backend refreshes its metadata in
-place (`plan_replay`), and the first b requests' rows of the graph's outputs are returned: logits (the lm head
+place (`plan_replay`: on the host before the replay, or recorded in the graph when the backend declares
+`graph_plan_on_device`), and the first b requests' rows of the graph's outputs are returned: logits (the lm head
 is one GEMM whether the batch is padded or not) and, where the round needs them, hidden states. Sampling and
 acceptance run outside, because they depend on per-request parameters.
 
@@ -130,6 +131,7 @@ class _Graph:
     batch: ForwardBatch
     attention: AttentionBackend
     outputs: tuple[torch.Tensor, ...]  # each [batch_size * tokens_per_request, ...], rewritten by every replay
+    plan_in_graph: bool  # the backend's plan_replay was recorded in the graph (`graph_plan_on_device`)
 
 
 # forward(input_ids [N] int64, hidden [N, H] or None, batch, attention) -> outputs, each [N, ...] (e.g. logits
@@ -184,16 +186,25 @@ class CudaGraphRunner:
             n = size * self.tokens_per_request
             hidden = None if self.inputs.hidden is None else self.inputs.hidden[:n]
             attention.plan_capture(batch)
+            plan_in_graph = attention.capabilities.graph_plan_on_device
+
+            def run(ids: torch.Tensor = self.inputs.input_ids[:n], hidden: torch.Tensor | None = hidden,
+                    batch: ForwardBatch = batch, attention: AttentionBackend = attention,
+                    plan_in_graph: bool = plan_in_graph) -> tuple[torch.Tensor, ...]:
+                if plan_in_graph:
+                    attention.plan_replay(batch)
+                return forward(ids, hidden, batch, attention)
+
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    forward(self.inputs.input_ids[:n], hidden, batch, attention)
+                    run()
             torch.cuda.current_stream(device).wait_stream(stream)
             torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool_handle, stream=stream):
-                outputs = forward(self.inputs.input_ids[:n], hidden, batch, attention)
-            self._graphs[size] = _Graph(graph, batch, attention, outputs)
+                outputs = run()
+            self._graphs[size] = _Graph(graph, batch, attention, outputs, plan_in_graph)
             if progress is not None:
                 progress(size)
         torch.cuda.synchronize(device)
@@ -211,6 +222,7 @@ class CudaGraphRunner:
     def _launch(self, size: int, static: ForwardBatch) -> tuple[torch.Tensor, ...]:
         """Replay the graph of `size` on the loaded static batch; its full output buffers."""
         entry = self._graphs[size]
-        entry.attention.plan_replay(static)
+        if not entry.plan_in_graph:
+            entry.attention.plan_replay(static)
         entry.graph.replay()
         return entry.outputs

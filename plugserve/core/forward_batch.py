@@ -133,9 +133,16 @@ class ForwardBatch:
             cu.append(cu[-1] + n)
         lens = to_device(torch.tensor(seq_lens_cpu + extend_lens_cpu + cu, dtype=torch.int32), device)
         seq_lens, extend_lens, cu_extend_lens = lens[:batch], lens[batch : 2 * batch], lens[2 * batch :]
+        per_request = extend_lens_cpu[0] if batch else 0
         if num_tokens == batch and all(n == 1 for n in extend_lens_cpu):  # decode: one token per request
             request_of_token = torch.arange(batch, device=device)
             positions = seq_lens.to(torch.int64) - 1
+        elif per_request and num_tokens == batch * per_request and all(n == per_request for n in extend_lens_cpu):
+            # Chains of one length (a speculative round's verify and draft extend): no repeat_interleave, whose
+            # kernels (a scan among them) a decode-sized round pays on the host for.
+            offsets = torch.arange(per_request, device=device)
+            request_of_token = torch.arange(batch, device=device)[:, None].expand(batch, per_request).reshape(-1)
+            positions = ((seq_lens.to(torch.int64) - per_request)[:, None] + offsets).view(-1)
         else:
             request_of_token = torch.repeat_interleave(  # output_size: no read-back of the lengths
                 torch.arange(batch, device=device), extend_lens, output_size=num_tokens)
@@ -165,6 +172,29 @@ class ForwardBatch:
         prefix = (self.seq_lens - self.extend_lens).to(torch.int64)
         positions = (prefix[:, None] + tree.depths).view(-1)
         return dataclasses.replace(self, positions=positions, tree=tree)
+
+    def token_as_decode(self, j: int) -> ForwardBatch:
+        """New token j of every request, as a DECODE batch seeing its request's prefix and new tokens 0 .. j: what
+        `build` gives for seq_lens prefix + j + 1, from this batch's device tensors (views and a few small kernels,
+        no upload, no slot lookup). Every request must have more than j new tokens laid out as a chain, as in a
+        TARGET_VERIFY batch of chains (a speculative round's draft steps sit at its positions)."""
+        if self.tree is not None or any(e <= j for e in self.extend_lens_cpu) or j < 0:
+            raise ValueError(f"token {j} of a batch of chains of {self.extend_lens_cpu} new tokens")
+        b, device = self.batch_size, self.seq_lens.device
+        first = self.cu_extend_lens[:-1].to(torch.int64) + j  # row of token j of each request
+        seq_lens = (self.seq_lens - self.extend_lens + (j + 1)).to(torch.int32)
+        return ForwardBatch(
+            mode=ForwardMode.DECODE,
+            seq_lens_cpu=[s - e + j + 1 for s, e in zip(self.seq_lens_cpu, self.extend_lens_cpu, strict=True)],
+            extend_lens_cpu=[1] * b,
+            seq_lens=seq_lens,
+            extend_lens=torch.ones(b, dtype=torch.int32, device=device),
+            cu_extend_lens=torch.arange(b + 1, dtype=torch.int32, device=device),
+            positions=self.positions[first],
+            block_table=self.block_table,
+            out_cache_loc=self.out_cache_loc[first],
+            kv_pool=self.kv_pool,
+        )
 
     @property
     def batch_size(self) -> int:

@@ -115,7 +115,9 @@ class AttentionCapabilities(Capabilities):
     KV pool's page size when the backend decodes. `graph_modes`: the modes whose forward_mla (and
     set_kv) run inside CUDA graphs, with `init_cuda_graph` / `plan_capture` / `plan_replay`. `tree_verify`:
     forward_mla applies a TARGET_VERIFY batch's draft-tree mask (`ForwardBatch.tree`); speculative decoding
-    with topk > 1 needs it."""
+    with topk > 1 needs it. `graph_plan_on_device`: its `plan_replay` only runs device ops on the batch's static
+    tensors (and host values fixed per mode and batch size), so the graph runner records it into the graph after
+    the capture's plan and a replay needs no host call to it."""
 
     methods: frozenset[AttnForwardMethod] = frozenset(AttnForwardMethod)
     mla_modes: frozenset[ForwardMode] = frozenset(
@@ -128,6 +130,7 @@ class AttentionCapabilities(Capabilities):
     kv_cache_dtypes: frozenset[torch.dtype] | None = None  # None: the activation dtype only
     graph_modes: frozenset[ForwardMode] = frozenset()
     tree_verify: bool = False
+    graph_plan_on_device: bool = False
 
     def phases(self) -> frozenset[Phase]:
         phases = set()
@@ -398,6 +401,8 @@ class AttentionBackend(Backend):
                             f"{' / '.join(graph_methods)}")
         if not cls.capabilities.graph_modes <= cls.capabilities.mla_modes:
             raise TypeError(f"{cls.__qualname__} declares graph_modes outside its mla_modes")
+        if cls.capabilities.graph_plan_on_device and not cls.capabilities.graph_modes:
+            raise TypeError(f"{cls.__qualname__} declares graph_plan_on_device without graph_modes")
 
     def plan(self, batch: ForwardBatch) -> None:
         """Build what every layer of this forward shares (index arrays, kernel plans). Overrides call
@@ -423,7 +428,8 @@ class AttentionBackend(Backend):
     def plan_replay(self, batch: ForwardBatch) -> None:
         """Before each replay of the graph captured for `batch.batch_size` requests in `batch.mode`: the
         static buffers hold this batch now, its host-side lengths are in seq_lens_cpu / extend_lens_cpu.
-        Refresh the fixed buffers in place, with no device-to-host sync."""
+        Refresh the fixed buffers in place, with no device-to-host sync. Under `capabilities.graph_plan_on_device`
+        it is called once inside the capture instead, and its device ops replay with the graph."""
         raise NotImplementedError(f"{self.name} does not run under CUDA graphs")
 
     def set_kv(self, layer_id: int, slots: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor) -> None:

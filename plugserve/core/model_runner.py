@@ -102,13 +102,15 @@ class _Header(NamedTuple):
 class GraphPlan:
     """A forward captured in CUDA graphs: its mode and new tokens per request, and whether it is the NextN
     layer's (which reads hidden states [N, H] beside the token ids). Its outputs: logits [N, vocab] float32 when
-    `logits`, then the final hidden states [N, H] in the model dtype when `hidden`."""
+    `logits`, then each row's greedy token [N] int64 (the logits' argmax over the sampled vocabulary) when
+    `greedy`, then the final hidden states [N, H] in the model dtype when `hidden`."""
 
     mode: ForwardMode
     tokens_per_request: int
     nextn: bool
     logits: bool
     hidden: bool
+    greedy: bool = False
 
     @property
     def label(self) -> str:
@@ -473,13 +475,14 @@ class ModelRunner:
         """The forwards the server runs with a fixed number of new tokens per request: the target's DECODE, or with
         speculative decoding its TARGET_VERIFY (logits to verify, hidden states for the draft extend), the
         NextN layer's draft DECODE steps (logits to draft from, hidden states for the next step) and its
-        DRAFT_EXTEND padded to num_draft_tokens (hidden states: h'). Draft trees verify and draft in tree form,
+        DRAFT_EXTEND padded to num_draft_tokens (hidden states: h', and the greedy tokens: the next round's first
+        greedy draft). Draft trees verify and draft in tree form,
         eagerly (`graph_status` says so), and share DRAFT_EXTEND with chains."""
         spec = self.args.speculative
         if spec is None:
             return [GraphPlan(ForwardMode.DECODE, 1, nextn=False, logits=True, hidden=False)]
         n = spec.num_draft_tokens
-        extend = GraphPlan(ForwardMode.DRAFT_EXTEND, n, nextn=True, logits=False, hidden=True)
+        extend = GraphPlan(ForwardMode.DRAFT_EXTEND, n, nextn=True, logits=False, hidden=True, greedy=True)
         if spec.topk > 1:
             return [extend]
         return [GraphPlan(ForwardMode.TARGET_VERIFY, n, nextn=False, logits=True, hidden=True),
@@ -487,13 +490,16 @@ class ModelRunner:
 
     def _graph_forward(self, plan: GraphPlan) -> GraphForward:
         """What the graph of `plan` captures (see GraphPlan for its outputs)."""
-        model = self.model
+        model, sample_vocab = self.model, self.sample_vocab
 
         def forward(input_ids: torch.Tensor, hidden: torch.Tensor | None, batch: ForwardBatch,
                     attention: AttentionBackend) -> tuple[torch.Tensor, ...]:
             out = (model.forward_nextn(input_ids, hidden, batch, attention) if plan.nextn  # type: ignore[arg-type]
                    else model(input_ids, batch, attention))
-            return (*((model.compute_logits(out),) if plan.logits else ()), *((out,) if plan.hidden else ()))
+            logits = model.compute_logits(out) if plan.logits or plan.greedy else None
+            return (*((logits,) if plan.logits else ()),
+                    *((logits[:, :sample_vocab].argmax(dim=-1),) if plan.greedy else ()),  # type: ignore[index]
+                    *((out,) if plan.hidden else ()))
 
         return forward
 

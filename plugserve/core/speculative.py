@@ -6,7 +6,8 @@ speculation), and so does the NextN layer's (position i read x_{i+1} and the tar
 at i, as the checkpoints' MTP layer was trained); `SpeculativeWorker.hidden` keeps the NextN layer's output h' at
 L - 2, which predicts x_L. One round of k steps:
 
-  draft         d_1 from the logits of h'; then k - 1 DECODE forwards of the NextN layer, step j at position
+  draft         d_1 from the logits of h' (a greedy request's: their argmax, kept where h' was computed, in
+                `first_draft`); then k - 1 DECODE forwards of the NextN layer, step j at position
                 L - 3 + j reading d_{j-1} and its own previous output (the NextN output at position i stands for
                 the target's hidden state at i + 1, as both predict token i + 2) -> d_j.
   verify        one TARGET_VERIFY forward of x_{L-1}, d_1 .. d_k at positions L - 1 .. L - 1 + k.
@@ -92,6 +93,9 @@ class SpeculativeWorker:
         # h' [rows, hidden] in the model dtype: one row per block-table row, i.e. per request holding KV.
         self.hidden = torch.zeros(runner.block_table.num_rows, runner.config.hidden_size, dtype=runner.dtype,
                                   device=runner.device)
+        # The greedy token of h' [rows] int64 (argmax of its logits): a greedy request's first draft of the next
+        # round, computed where h' is (in the DRAFT_EXTEND graph), so that the round needs no lm head before it.
+        self.first_draft = torch.zeros(runner.block_table.num_rows, dtype=torch.int64, device=runner.device)
         # Since start: requests verified (one per request and round), and the tokens those rounds produced.
         self.verify_steps = self.accepted_tokens = 0
 
@@ -112,8 +116,10 @@ class SpeculativeWorker:
         hidden, attention = self._target(input_ids, batch)
         sampled = sample(self._logits(hidden[sample_rows]))
         next_ids = next_ids.index_copy(0, sample_rows, sampled.token_ids)
-        drafted = self.model.forward_nextn(next_ids, hidden, batch, attention)
-        self.hidden[self._rows(table_rows)] = drafted[sample_rows]
+        drafted = self.model.forward_nextn(next_ids, hidden, batch, attention)[sample_rows]
+        rows = self._rows(table_rows)
+        self.hidden[rows] = drafted
+        self.first_draft[rows] = self._logits(drafted).argmax(dim=-1)
         return sampled
 
     @torch.inference_mode()
@@ -225,11 +231,11 @@ class SpeculativeWorker:
         probs: list[torch.Tensor] = []
         for step in range(k):
             if step:
-                # Step j = step + 1 sits at position L - 3 + j of a request whose verify ends at L - 1 + k.
-                seq_lens = [s - k - 1 + step for s in verify.seq_lens_cpu]
-                batch = ForwardBatch.build(ForwardMode.DECODE, seq_lens, [1] * len(seq_lens), verify.block_table,
-                                           verify.kv_pool)
-                hidden, logits = self._draft_step(tokens[-1], hidden, batch)
+                # Step j = step + 1 sits at position L - 3 + j, the verify's token j - 2 (it starts at L - 1).
+                hidden, logits = self._draft_step(tokens[-1], hidden, verify.token_as_decode(step - 1))
+            elif all(p.is_greedy for p in params):
+                tokens.append(self.first_draft[rows])
+                continue
             else:
                 logits = self._logits(hidden)
             token, q = _draft_tokens(logits, params, generators, default_generator)
@@ -246,8 +252,17 @@ class SpeculativeWorker:
         b, n = verify.batch_size, self.num_draft_tokens
         assert out.accept_lens is not None
         batch = dataclasses.replace(verify, mode=ForwardMode.DRAFT_EXTEND)
-        drafted = self._nextn(out.token_ids.view(-1), hidden, batch)
-        self.hidden[rows] = drafted.view(b, n, -1)[torch.arange(b, device=drafted.device), out.accept_lens]
+        # Row of each request's h': its last accepted token's.
+        last = torch.arange(0, b * n, n, device=hidden.device) + out.accept_lens
+        graph = _graph(self.runner.nextn_graphs, batch)
+        if graph is not None:
+            greedy, drafted = graph.replay(out.token_ids.view(-1), batch, hidden)
+            self.hidden[rows] = drafted[last]
+            self.first_draft[rows] = greedy[last]
+        else:
+            drafted = self._nextn(out.token_ids.view(-1), hidden, batch)[last]
+            self.hidden[rows] = drafted
+            self.first_draft[rows] = self._logits(drafted).argmax(dim=-1)
         self.verify_steps += b
         self.accepted_tokens += b + int(out.accept_lens.sum())  # after the launch: this waits for the round
 
@@ -341,27 +356,28 @@ def verify_drafts(logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch
                                  ).view(b, n, vocab)
     target = logits.argmax(dim=-1)  # [B, k + 1]
     accept_lens = (drafts == target[:, :k]).long().cumprod(dim=1).sum(dim=1)
-    bonus = target.gather(1, accept_lens[:, None]).squeeze(1)
     rows = [i for i, p in enumerate(params) if not p.is_greedy]
-    if rows:
-        assert draft_probs is not None, "sampled requests need the distributions their drafts were drawn from"
-        index = to_device(torch.tensor(rows), device)
-        picked = [params[i] for i in rows]
-        row_generators = [generators[i] for i in rows]
-        p = filtered_probs(logits[index].reshape(-1, vocab), [x for x in picked for _ in range(n)]).view(-1, n, vocab)
-        p = p / p.sum(dim=-1, keepdim=True)
-        q = torch.cat([draft_probs[index], torch.zeros_like(p[:, :1])], dim=1)  # no draft after d_k: [R, k + 1, V]
-        d = drafts[index][:, :, None]
-        u = row_noise((len(rows), k), row_generators, default_generator, device, exponential=False)
-        accepted = u * q[:, :k].gather(2, d).squeeze(2) < p[:, :k].gather(2, d).squeeze(2)
-        lens = accepted.long().cumprod(dim=1).sum(dim=1)
-        at = lens[:, None, None].expand(-1, 1, vocab)
-        p_at, q_at = p.gather(1, at).squeeze(1), q.gather(1, at).squeeze(1)
-        residual = (p_at - q_at).clamp_min(0)
-        # All zero only when p <= q everywhere, i.e. p = q, where nothing is rejected: rounding's corner.
-        residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p_at)
-        accept_lens = accept_lens.index_copy(0, index, lens)
-        bonus = bonus.index_copy(0, index, draw(residual, row_generators, default_generator))
+    if not rows:  # the accepted drafts are the target's argmax, and so is the token after them
+        return _with_logprobs(logits, target, accept_lens, params)
+    bonus = target.gather(1, accept_lens[:, None]).squeeze(1)
+    assert draft_probs is not None, "sampled requests need the distributions their drafts were drawn from"
+    index = to_device(torch.tensor(rows), device)
+    picked = [params[i] for i in rows]
+    row_generators = [generators[i] for i in rows]
+    p = filtered_probs(logits[index].reshape(-1, vocab), [x for x in picked for _ in range(n)]).view(-1, n, vocab)
+    p = p / p.sum(dim=-1, keepdim=True)
+    q = torch.cat([draft_probs[index], torch.zeros_like(p[:, :1])], dim=1)  # no draft after d_k: [R, k + 1, V]
+    d = drafts[index][:, :, None]
+    u = row_noise((len(rows), k), row_generators, default_generator, device, exponential=False)
+    accepted = u * q[:, :k].gather(2, d).squeeze(2) < p[:, :k].gather(2, d).squeeze(2)
+    lens = accepted.long().cumprod(dim=1).sum(dim=1)
+    at = lens[:, None, None].expand(-1, 1, vocab)
+    p_at, q_at = p.gather(1, at).squeeze(1), q.gather(1, at).squeeze(1)
+    residual = (p_at - q_at).clamp_min(0)
+    # All zero only when p <= q everywhere, i.e. p = q, where nothing is rejected: rounding's corner.
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p_at)
+    accept_lens = accept_lens.index_copy(0, index, lens)
+    bonus = bonus.index_copy(0, index, draw(residual, row_generators, default_generator))
     tokens = torch.cat([drafts, bonus[:, None]], dim=1).scatter(1, accept_lens[:, None], bonus[:, None])
     return _with_logprobs(logits, tokens, accept_lens, params)
 

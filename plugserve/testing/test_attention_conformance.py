@@ -105,7 +105,8 @@ def test_forward_mla_in_cuda_graph(attention_target: Target, graph_case: GraphCa
     """Capture set_kv + forward_mla once, then replay on batches of other sizes (padded), lengths and
     pages: every replay must match the oracle on the real rows, with the new KV in the right slots.
     Without a GPU there is no graph: the same plan_capture / plan_replay sequence runs eagerly, which
-    still checks that plan_replay refreshes everything forward_mla reads."""
+    still checks that plan_replay refreshes everything forward_mla reads. A backend declaring
+    graph_plan_on_device has plan_replay captured inside the graph (as the runner does) and not called again."""
     caps = attention_target.cls.capabilities
     if graph_case.mode not in caps.graph_modes:  # type: ignore[attr-defined]
         pytest.skip(f"{attention_target.entry.name} does not declare {graph_case.mode.name} in graph_modes")
@@ -135,6 +136,8 @@ def test_forward_mla_in_cuda_graph(attention_target: Target, graph_case: GraphCa
         rows = size * n
 
         def run(static: ForwardBatch = static, rows: int = rows) -> torch.Tensor:
+            if caps.graph_plan_on_device:  # type: ignore[attr-defined]
+                backend.plan_replay(static)
             backend.set_kv(LAYER, static.out_cache_loc, latent[:rows], k_rope[:rows])
             return backend.forward_mla(q_nope[:rows], q_rope[:rows], LAYER)
 
@@ -162,7 +165,9 @@ def test_forward_mla_in_cuda_graph(attention_target: Target, graph_case: GraphCa
             t.copy_(torch.randn_like(t))
         t = real.num_tokens
         expected, _ = oracle.mla(real, LAYER, q_nope[:t], q_rope[:t], latent[:t], k_rope[:t], scale)
-        backend.plan_replay(inputs.load(torch.zeros(real.num_tokens, dtype=torch.int64, device=device), real, size))
+        loaded = inputs.load(torch.zeros(real.num_tokens, dtype=torch.int64, device=device), real, size)
+        if not caps.graph_plan_on_device:  # type: ignore[attr-defined]
+            backend.plan_replay(loaded)
         graph, run = graphs[size]
         if graph is not None:
             graph.replay()

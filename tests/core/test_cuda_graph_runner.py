@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from plugserve.core.cuda_graph_runner import GraphInputs, capture_sizes, padded_size
+from plugserve.core.cuda_graph_runner import CudaGraphRunner, GraphInputs, _Graph, capture_sizes, padded_size
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode
 from plugserve.core.kv_cache import MLAKVPool
 from plugserve.core.model_runner import ModelRunner
@@ -80,6 +80,31 @@ def test_load_refuses_what_no_graph_holds():
         inputs.load(torch.tensor([1]), _real_batch(pool, [12], [[0, 1, 2]]), batch_size=2)
     with pytest.raises(ValueError, match="new tokens per request"):
         inputs.load(torch.tensor([1, 2]), _real_batch(pool, [4], [[0]], ForwardMode.EXTEND, per_request=2), 2)
+
+
+class _Recorder:
+    """Stands in for a graph (replay) and its attention backend (plan_replay), counting the calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def replay(self) -> None:
+        self.calls.append("replay")
+
+    def plan_replay(self, batch: ForwardBatch) -> None:
+        self.calls.append(f"plan {batch.seq_lens_cpu}")
+
+
+@pytest.mark.parametrize(("plan_in_graph", "expected"), [(False, ["plan [3, 1]", "replay"]), (True, ["replay"])])
+def test_a_replay_plans_on_the_host_unless_the_plan_was_captured(plan_in_graph: bool, expected: list[str]):
+    pool = _pool()
+    recorder = _Recorder()
+    graphs = CudaGraphRunner(ForwardMode.DECODE, [2], 1, 3, pool, 8, lambda size: recorder)  # type: ignore[arg-type]
+    output = torch.arange(2.0)
+    graphs._graphs[2] = _Graph(recorder, graphs.inputs.batch(ForwardMode.DECODE, 2), recorder,  # type: ignore[arg-type]
+                               (output,), plan_in_graph)
+    (out,) = graphs.replay(torch.tensor([4]), _real_batch(pool, [3], [[5]]))
+    assert recorder.calls == expected and out.tolist() == [0.0]
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,36 @@ def test_build_rejects_inconsistent_lengths(mode, seq, new, message):
         ForwardBatch.build(mode, seq, new, torch.zeros(len(seq), 2, dtype=torch.int32), _pool())
 
 
+def test_build_of_equal_chains_lays_out_every_requests_tokens():
+    block_table = torch.tensor([[5, 2, 0], [7, 1, 0], [3, 4, 6]], dtype=torch.int32)
+    verify = ForwardBatch.build(ForwardMode.TARGET_VERIFY, [6, 4, 12], [4, 4, 4], block_table, _pool())
+    assert verify.positions.tolist() == [2, 3, 4, 5, 0, 1, 2, 3, 8, 9, 10, 11]
+    assert verify.out_cache_loc.tolist() == [22, 23, 8, 9, 28, 29, 30, 31, 24, 25, 26, 27]
+    assert verify.positions.dtype == verify.out_cache_loc.dtype == torch.int64
+
+
+@pytest.mark.parametrize("j", [0, 1, 3])
+def test_a_chains_token_as_decode_is_what_build_gives(j: int):
+    block_table = torch.tensor([[5, 2, 0], [7, 1, 0], [3, 4, 6]], dtype=torch.int32)
+    verify = ForwardBatch.build(ForwardMode.TARGET_VERIFY, [6, 4, 12], [4, 4, 4], block_table, _pool())
+    decode = verify.token_as_decode(j)
+    expected = ForwardBatch.build(ForwardMode.DECODE, [2 + j + 1, 0 + j + 1, 8 + j + 1], [1, 1, 1], block_table,
+                                  _pool())
+    assert decode.mode is ForwardMode.DECODE and decode.block_table is block_table
+    assert decode.seq_lens_cpu == expected.seq_lens_cpu and decode.extend_lens_cpu == [1, 1, 1]
+    for name in ("seq_lens", "extend_lens", "cu_extend_lens", "positions", "out_cache_loc"):
+        got, want = getattr(decode, name), getattr(expected, name)
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+
+
+@pytest.mark.parametrize("j", [-1, 4])
+def test_token_as_decode_refuses_tokens_the_chains_lack(j: int):
+    verify = ForwardBatch.build(ForwardMode.TARGET_VERIFY, [6], [4], torch.tensor([[5, 2]], dtype=torch.int32),
+                                _pool())
+    with pytest.raises(ValueError, match="batch of chains"):
+        verify.token_as_decode(j)
+
+
 def test_modes_map_to_the_phase_whose_backend_runs_them():
     assert ForwardMode.EXTEND.phase is Phase.PREFILL
     assert {m.phase for m in ForwardMode if m is not ForwardMode.EXTEND} == {Phase.DECODE}

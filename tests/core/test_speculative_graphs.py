@@ -191,9 +191,11 @@ def test_padded_draft_extend_gives_the_accepted_tokens_the_unpadded_outputs(chec
     padded_batch = ForwardBatch.build(ForwardMode.DRAFT_EXTEND, [p + n for p in prefix], [n] * b, table, runner.pool)
     padded = nextn(ids, hidden, padded_batch)
     torch.testing.assert_close(padded[rows], unpadded)
-    (replayed,) = worker_nextn.replay(ids, padded_batch, hidden)
+    greedy, replayed = worker_nextn.replay(ids, padded_batch, hidden)
     assert worker_nextn.replays == [4]  # type: ignore[attr-defined]
     torch.testing.assert_close(replayed[rows], unpadded)
+    # The next round's first greedy drafts, from the same graph.
+    assert torch.equal(greedy[rows], runner.model.compute_logits(unpadded)[:, : runner.sample_vocab].argmax(-1))
     for pages in rows_pages:
         runner.allocator.free(pages)
 

@@ -61,6 +61,7 @@ class TritonAttention(AttentionBackend):
         min_capability=(8, 0),  # bf16 tl.dot needs Ampere or newer
         graph_modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND}),
         tree_verify=True,  # up to MAX_TREE_NODES nodes a request, masked per token by a 64-bit set
+        graph_plan_on_device=True,  # plan_replay: token_req / token_kv_len from the static extend_lens / positions
     )
     priority: ClassVar[dict[str, int]] = {"cuda": 50, "cpu": -1}  # on the CPU (interpreter) the reference wins
 
