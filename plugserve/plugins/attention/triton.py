@@ -177,14 +177,7 @@ class TritonAttention(AttentionBackend):
 
     def forward_mla(self, q_nope: torch.Tensor, q_rope: torch.Tensor, layer_id: int) -> torch.Tensor:
         """q_nope [T, H, R], q_rope [T, H, P] of the pool's dtype -> [T, H, R] in that dtype."""
-        batch = self.batch
-        pool = batch.kv_pool
-        self.check_mla_inputs(q_nope, q_rope)
-        return self._kernels.mla_attention(
-            q_nope, q_rope, pool.buffer(layer_id), batch.block_table, self._token_req, self._token_kv_len,
-            pool.page_size, self.spec.softmax_scale, self._mla_config, self._num_splits, self._workspace,
-            self._tree,
-        )
+        return self._mla(q_nope, q_rope, layer_id, None)
 
     def forward_mla_projected(self, q_nope: torch.Tensor, q_rope: torch.Tensor, layer_id: int, w_vc: torch.Tensor
                               ) -> torch.Tensor:
@@ -192,6 +185,11 @@ class TritonAttention(AttentionBackend):
         reduce multiplies by W_UV itself, where forward_mla and a bmm take two launches."""
         if q_nope.shape[0] > FUSED_V_PROJ_MAX_TOKENS:
             return super().forward_mla_projected(q_nope, q_rope, layer_id, w_vc)
+        return self._mla(q_nope, q_rope, layer_id, w_vc)
+
+    def _mla(self, q_nope: torch.Tensor, q_rope: torch.Tensor, layer_id: int, w_vc: torch.Tensor | None
+             ) -> torch.Tensor:
+        """`triton_kernels.mla_attention` over the planned batch (with W_UV [H, R, v] folded in when given)."""
         batch = self.batch
         pool = batch.kv_pool
         self.check_mla_inputs(q_nope, q_rope)
