@@ -116,10 +116,7 @@ class SpeculativeWorker:
         hidden, attention = self._target(input_ids, batch)
         sampled = sample(self._logits(hidden[sample_rows]))
         next_ids = next_ids.index_copy(0, sample_rows, sampled.token_ids)
-        drafted = self.model.forward_nextn(next_ids, hidden, batch, attention)[sample_rows]
-        rows = self._rows(table_rows)
-        self.hidden[rows] = drafted
-        self.first_draft[rows] = self._logits(drafted).argmax(dim=-1)
+        self._keep(self._rows(table_rows), self.model.forward_nextn(next_ids, hidden, batch, attention)[sample_rows])
         return sampled
 
     @torch.inference_mode()
@@ -257,14 +254,17 @@ class SpeculativeWorker:
         graph = _graph(self.runner.nextn_graphs, batch)
         if graph is not None:
             greedy, drafted = graph.replay(out.token_ids.view(-1), batch, hidden)
-            self.hidden[rows] = drafted[last]
-            self.first_draft[rows] = greedy[last]
+            self._keep(rows, drafted[last], greedy[last])
         else:
-            drafted = self._nextn(out.token_ids.view(-1), hidden, batch)[last]
-            self.hidden[rows] = drafted
-            self.first_draft[rows] = self._logits(drafted).argmax(dim=-1)
+            self._keep(rows, self._nextn(out.token_ids.view(-1), hidden, batch)[last])
         self.verify_steps += b
         self.accepted_tokens += b + int(out.accept_lens.sum())  # after the launch: this waits for the round
+
+    def _keep(self, rows: torch.Tensor, drafted: torch.Tensor, greedy: torch.Tensor | None = None) -> None:
+        """h' [B, H] of the requests at block-table rows [B] int64, and its greedy token [B] int64 (the argmax of its
+        logits, computed here unless given)."""
+        self.hidden[rows] = drafted
+        self.first_draft[rows] = self._logits(drafted).argmax(dim=-1) if greedy is None else greedy
 
     def _target(self, input_ids: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, AttentionBackend]:
         """The target's final hidden states [T, hidden] (normed, what the NextN layer reads), and the backend
