@@ -27,7 +27,14 @@ from pathlib import Path
 import torch
 
 from plugserve.core.layers.quant import ceil_div, quantize_block_fp8
-from plugserve.plugins.gemm.triton import CONFIG_DIR, CONFIG_KEYS, Config, config_file_name, default_config
+from plugserve.plugins.gemm.triton import (
+    CONFIG_DIR,
+    CONFIG_KEYS,
+    LAUNCH_FLAGS,
+    Config,
+    config_file_name,
+    default_config,
+)
 
 BLOCK_SHAPE = (128, 128)
 # DeepSeek-V3's block-FP8 linear layers on one GPU (no tensor parallelism): (N, K) of the weight.
@@ -43,7 +50,7 @@ V3_SHAPES: dict[tuple[int, int], str] = {
 }
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 # Values per config key; BLOCK_SIZE_K is always the scale group, 128. SPLIT_K > 1 is tried only where the
-# output tiles are fewer than the SMs (see `candidates`).
+# output tiles are fewer than the SMs (see `candidates`); a space without a launch flag leaves it off.
 FULL_SPACE: dict[str, tuple[int, ...]] = {
     "BLOCK_SIZE_M": (16, 32, 64, 128),
     "BLOCK_SIZE_N": (32, 64, 128, 256),
@@ -51,6 +58,7 @@ FULL_SPACE: dict[str, tuple[int, ...]] = {
     "num_warps": (4, 8),
     "num_stages": (2, 3, 4, 5),
     "SPLIT_K": (1, 2, 3, 4, 6, 8, 12, 16),
+    "TMA": (0, 1),
 }
 QUICK_SPACE: dict[str, tuple[int, ...]] = {
     "BLOCK_SIZE_M": (16, 32, 64, 128),
@@ -59,6 +67,18 @@ QUICK_SPACE: dict[str, tuple[int, ...]] = {
     "num_warps": (4, 8),
     "num_stages": (3, 4),
     "SPLIT_K": (1, 2, 4, 8, 16),
+}
+# The quick search from PREFILL_M rows on: the large tiles, with and without TMA. (Triton 3.6's warp specialization
+# on Hopper fails to compile this kernel's K loop: PassManager errors, or an assertion that aborts the process.)
+PREFILL_M = 512
+QUICK_PREFILL_SPACE: dict[str, tuple[int, ...]] = {
+    "BLOCK_SIZE_M": (64, 128),
+    "BLOCK_SIZE_N": (64, 128, 256),
+    "GROUP_SIZE_M": (8,),
+    "num_warps": (4, 8),
+    "num_stages": (3, 4),
+    "SPLIT_K": (1,),
+    "TMA": (0, 1),
 }
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -74,14 +94,15 @@ def candidates(m: int, space: dict[str, tuple[int, ...]], smem_bytes: int, n: in
     k_blocks = ceil_div(k, block_k)
     configs = []
     grid = itertools.product(space["BLOCK_SIZE_M"], space["BLOCK_SIZE_N"], space["GROUP_SIZE_M"],
-                             space["num_warps"], space["num_stages"], space["SPLIT_K"])
-    for bm, bn, group, warps, stages, split_k in grid:
+                             space["num_warps"], space["num_stages"], space["SPLIT_K"],
+                             *(space.get(flag, (0,)) for flag in LAUNCH_FLAGS))
+    for bm, bn, group, warps, stages, split_k, *flags in grid:
         if bm > tallest or (group > 1 and ceil_div(m, bm) == 1) or stages * (bm + bn) * block_k > smem_bytes:
             continue
         if split_k > 1 and (ceil_div(m, bm) * ceil_div(n, bn) >= num_sms or 2 * split_k > k_blocks):
             continue
         configs.append({**dict(zip(CONFIG_KEYS, (bm, bn, block_k, group, warps, stages), strict=True)),
-                        "SPLIT_K": split_k})
+                        "SPLIT_K": split_k, **{flag: 1 for flag, on in zip(LAUNCH_FLAGS, flags, strict=True) if on}})
     return configs
 
 
@@ -132,7 +153,8 @@ def tune_shape(
         a_q, a_s = x_q[:m], x_s[:m]  # the first m rows; column-major scales, as the backend passes them
         timings: list[tuple[float, Config]] = []
         skipped = 0
-        for config in candidates(m, space, smem, n, k, num_sms):
+        m_space = QUICK_PREFILL_SPACE if space is QUICK_SPACE and m >= PREFILL_M else space
+        for config in candidates(m, m_space, smem, n, k, num_sms):
             run = functools.partial(triton_kernels.w8a8_block_fp8_matmul, a_q, a_s, w_q, w_s, BLOCK_SHAPE, dtype,
                                     config)
             try:
@@ -164,7 +186,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="weight shapes to tune, N,K or NxK (default: DeepSeek-V3's, see V3_SHAPES)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=list(BATCH_SIZES), metavar="M")
     parser.add_argument("--quick", action="store_true",
-                        help="a reduced space (BLOCK_SIZE_N 64/128, GROUP_SIZE_M 1/8, 3-4 stages) and shorter timing")
+                        help="a reduced space (BLOCK_SIZE_N 64/128, GROUP_SIZE_M 1/8, 3-4 stages; from M 512 on, "
+                             "the large tiles with and without TMA) and shorter timing")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="activation and output dtype")
     parser.add_argument("--update", action="store_true",
                         help="merge into existing files: their entries for other batch sizes are kept")

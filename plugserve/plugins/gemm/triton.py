@@ -40,8 +40,9 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 CONFIG_DIR_ENV = "PLUGSERVE_GEMM_CONFIG_DIR"
 CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
 # A launch config: CONFIG_KEYS and SPLIT_K (K cut over that many programs per output tile; 1 when a file
-# omits it) -> int.
+# omits it) -> int, and where set, the kernel's LAUNCH_FLAGS (0 or 1; 0 when absent).
 Config = dict[str, int]
+LAUNCH_FLAGS = ("TMA",)
 # Untuned split-K aims at this many programs per SM, and gives each at least this many K blocks.
 _SPLIT_K_WAVES = 2
 _SPLIT_K_MIN_BLOCKS = 4
@@ -64,15 +65,17 @@ def load_configs(
         return None
     try:
         raw = json.loads(path.read_text())
-        configs = {int(m): {**{key: int(entry[key]) for key in CONFIG_KEYS}, "SPLIT_K": int(entry.get("SPLIT_K", 1))}
+        configs = {int(m): {**{key: int(entry[key]) for key in CONFIG_KEYS}, "SPLIT_K": int(entry.get("SPLIT_K", 1)),
+                            **{flag: int(entry[flag]) for flag in LAUNCH_FLAGS if flag in entry}}
                    for m, entry in raw.items()}
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"{path}: expected {{M: {{{', '.join(CONFIG_KEYS)}}}}}: {exc!r}") from exc
     wrong = sorted(m for m, config in configs.items()
-                   if config["BLOCK_SIZE_K"] != block_shape[1] or config["SPLIT_K"] < 1)
+                   if config["BLOCK_SIZE_K"] != block_shape[1] or config["SPLIT_K"] < 1
+                   or any(config.get(flag, 0) not in (0, 1) for flag in LAUNCH_FLAGS))
     if not configs or wrong:
-        raise ValueError(f"{path}: needs at least one entry, each with BLOCK_SIZE_K {block_shape[1]} and SPLIT_K "
-                         f">= 1 (wrong for M {wrong})")
+        raise ValueError(f"{path}: needs at least one entry, each with BLOCK_SIZE_K {block_shape[1]}, SPLIT_K "
+                         f">= 1 and {' / '.join(LAUNCH_FLAGS)} 0 or 1 where given (wrong for M {wrong})")
     return dict(sorted(configs.items()))
 
 

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from plugserve.core.layers.quant import FP8_DTYPE, FP8_MAX, SCALE_EPS, ceil_div
 
@@ -120,6 +121,8 @@ def per_token_group_quant_fp8(
 def _w8a8_block_fp8_matmul_kernel(
     a_ptr,
     b_ptr,
+    a_desc,
+    b_desc,
     c_ptr,
     a_s_ptr,
     b_s_ptr,
@@ -144,13 +147,16 @@ def _w8a8_block_fp8_matmul_kernel(
     GROUP_SIZE_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """C[M, N] = sum over K blocks kb of (A[:, kb] @ B[:, kb]^T) * a_s[m, kb] * b_s[n // GROUP_N, kb].
 
     BLOCK_SIZE_K is the scale group along K, so each K step uses one activation scale per row and
     one weight scale per column; each step's e4m3 product is scaled into a float32 accumulator.
     SPLIT_K > 1: program (tile, s) sums the s-th of SPLIT_K runs of K blocks into the float32 slice
-    c[s] of a [SPLIT_K, M, N] workspace (stride_cs), which `_split_k_sum_kernel` adds up."""
+    c[s] of a [SPLIT_K, M, N] workspace (stride_cs), which `_split_k_sum_kernel` adds up.
+    TMA: A and B tiles come as TMA boxes through the descriptors a_desc [BLOCK_SIZE_M, BLOCK_SIZE_K] and b_desc
+    [BLOCK_SIZE_N, BLOCK_SIZE_K] (zero-filled past the edges) instead of cp.async through a_ptr / b_ptr."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_SIZE_M)
@@ -180,7 +186,10 @@ def _w8a8_block_fp8_matmul_kernel(
 
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     for kb in range(first_kb, last_kb):
-        if EVEN_K:
+        if TMA:
+            a = a_desc.load([pid_m * BLOCK_SIZE_M, kb * BLOCK_SIZE_K])
+            b = tl.trans(b_desc.load([pid_n * BLOCK_SIZE_N, kb * BLOCK_SIZE_K]))
+        elif EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)
         else:
@@ -209,6 +218,11 @@ def _split_k_sum_kernel(partial_ptr, c_ptr, numel, SPLIT_K: tl.constexpr, BLOCK:
     tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
+def _tma_source(x: torch.Tensor) -> bool:
+    """Can a 2-D e4m3 operand be read by TMA: unit stride along K, rows and base 16-byte aligned."""
+    return x.stride(1) == 1 and x.stride(0) % 16 == 0 and x.data_ptr() % 16 == 0
+
+
 def w8a8_block_fp8_matmul(
     a: torch.Tensor,
     a_scales: torch.Tensor,
@@ -224,7 +238,9 @@ def w8a8_block_fp8_matmul(
 
     config: BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K (must equal bk), GROUP_SIZE_M, num_warps,
     num_stages, and optionally SPLIT_K (default 1): with few output tiles (small M), K is cut into
-    SPLIT_K runs computed by separate programs into a float32 [SPLIT_K, M, N] workspace, then summed."""
+    SPLIT_K runs computed by separate programs into a float32 [SPLIT_K, M, N] workspace, then summed;
+    TMA (default 0), see `_w8a8_block_fp8_matmul_kernel`: a speed hint, taken only
+    where a and b can be TMA sources (`_tma_source`), the same product through pointers otherwise."""
     m, k = a.shape
     n = b.shape[0]
     bn, bk = block_shape
@@ -242,9 +258,12 @@ def w8a8_block_fp8_matmul(
     if m == 0 or n == 0:
         return c
     out = c if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=a.device)
+    tma = bool(config.get("TMA", 0)) and _tma_source(a) and _tma_source(b)
+    a_desc = TensorDescriptor.from_tensor(a, [config["BLOCK_SIZE_M"], bk]) if tma else None
+    b_desc = TensorDescriptor.from_tensor(b, [config["BLOCK_SIZE_N"], bk]) if tma else None
     grid = (triton.cdiv(m, config["BLOCK_SIZE_M"]) * triton.cdiv(n, config["BLOCK_SIZE_N"]), split_k)
     _w8a8_block_fp8_matmul_kernel[grid](
-        a, b, out, a_scales, b_scales, m, n, k,
+        a, b, a_desc, b_desc, out, a_scales, b_scales, m, n, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         out.stride(0) if split_k > 1 else 0, out.stride(-2), out.stride(-1),
         a_scales.stride(0), a_scales.stride(1), b_scales.stride(0), b_scales.stride(1),
@@ -255,6 +274,7 @@ def w8a8_block_fp8_matmul(
         GROUP_SIZE_M=config["GROUP_SIZE_M"],
         SPLIT_K=split_k,
         EVEN_K=k % bk == 0,
+        TMA=tma,
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
     )

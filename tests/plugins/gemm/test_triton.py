@@ -159,6 +159,21 @@ def test_kernel_configs_agree(kernels: ModuleType, block_m: int, block_n: int, g
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
+@pytest.mark.parametrize("k", [512, 500], ids=["tma", "k-unaligned-falls-back-to-pointers"])
+def test_tma_kernel_matches_reference(kernels: ModuleType, k: int) -> None:
+    """TMA boxes zero-fill the M and N edges (50 rows in 32-row tiles, 300 columns in 128-wide ones) and the
+    split K runs of a tile; K = 500 has rows TMA cannot address (not 16-byte aligned), read through pointers."""
+    m, n = 50, 300
+    x, w_q, w_s = _operands(m, n, k)
+    x_q, x_s = kernels.per_token_group_quant_fp8(x, column_major_scales=True)
+    config = {"BLOCK_SIZE_M": 32, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 2, "num_warps": 4,
+              "num_stages": 2, "SPLIT_K": 2, "TMA": 1}
+    out = kernels.w8a8_block_fp8_matmul(x_q, x_s, w_q, w_s, BLOCK, torch.float32, config)
+    expected = block_fp8_matmul(x_q, x_s, w_q, w_s, BLOCK, torch.float32)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    assert kernels._tma_source(x_q) == (k % 16 == 0) and kernels._tma_source(x_q[:, 1:]) is False
+
+
 @pytest.mark.parametrize("split_k", [2, 3, 6], ids=["even", "last-split-short", "empty-splits"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_split_k_matches_reference(kernels: ModuleType, split_k: int, dtype: torch.dtype) -> None:
@@ -249,11 +264,20 @@ def test_malformed_config_files_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"N=1,K=128,device_name=Bad.*BLOCK_SIZE_N"):
         load_configs(1, 128, "Bad", BLOCK, tmp_path)
     _write(tmp_path, 2, 128, "Bad", {1: default_config(1) | {"BLOCK_SIZE_K": 64}})
-    with pytest.raises(ValueError, match=r"BLOCK_SIZE_K 128 and SPLIT_K >= 1 \(wrong for M \[1\]\)"):
+    with pytest.raises(ValueError, match=r"BLOCK_SIZE_K 128, SPLIT_K >= 1 .*\(wrong for M \[1\]\)"):
         load_configs(2, 128, "Bad", BLOCK, tmp_path)
     _write(tmp_path, 3, 128, "Bad", {1: default_config(1), 8: default_config(8) | {"SPLIT_K": 0}})
     with pytest.raises(ValueError, match=r"wrong for M \[8\]"):
         load_configs(3, 128, "Bad", BLOCK, tmp_path)
+    _write(tmp_path, 5, 128, "Bad", {1: default_config(1) | {"TMA": 1}, 8: default_config(8) | {"TMA": 2}})
+    with pytest.raises(ValueError, match=r"TMA 0 or 1 where given \(wrong for M \[8\]\)"):
+        load_configs(5, 128, "Bad", BLOCK, tmp_path)
+
+
+def test_launch_flags_load_where_given(tmp_path: Path) -> None:
+    configs = {1: default_config(1), 4096: default_config(4096) | {"TMA": 1}}
+    _write(tmp_path, 6, 128, "New", configs)
+    assert load_configs(6, 128, "New", BLOCK, tmp_path) == configs
 
 
 def test_config_files_without_split_k_read_as_one(tmp_path: Path) -> None:
@@ -373,8 +397,13 @@ def test_tune_search_space() -> None:
     assert all(c["num_stages"] * (c["BLOCK_SIZE_M"] + c["BLOCK_SIZE_N"]) * 128 <= smem for c in large)
     assert {c["SPLIT_K"] for c in large} == {1}
     quick = tune_fp8_gemm.candidates(4096, tune_fp8_gemm.QUICK_SPACE, smem, 2112, 7168, 132)
-    assert len(large) < 512 and len(quick) == 64
-    assert all(tuple(c) == (*CONFIG_KEYS, "SPLIT_K") for c in large)
+    assert len(large) < 2 * 512 and len(quick) == 64
+    assert all(tuple(c)[:7] == (*CONFIG_KEYS, "SPLIT_K") for c in large)
+    # The TMA flag appears only where on: each tile config with and without it.
+    assert sum("TMA" in c for c in large) * 2 == len(large) and all(c.get("TMA", 1) == 1 for c in large)
+    assert all(set(c) == {*CONFIG_KEYS, "SPLIT_K"} for c in quick)
+    prefill = tune_fp8_gemm.candidates(4096, tune_fp8_gemm.QUICK_PREFILL_SPACE, smem, 2112, 7168, 132)
+    assert len(prefill) == 48 and {c["BLOCK_SIZE_N"] for c in prefill} == {64, 128, 256}
 
 
 def test_tune_output_loads_back(tmp_path: Path) -> None:
