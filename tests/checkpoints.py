@@ -127,3 +127,20 @@ def add_mtp_layer(directory: Path, num_layers: int) -> dict[str, torch.Tensor]:
     config["num_nextn_predict_layers"] = 1
     (directory / "config.json").write_text(json.dumps(config))
     return mtp
+
+
+def write_nextn_draft(src: Path, dst: Path, num_layers: int, shared_copies: bool = True) -> Path:
+    """The MTP layer of checkpoint `src` (at `model.layers.{num_layers}`, as `add_mtp_layer` writes it) alone, as
+    SGLang's DeepSeek-V3-NextN exports it: its tensors as `model.layers.0.*` (without the repeated embedding and
+    head unless `shared_copies`), a config of one decoder layer that is the NextN layer."""
+    dst.mkdir(parents=True, exist_ok=True)
+    config = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 1, "num_nextn_predict_layers": 1}))
+    source = f"model.layers.{num_layers}."
+    tensors = {"model.layers.0." + name[len(source):]: t for name, t in load_file(src / "model.safetensors").items()
+               if name.startswith(source)}
+    if not shared_copies:
+        tensors = {name: t for name, t in tensors.items()
+                   if "embed_tokens" not in name and "shared_head.head" not in name}
+    save_file(tensors, dst / "model.safetensors")
+    return dst

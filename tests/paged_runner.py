@@ -78,14 +78,14 @@ def reference_backends(config: ModelConfig, dtype: torch.dtype, device: str = "c
 
 def load_reference_model(model_dir, dtype: torch.dtype = torch.float32, load_format: str = "auto",
                          group: ParallelGroup = SINGLE, expert_parallel: bool = False, dp_attention: bool = False,
-                         **read) -> DeepseekForCausalLM:
+                         draft_model_path: str | None = None, **read) -> DeepseekForCausalLM:
     """read_config(**read) + load_model from `model_dir` on the CPU with the reference backends: this rank's
     part of the model split over `group` (the routed experts whole when `expert_parallel`, the attention whole
-    under `dp_attention`)."""
+    under `dp_attention`), its NextN layer from `draft_model_path` when given."""
     config, checkpoint_layers = read_config(str(model_dir), None, **read)
     ep_size, ep_rank = (group.world_size, group.rank) if expert_parallel else (1, 0)
     backends = reference_backends(config, dtype, tp_size=group.world_size, ep_size=ep_size, ep_rank=ep_rank,
                                   dp_attention=dp_attention)
     return load_model(config, backends, model_path=str(model_dir), checkpoint_layers=checkpoint_layers,
                       load_format=load_format, dtype=dtype, device=torch.device("cpu"), group=group,
-                      expert_parallel=expert_parallel, dp_attention=dp_attention)
+                      expert_parallel=expert_parallel, dp_attention=dp_attention, draft_model_path=draft_model_path)

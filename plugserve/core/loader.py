@@ -17,17 +17,24 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from plugserve.core.config import ModelConfig, preset_config
+from plugserve.core.config import ModelConfig, ModelConfigError, preset_config
 from plugserve.core.distributed import SINGLE, ParallelGroup
 from plugserve.core.layers.linear import Linear, WeightLoadError
 from plugserve.core.layers.parallel import LazySlice
 from plugserve.core.layers.quant import FP8_DTYPE, FP8_MAX
-from plugserve.core.models.deepseek import DeepseekForCausalLM, ModelBackends
+from plugserve.core.models.deepseek import CheckpointTensor, DeepseekForCausalLM, ModelBackends, NextNLayer
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 INDEX_FILE = "model.safetensors.index.json"
 SCALE_SUFFIX = "_scale_inv"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# What a separate draft checkpoint must share with the target: its NextN layer runs on the target's hidden states,
+# embedding and head, in the target's layer shapes (quantization may differ: a bf16 draft is quantized on load
+# into an FP8 target's layers, and an e4m3 one into a bf16 target is refused by the layers).
+DRAFT_SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
+                      "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "intermediate_size", "n_routed_experts",
+                      "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts", "topk_method",
+                      "scoring_func", "n_group", "topk_group")
 
 
 class SafetensorsCheckpoint:
@@ -70,19 +77,71 @@ class SafetensorsCheckpoint:
         return self._file(name).get_slice(name)
 
 
-def load_checkpoint(model: DeepseekForCausalLM, checkpoint: SafetensorsCheckpoint, checkpoint_layers: int) -> None:
-    """Fill `model` from `checkpoint`, whose config has `checkpoint_layers` decoder layers."""
-    expected = model.checkpoint_tensors(checkpoint_layers)
-    available = checkpoint.names()
-    missing = sorted(name for name in expected if name not in available)
-    if missing:
-        raise WeightLoadError(f"{checkpoint.model_dir}: {len(missing)} tensors the model needs are missing: "
-                              + _some(missing))
+def load_checkpoint(model: DeepseekForCausalLM, checkpoint: SafetensorsCheckpoint, checkpoint_layers: int,
+                    nextn: bool = True) -> None:
+    """Fill `model` from `checkpoint`, whose config has `checkpoint_layers` decoder layers; its NextN layer too
+    unless `nextn` is False (a draft checkpoint gives it: `load_draft_nextn`), when the checkpoint's is skipped."""
+    used = _fill(model.checkpoint_tensors(checkpoint_layers, nextn), checkpoint)
     kept_layers = set(range(model.config.num_hidden_layers))
-    if model.nextn is not None:
+    if model.nextn is not None and nextn:
         kept_layers.add(checkpoint_layers)
     # Layers the checkpoint has but the model leaves out (--num-layers, an unused NextN layer).
     skipped_layers = set(range(checkpoint_layers + model.config.num_nextn_predict_layers)) - kept_layers
+    unexpected = sorted(
+        name for name in checkpoint.names() - used
+        if not ((m := _LAYER.match(name)) and int(m.group(1)) in skipped_layers) and not name.endswith("inv_freq")
+    )
+    if unexpected:
+        raise WeightLoadError(f"{checkpoint.model_dir}: {len(unexpected)} tensors the model does not have: "
+                              + _some(unexpected))
+
+
+def draft_nextn_prefix(config: ModelConfig) -> str:
+    """Where a draft checkpoint keeps its NextN layer: `model.layers.0` in a NextN-only export (as many decoder
+    layers as NextN layers, e.g. SGLang's DeepSeek-V3-NextN), else after its decoder layers, as in DeepSeek-V3's
+    own checkpoint. Raises ModelConfigError when the config declares none."""
+    if config.num_nextn_predict_layers < 1:
+        raise ModelConfigError("its config.json declares no NextN layer (num_nextn_predict_layers is 0)")
+    only_nextn = config.num_hidden_layers == config.num_nextn_predict_layers
+    return "model.layers.0" if only_nextn else f"model.layers.{config.num_hidden_layers}"
+
+
+def load_draft_nextn(model: DeepseekForCausalLM, draft_path: str) -> None:
+    """Fill `model`'s NextN layer from the draft checkpoint in `draft_path` (`draft_nextn_prefix`), which must
+    have the target's shapes (DRAFT_SHAPE_FIELDS); its other tensors (its own decoder layers, embedding and head)
+    are not read. Raises ModelConfigError / WeightLoadError naming the flag and what does not fit."""
+    assert model.nextn is not None
+    where = f"--speculative-draft-model-path {draft_path}"
+    config = ModelConfig.from_pretrained(draft_path)
+    mismatched = [f"{field} {getattr(config, field)} (the target's: {getattr(model.config, field)})"
+                  for field in DRAFT_SHAPE_FIELDS if getattr(config, field) != getattr(model.config, field)]
+    try:
+        if mismatched:
+            raise ModelConfigError(f"its NextN layer does not fit the target: {', '.join(mismatched)}")
+        prefix = draft_nextn_prefix(config)
+    except ModelConfigError as exc:
+        raise ModelConfigError(f"{where}: {exc}") from exc
+    checkpoint = SafetensorsCheckpoint(draft_path)
+    expected = model.nextn.checkpoint_tensors(prefix, model.config.vocab_size)
+    for copy in NextNLayer.SHARED_COPIES:  # a NextN-only export may leave out its copies of the shared ones
+        if f"{prefix}.{copy}" not in checkpoint.names():
+            del expected[f"{prefix}.{copy}"]
+    used = _fill(expected, checkpoint, where)
+    unexpected = sorted(name for name in checkpoint.names() - used if name.startswith(prefix + "."))
+    if unexpected:
+        raise WeightLoadError(f"{where}: {len(unexpected)} tensors of its NextN layer ({prefix}) the model does not "
+                              "have: " + _some(unexpected))
+
+
+def _fill(expected: dict[str, CheckpointTensor], checkpoint: SafetensorsCheckpoint, where: str | None = None
+          ) -> set[str]:
+    """Load every tensor of `expected` (by checkpoint name) from `checkpoint`, with its block scales where it has
+    them; returns the names read (scales included). Raises WeightLoadError naming those missing."""
+    available = checkpoint.names()
+    missing = sorted(name for name in expected if name not in available)
+    if missing:
+        raise WeightLoadError(f"{where or checkpoint.model_dir}: {len(missing)} tensors the model needs are missing: "
+                              + _some(missing))
     used = set()
     for name, target in tqdm(expected.items(), desc="loading weights", unit="tensor", disable=None):
         scale_name = name + SCALE_SUFFIX
@@ -91,13 +150,7 @@ def load_checkpoint(model: DeepseekForCausalLM, checkpoint: SafetensorsCheckpoin
             continue
         scale = checkpoint.get(scale_name) if scale_name in available else None
         target.load(name, checkpoint.get_slice(name) if target.lazy else checkpoint.get(name), scale)
-    unexpected = sorted(
-        name for name in available - used
-        if not ((m := _LAYER.match(name)) and int(m.group(1)) in skipped_layers) and not name.endswith("inv_freq")
-    )
-    if unexpected:
-        raise WeightLoadError(f"{checkpoint.model_dir}: {len(unexpected)} tensors the model does not have: "
-                              + _some(unexpected))
+    return used
 
 
 def init_dummy_weights(model: DeepseekForCausalLM, seed: int = 0, std: float = 0.02) -> None:
@@ -180,16 +233,18 @@ def load_model(
     group: ParallelGroup = SINGLE,
     expert_parallel: bool = False,
     dp_attention: bool = False,
+    draft_model_path: str | None = None,
 ) -> DeepseekForCausalLM:
     """Build the model (this rank's part of it, split over `group`, the routed experts whole when
-    `expert_parallel`, the attention whole under `dp_attention`), fill its weights, and pack them for
+    `expert_parallel`, the attention whole under `dp_attention`), fill its weights (its NextN layer's from
+    `draft_model_path` when given, else from the checkpoint when it has one), and pack them for
     `backends` (built for this rank's shapes: `ModelConfig.attention_spec` / `moe_spec` with the world size,
     the attention's with 1 under DP attention, and the rank under expert parallelism)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"--load-format {load_format!r} is not supported (choose from {', '.join(LOAD_FORMATS)})")
     dummy = load_format == "dummy" or model_path is None
     checkpoint = None if dummy else SafetensorsCheckpoint(model_path)  # type: ignore[arg-type]
-    with_nextn = (
+    with_nextn = draft_model_path is not None or (
         checkpoint is not None
         and config.num_nextn_predict_layers > 0
         and f"model.layers.{checkpoint_layers}.eh_proj.weight" in checkpoint.names()
@@ -199,7 +254,9 @@ def load_model(
     if checkpoint is None:
         init_dummy_weights(model, seed)
     else:
-        load_checkpoint(model, checkpoint, checkpoint_layers)
+        load_checkpoint(model, checkpoint, checkpoint_layers, nextn=draft_model_path is None)
+    if draft_model_path is not None:
+        load_draft_nextn(model, draft_model_path)
     model.finalize(backends)
     return model
 

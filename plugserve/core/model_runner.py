@@ -161,7 +161,7 @@ class ModelRunner:
         self.model = load_model(self.config, backends, model_path=args.model_dir,
                                 checkpoint_layers=checkpoint_layers, load_format=args.load_format, dtype=self.dtype,
                                 device=self.device, seed=args.seed, group=group, expert_parallel=args.ep_size > 1,
-                                dp_attention=self.dp_size > 1)
+                                dp_attention=self.dp_size > 1, draft_model_path=args.speculative_draft_model_path)
         small_ops = SmallOps.compiled(args.torch_compile_max_bs) if args.enable_torch_compile else EAGER
         self.model.use_small_ops(small_ops.with_fused_kernels(self.device))
         if self.device.type == "cuda":

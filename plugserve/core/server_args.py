@@ -8,6 +8,7 @@ on the CPU are refused by the model runner, naming the flag.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -99,7 +100,8 @@ class ServerArgs(BaseModel):
     torch_compile_max_bs: int = Field(32, ge=1)
     disable_shared_experts_overlap: bool = False
     enable_shared_experts_fusion: bool = False
-    # speculative decoding: the target's NextN (MTP) layer drafts (None: each value's default once enabled)
+    # speculative decoding: a NextN (MTP) layer drafts, the target's own or a draft checkpoint's (None: each value's
+    # default once enabled)
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
     speculative_num_steps: int | None = Field(None, ge=1)
@@ -200,9 +202,10 @@ class ServerArgs(BaseModel):
         if self.tp_size > 1:
             raise ValueError(f"{flag('speculative_algorithm')} runs with {flag('tp_size')} 1 only for now: the draft "
                              "and verify forwards are not yet sent to the other ranks")
-        if self.speculative_draft_model_path is not None:
-            raise ValueError(f"{flag('speculative_draft_model_path')}: a separate draft checkpoint is not supported "
-                             "yet; the draft is the target's own NextN layer (leave the flag unset)")
+        draft = self.speculative_draft_model_path
+        if draft is not None and not (Path(draft) / "config.json").is_file():
+            raise ValueError(f"{flag('speculative_draft_model_path')} {draft}: not a checkpoint directory (no "
+                             "config.json there)")
         spec = self.speculative
         assert spec is not None
         if spec.topk > 1:

@@ -80,7 +80,7 @@ class SpeculativeWorker:
         if runner.model.nextn is None:
             raise ValueError(f"{flag('speculative_algorithm')} {config.algorithm}: the model has no NextN layer to "
                              f"draft with (the checkpoint lacks model.layers.{runner.config.num_hidden_layers}"
-                             ".eh_proj), and a separate draft model is not supported yet")
+                             f".eh_proj): give one with {flag('speculative_draft_model_path')}")
         if config.topk > 1:
             for bucket in runner.decode_buckets:
                 if not bucket.backend.capabilities.tree_verify:

@@ -77,9 +77,12 @@ HELP = {
                                     "V2-Lite and V3 (benchmarks/results/.../fast_path/session3)",
     "speculative_algorithm": "NEXTN (or EAGLE, its alias here): speculative decoding with the model's NextN (MTP) "
                              "layer as the draft; runs the non-overlap scheduler",
-    "speculative_draft_model_path": "a separate draft checkpoint (not supported yet: the NextN layer drafts)",
+    "speculative_draft_model_path": "a checkpoint whose NextN layer drafts instead of the target's own (a NextN-only "
+                                    "export such as SGLang's DeepSeek-V3-NextN, or a whole checkpoint with one); it "
+                                    "must have the target's shapes",
     "speculative_num_steps": "draft tokens per round, one NextN forward each (default 3)",
-    "speculative_eagle_topk": "draft branches per step (1: a chain; trees are not supported yet)",
+    "speculative_eagle_topk": "draft branches per step (1: a chain; more: EAGLE-2 trees, on a decode attention "
+                              "backend that verifies trees)",
     "speculative_num_draft_tokens": "tokens one verify forward scores (with topk 1: num-steps + 1)",
     "log_level": "logging level",
     "seed": "random seed of unseeded sampling and of dummy weights (alias --random-seed)",

@@ -13,11 +13,19 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from plugserve.core.config import ModelConfigError
 from plugserve.core.layers.linear import Linear, WeightLoadError
 from plugserve.core.layers.quant import FP8_DTYPE, dequantize_block_fp8, quantize_block_fp8
 from plugserve.core.loader import INDEX_FILE, load_model, read_config, resolve_dtype
 from plugserve.core.models.deepseek import DeepseekForCausalLM
-from tests.checkpoints import random_hf_model, save_hf_model, tiny_v3_config, write_fp8_checkpoint
+from tests.checkpoints import (
+    add_mtp_layer,
+    random_hf_model,
+    save_hf_model,
+    tiny_v3_config,
+    write_fp8_checkpoint,
+    write_nextn_draft,
+)
 from tests.paged_runner import load_reference_model, reference_backends
 
 CPU = torch.device("cpu")
@@ -490,3 +498,74 @@ def test_a_float_weight_with_a_scale_is_refused():
     layer = Linear(64, [32], torch.float32, "cpu", fp8_block=(128, 128))
     with pytest.raises(WeightLoadError, match="also has w_scale_inv"):
         layer.load_shard(0, "w", torch.zeros(32, 64), torch.ones(1, 1))
+
+
+# -- a separate draft checkpoint's NextN layer (--speculative-draft-model-path) ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def mtp_dir(tmp_path_factory: pytest.TempPathFactory, v3_dir: Path) -> Path:
+    """v3_dir with DeepSeek-V3's MTP layer after its three decoder layers."""
+    directory = tmp_path_factory.mktemp("v3-mtp") / "single"
+    shutil.copytree(v3_dir, directory)
+    add_mtp_layer(directory, num_layers=3)
+    return directory
+
+
+def _nextn_state(model: DeepseekForCausalLM) -> dict[str, torch.Tensor]:
+    assert model.nextn is not None
+    return model.nextn.state_dict()
+
+
+@pytest.mark.parametrize("draft", ["nextn-only", "nextn-only-without-shared-copies", "whole-checkpoint"])
+def test_a_draft_checkpoint_gives_the_nextn_layer_the_targets_own_would(v3_dir: Path, mtp_dir: Path, tmp_path: Path,
+                                                                         draft: str) -> None:
+    """A target without a NextN layer takes it from a NextN-only export (`model.layers.0`, SGLang's format) or from
+    a whole checkpoint with one (`model.layers.3`): the same layer as the checkpoint that has it."""
+    own = load_reference_model(mtp_dir)
+    path = mtp_dir if draft == "whole-checkpoint" else write_nextn_draft(
+        mtp_dir, tmp_path / "draft", num_layers=3, shared_copies=draft == "nextn-only")
+    drafted = load_reference_model(v3_dir, draft_model_path=str(path))
+    assert load_reference_model(v3_dir).nextn is None and drafted.num_kv_layers == 4
+    expected, got = _nextn_state(own), _nextn_state(drafted)
+    assert expected.keys() == got.keys() and all(_same(expected[k], got[k]) for k in expected)
+    assert _same(drafted.layers[2].mlp.gate, own.layers[2].mlp.gate)  # the trunk is the target's
+
+
+def test_a_draft_replaces_the_targets_own_nextn_layer(mtp_dir: Path, tmp_path: Path) -> None:
+    draft = write_nextn_draft(mtp_dir, tmp_path / "draft", num_layers=3)
+    _edited_copy(draft, tmp_path / "doubled", lambda t: t["model.layers.0.eh_proj.weight"].mul_(2))
+    own = load_reference_model(mtp_dir)
+    drafted = load_reference_model(mtp_dir, draft_model_path=str(tmp_path / "doubled"))
+    assert torch.equal(drafted.nextn.eh_proj.weight, 2 * own.nextn.eh_proj.weight)
+    assert _same(drafted.nextn.enorm.weight, own.nextn.enorm.weight)
+
+
+def _draft_config(src: Path, dst: Path, **changes) -> Path:
+    dst.mkdir(parents=True)
+    config = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps(config | changes))
+    return dst
+
+
+def test_a_draft_of_other_shapes_is_refused_naming_the_flag_and_fields(v3_dir: Path, mtp_dir: Path,
+                                                                       tmp_path: Path) -> None:
+    wide = _draft_config(mtp_dir, tmp_path / "wide", hidden_size=128, n_routed_experts=16)
+    with pytest.raises(ModelConfigError, match=rf"--speculative-draft-model-path {wide}: its NextN layer does not fit "
+                       r"the target: hidden_size 128 \(the target's: 64\), n_routed_experts 16 \(the target's: 8\)"):
+        load_reference_model(v3_dir, draft_model_path=str(wide))
+    none = _draft_config(mtp_dir, tmp_path / "none", num_nextn_predict_layers=0)
+    with pytest.raises(ModelConfigError, match=r"draft-model-path .*none: its config.json declares no NextN layer"):
+        load_reference_model(v3_dir, draft_model_path=str(none))
+
+
+def test_a_draft_missing_or_adding_nextn_tensors_is_refused(v3_dir: Path, mtp_dir: Path, tmp_path: Path) -> None:
+    draft = write_nextn_draft(mtp_dir, tmp_path / "draft", num_layers=3)
+    missing = _edited_copy(draft, tmp_path / "missing", lambda t: t.pop("model.layers.0.hnorm.weight"))
+    with pytest.raises(WeightLoadError, match=r"draft-model-path .*missing: 1 tensors the model needs are missing: "
+                       r"model.layers.0.hnorm.weight"):
+        load_reference_model(v3_dir, draft_model_path=str(missing))
+    extra = _edited_copy(draft, tmp_path / "extra", lambda t: t.update({"model.layers.0.bogus.weight": torch.ones(2)}))
+    with pytest.raises(WeightLoadError, match=r"extra: 1 tensors of its NextN layer \(model.layers.0\) the model "
+                       r"does not have: model.layers.0.bogus.weight"):
+        load_reference_model(v3_dir, draft_model_path=str(extra))

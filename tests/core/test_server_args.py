@@ -41,7 +41,9 @@ def test_speculation_is_off_by_default():
         ({"speculative_algorithm": "NEXTN", "speculative_num_steps": 0},
          "--speculative-num-steps: Input should be greater than or equal to 1"),
         ({"speculative_algorithm": "NEXTN", "speculative_draft_model_path": "/models/draft"},
-         "--speculative-draft-model-path: a separate draft checkpoint is not supported yet"),
+         "--speculative-draft-model-path /models/draft: not a checkpoint directory (no config.json there)"),
+        ({"speculative_draft_model_path": "/models/draft"},
+         "--speculative-draft-model-path needs --speculative-algorithm (NEXTN or EAGLE)"),
         ({"speculative_algorithm": "NEXTN", "speculative_num_steps": 2, "speculative_eagle_topk": 4,
           "speculative_num_draft_tokens": 22},
          "--speculative-num-draft-tokens 22 is more than --speculative-num-steps 2 with --speculative-eagle-topk 4 "

@@ -19,7 +19,7 @@ from plugserve.core.sampling import SamplingParams
 from plugserve.core.server_args import ServerArgs
 from plugserve.core.speculative import verify_drafts
 from plugserve.core.tokenizer import EMBEDDED_MODEL_DIR
-from tests.checkpoints import add_mtp_layer, random_hf_model, save_hf_model, tiny_v3_config
+from tests.checkpoints import add_mtp_layer, random_hf_model, save_hf_model, tiny_v3_config, write_nextn_draft
 from tests.engine_checks import assert_every_page_is_back
 from tests.paged_runner import load_reference_model
 
@@ -237,8 +237,40 @@ def test_abort_between_rounds_frees_the_request(spec, monkeypatch):
 
 
 def test_a_model_without_a_nextn_layer_is_refused_naming_the_flag():
-    with pytest.raises(ValueError, match=r"--speculative-algorithm NEXTN: the model has no NextN layer"):
+    with pytest.raises(ValueError, match=r"--speculative-algorithm NEXTN: the model has no NextN layer .*: give one "
+                       r"with --speculative-draft-model-path"):
         Engine(ServerArgs(model_preset="tiny", speculative_algorithm="NEXTN", max_total_tokens=64))
+
+
+def _recording_drafts(engine: Engine, monkeypatch) -> list[list[list[int]]]:
+    """The drafts of every round the engine's worker makes from now on: [round][request][step] token ids."""
+    worker, drafts = engine.scheduler.spec, []
+    draft = worker._draft
+
+    def recording(verify, requests, rows, default_generator):
+        tokens, probs = draft(verify, requests, rows, default_generator)
+        drafts.append(tokens.tolist())
+        return tokens, probs
+
+    monkeypatch.setattr(worker, "_draft", recording)
+    return drafts
+
+
+def test_a_draft_checkpoints_nextn_layer_drafts_as_the_targets_own(checkpoint, spec, tmp_path, monkeypatch):
+    """The same tiny V3 without its MTP layer, drafting with that layer from a NextN-only export: the same drafts
+    round for round, and the same tokens, as the checkpoint that has it."""
+    bare = save_hf_model(random_hf_model(tiny_v3_config()), tmp_path / "bare")
+    draft = write_nextn_draft(checkpoint, tmp_path / "nextn", num_layers=3, shared_copies=False)
+    drafted = Engine(_args(bare, speculative_algorithm="NEXTN", speculative_num_steps=STEPS,
+                           speculative_draft_model_path=str(draft)))
+    try:
+        own_drafts, drafted_drafts = _recording_drafts(spec, monkeypatch), _recording_drafts(drafted, monkeypatch)
+        expected = _outputs(spec.generate(PROMPTS, GREEDY))
+        assert _outputs(drafted.generate(PROMPTS, GREEDY)) == expected
+        assert drafted_drafts == own_drafts and len(own_drafts) > 5
+        assert_every_page_is_back(drafted)
+    finally:
+        drafted.shutdown()
 
 
 # Rejection sampling, on a four-token vocabulary: the target's distributions at three positions (as logits), and the

@@ -451,6 +451,9 @@ class NextNLayer(nn.Module):
     `model.layers.{num_hidden_layers}`. The embedding and head are the main model's (the checkpoint
     repeats them; the copies are checked for shape and dropped). `eh_proj` is replicated (one small GEMM)."""
 
+    # The checkpoint's copies of the main model's embedding and head, under the layer's prefix.
+    SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+
     def __init__(self, p: Parameters, layer_id: int) -> None:
         super().__init__()
         hidden = p.config.hidden_size
@@ -464,7 +467,7 @@ class NextNLayer(nn.Module):
         for name, norm in (("enorm", self.enorm), ("hnorm", self.hnorm), ("shared_head.norm", self.final_norm)):
             tensors[f"{prefix}.{name}.weight"] = CheckpointTensor(tuple(norm.weight.shape), _copy_into(norm.weight))
         shared = (vocab_size, self.enorm.weight.shape[0])
-        for name in ("embed_tokens.weight", "shared_head.head.weight"):
+        for name in self.SHARED_COPIES:
             tensors[f"{prefix}.{name}"] = CheckpointTensor(shared, lambda n, t, s: None, lazy=True)  # never read
         return tensors
 
@@ -505,9 +508,11 @@ class DeepseekForCausalLM(nn.Module):
     def num_kv_layers(self) -> int:
         return len(self.layers) + (self.nextn is not None)
 
-    def checkpoint_tensors(self, checkpoint_layers: int | None = None) -> dict[str, CheckpointTensor]:
+    def checkpoint_tensors(self, checkpoint_layers: int | None = None, nextn: bool = True
+                           ) -> dict[str, CheckpointTensor]:
         """Every tensor the checkpoint must provide, by its Hugging Face name. `checkpoint_layers`: the
-        checkpoint's decoder-layer count (its NextN layer follows them), when the model keeps fewer."""
+        checkpoint's decoder-layer count (its NextN layer follows them), when the model keeps fewer; `nextn`
+        False: without the NextN layer's (a draft checkpoint gives them)."""
         vocab = (self.config.vocab_size, self.config.hidden_size)
         tensors = {
             "model.embed_tokens.weight": CheckpointTensor(vocab, self.embed_tokens.load, lazy=True),
@@ -517,7 +522,7 @@ class DeepseekForCausalLM(nn.Module):
             tensors["lm_head.weight"] = CheckpointTensor(vocab, self.lm_head.load, lazy=True)
         for i, layer in enumerate(self.layers):
             tensors |= layer.checkpoint_tensors(f"model.layers.{i}")
-        if self.nextn is not None:
+        if self.nextn is not None and nextn:
             mtp_index = checkpoint_layers if checkpoint_layers is not None else self.config.num_hidden_layers
             tensors |= self.nextn.checkpoint_tensors(f"model.layers.{mtp_index}", self.config.vocab_size)
         return tensors
