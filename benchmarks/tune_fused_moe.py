@@ -66,13 +66,14 @@ MODELS = {
 
 
 def search_space(fp8: bool, dtype: torch.dtype, quick: bool) -> tuple[tuple[int, ...], list[GemmConfig]]:
-    """(BLOCK_SIZE_M candidates, tile candidates of one pass). FP8: BLOCK_SIZE_K divides the 128 block."""
+    """(BLOCK_SIZE_M candidates, tile candidates of one pass, each with and without TMA weight loads). FP8:
+    BLOCK_SIZE_K divides the 128 block."""
     if quick:
         block_k = (128,) if fp8 else (32,) if dtype == torch.float32 else (64,)
-        axes = [(64, 128), block_k, (1, 16), (4,), (3, 4)]
+        axes = [(64, 128), block_k, (1, 16), (4,), (3, 4), (False, True)]
     else:
         block_k = (64, 128) if fp8 else (32, 64) if dtype == torch.float32 else (32, 64, 128)
-        axes = [(32, 64, 128, 256), block_k, (1, 16, 32, 64), (4, 8), (2, 3, 4, 5)]
+        axes = [(32, 64, 128, 256), block_k, (1, 16, 32, 64), (4, 8), (2, 3, 4, 5), (False, True)]
     return (16, 32, 64, 128), [GemmConfig(*values) for values in itertools.product(*axes)]
 
 
@@ -81,7 +82,7 @@ def decode_space(fp8: bool, dtype: torch.dtype, pairs_per_expert: float) -> tupl
     narrow programs with deep K steps and several stages in flight. FP8: BLOCK_SIZE_K divides the block."""
     block_ms = (16,) if pairs_per_expert <= 2 else (16, 32)
     block_k = (64, 128) if fp8 else (64, 128) if dtype == torch.float32 else (128, 256)
-    axes = [(16, 32, 64, 128), block_k, (1,), (4,), (3, 4, 5)]
+    axes = [(16, 32, 64, 128), block_k, (1,), (4,), (3, 4, 5), (False, True)]
     return block_ms, [GemmConfig(*values) for values in itertools.product(*axes)]
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from plugserve.core.interfaces import RouterConfig
 from plugserve.core.layers.quant import FP8_DTYPE, FP8_MAX, SCALE_EPS
@@ -523,15 +524,16 @@ def _mma(acc, a, b, a_scale, b_scale, FP8: tl.constexpr, DOT_FP32: tl.constexpr)
 
 @triton.jit
 def _fused_moe_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr,
+    a_ptr, b_ptr, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr,
     sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, sum_ptr, arrived_ptr,
-    N, K, num_pairs, padded_rows, num_experts, routed_scaling_factor,
+    N, K, num_pairs, padded_rows, num_experts, b_rows, routed_scaling_factor,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
     PER_PAIR: tl.constexpr, A_ROW_DIV: tl.constexpr, SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     SUM_PAIRS: tl.constexpr,
     FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE_M: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """C[p, n] for the pairs p of one M-block (one expert e) and BLOCK_N columns:
     acc = A[p // A_ROW_DIV] @ B[e]^T (B [E, N or 2N, K]), float32 accumulation;
@@ -542,7 +544,9 @@ def _fused_moe_gemm_kernel(
     PER_PAIR (`pair_blocks`): M-block p is pair p alone, of expert expert_ids[p], skipped when that id is dropped.
     SUM_PAIRS (PER_PAIR, one token): also sum[n] = sum over the used pairs p of C[p, n] in float32, in pair order,
     by the program of each column block that arrives last (an atomic count per column block in arrived_ptr, after
-    every program's stores; set back to 0 for the next launch), so that no top-k sum kernel follows."""
+    every program's stores; set back to 0 for the next launch), so that no top-k sum kernel follows.
+    TMA: B tiles come as [BLOCK_N, BLOCK_K] boxes of b_desc, B viewed as [E * b_rows, K] (zero-filled past K and
+    past the last expert; a box reaching past an expert's N rows reads the next rows, whose columns are not stored)."""
     pid = tl.program_id(0)
     # Programs sweep GROUP_SIZE_M M-blocks per column of N-blocks, so weight tiles are reused in L2.
     num_pid_m = tl.cdiv(padded_rows, BLOCK_M)
@@ -585,10 +589,14 @@ def _fused_moe_gemm_kernel(
         if SILU_MUL:
             up_scale_ptrs = b_scale_ptr + expert * stride_bse + ((offs_n + N) // GROUP_N) * stride_bsn
 
+    b_row = (expert * b_rows + pid_n * BLOCK_N).to(tl.int32)  # TMA: the first weight row of this column block
     for k0 in range(0, k_end, BLOCK_K):
         k_mask = offs_k < K - k0
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if TMA:
+            b = tl.trans(b_desc.load([b_row, k0]))
+        else:
+            b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         if FP8:
             k_group = k0 // GROUP_K
             a_scale = tl.load(a_scale_ptrs + k_group * stride_ask, mask=row_mask, other=0.0)
@@ -598,7 +606,10 @@ def _fused_moe_gemm_kernel(
             b_scale = 1.0
         acc = _mma(acc, a, b, a_scale, b_scale, FP8, DOT_FP32)
         if SILU_MUL:
-            up = tl.load(up_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if TMA:
+                up = tl.trans(b_desc.load([b_row + N, k0]))
+            else:
+                up = tl.load(up_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
             up_scale = tl.load(up_scale_ptrs + k_group * stride_bsk, mask=n_mask, other=0.0) if FP8 else 1.0
             acc_up = _mma(acc_up, a, up, a_scale, up_scale, FP8, DOT_FP32)
             up_ptrs += BLOCK_K * stride_bk
@@ -655,11 +666,15 @@ def grouped_gemm(
     if pair_sum is not None and (not alignment.per_pair or pair_sum[1].numel() < triton.cdiv(n, config.block_n)):
         raise ValueError("pair_sum needs a per-pair alignment and an arrival count per column block")
     grid = (alignment.num_blocks * triton.cdiv(n, config.block_n),)
+    # TMA (a speed hint): over the experts as one [E * rows, K] matrix, which needs it contiguous, 16-byte aligned.
+    tma = config.tma and w.is_contiguous() and (k * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
+    b_desc = TensorDescriptor.from_tensor(w.view(-1, k), [config.block_n, config.block_k]) if tma else None
     _fused_moe_gemm_kernel[grid](
-        a, w, out, a_scale, w_scale, topk_weights,
+        a, w, b_desc, out, a_scale, w_scale, topk_weights,
         alignment.sorted_ids, alignment.expert_ids, alignment.num_padded,
         *(pair_sum if pair_sum is not None else (None, None)),
-        n, k, alignment.num_pairs, alignment.num_blocks * alignment.block_m, w.shape[0], routed_scaling_factor,
+        n, k, alignment.num_pairs, alignment.num_blocks * alignment.block_m, w.shape[0], w.shape[1],
+        routed_scaling_factor,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         a_scale.stride(0) if fp8 else 0, a_scale.stride(1) if fp8 else 0,
         w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0, w_scale.stride(2) if fp8 else 0,
@@ -667,7 +682,7 @@ def grouped_gemm(
         SUM_PAIRS=pair_sum is not None,
         FP8=fp8, GROUP_N=block_shape[0], GROUP_K=block_shape[1], DOT_FP32=INTERPRET and a.dtype == torch.bfloat16,
         BLOCK_M=alignment.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_SIZE_M=config.group_m,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        TMA=tma, num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 

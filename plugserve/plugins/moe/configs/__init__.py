@@ -38,22 +38,26 @@ CONFIG_DIR = Path(__file__).parent
 @dataclass(frozen=True)
 class GemmConfig:
     """Tile of one grouped-GEMM pass (w13 or w2): BLOCK_SIZE_N x BLOCK_SIZE_K per step, GROUP_SIZE_M
-    M-blocks per sweep over N, and Triton's num_warps / num_stages."""
+    M-blocks per sweep over N, Triton's num_warps / num_stages, and `tma`: the expert weight tiles loaded as TMA
+    boxes (files say "TMA": 1; absent is off)."""
 
     block_n: int
     block_k: int
     group_m: int
     num_warps: int
     num_stages: int
+    tma: bool = False
 
     def to_json(self) -> dict[str, int]:
         return {"BLOCK_SIZE_N": self.block_n, "BLOCK_SIZE_K": self.block_k, "GROUP_SIZE_M": self.group_m,
-                "num_warps": self.num_warps, "num_stages": self.num_stages}
+                "num_warps": self.num_warps, "num_stages": self.num_stages} | ({"TMA": 1} if self.tma else {})
 
     @classmethod
     def from_json(cls, entry: dict[str, int]) -> GemmConfig:
+        if entry.get("TMA", 0) not in (0, 1):
+            raise ValueError(f"TMA must be 0 or 1, got {entry['TMA']!r}")
         return cls(entry["BLOCK_SIZE_N"], entry["BLOCK_SIZE_K"], entry["GROUP_SIZE_M"], entry["num_warps"],
-                   entry["num_stages"])
+                   entry["num_stages"], bool(entry.get("TMA", 0)))
 
 
 @dataclass(frozen=True)
