@@ -96,12 +96,12 @@ def load_checkpoint(model: DeepseekForCausalLM, checkpoint: SafetensorsCheckpoin
                               + _some(unexpected))
 
 
-def draft_nextn_prefix(config: ModelConfig) -> str:
+def draft_nextn_prefix(config: ModelConfig) -> str | None:
     """Where a draft checkpoint keeps its NextN layer: `model.layers.0` in a NextN-only export (as many decoder
     layers as NextN layers, e.g. SGLang's DeepSeek-V3-NextN), else after its decoder layers, as in DeepSeek-V3's
-    own checkpoint. Raises ModelConfigError when the config declares none."""
+    own checkpoint; None when its config declares none."""
     if config.num_nextn_predict_layers < 1:
-        raise ModelConfigError("its config.json declares no NextN layer (num_nextn_predict_layers is 0)")
+        return None
     only_nextn = config.num_hidden_layers == config.num_nextn_predict_layers
     return "model.layers.0" if only_nextn else f"model.layers.{config.num_hidden_layers}"
 
@@ -115,12 +115,11 @@ def load_draft_nextn(model: DeepseekForCausalLM, draft_path: str) -> None:
     config = ModelConfig.from_pretrained(draft_path)
     mismatched = [f"{field} {getattr(config, field)} (the target's: {getattr(model.config, field)})"
                   for field in DRAFT_SHAPE_FIELDS if getattr(config, field) != getattr(model.config, field)]
-    try:
-        if mismatched:
-            raise ModelConfigError(f"its NextN layer does not fit the target: {', '.join(mismatched)}")
-        prefix = draft_nextn_prefix(config)
-    except ModelConfigError as exc:
-        raise ModelConfigError(f"{where}: {exc}") from exc
+    if mismatched:
+        raise ModelConfigError(f"{where}: its NextN layer does not fit the target: {', '.join(mismatched)}")
+    prefix = draft_nextn_prefix(config)
+    if prefix is None:
+        raise ModelConfigError(f"{where}: its config.json declares no NextN layer (num_nextn_predict_layers is 0)")
     checkpoint = SafetensorsCheckpoint(draft_path)
     expected = model.nextn.checkpoint_tensors(prefix, model.config.vocab_size)
     for copy in NextNLayer.SHARED_COPIES:  # a NextN-only export may leave out its copies of the shared ones
