@@ -45,6 +45,7 @@ from plugserve.testing.cases import V2_LITE_ROUTER, V2_ROUTER, V3_ROUTER
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096)
 QUICK_BATCH_SIZES = (1, 16, 64, 256, 1024, 4096)
+PREFILL_M = 512  # the quick search's prefill space from here on (see `search_space`)
 BLOCK_SHAPE = (128, 128)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -65,11 +66,17 @@ MODELS = {
 }
 
 
-def search_space(fp8: bool, dtype: torch.dtype, quick: bool) -> tuple[tuple[int, ...], list[GemmConfig]]:
-    """(BLOCK_SIZE_M candidates, tile candidates of one pass, each with and without TMA weight loads). FP8:
-    BLOCK_SIZE_K divides the 128 block."""
+def search_space(fp8: bool, dtype: torch.dtype, quick: bool, num_tokens: int
+                 ) -> tuple[tuple[int, ...], list[GemmConfig]]:
+    """(BLOCK_SIZE_M candidates, tile candidates of one pass, each with and without TMA weight loads) for M =
+    num_tokens. FP8: BLOCK_SIZE_K divides the 128 block. The quick search from PREFILL_M tokens on adds 256-wide
+    tiles and 8 warps (a 128 x 128 FP8 tile on 4 warps holds its float32 accumulator and each K step's product in
+    registers: it spilled, 3.5x slower than 64-row blocks on the H100) and takes 64- and 128-row blocks only."""
     if quick:
         block_k = (128,) if fp8 else (32,) if dtype == torch.float32 else (64,)
+        if num_tokens >= PREFILL_M:
+            return (64, 128), [GemmConfig(*values) for values in itertools.product(
+                (64, 128, 256), block_k, (1, 16), (4, 8), (3, 4), (False, True))]
         axes = [(64, 128), block_k, (1, 16), (4,), (3, 4), (False, True)]
     else:
         block_k = (64, 128) if fp8 else (32, 64) if dtype == torch.float32 else (32, 64, 128)
@@ -204,14 +211,12 @@ def tune_model(name: str, model: Model, tp: int, ep: int, dtype_name: str, batch
     experts = Experts.random(spec, device)
     bandwidth = copy_bandwidth(device)
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)
-    block_ms, tiles = search_space(fp8, dtype, quick)
     best: dict[int, MoEConfig] = {}
     rows = []
     for m in batch_sizes:
         start = time.perf_counter()
-        decode = m <= decode_max_tokens
-        best[m], total, untuned, expert_bytes = tune_batch(experts, m, None if decode else block_ms,
-                                                           None if decode else tiles, quick)
+        block_ms, tiles = (None, None) if m <= decode_max_tokens else search_space(fp8, dtype, quick, m)
+        best[m], total, untuned, expert_bytes = tune_batch(experts, m, block_ms, tiles, quick)
         limit_ms = expert_bytes / bandwidth * 1e3
         rows.append((m, total, untuned, limit_ms))
         print(f"M={m}: best {total * 1e3:.1f} us (default configuration {untuned * 1e3:.1f} us, weight-read limit "

@@ -469,6 +469,19 @@ def test_tuner_decode_space() -> None:
     assert block_ms == (16, 32) and {tile.block_k for tile in tiles} == {128, 256}
 
 
+def test_tuner_quick_prefill_space_widens_the_quick_one() -> None:
+    """From PREFILL_M tokens on the quick search adds 256-wide tiles and 8 warps to the tiles it tries below, in
+    64- and 128-row blocks."""
+    from benchmarks.tune_fused_moe import PREFILL_M, search_space
+
+    below_ms, below = search_space(True, torch.bfloat16, True, PREFILL_M - 1)
+    block_ms, tiles = search_space(True, torch.bfloat16, True, PREFILL_M)
+    assert below_ms == (16, 32, 64, 128) and block_ms == (64, 128)
+    assert set(below) < set(tiles) and len(tiles) == 48
+    assert {t.num_warps for t in tiles} == {4, 8} and {t.block_n for t in tiles} == {64, 128, 256}
+    assert all(t.block_k == 128 for t in tiles)  # block-FP8: the scale block's K
+
+
 def test_tuner_checks_its_expert_parallel_size(capsys: pytest.CaptureFixture[str]) -> None:
     """Before any GPU work: --ep is 1 or --tp (then a file of E / EP whole experts, the name each rank looks up)."""
     from benchmarks import tune_fused_moe
