@@ -46,6 +46,7 @@ from plugserve.testing.cases import V2_LITE_ROUTER, V2_ROUTER, V3_ROUTER
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096)
 QUICK_BATCH_SIZES = (1, 16, 64, 256, 1024, 4096)
 PREFILL_M = 512  # the quick search's prefill space from here on (see `search_space`)
+ROUTED_SCALING = 2.5  # DeepSeek-V3's routed_scaling_factor, in the timed w2 pass and the check
 BLOCK_SHAPE = (128, 128)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -165,7 +166,7 @@ def tune_batch(experts: Experts, num_tokens: int, block_ms: tuple[int, ...] | No
     w13_pass = functools.partial(kernels.grouped_gemm, a, a_scale, experts.w13, experts.w13_scale_inv, h_buf,
                                  a_row_div=k, silu_mul=True, block_shape=spec.block_shape)
     w2_pass = functools.partial(kernels.grouped_gemm, w=experts.w2, w_scale=experts.w2_scale_inv, out=y, a_row_div=1,
-                                silu_mul=False, topk_weights=topk_weights, routed_scaling_factor=2.5,
+                                silu_mul=False, topk_weights=topk_weights, routed_scaling_factor=ROUTED_SCALING,
                                 block_shape=spec.block_shape)
 
     local_ids = topk_ids - spec.first_expert  # as the backend's forward: ids outside [0, local) are dropped
@@ -186,8 +187,28 @@ def tune_batch(experts: Experts, num_tokens: int, block_ms: tuple[int, ...] | No
         choices.append(passes(block_m, tiles, tiles))
         print(f"  M={num_tokens} BLOCK_SIZE_M={block_m}: {choices[-1][0] * 1e3:.1f} us", flush=True)
     total, best = min(choices, key=lambda c: c[0])
+    check_config(experts, best, x, topk_ids, topk_weights)
     default = configs.default_config(num_tokens, k, spec.num_local_experts, fp8, spec.dtype, "cuda")
     return best, total, passes(default.block_m, [default.w13], [default.w2])[0], expert_bytes
+
+
+def check_config(experts: Experts, config: MoEConfig, x: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor) -> None:
+    """The routed experts' forward with `config` (x [T, H], topk_ids [T, k] of all experts, topk_weights [T, k])
+    against the torch reference; AssertionError naming the config when it is off (the kit's bound for
+    block-FP8), so that no tuned file holds a configuration that computes something else."""
+    from plugserve.plugins.moe import triton_kernels as kernels
+    from plugserve.plugins.moe.torch_ref import fused_experts_reference
+    from plugserve.testing.tolerances import W8A8_MOE_ATOL, assert_close
+
+    spec = experts.spec
+    out = kernels.fused_experts(x, experts.w13, experts.w2, experts.w13_scale_inv, experts.w2_scale_inv,
+                                topk_ids - spec.first_expert, topk_weights, ROUTED_SCALING, config, spec.block_shape)
+    expected = fused_experts_reference(x, experts.w13, experts.w2, topk_ids, topk_weights, ROUTED_SCALING,
+                                       experts.w13_scale_inv, experts.w2_scale_inv, spec.block_shape,
+                                       spec.first_expert)
+    assert_close(out, expected, spec.dtype, f"tuned MoE config {config.to_json()} at M={x.shape[0]}",
+                 W8A8_MOE_ATOL if spec.is_fp8 else None)
 
 
 def rank_spec(model: Model, tp: int, ep: int, dtype_name: str) -> MoESpec:

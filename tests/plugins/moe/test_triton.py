@@ -482,6 +482,21 @@ def test_tuner_quick_prefill_space_widens_the_quick_one() -> None:
     assert all(t.block_k == 128 for t in tiles)  # block-FP8: the scale block's K
 
 
+@pytest.mark.parametrize("dtype,fp8", [(torch.float32, False), (torch.float16, True)], ids=["float32", "fp8"])
+def test_tuner_checks_each_winner_against_the_reference(kernels, monkeypatch: pytest.MonkeyPatch,
+                                                        dtype: torch.dtype, fp8: bool) -> None:
+    from benchmarks.tune_fused_moe import Experts, check_config
+
+    spec = MoESpec(256, 192, dtype, torch.float8_e4m3fn if fp8 else None, router=SMALL_V3)
+    experts = Experts.random(spec, DEVICE)
+    weights, ids = _routing(9, SMALL_V3)
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(0)).to(DEVICE, dtype)
+    check_config(experts, TMA_TILES, x, ids, weights)
+    monkeypatch.setattr(kernels, "fused_experts", lambda x, *args, **kwargs: torch.zeros_like(x))
+    with pytest.raises(AssertionError, match=r"tuned MoE config .* at M=9"):
+        check_config(experts, TMA_TILES, x, ids, weights)
+
+
 def test_tuner_checks_its_expert_parallel_size(capsys: pytest.CaptureFixture[str]) -> None:
     """Before any GPU work: --ep is 1 or --tp (then a file of E / EP whole experts, the name each rank looks up)."""
     from benchmarks import tune_fused_moe
