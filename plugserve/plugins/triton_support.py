@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import OK, Availability
+
+if TYPE_CHECKING:
+    import torch
 
 
 def triton_availability(hardware: Hardware) -> Availability:
@@ -20,3 +24,9 @@ def triton_availability(hardware: Hardware) -> Availability:
     except ImportError as exc:
         return Availability.no(f"triton is not installed ({exc}); pip install triton")
     return OK
+
+
+def tma_source(x: torch.Tensor) -> bool:
+    """Can the 2-D tensor x be read through a TMA descriptor (TensorDescriptor.from_tensor): unit stride along its
+    last dim, its rows and its base 16-byte aligned."""
+    return x.stride(1) == 1 and (x.stride(0) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0

@@ -16,6 +16,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from plugserve.core.layers.quant import FP8_DTYPE, FP8_MAX, SCALE_EPS, ceil_div
+from plugserve.plugins.triton_support import tma_source
 
 # Groups one program of the quantization kernel handles (a [groups, group_size] tile).
 MAX_GROUPS_PER_PROGRAM = 8
@@ -218,11 +219,6 @@ def _split_k_sum_kernel(partial_ptr, c_ptr, numel, SPLIT_K: tl.constexpr, BLOCK:
     tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
-def _tma_source(x: torch.Tensor) -> bool:
-    """Can a 2-D e4m3 operand be read by TMA: unit stride along K, rows and base 16-byte aligned."""
-    return x.stride(1) == 1 and x.stride(0) % 16 == 0 and x.data_ptr() % 16 == 0
-
-
 def w8a8_block_fp8_matmul(
     a: torch.Tensor,
     a_scales: torch.Tensor,
@@ -240,7 +236,7 @@ def w8a8_block_fp8_matmul(
     num_stages, and optionally SPLIT_K (default 1): with few output tiles (small M), K is cut into
     SPLIT_K runs computed by separate programs into a float32 [SPLIT_K, M, N] workspace, then summed;
     TMA (default 0), see `_w8a8_block_fp8_matmul_kernel`: a speed hint, taken only
-    where a and b can be TMA sources (`_tma_source`), the same product through pointers otherwise."""
+    where a and b can be TMA sources (`tma_source`), the same product through pointers otherwise."""
     m, k = a.shape
     n = b.shape[0]
     bn, bk = block_shape
@@ -258,7 +254,7 @@ def w8a8_block_fp8_matmul(
     if m == 0 or n == 0:
         return c
     out = c if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=a.device)
-    tma = bool(config.get("TMA", 0)) and _tma_source(a) and _tma_source(b)
+    tma = bool(config.get("TMA", 0)) and tma_source(a) and tma_source(b)
     a_desc = TensorDescriptor.from_tensor(a, [config["BLOCK_SIZE_M"], bk]) if tma else None
     b_desc = TensorDescriptor.from_tensor(b, [config["BLOCK_SIZE_N"], bk]) if tma else None
     grid = (triton.cdiv(m, config["BLOCK_SIZE_M"]) * triton.cdiv(n, config["BLOCK_SIZE_N"]), split_k)

@@ -32,6 +32,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from plugserve.core.interfaces import RouterConfig
 from plugserve.core.layers.quant import FP8_DTYPE, FP8_MAX, SCALE_EPS
 from plugserve.plugins.moe.configs import GemmConfig, MoEConfig
+from plugserve.plugins.triton_support import tma_source
 
 # Triton's interpreter (triton 3.9) computes tl.dot on bfloat16 operands wrongly and rounds
 # float32 -> float8 casts wrongly (no carry into the exponent): under it, bfloat16 tiles are widened
@@ -666,8 +667,8 @@ def grouped_gemm(
     if pair_sum is not None and (not alignment.per_pair or pair_sum[1].numel() < triton.cdiv(n, config.block_n)):
         raise ValueError("pair_sum needs a per-pair alignment and an arrival count per column block")
     grid = (alignment.num_blocks * triton.cdiv(n, config.block_n),)
-    # TMA (a speed hint): over the experts as one [E * rows, K] matrix, which needs it contiguous, 16-byte aligned.
-    tma = config.tma and w.is_contiguous() and (k * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
+    # TMA (a speed hint): over the experts as one [E * rows, K] matrix, which needs them contiguous.
+    tma = config.tma and w.is_contiguous() and tma_source(w.view(-1, k))
     b_desc = TensorDescriptor.from_tensor(w.view(-1, k), [config.block_n, config.block_k]) if tma else None
     _fused_moe_gemm_kernel[grid](
         a, w, b_desc, out, a_scale, w_scale, topk_weights,

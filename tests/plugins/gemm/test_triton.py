@@ -34,6 +34,7 @@ from plugserve.plugins.gemm.triton import (
     load_configs,
     pick_config,
 )
+from plugserve.plugins.triton_support import tma_source
 from plugserve.registry import Registry
 from plugserve.testing.tolerances import assert_close
 
@@ -171,7 +172,7 @@ def test_tma_kernel_matches_reference(kernels: ModuleType, k: int) -> None:
     out = kernels.w8a8_block_fp8_matmul(x_q, x_s, w_q, w_s, BLOCK, torch.float32, config)
     expected = block_fp8_matmul(x_q, x_s, w_q, w_s, BLOCK, torch.float32)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
-    assert kernels._tma_source(x_q) == (k % 16 == 0) and kernels._tma_source(x_q[:, 1:]) is False
+    assert tma_source(x_q) == (k % 16 == 0) and tma_source(x_q[:, 1:]) is False
 
 
 @pytest.mark.parametrize("split_k", [2, 3, 6], ids=["even", "last-split-short", "empty-splits"])
