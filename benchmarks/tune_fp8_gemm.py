@@ -34,6 +34,7 @@ from plugserve.plugins.gemm.triton import (
     Config,
     config_file_name,
     default_config,
+    load_configs,
 )
 
 BLOCK_SHAPE = (128, 128)
@@ -134,9 +135,10 @@ def _check_device() -> torch.device:
 
 def tune_shape(
     n: int, k: int, batch_sizes: Sequence[int], space: dict[str, tuple[int, ...]], dtype: torch.dtype,
-    reps: int, device: torch.device,
+    reps: int, device: torch.device, kept: dict[int, Config] | None = None,
 ) -> dict[int, Config]:
-    """The fastest config per M for an [N, K] weight, each checked against the torch reference."""
+    """The fastest config per M for an [N, K] weight, each checked against the torch reference. `kept`: the
+    configs a file already holds (--update), timed beside the space's, so that re-tuning never writes a slower one."""
     from benchmarks.gpu_timing import time_cold_graph_ms
     from plugserve.plugins.gemm import triton_kernels
     from plugserve.plugins.gemm.torch_ref import block_fp8_matmul
@@ -154,7 +156,10 @@ def tune_shape(
         timings: list[tuple[float, Config]] = []
         skipped = 0
         m_space = QUICK_PREFILL_SPACE if space is QUICK_SPACE and m >= PREFILL_M else space
-        for config in candidates(m, m_space, smem, n, k, num_sms):
+        tried = candidates(m, m_space, smem, n, k, num_sms)
+        if kept and m in kept and kept[m] not in tried:
+            tried.append(kept[m])
+        for config in tried:
             run = functools.partial(triton_kernels.w8a8_block_fp8_matmul, a_q, a_s, w_q, w_s, BLOCK_SHAPE, dtype,
                                     config)
             try:
@@ -190,7 +195,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                              "the large tiles with and without TMA) and shorter timing")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="activation and output dtype")
     parser.add_argument("--update", action="store_true",
-                        help="merge into existing files: their entries for other batch sizes are kept")
+                        help="merge into existing files: their entries for other batch sizes are kept, and their "
+                             "entry for a re-tuned one is timed beside the candidates")
     parser.add_argument("--output-dir", type=Path, default=CONFIG_DIR)
     args = parser.parse_args(argv)
     try:
@@ -212,7 +218,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     for n, k in shapes:
         print(f"N={n} K={k}: {V3_SHAPES.get((n, k), 'custom shape')}")
         shape_start = time.perf_counter()
-        best = tune_shape(n, k, batch_sizes, space, DTYPES[args.dtype], reps, device)
+        kept = load_configs.__wrapped__(n, k, device_name, BLOCK_SHAPE, args.output_dir) if args.update else None
+        best = tune_shape(n, k, batch_sizes, space, DTYPES[args.dtype], reps, device, kept)
         path = write_configs(best, n, k, device_name, args.output_dir, args.update)
         print(f"  wrote {path} ({time.perf_counter() - shape_start:.0f} s)")
     print(f"Tuning took {time.perf_counter() - start:.0f} s")

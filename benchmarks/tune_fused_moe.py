@@ -147,9 +147,10 @@ class Experts:
 
 
 def tune_batch(experts: Experts, num_tokens: int, block_ms: tuple[int, ...] | None, tiles: list[GemmConfig] | None,
-               quick: bool) -> tuple[MoEConfig, float, float, int]:
+               quick: bool, kept: MoEConfig | None = None) -> tuple[MoEConfig, float, float, int]:
     """(best configuration, its w13 + w2 milliseconds, the default configuration's, the bytes of the distinct
-    experts' weights the batch reads) for M = num_tokens. block_ms / tiles None: the decode space."""
+    experts' weights the batch reads) for M = num_tokens. block_ms / tiles None: the decode space. `kept`: a
+    configuration to time beside the space's (the file's for this M under --update)."""
     from plugserve.plugins.moe import triton_kernels as kernels
     from plugserve.plugins.moe.triton import TritonMoE
 
@@ -186,6 +187,8 @@ def tune_batch(experts: Experts, num_tokens: int, block_ms: tuple[int, ...] | No
     for block_m in block_ms:
         choices.append(passes(block_m, tiles, tiles))
         print(f"  M={num_tokens} BLOCK_SIZE_M={block_m}: {choices[-1][0] * 1e3:.1f} us", flush=True)
+    if kept is not None:  # --update: the file's entry, timed beside the candidates (re-tuning never slows it)
+        choices.append(passes(kept.block_m, [kept.w13], [kept.w2]))
     total, best = min(choices, key=lambda c: c[0])
     check_config(experts, best, x, topk_ids, topk_weights)
     default = configs.default_config(num_tokens, k, spec.num_local_experts, fp8, spec.dtype, "cuda")
@@ -232,12 +235,15 @@ def tune_model(name: str, model: Model, tp: int, ep: int, dtype_name: str, batch
     experts = Experts.random(spec, device)
     bandwidth = copy_bandwidth(device)
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)
+    path = out_dir / configs.config_file_name(spec.num_local_experts, spec.intermediate_size, hardware.device_key,
+                                              dtype, BLOCK_SHAPE if fp8 else None)
+    kept = (configs.load_config_file.__wrapped__(path) or {}) if update else {}
     best: dict[int, MoEConfig] = {}
     rows = []
     for m in batch_sizes:
         start = time.perf_counter()
         block_ms, tiles = (None, None) if m <= decode_max_tokens else search_space(fp8, dtype, quick, m)
-        best[m], total, untuned, expert_bytes = tune_batch(experts, m, block_ms, tiles, quick)
+        best[m], total, untuned, expert_bytes = tune_batch(experts, m, block_ms, tiles, quick, kept.get(m))
         limit_ms = expert_bytes / bandwidth * 1e3
         rows.append((m, total, untuned, limit_ms))
         print(f"M={m}: best {total * 1e3:.1f} us (default configuration {untuned * 1e3:.1f} us, weight-read limit "
@@ -246,10 +252,7 @@ def tune_model(name: str, model: Model, tp: int, ep: int, dtype_name: str, batch
     print("| M | tuned | default | weight-read limit | tuned: of limit |\n|---|---|---|---|---|")
     for m, total, untuned, limit_ms in rows:
         print(f"| {m} | {total * 1e3:.1f} | {untuned * 1e3:.1f} | {limit_ms * 1e3:.1f} | {limit_ms / total:.2f} |")
-    path = out_dir / configs.config_file_name(spec.num_local_experts, spec.intermediate_size, hardware.device_key,
-                                              dtype, BLOCK_SHAPE if fp8 else None)
-    kept = configs.load_config_file.__wrapped__(path) if update else None
-    configs.write_config_file(path, (kept or {}) | best)
+    configs.write_config_file(path, kept | best)
     print(f"wrote {path}" + (f" (kept M {sorted(set(kept) - set(best))})" if kept else ""), flush=True)
     return path
 
@@ -268,7 +271,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decode-max-tokens", type=int, default=64,
                         help="token counts up to this search the decode space (0: none)")
     parser.add_argument("--update", action="store_true",
-                        help="merge into the existing file: its entries for other token counts are kept")
+                        help="merge into the existing file: its entries for other token counts are kept, and its "
+                             "entry for a re-tuned one is timed beside the candidates")
     parser.add_argument("--output-dir", type=Path, default=configs.CONFIG_DIR)
     args = parser.parse_args(argv)
     for name in args.model:

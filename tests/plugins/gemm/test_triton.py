@@ -4,6 +4,7 @@ availability, and the tuning script's CPU-side parts."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import re
@@ -405,6 +406,26 @@ def test_tune_search_space() -> None:
     assert all(set(c) == {*CONFIG_KEYS, "SPLIT_K"} for c in quick)
     prefill = tune_fp8_gemm.candidates(4096, tune_fp8_gemm.QUICK_PREFILL_SPACE, smem, 2112, 7168, 132)
     assert len(prefill) == 48 and {c["BLOCK_SIZE_N"] for c in prefill} == {64, 128, 256}
+
+
+def test_tuner_times_the_files_config_beside_the_candidates(kernels: ModuleType, monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    """Under --update a batch size's config in the file is timed too (here made the fastest) and written back, checked
+    against the reference like any winner; without it the space's best wins. Interpreted, with the GPU faked."""
+    import types
+
+    from benchmarks import gpu_timing
+
+    kept = {"BLOCK_SIZE_M": 32, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1, "num_warps": 4,
+            "num_stages": 2, "SPLIT_K": 1}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(
+        shared_memory_per_block_optin=227 << 10, multi_processor_count=132))
+    monkeypatch.setattr(gpu_timing, "time_cold_graph_ms", lambda run, reps: 1.0 if run.args[-1] == kept else 2.0)
+    space = {"BLOCK_SIZE_M": (16,), "BLOCK_SIZE_N": (64,), "GROUP_SIZE_M": (1,), "num_warps": (4,), "num_stages": (2,),
+             "SPLIT_K": (1,)}
+    tune = functools.partial(tune_fp8_gemm.tune_shape, 256, 256, [16], space, torch.float32, 1, CPU)
+    assert tune(kept={16: kept}) == {16: kept}
+    assert tune() == {16: kept | {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64}}  # the space's one candidate
 
 
 def test_tune_output_loads_back(tmp_path: Path) -> None:

@@ -497,6 +497,20 @@ def test_tuner_checks_each_winner_against_the_reference(kernels, monkeypatch: py
         check_config(experts, TMA_TILES, x, ids, weights)
 
 
+def test_tuner_times_the_files_config_beside_the_candidates(kernels, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under --update a count's configuration in the file is timed too, and kept when no candidate beats it."""
+    import benchmarks.tune_fused_moe as tuner
+
+    spec = MoESpec(256, 192, torch.float32, None, router=SMALL_V3)
+    experts = tuner.Experts.random(spec, DEVICE)
+    kept_tiles = (TMA_TILES.w13, TMA_TILES.w2)
+    monkeypatch.setattr(tuner, "time_ms", lambda fn, quick: 1.0 if fn.keywords["config"] in kept_tiles else 2.0)
+    best, total, _, _ = tuner.tune_batch(experts, 9, (16,), [SMALL_TILES.w13], True, kept=TMA_TILES)
+    assert best == TMA_TILES and total == 2.0
+    best, total, _, _ = tuner.tune_batch(experts, 9, (16,), [SMALL_TILES.w13], True)
+    assert best == MoEConfig(16, SMALL_TILES.w13, SMALL_TILES.w13) and total == 4.0
+
+
 def test_tuner_checks_its_expert_parallel_size(capsys: pytest.CaptureFixture[str]) -> None:
     """Before any GPU work: --ep is 1 or --tp (then a file of E / EP whole experts, the name each rank looks up)."""
     from benchmarks import tune_fused_moe
