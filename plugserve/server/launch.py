@@ -68,8 +68,9 @@ HELP = {
     "disable_cuda_graph": "do not capture decode (nor speculative rounds) in CUDA graphs",
     "cuda_graph_max_bs": "largest decode batch (or speculative round) captured in CUDA graphs (default: "
                          "--max-running-requests, 256 on a GPU); graphs are captured at SGLang's sizes up to it",
-    "enable_torch_compile": "torch.compile the element-wise ops between kernels (norms, rope, SiLU-and-mul), "
-                            "fused by Inductor, inside the CUDA graphs",
+    "enable_torch_compile": "torch.compile the element-wise ops between kernels that have no Triton kernel of "
+                            "plugserve's (rope's cos / sin, the MHA path's rope; norms and SiLU-and-mul always run "
+                            "fused on CUDA), fused by Inductor, inside the CUDA graphs",
     "torch_compile_max_bs": "largest batch (in tokens) that runs the compiled ops; larger ones run eagerly",
     "disable_shared_experts_overlap": "run the shared experts on the main CUDA stream instead of a second one",
     "enable_shared_experts_fusion": "run the shared experts as extra experts inside the MoE backend's GEMMs (one that "

@@ -3,12 +3,13 @@ absorbed MLA's norm + rope + KV cache write + W_UK absorption), as plain functio
 
 At decode every one of them is a handful of tiny kernels per layer; under a CUDA graph the launches are
 free but each kernel still costs a few microseconds, which at batch 1 adds up to more than the weight
-reads. `--enable-torch-compile` replaces them by their torch.compile versions (Inductor fuses each into
-one or two kernels) for inputs of at most `--torch-compile-max-bs` rows; larger inputs (prefill) run the
-eager versions, so no prompt length ever triggers a recompile. The model's modules call the functions of
-the `SmallOps` they are given (`DeepseekForCausalLM.use_small_ops`). On CUDA, `with_fused_kernels` also
-swaps in hand-written Triton kernels (`triton_small_ops`) where one kernel does what compiled torch cannot
-fuse, such as the write into the KV pool.
+reads. On CUDA, `with_fused_kernels` swaps in hand-written Triton kernels (`triton_small_ops`) for the norms,
+SiLU-and-mul and absorbed MLA's preparation, one launch each at every batch size (the last also doing what
+compiled torch cannot fuse, such as the write into the KV pool). `--enable-torch-compile` replaces the others
+(rope's cos / sin, the MHA path's rope) by their torch.compile versions (Inductor fuses each into one or two
+kernels) for inputs of at most `--torch-compile-max-bs` rows; larger inputs (prefill) run the eager versions,
+so no prompt length ever triggers a recompile. The model's modules call the functions of the `SmallOps` they
+are given (`DeepseekForCausalLM.use_small_ops`).
 """
 
 from __future__ import annotations
@@ -104,17 +105,19 @@ class SmallOps:
         return cls(**{name: _compiled_up_to(getattr(eager, name), max_rows) for name in cls.__dataclass_fields__})
 
     def with_fused_kernels(self, device: torch.device) -> SmallOps:
-        """These ops with the Triton kernels of `triton_small_ops` in place of those they replace, on CUDA with
-        triton installed (also over compiled ops: torch.compile fuses neither the KV pool write into the norm and
-        rope nor W_UK's product into them); unchanged elsewhere. The kernels are for every batch size, eager or
-        compiled."""
+        """These ops with the Triton kernels of `triton_small_ops` in place of those they replace (the norms,
+        SiLU-and-mul, absorbed MLA's preparation), on CUDA with triton installed, also over compiled ops: each
+        kernel is one launch like Inductor's, but for every batch size, with no compilation at start-up, and
+        torch.compile fuses neither the KV pool write into the norm and rope nor W_UK's product into them.
+        Unchanged elsewhere."""
         if device.type != "cuda":
             return self
         try:
             from plugserve.core.layers import triton_small_ops  # imports triton: only here, never at import
         except ImportError:
             return self
-        return replace(self, mla_prepare=triton_small_ops.mla_prepare)
+        return replace(self, rms_norm=triton_small_ops.rms_norm, add_rms_norm=triton_small_ops.add_rms_norm,
+                       silu_and_mul=triton_small_ops.silu_and_mul, mla_prepare=triton_small_ops.mla_prepare)
 
 
 def _compiled_up_to(function: Callable[..., Any], max_rows: int) -> Callable[..., Any]:

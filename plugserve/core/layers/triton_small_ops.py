@@ -8,8 +8,11 @@ the interpreter (TRITON_INTERPRET=1, the CPU tests).
                   interleaved rope of the rope key and of q's rope part, the KV pool write, and (at decode sizes)
                   W_UK's product with q's nope part. Eager that is six kernels (an RMSNorm, two ropes, two
                   index_put, a bmm); here it is one launch.
+    rms_norm      DeepSeek's RMSNorm of each row (eager: pow, mean, add, rsqrt, two products, two casts).
+    add_rms_norm  the residual add and the RMSNorm of the sum, both written by one launch.
+    silu_and_mul  silu(gate) * up of the MLP's gate_up output (eager: three kernels).
 
-Only plain tl.load / tl.store / arithmetic / tl.sum, so that it compiles on older Triton releases too.
+Only plain tl.load / tl.store / arithmetic / tl.sum / tl.exp, so that it compiles on older Triton releases too.
 """
 
 from __future__ import annotations
@@ -31,6 +34,47 @@ Q_PAIRS_PER_PROGRAM = 512
 # tokens take the bmm.
 FUSED_ABSORB_MAX_TOKENS = 8
 ABSORB_BLOCK_R = 64
+
+
+@triton.jit
+def _rms_normed(x, weight_ptr, offsets, mask, eps, size, x_ty):
+    """weight * rms_norm(x) of one row x [BLOCK] float32 (zero past `size`), in float32: normalized in float32 and
+    rounded to x's dtype first, as `small_ops.rms_norm` does; the caller casts the product to torch's promoted
+    dtype of x and the weight (a product of two 16-bit values is exact in float32, so one rounding matches)."""
+    normed = (x * tl.rsqrt(tl.sum(x * x, axis=0) / size + eps)).to(x_ty)
+    return tl.load(weight_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * normed.to(tl.float32)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, residual_ptr, sum_ptr, weight_ptr, out_ptr, stride_x, stride_residual, stride_sum,
+                     stride_out, eps, D: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr):
+    """Program t: out[t] = weight * rms_norm(x[t]); with ADD, of the sum x[t] + residual[t] (rounded to x's dtype,
+    as torch adds), which it also writes to sum[t]."""
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK)
+    ok = d < D
+    x_ty = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + t * stride_x + d, mask=ok, other=0.0)
+    if ADD:
+        residual = tl.load(residual_ptr + t * stride_residual + d, mask=ok, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ty)
+        tl.store(sum_ptr + t * stride_sum + d, x, mask=ok)
+    out = _rms_normed(x.to(tl.float32), weight_ptr, d, ok, eps, D, x_ty)
+    tl.store(out_ptr + t * stride_out + d, out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (t, b): out[t, b-block] = silu(gate) * up with gate = x[t, :WIDTH], up = x[t, WIDTH:], silu rounded
+    to x's dtype before the product, as torch's two kernels round."""
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = c < WIDTH
+    x_ty = x_ptr.dtype.element_ty
+    gate = tl.load(x_ptr + t * stride_x + c, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + t * stride_x + WIDTH + c, mask=ok, other=0.0).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(x_ty).to(tl.float32)
+    tl.store(out_ptr + t * stride_out + c, (silu * up).to(x_ty), mask=ok)
 
 
 @triton.jit
@@ -72,12 +116,11 @@ def _mla_prepare_kernel(
         buf_ty = buf_ptr.dtype.element_ty
         kv = kv_a_ptr + t * stride_kv_a
         row = buf_ptr + tl.load(slots_ptr + t * stride_slots).to(tl.int64) * stride_buf
-        # RMSNorm in float32, cast to x's dtype, times the weight (rounded to x's dtype when the weight has it:
-        # torch's product of two 16-bit tensors is 16-bit; of mixed dtypes, float32).
+        # The product rounded to x's dtype when the weight has it: torch's product of two 16-bit tensors is
+        # 16-bit; of mixed dtypes, float32.
         r = tl.arange(0, BLOCK_R)
         x = tl.load(kv + r, mask=r < R, other=0.0).to(tl.float32)
-        normed = (x * tl.rsqrt(tl.sum(x * x, axis=0) / R + eps)).to(x_ty)
-        latent = tl.load(weight_ptr + r, mask=r < R, other=0.0).to(tl.float32) * normed.to(tl.float32)
+        latent = _rms_normed(x, weight_ptr, r, r < R, eps, R, x_ty)
         if ROUND_NORM:
             latent = latent.to(x_ty)
         tl.store(row + r, latent.to(buf_ty), mask=r < R)
@@ -138,3 +181,56 @@ def mla_prepare(kv_a: torch.Tensor, q_nope: torch.Tensor, q_rope: torch.Tensor, 
         enable_fp_fusion=False,
     )
     return (q_abs if absorb else small_ops.absorb_q(q_nope, w_kc)), q_out
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] as [rows, D] with unit stride in D (a view where one exists, e.g. a column slice of a GEMM's
+    output)."""
+    return _last_dim_contiguous(x if x.dim() == 2 else x.reshape(-1, x.shape[-1]))
+
+
+def _norm_launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = _rows(x)
+    t, d = rows.shape
+    out = torch.empty((t, d), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    summed = torch.empty((t, d), dtype=x.dtype, device=x.device) if residual is not None else out
+    if t > 0:
+        others = _rows(residual) if residual is not None else rows
+        block = triton.next_power_of_2(d)
+        _rms_norm_kernel[(t,)](rows, others, summed, weight, out, rows.stride(0), others.stride(0), summed.stride(0),
+                               out.stride(0), eps, D=d, BLOCK=block, ADD=residual is not None,
+                               num_warps=min(max(block // 512, 1), 16), enable_fp_fusion=False)
+    return out.view(x.shape), summed.view(x.shape)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`small_ops.rms_norm` in one launch: x [..., D] (last dim contiguous, other strides free), weight [D] ->
+    [..., D] in torch's promoted dtype of x and weight, a new tensor."""
+    return _norm_launch(x, None, weight, eps)[0]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`small_ops.add_rms_norm` in one launch: x, residual [..., D] -> (rms_norm(x + residual), x + residual), new
+    tensors. Mixed dtypes of x and residual (torch would promote the sum) take the eager op."""
+    if residual.dtype != x.dtype:
+        return small_ops.add_rms_norm(x, residual, weight, eps)
+    return _norm_launch(x, residual, weight, eps)
+
+
+# Columns of the output a silu_and_mul program writes: several programs per row at V3's widths (18432), so that a
+# batch-1 decode still spreads over the SMs.
+SILU_BLOCK = 1024
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`small_ops.silu_and_mul` in one launch: gate_up [T, 2I] (gate columns, then up) -> [T, I], a new tensor."""
+    rows = _rows(gate_up)
+    t, i = rows.shape[0], rows.shape[1] // 2
+    out = torch.empty((t, i), dtype=gate_up.dtype, device=gate_up.device)
+    if t > 0:
+        block = min(SILU_BLOCK, triton.next_power_of_2(i))
+        _silu_and_mul_kernel[(t, triton.cdiv(i, block))](rows, out, rows.stride(0), out.stride(0), WIDTH=i,
+                                                          BLOCK=block, num_warps=4, enable_fp_fusion=False)
+    return out.view(*gate_up.shape[:-1], i)

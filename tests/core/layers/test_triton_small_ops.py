@@ -1,6 +1,7 @@
 """The fused MLA norm + rope + KV pool write + W_UK absorption kernel (`triton_small_ops.mla_prepare`) against its
-eager op and a float64 product, alone and in the tiny model's decode; which path the model takes for which backend;
-the selection.
+eager op and a float64 product, alone and in the tiny model's decode; the RMSNorm (with and without the residual
+add) and SiLU-and-mul kernels against transformers' DeepseekV3RMSNorm / SiLU and the eager ops; which path the model
+takes for which backend; the selection.
 
 Without a GPU the kernel runs in Triton's interpreter, in fp32 / fp16 only: the interpreter truncates float32
 to bf16 where the GPU rounds to nearest even.
@@ -14,6 +15,7 @@ from types import ModuleType
 
 import pytest
 import torch
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
 
 from plugserve.core.dispatch import AttnForwardMethod
 from plugserve.core.forward_batch import ForwardMode
@@ -160,6 +162,115 @@ def test_captures_in_a_cuda_graph_and_replays_on_new_inputs(kernels: ModuleType)
 
 
 # ----------------------------------------------------------------------------------------------------
+# RMSNorm and SiLU-and-mul
+
+
+def _hf_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """transformers' DeepseekV3RMSNorm (the oracle the model is checked against) with `weight`."""
+    norm = DeepseekV3RMSNorm(x.shape[-1], eps=EPS).to(DEVICE)
+    norm.weight.data = weight.clone()
+    with torch.no_grad():
+        return norm(x)
+
+
+NORM_CASES = [(1, 256), (5, 200)]  # 200: a masked tail of the row
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("t", "d"), NORM_CASES, ids=["1x256", "5x200"])
+def test_rms_norm_equals_transformers_norm(kernels: ModuleType, t: int, d: int, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(t)
+    wide = (3 * torch.randn(t, d + 40, generator=g)).to(DEVICE, dtype)
+    x = wide[:, 40:]  # a column slice, as q_a_layernorm reads the qkv_a GEMM's output
+    weight = (1 + 0.1 * torch.randn(d, generator=g)).to(DEVICE, dtype)
+    out = kernels.rms_norm(x, weight, EPS)
+    _assert_matches(out, _hf_rms_norm(x, weight), "rms_norm")
+    _assert_matches(out, small_ops.rms_norm(x, weight, EPS), "rms_norm against the eager op")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("t", "d"), NORM_CASES, ids=["1x256", "5x200"])
+def test_add_rms_norm_writes_the_sum_and_its_norm(kernels: ModuleType, t: int, d: int, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(10 + t)
+    x, residual = (3 * torch.randn(2, t, d, generator=g)).to(DEVICE, dtype)
+    weight = (1 + 0.1 * torch.randn(d, generator=g)).to(DEVICE, dtype)
+    normed, summed = kernels.add_rms_norm(x, residual, weight, EPS)
+    assert torch.equal(summed, x + residual)  # one rounding of the float32 sum, as torch's add
+    _assert_matches(normed, _hf_rms_norm(x + residual, weight), "add_rms_norm")
+
+
+def test_rms_norm_keeps_leading_dims_and_promotes_like_torch(kernels: ModuleType) -> None:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 64, generator=g).to(DEVICE, torch.float16)
+    weight = (1 + 0.1 * torch.randn(64, generator=g)).to(DEVICE)  # a float32 weight: the product stays float32
+    out = kernels.rms_norm(x, weight, EPS)
+    expected = small_ops.rms_norm(x, weight, EPS)
+    assert out.shape == (2, 3, 64) and expected.dtype == torch.float32
+    _assert_matches(out, expected, "rms_norm, fp16 x and fp32 weight")
+
+
+def test_add_rms_norm_of_mixed_dtypes_takes_the_eager_op(kernels: ModuleType) -> None:
+    x = torch.randn(3, 64).to(DEVICE, torch.float16)
+    residual, weight = torch.randn(3, 64).to(DEVICE), torch.ones(64).to(DEVICE, torch.float16)
+    normed, summed = kernels.add_rms_norm(x, residual, weight, EPS)
+    expected = small_ops.add_rms_norm(x, residual, weight, EPS)
+    assert summed.dtype == torch.float32 and torch.equal(summed, expected[1]) and torch.equal(normed, expected[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("t", "i"), [(1, 64), (3, 1500)], ids=["1x64", "3x1500"])  # 1500: two blocks, masked
+def test_silu_and_mul_equals_the_eager_op(kernels: ModuleType, t: int, i: int, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(i)
+    gate_up = (4 * torch.randn(t, 2 * i, generator=g)).to(DEVICE, dtype)
+    out = kernels.silu_and_mul(gate_up)
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    plain = torch.nn.SiLU()(gate.to(dtype)).double() * up  # torch.nn's SiLU, rounded to dtype like the eager op
+    _assert_matches(out, plain.to(dtype), "silu_and_mul against SiLU")
+    _assert_matches(out, small_ops.silu_and_mul(gate_up), "silu_and_mul against the eager op")
+
+
+def test_no_rows_give_empty_outputs(kernels: ModuleType) -> None:
+    x, weight = torch.empty(0, 64, device=DEVICE), torch.ones(64, device=DEVICE)
+    assert kernels.rms_norm(x, weight, EPS).shape == (0, 64)
+    assert [y.shape for y in kernels.add_rms_norm(x, x, weight, EPS)] == [(0, 64), (0, 64)]
+    assert kernels.silu_and_mul(torch.empty(0, 128, device=DEVICE)).shape == (0, 64)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="bf16 at DeepSeek's widths, compiled: needs a GPU")
+@pytest.mark.parametrize("t", [1, 64, 4096])
+def test_bf16_norms_and_silu_on_the_gpu_at_deepseek_widths(kernels: ModuleType, t: int) -> None:
+    g = torch.Generator().manual_seed(t)
+    for d in (7168, 2048, 1536):  # V3's and V2-Lite's hidden sizes, V3's q_lora_rank
+        x, residual = (3 * torch.randn(2, t, d, generator=g)).to(DEVICE, torch.bfloat16)
+        weight = (1 + 0.1 * torch.randn(d, generator=g)).to(DEVICE, torch.bfloat16)
+        normed, summed = kernels.add_rms_norm(x, residual, weight, EPS)
+        assert torch.equal(summed, x + residual)
+        _assert_matches(normed, _hf_rms_norm(x + residual, weight), f"add_rms_norm, {t}x{d}")
+    for i in (18432, 1408):  # V3's dense intermediate size, V2-Lite's experts'
+        gate_up = (4 * torch.randn(t, 2 * i, generator=g)).to(DEVICE, torch.bfloat16)
+        _assert_matches(kernels.silu_and_mul(gate_up), small_ops.silu_and_mul(gate_up), f"silu_and_mul, {t}x{i}")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+def test_norm_and_silu_capture_in_a_cuda_graph(kernels: ModuleType) -> None:
+    x, residual = torch.randn(2, 8, 2048, device=DEVICE, dtype=torch.bfloat16)
+    gate_up = torch.randn(8, 2816, device=DEVICE, dtype=torch.bfloat16)
+    weight = torch.ones(2048, device=DEVICE, dtype=torch.bfloat16)
+    kernels.add_rms_norm(x, residual, weight, EPS), kernels.silu_and_mul(gate_up)  # compiles outside the graph
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        normed, summed = kernels.add_rms_norm(x, residual, weight, EPS)
+        activated = kernels.silu_and_mul(gate_up)
+    for static in (x, residual, gate_up):
+        static.copy_(torch.randn_like(static))
+    graph.replay()
+    expected_normed, expected_summed = small_ops.add_rms_norm(x, residual, weight, EPS)
+    assert torch.equal(summed, expected_summed)
+    _assert_matches(normed, expected_normed, "add_rms_norm (replayed)")
+    _assert_matches(activated, small_ops.silu_and_mul(gate_up), "silu_and_mul (replayed)")
+
+
+# ----------------------------------------------------------------------------------------------------
 # In the model
 
 
@@ -199,13 +310,17 @@ def _counting(function):
 def test_model_decode_with_the_fused_kernel_equals_eager(kernels: ModuleType, tiny_model: DeepseekForCausalLM
                                                          ) -> None:
     eager = _decode_logits(tiny_model)
-    fused = _counting(kernels.mla_prepare)
-    tiny_model.use_small_ops(SmallOps(mla_prepare=fused))
+    fused = {name: _counting(getattr(kernels, name)) for name in ("rms_norm", "add_rms_norm", "silu_and_mul",
+                                                                   "mla_prepare")}
+    tiny_model.use_small_ops(SmallOps(**fused))
     try:
         logits = _decode_logits(tiny_model)
     finally:
         tiny_model.use_small_ops(EAGER)
-    assert fused.calls == 3 * tiny_model.config.num_hidden_layers  # every layer of every decode step
+    layers = tiny_model.config.num_hidden_layers
+    assert fused["mla_prepare"].calls == 3 * layers  # every layer of every decode step
+    assert fused["add_rms_norm"].calls >= 3 * 2 * (layers - 1)  # the pre-norms of every layer but the first's input
+    assert fused["rms_norm"].calls > 0 and fused["silu_and_mul"].calls > 0
     torch.testing.assert_close(logits, eager, rtol=1e-5, atol=1e-5)
 
 
@@ -240,5 +355,6 @@ def test_fused_kernels_are_selected_on_cuda_only(kernels: ModuleType) -> None:
     compiled = SmallOps.compiled(4)
     assert compiled.with_fused_kernels(torch.device("cpu")) is compiled
     fused = compiled.with_fused_kernels(torch.device("cuda"))  # selects without touching a GPU
-    assert fused.mla_prepare.__module__ == "plugserve.core.layers.triton_small_ops"
-    assert fused.rms_norm is compiled.rms_norm
+    for name in ("rms_norm", "add_rms_norm", "silu_and_mul", "mla_prepare"):
+        assert getattr(fused, name).__module__ == "plugserve.core.layers.triton_small_ops", name
+    assert fused.apply_rope is compiled.apply_rope and fused.rope_cos_sin is compiled.rope_cos_sin
