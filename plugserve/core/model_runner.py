@@ -44,6 +44,26 @@ from plugserve.registry import SelectionError, get_registry, load_selection_tabl
 
 logger = logging.getLogger(__name__)
 
+
+def report_late_triton_compiles() -> None:
+    """From now on (after the warm-up), log a warning for each Triton kernel compiled, naming it and its
+    specialization (argument dtypes, 16-byte alignments, constexprs): a compile inside a request stalls it for
+    tens to hundreds of milliseconds, so each one names a shape or layout the warm-up should walk. A no-op
+    without triton or on a release without `knobs.runtime.jit_post_compile_hook`."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return
+    runtime = getattr(knobs, "runtime", None)
+    if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
+        return
+
+    def warn(**details: Any) -> None:
+        logger.warning("Triton compiled a kernel after the warm-up (the request waited for it): %s",
+                       details.get("repr", details.get("key")))
+
+    runtime.jit_post_compile_hook = warn
+
 KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
              "fp8_e4m3": torch.float8_e4m3fn}
 # Without --max-total-tokens on the CPU: this much memory for the KV pool.
@@ -420,6 +440,8 @@ class ModelRunner:
             step()
         if self.graph_max_bs:
             self.capture_graphs()
+        if self.device.type == "cuda":
+            report_late_triton_compiles()
 
     def _scratch_forward(self, mode: ForwardMode, seq_lens: list[int], extend_lens: list[int],
                          pages: list[list[int]], nextn: bool = False) -> None:

@@ -1,8 +1,10 @@
+import logging
+
 import pytest
 import torch
 
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode
-from plugserve.core.model_runner import ModelRunner
+from plugserve.core.model_runner import ModelRunner, report_late_triton_compiles
 from plugserve.core.server_args import ServerArgs
 from plugserve.registry import SelectionError
 
@@ -129,3 +131,19 @@ def test_shared_experts_fuse_into_a_backend_that_can_and_give_the_same_logits():
         batch = ForwardBatch.build(ForwardMode.EXTEND, [5], [5], pages, runner.pool)
         logits.append(runner.forward(ids, batch, torch.tensor([4])))
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+
+
+def test_a_triton_compile_after_the_warm_up_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    knobs = pytest.importorskip("triton").knobs
+    before = knobs.runtime.jit_post_compile_hook
+    try:
+        report_late_triton_compiles()
+        hook = knobs.runtime.jit_post_compile_hook
+        assert hook is not None
+        with caplog.at_level(logging.WARNING, logger="plugserve.core.model_runner"):
+            # As triton's JIT calls it once a kernel is compiled (runtime/jit.py, `_call_hook`).
+            hook(key="k", repr="_rms_norm_kernel[num_warps=1](x_ptr: *bf16, stride_x: i32)", fn=None, compile={},
+                 is_manual_warmup=False, already_compiled=False)
+    finally:
+        knobs.runtime.jit_post_compile_hook = before
+    assert "_rms_norm_kernel[num_warps=1](x_ptr: *bf16, stride_x: i32)" in caplog.text

@@ -70,14 +70,15 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (line(a) - line(b)).abs()
 
 
-def _assert_matches(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    """float32: within 1e-6 relative; 16-bit: at most one unit in the last place apart."""
+def _assert_matches(actual: torch.Tensor, expected: torch.Tensor, what: str, max_ulps: int = 1) -> None:
+    """float32: within 1e-6 relative; 16-bit: at most `max_ulps` units in the last place apart."""
     assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
     if actual.dtype == torch.float32:
         torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6, msg=what)
     else:
         ulps = _ulps(actual, expected)
-        assert int(ulps.max()) <= 1, f"{what}: {int((ulps > 1).sum())} values over 1 ulp apart (max {int(ulps.max())})"
+        assert int(ulps.max()) <= max_ulps, (f"{what}: {int((ulps > max_ulps).sum())} values over {max_ulps} ulp "
+                                             f"apart (max {int(ulps.max())})")
 
 
 def _check_against_eager(kernels: ModuleType, t: int, h: int, r: int, p: int, dtype: torch.dtype,
@@ -174,6 +175,9 @@ def _hf_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 NORM_CASES = [(1, 256), (5, 200)]  # 200: a masked tail of the row
+# A norm rounds twice in 16 bits (the normed row, then its product with the weight): a one-ulp difference in the
+# first (another summation order, rsqrt's last bit) can become two in the second.
+NORM_ULPS = 2
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -184,8 +188,8 @@ def test_rms_norm_equals_transformers_norm(kernels: ModuleType, t: int, d: int, 
     x = wide[:, 40:]  # a column slice, as q_a_layernorm reads the qkv_a GEMM's output
     weight = (1 + 0.1 * torch.randn(d, generator=g)).to(DEVICE, dtype)
     out = kernels.rms_norm(x, weight, EPS)
-    _assert_matches(out, _hf_rms_norm(x, weight), "rms_norm")
-    _assert_matches(out, small_ops.rms_norm(x, weight, EPS), "rms_norm against the eager op")
+    _assert_matches(out, _hf_rms_norm(x, weight), "rms_norm", NORM_ULPS)
+    _assert_matches(out, small_ops.rms_norm(x, weight, EPS), "rms_norm against the eager op", NORM_ULPS)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -196,7 +200,7 @@ def test_add_rms_norm_writes_the_sum_and_its_norm(kernels: ModuleType, t: int, d
     weight = (1 + 0.1 * torch.randn(d, generator=g)).to(DEVICE, dtype)
     normed, summed = kernels.add_rms_norm(x, residual, weight, EPS)
     assert torch.equal(summed, x + residual)  # one rounding of the float32 sum, as torch's add
-    _assert_matches(normed, _hf_rms_norm(x + residual, weight), "add_rms_norm")
+    _assert_matches(normed, _hf_rms_norm(x + residual, weight), "add_rms_norm", NORM_ULPS)
 
 
 def test_rms_norm_keeps_leading_dims_and_promotes_like_torch(kernels: ModuleType) -> None:
@@ -245,7 +249,7 @@ def test_bf16_norms_and_silu_on_the_gpu_at_deepseek_widths(kernels: ModuleType, 
         weight = (1 + 0.1 * torch.randn(d, generator=g)).to(DEVICE, torch.bfloat16)
         normed, summed = kernels.add_rms_norm(x, residual, weight, EPS)
         assert torch.equal(summed, x + residual)
-        _assert_matches(normed, _hf_rms_norm(x + residual, weight), f"add_rms_norm, {t}x{d}")
+        _assert_matches(normed, _hf_rms_norm(x + residual, weight), f"add_rms_norm, {t}x{d}", NORM_ULPS)
     for i in (18432, 1408):  # V3's dense intermediate size, V2-Lite's experts'
         gate_up = (4 * torch.randn(t, 2 * i, generator=g)).to(DEVICE, torch.bfloat16)
         _assert_matches(kernels.silu_and_mul(gate_up), small_ops.silu_and_mul(gate_up), f"silu_and_mul, {t}x{i}")
@@ -266,7 +270,7 @@ def test_norm_and_silu_capture_in_a_cuda_graph(kernels: ModuleType) -> None:
     graph.replay()
     expected_normed, expected_summed = small_ops.add_rms_norm(x, residual, weight, EPS)
     assert torch.equal(summed, expected_summed)
-    _assert_matches(normed, expected_normed, "add_rms_norm (replayed)")
+    _assert_matches(normed, expected_normed, "add_rms_norm (replayed)", NORM_ULPS)
     _assert_matches(activated, small_ops.silu_and_mul(gate_up), "silu_and_mul (replayed)")
 
 
