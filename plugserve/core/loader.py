@@ -233,20 +233,22 @@ def load_model(
     expert_parallel: bool = False,
     dp_attention: bool = False,
     draft_model_path: str | None = None,
+    dummy_nextn: bool = False,
 ) -> DeepseekForCausalLM:
     """Build the model (this rank's part of it, split over `group`, the routed experts whole when
     `expert_parallel`, the attention whole under `dp_attention`), fill its weights (its NextN layer's from
-    `draft_model_path` when given, else from the checkpoint when it has one), and pack them for
+    `draft_model_path` when given, else from the checkpoint when it has one; with dummy weights, random like the
+    rest when `dummy_nextn` and the config declares one: speculative decoding on a preset's shapes), and pack them for
     `backends` (built for this rank's shapes: `ModelConfig.attention_spec` / `moe_spec` with the world size,
     the attention's with 1 under DP attention, and the rank under expert parallelism)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"--load-format {load_format!r} is not supported (choose from {', '.join(LOAD_FORMATS)})")
     dummy = load_format == "dummy" or model_path is None
     checkpoint = None if dummy else SafetensorsCheckpoint(model_path)  # type: ignore[arg-type]
+    declared = config.num_nextn_predict_layers > 0
     with_nextn = draft_model_path is not None or (
-        checkpoint is not None
-        and config.num_nextn_predict_layers > 0
-        and f"model.layers.{checkpoint_layers}.eh_proj.weight" in checkpoint.names()
+        (dummy_nextn and declared) if checkpoint is None
+        else declared and f"model.layers.{checkpoint_layers}.eh_proj.weight" in checkpoint.names()
     )
     model = DeepseekForCausalLM(config, dtype, device, with_nextn=with_nextn, group=group,
                                 expert_parallel=expert_parallel, dp_attention=dp_attention)

@@ -60,9 +60,26 @@ def report_late_triton_compiles() -> None:
 
     def warn(**details: Any) -> None:
         logger.warning("Triton compiled a kernel after the warm-up (the request waited for it): %s",
-                       details.get("repr", details.get("key")))
+                       _describe_compile(details))
 
     runtime.jit_post_compile_hook = warn
+
+
+def _describe_compile(details: dict[str, Any]) -> str:
+    """`name(arg: type, ...) 16-byte aligned or divisible: [args] constexprs {...}` from the keywords triton's JIT
+    passes its hooks (`compile`: signature, constants, configs), or its own `repr` where those differ."""
+    try:
+        compile_info = details["compile"]
+        signature: dict[str, str] = compile_info["signature"]
+        names = list(signature)
+        divisible = sorted(names[index[0]] for attrs in compile_info["configs"] for index, values in attrs.items()
+                           if any(value[0] == "tt.divisibility" for value in values))
+        args = ", ".join(f"{name}: {kind}" for name, kind in signature.items() if kind != "constexpr")
+        constants = {names[key[0]] if isinstance(key, tuple) else key: value
+                     for key, value in compile_info["constants"].items()}
+        return f"{details['fn'].name}({args}) divisible by 16: {divisible} constexprs {constants}"
+    except (KeyError, TypeError, IndexError, AttributeError):
+        return str(details.get("repr", details.get("key")))
 
 KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
              "fp8_e4m3": torch.float8_e4m3fn}
@@ -181,7 +198,8 @@ class ModelRunner:
         self.model = load_model(self.config, backends, model_path=args.model_dir,
                                 checkpoint_layers=checkpoint_layers, load_format=args.load_format, dtype=self.dtype,
                                 device=self.device, seed=args.seed, group=group, expert_parallel=args.ep_size > 1,
-                                dp_attention=self.dp_size > 1, draft_model_path=args.speculative_draft_model_path)
+                                dp_attention=self.dp_size > 1, draft_model_path=args.speculative_draft_model_path,
+                                dummy_nextn=args.speculative is not None)
         small_ops = SmallOps.compiled(args.torch_compile_max_bs) if args.enable_torch_compile else EAGER
         self.model.use_small_ops(small_ops.with_fused_kernels(self.device))
         if self.device.type == "cuda":

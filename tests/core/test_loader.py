@@ -4,6 +4,7 @@ quantize-on-load, random weights at the presets' real shapes, and the --dtype / 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from collections.abc import Callable
@@ -13,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from plugserve.core.config import ModelConfigError
+from plugserve.core.config import ModelConfigError, preset_config
 from plugserve.core.layers.linear import Linear, WeightLoadError
 from plugserve.core.layers.quant import FP8_DTYPE, dequantize_block_fp8, quantize_block_fp8
 from plugserve.core.loader import INDEX_FILE, load_model, read_config, resolve_dtype
@@ -437,6 +438,19 @@ def test_dummy_deepseek_v3() -> None:
     w = dequantize_block_fp8(attn.o_proj.weight[:256], attn.o_proj.weight_scale_inv[:2], (128, 128))
     assert 0.01 < w.std().item() < 0.04
     assert 0.01 < model.embed_tokens.weight[:256].float().std().item() < 0.04
+
+
+def test_dummy_weights_build_a_declared_nextn_layer_for_speculative_decoding() -> None:
+    with_layer = dataclasses.replace(preset_config("tiny"), num_nextn_predict_layers=1)
+
+    def load(config, **kwargs) -> DeepseekForCausalLM:
+        return load_model(config, reference_backends(config, torch.float32), model_path=None, checkpoint_layers=4,
+                          load_format="dummy", dtype=torch.float32, device=CPU, **kwargs)
+
+    assert load(with_layer).nextn is None  # without speculation, no memory spent on it
+    nextn = load(with_layer, dummy_nextn=True).nextn
+    assert nextn is not None and 0.01 < nextn.eh_proj.weight.std().item() < 0.04  # random like the other layers
+    assert load(preset_config("tiny"), dummy_nextn=True).nextn is None  # the config declares none
 
 
 def test_dummy_deepseek_v2_lite() -> None:

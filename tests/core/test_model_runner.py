@@ -1,4 +1,5 @@
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -140,10 +141,15 @@ def test_a_triton_compile_after_the_warm_up_is_logged(caplog: pytest.LogCaptureF
         report_late_triton_compiles()
         hook = knobs.runtime.jit_post_compile_hook
         assert hook is not None
+        # The keywords triton's JIT passes once it compiled a kernel (triton 3.9, runtime/jit.py `_call_hook`).
+        compile_info = {"signature": {"x_ptr": "*bf16", "stride_x": "i32", "BLOCK": "constexpr"},
+                        "constants": {(2,): 256}, "configs": [{(0,): [["tt.divisibility", 16]]}]}
         with caplog.at_level(logging.WARNING, logger="plugserve.core.model_runner"):
-            # As triton's JIT calls it once a kernel is compiled (runtime/jit.py, `_call_hook`).
-            hook(key="k", repr="_rms_norm_kernel[num_warps=1](x_ptr: *bf16, stride_x: i32)", fn=None, compile={},
+            hook(key=("k",), repr="unused", fn=SimpleNamespace(name="_rms_norm_kernel"), compile=compile_info,
                  is_manual_warmup=False, already_compiled=False)
+            hook(key=("k",), repr="_other_kernel[num_warps=4](...)", fn=None, compile={})  # another release's
     finally:
         knobs.runtime.jit_post_compile_hook = before
-    assert "_rms_norm_kernel[num_warps=1](x_ptr: *bf16, stride_x: i32)" in caplog.text
+    assert ("_rms_norm_kernel(x_ptr: *bf16, stride_x: i32) divisible by 16: ['x_ptr'] constexprs {'BLOCK': 256}"
+            in caplog.text)
+    assert "_other_kernel[num_warps=4](...)" in caplog.text
