@@ -43,6 +43,8 @@ from plugserve.core.server_args import ServerArgs
 from plugserve.core.tokenizer import EMBEDDED_MODEL_DIR, load_tokenizer
 from plugserve.server.launch import add_server_args, server_args_from
 
+LARGEST_PAGE = 128
+
 
 class _NoText:
     """Random token ids need no detokenization: the benchmark times the model, not the tokenizer."""
@@ -175,7 +177,10 @@ def build_runner(namespace: argparse.Namespace, parser: argparse.ArgumentParser)
         parser.error("--overlap: speculative decoding runs the non-overlap scheduler")
     namespace.disable_overlap_schedule = not namespace.overlap
     namespace.disable_radix_cache = True
-    biggest = max(namespace.batch_size) * (max(namespace.input_len) + max(namespace.output_len))
+    # Each request's tokens in whole pages of the largest page size a backend asks for (CutlassMLA's 128), plus the
+    # pages the scheduler holds back for each running request's next step (speculative rounds' drafts included).
+    tokens = max(namespace.input_len) + max(namespace.output_len)
+    biggest = max(namespace.batch_size) * (-(-tokens // LARGEST_PAGE) + 2) * LARGEST_PAGE
     namespace.chunked_prefill_size = -1
     namespace.max_running_requests = max(namespace.max_running_requests or 0, max(namespace.batch_size))
     if namespace.max_total_tokens is None and namespace.mem_fraction_static is None:

@@ -23,6 +23,16 @@ def test_bench_one_batch_prints_sglang_format_and_writes_json(tmp_path, capsys):
     assert all(r["prefill_throughput"] > 0 and r["median_decode_latency"] > 0 for r in rows)
 
 
+def test_bench_one_batch_sizes_the_pool_for_whole_pages(tmp_path):
+    """The pool holds every request's tokens in whole pages of the largest page size (FlashMLA's 64 pages did not
+    fit 32 requests of 288 tokens in 32 * 288 + 64 tokens), plus the pages held back for their next steps."""
+    out = tmp_path / "one_batch.jsonl"
+    bench_one_batch.main(["--batch-size", "4", "--input-len", "70", "--output-len", "3", "--page-size", "64",
+                          "--result-filename", str(out)])
+    [row] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["batch_size"] == 4 and row["decode_steps"] == 2
+
+
 def test_bench_one_batch_times_decode_under_the_overlap_scheduler(tmp_path):
     """--overlap: one interval between consecutive scheduler calls per decode step, output_len - 1 of them."""
     out = tmp_path / "one_batch.jsonl"
