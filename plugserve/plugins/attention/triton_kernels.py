@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 import triton
@@ -527,6 +528,47 @@ def _mla_fallbacks(config: MlaConfig) -> list[MlaConfig]:
 
 
 @triton.jit
+def _mha_block(acc, m, denom, q1, q2, k_cols, v_rows, d1, d2, dv, offs_m, block_start, kv_len, diagonal, qk_scale,
+               D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_N: tl.constexpr,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """One key block of `_mha_kernel`'s online softmax: (acc, m, denom) updated by keys block_start.. (k_cols
+    [1, N] and v_rows [N, 1]: pointers to their rows of this head). MASKED:
+    the block may hold keys past kv_len or (CAUSAL) past a row's diagonal; unmasked blocks skip every mask and
+    the -inf guard (every score is finite there)."""
+    offs_n = block_start + tl.arange(0, BLOCK_N)
+    key_mask = offs_n < kv_len
+    if MASKED:
+        k1 = tl.load(k_cols + d1[:, None], mask=key_mask[None, :] & (d1[:, None] < D_QK), other=0.0)  # [D1, N]
+    else:
+        k1 = tl.load(k_cols + d1[:, None], mask=d1[:, None] < D_QK, other=0.0)
+    scores = tl.dot(q1, k1, input_precision=INPUT_PRECISION)
+    if BLOCK_D2 > 0:
+        if MASKED:
+            k2 = tl.load(k_cols + d2[:, None], mask=key_mask[None, :] & (d2[:, None] < D_QK), other=0.0)
+        else:
+            k2 = tl.load(k_cols + d2[:, None], mask=d2[:, None] < D_QK, other=0.0)
+        scores += tl.dot(q2, k2, input_precision=INPUT_PRECISION)
+    scores = scores * qk_scale
+    if MASKED:
+        visible = key_mask[None, :]
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= diagonal + offs_m[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    # Masked: a row with no visible key yet keeps m = -inf; shifting it by 0 keeps its weights at 0, not NaN.
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new) if MASKED else m_new
+    alpha = tl.exp2(m - shift)
+    probs = tl.exp2(scores - shift[:, None])
+    denom = denom * alpha + tl.sum(probs, 1)
+    if MASKED:
+        v = tl.load(v_rows + dv[None, :], mask=key_mask[:, None] & (dv[None, :] < D_V), other=0.0)
+    else:
+        v = tl.load(v_rows + dv[None, :], mask=dv[None, :] < D_V, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=INPUT_PRECISION)
+    return acc, m_new, denom
+
+
+@triton.jit
 def _mha_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_kv_ptr,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
@@ -539,7 +581,9 @@ def _mha_kernel(
 ):
     # One block of BLOCK_M queries of one request and one head. The qk head dim is covered by two
     # power-of-two blocks (192 = 128 + 64, 576 = 512 + 64) rather than one padded block (256, 1024).
-    m_block = tl.program_id(0)
+    # Causal: the last query blocks see the most keys and start first (the grid's first programs take them),
+    # so that the short ones fill the tail of the launch instead of a long one running alone at the end.
+    m_block = tl.num_programs(0) - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)
     req = tl.program_id(1)
     h = tl.program_id(2)
     q_start = tl.load(cu_q_ptr + req)
@@ -554,43 +598,35 @@ def _mha_kernel(
     q_rows = q_ptr + (q_start + offs_m).to(tl.int64)[:, None] * stride_q_t + h * stride_q_h
     d1 = tl.arange(0, BLOCK_D1)
     q1 = tl.load(q_rows + d1[None, :], mask=q_mask[:, None] & (d1[None, :] < D_QK), other=0.0)
+    d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2 if BLOCK_D2 > 0 else 1)
+    q2 = q1
     if BLOCK_D2 > 0:
-        d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
         q2 = tl.load(q_rows + d2[None, :], mask=q_mask[:, None] & (d2[None, :] < D_QK), other=0.0)
     dv = tl.arange(0, BLOCK_DV)
 
     # Bottom-right causality: query i sees keys j <= kv_len - q_len + i.
     diagonal = kv_len - q_len
     kv_end = tl.minimum(kv_len, diagonal + (m_block + 1) * BLOCK_M) if CAUSAL else kv_len
+    # Keys every row of the block sees (below the block's first diagonal and kv_len), in whole blocks: no masks.
+    full = tl.minimum(kv_len, diagonal + m_block * BLOCK_M + 1) if CAUSAL else kv_len
+    full_end = tl.maximum(full, 0) // BLOCK_N * BLOCK_N
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    for block_start in range(0, kv_end, BLOCK_N):
-        offs_n = block_start + tl.arange(0, BLOCK_N)
-        key_mask = offs_n < kv_len
-        k_cols = k_ptr + (kv_start + offs_n).to(tl.int64)[None, :] * stride_k_t + h * stride_k_h
-        k1 = tl.load(k_cols + d1[:, None], mask=key_mask[None, :] & (d1[:, None] < D_QK), other=0.0)  # [D1, N]
-        scores = tl.dot(q1, k1, input_precision=INPUT_PRECISION)
-        if BLOCK_D2 > 0:
-            k2 = tl.load(k_cols + d2[:, None], mask=key_mask[None, :] & (d2[:, None] < D_QK), other=0.0)
-            scores += tl.dot(q2, k2, input_precision=INPUT_PRECISION)
-        visible = key_mask[None, :]
-        if CAUSAL:
-            visible = visible & (offs_n[None, :] <= diagonal + offs_m[:, None])
-        scores = tl.where(visible, scores * qk_scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        # A row with no visible key yet keeps m = -inf; shifting it by 0 keeps its weights at 0, not NaN.
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - shift)
-        probs = tl.exp2(scores - shift[:, None])
-        denom = denom * alpha + tl.sum(probs, 1)
-        v = tl.load(
-            v_ptr + (kv_start + offs_n).to(tl.int64)[:, None] * stride_v_t + h * stride_v_h + dv[None, :],
-            mask=key_mask[:, None] & (dv[None, :] < D_V), other=0.0,
-        )
-        acc = acc * alpha[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=INPUT_PRECISION)
-        m = m_new
+    k_base = k_ptr + kv_start.to(tl.int64) * stride_k_t + h * stride_k_h
+    v_base = v_ptr + kv_start.to(tl.int64) * stride_v_t + h * stride_v_h
+    keys = tl.arange(0, BLOCK_N).to(tl.int64)
+    for block_start in range(0, full_end, BLOCK_N):
+        acc, m, denom = _mha_block(
+            acc, m, denom, q1, q2, k_base + (block_start + keys)[None, :] * stride_k_t,
+            v_base + (block_start + keys)[:, None] * stride_v_t, d1, d2, dv, offs_m, block_start, kv_len, diagonal,
+            qk_scale, D_QK, D_V, BLOCK_D2, BLOCK_N, False, CAUSAL, INPUT_PRECISION)
+    for block_start in range(full_end, kv_end, BLOCK_N):
+        acc, m, denom = _mha_block(
+            acc, m, denom, q1, q2, k_base + (block_start + keys)[None, :] * stride_k_t,
+            v_base + (block_start + keys)[:, None] * stride_v_t, d1, d2, dv, offs_m, block_start, kv_len, diagonal,
+            qk_scale, D_QK, D_V, BLOCK_D2, BLOCK_N, True, CAUSAL, INPUT_PRECISION)
 
     # Rows that saw no key: out 0 (acc is 0), lse -inf.
     seen = denom > 0
@@ -614,10 +650,12 @@ def mha_varlen(
     max_q_len: int,
     sm_scale: float,
     causal: bool,
+    config: MhaConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ragged MHA: q [T, H, Dqk], k [Tk, H, Dqk], v [Tk, H, Dv] (last dims contiguous), requests packed
     request-major; cu_q / cu_kv [B+1] int32 exclusive prefix sums of the per-request query / key
-    counts; max_q_len the largest query count. Causal masks bottom-right.
+    counts; max_q_len the largest query count. Causal masks bottom-right. `config`: launch exactly this one
+    (benchmarks/sweep_triton_mha.py); None, the first of `mha_configs` this GPU's shared memory holds.
     Returns out [T, H, Dv] in q's dtype and lse [T, H] float32 (natural log; -inf, out 0 where a
     query sees no key)."""
     t, h, d_qk = q.shape
@@ -639,25 +677,37 @@ def mha_varlen(
     )
     shape = dict(D_QK=d_qk, D_V=d_v, BLOCK_D1=block_d1, BLOCK_D2=block_d2, BLOCK_DV=block_dv, CAUSAL=causal,
                  INPUT_PRECISION=_input_precision(q.dtype))
-    configs = [shape | dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st)
-               for m, n, w, st in _mha_configs(q.is_cuda, block_dv, q.element_size())]
+    candidates = [config] if config is not None else mha_configs(q.is_cuda, block_dv, q.element_size())
+    configs = [shape | dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages)
+               for c in candidates]
     num_requests = cu_q.shape[0] - 1
 
     def grid(meta: dict) -> tuple[int, int, int]:
         return triton.cdiv(max_q_len, meta["BLOCK_M"]), num_requests, h
 
-    _launch_first_fitting(_mha_kernel, grid, args, configs, ("mha", q.device, q.dtype, d_qk, d_v, causal))
+    _launch_first_fitting(_mha_kernel, grid, args, configs,
+                          ("mha", q.device, q.dtype, d_qk, d_v, causal, config))
     return out, lse
 
 
-def _mha_configs(on_gpu: bool, block_dv: int, itemsize: int) -> list[tuple[int, int, int, int]]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages), the fastest first. 128 x 64 tiles on 8 warps led an
-    H100 sweep at qk 192 / v 128 in bf16 (~380 TFLOP/s causal at 4k tokens; 64 x 64 on 4 warps ~340).
-    Value heads over 128 or fp32 tiles start lower, to keep the [BLOCK_M, Dv] fp32 accumulator in
-    registers; the rest of the list is for smaller shared memories."""
+class MhaConfig(NamedTuple):
+    """Launch parameters of `_mha_kernel`: queries and keys per block, num_warps, num_stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def mha_configs(on_gpu: bool, block_dv: int, itemsize: int) -> list[MhaConfig]:
+    """The fastest first. 128 x 64 tiles on 8 warps led an H100 sweep at qk 192 / v 128 in bf16 (~380
+    TFLOP/s causal at 4k tokens; 64 x 64 on 4 warps ~340). Value heads over 128 or fp32 tiles start lower,
+    to keep the [BLOCK_M, Dv] fp32 accumulator in registers; the rest of the list is for smaller shared
+    memories."""
     if not on_gpu:
-        return [(32, 32, 1, 1)]
-    configs = [(128, 64, 8, 3), (64, 64, 4, 2), (32, 64, 4, 2), (32, 32, 4, 1), (16, 16, 4, 1)]
+        return [MhaConfig(32, 32, 1, 1)]
+    configs = [MhaConfig(128, 64, 8, 3), MhaConfig(64, 64, 4, 2), MhaConfig(32, 64, 4, 2), MhaConfig(32, 32, 4, 1),
+               MhaConfig(16, 16, 4, 1)]
     if block_dv <= 128 and itemsize <= 2:
         return configs
     return configs[1:] if block_dv <= 256 else configs[2:]
