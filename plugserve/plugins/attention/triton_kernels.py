@@ -548,17 +548,21 @@ def _mha_block(acc, m, denom, q1, q2, k_cols, v_rows, d1, d2, dv, offs_m, block_
         else:
             k2 = tl.load(k_cols + d2[:, None], mask=d2[:, None] < D_QK, other=0.0)
         scores += tl.dot(q2, k2, input_precision=INPUT_PRECISION)
-    scores = scores * qk_scale
     if MASKED:
         visible = key_mask[None, :]
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= diagonal + offs_m[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-    m_new = tl.maximum(m, tl.max(scores, 1))
-    # Masked: a row with no visible key yet keeps m = -inf; shifting it by 0 keeps its weights at 0, not NaN.
-    shift = tl.where(m_new == float("-inf"), 0.0, m_new) if MASKED else m_new
+        scores = tl.where(visible, scores * qk_scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        # A row with no visible key yet keeps m = -inf; shifting it by 0 keeps its weights at 0, not NaN.
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        probs = tl.exp2(scores - shift[:, None])
+    else:
+        # The scale and the shift in one FMA per score (the scale is positive: the max commutes with it).
+        m_new = tl.maximum(m, tl.max(scores, 1) * qk_scale)
+        shift = m_new
+        probs = tl.exp2(scores * qk_scale - shift[:, None])
     alpha = tl.exp2(m - shift)
-    probs = tl.exp2(scores - shift[:, None])
     denom = denom * alpha + tl.sum(probs, 1)
     if MASKED:
         v = tl.load(v_rows + dv[None, :], mask=key_mask[:, None] & (dv[None, :] < D_V), other=0.0)
@@ -577,7 +581,7 @@ def _mha_kernel(
     D_QK: tl.constexpr, D_V: tl.constexpr,
     BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     # One block of BLOCK_M queries of one request and one head. The qk head dim is covered by two
     # power-of-two blocks (192 = 128 + 64, 576 = 512 + 64) rather than one padded block (256, 1024).
@@ -617,7 +621,7 @@ def _mha_kernel(
     k_base = k_ptr + kv_start.to(tl.int64) * stride_k_t + h * stride_k_h
     v_base = v_ptr + kv_start.to(tl.int64) * stride_v_t + h * stride_v_h
     keys = tl.arange(0, BLOCK_N).to(tl.int64)
-    for block_start in range(0, full_end, BLOCK_N):
+    for block_start in tl.range(0, full_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         acc, m, denom = _mha_block(
             acc, m, denom, q1, q2, k_base + (block_start + keys)[None, :] * stride_k_t,
             v_base + (block_start + keys)[:, None] * stride_v_t, d1, d2, dv, offs_m, block_start, kv_len, diagonal,
@@ -678,8 +682,8 @@ def mha_varlen(
     shape = dict(D_QK=d_qk, D_V=d_v, BLOCK_D1=block_d1, BLOCK_D2=block_d2, BLOCK_DV=block_dv, CAUSAL=causal,
                  INPUT_PRECISION=_input_precision(q.dtype))
     candidates = [config] if config is not None else mha_configs(q.is_cuda, block_dv, q.element_size())
-    configs = [shape | dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages)
-               for c in candidates]
+    configs = [shape | dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages,
+                            WARP_SPECIALIZE=c.warp_specialize) for c in candidates]
     num_requests = cu_q.shape[0] - 1
 
     def grid(meta: dict) -> tuple[int, int, int]:
@@ -691,12 +695,14 @@ def mha_varlen(
 
 
 class MhaConfig(NamedTuple):
-    """Launch parameters of `_mha_kernel`: queries and keys per block, num_warps, num_stages."""
+    """Launch parameters of `_mha_kernel`: queries and keys per block, num_warps, num_stages, and whether Triton
+    warp-specializes the unmasked key loop (producer warps loading K / V beside the consumers' dots)."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    warp_specialize: bool = False
 
 
 def mha_configs(on_gpu: bool, block_dv: int, itemsize: int) -> list[MhaConfig]:
