@@ -16,6 +16,9 @@ from plugserve.core.kv_cache import MLAKVPool, token_slots
 if TYPE_CHECKING:
     from plugserve.core.dispatch import AttnForwardMethod, PrefixChunk
 
+# int32 lengths per 16 bytes: `ForwardBatch.build` starts each of its length tensors at a multiple of it.
+LENS_ALIGN = 4
+
 
 class ForwardMode(enum.Enum):
     EXTEND = "extend"  # new prompt tokens, with or without a cached prefix
@@ -127,12 +130,18 @@ class ForwardBatch:
         if mode is ForwardMode.DECODE and any(e != 1 for e in extend_lens_cpu):
             raise ValueError("DECODE takes exactly one new token per request")
         device, batch, num_tokens = block_table.device, len(seq_lens_cpu), sum(extend_lens_cpu)
-        # One upload of [seq_lens | extend_lens | cu_extend_lens]; positions and slots follow on the device.
+        # One upload of [seq_lens | extend_lens | cu_extend_lens]; positions and slots follow on the device. Each
+        # part starts 16-byte aligned whatever the batch size: Triton compiles a kernel once per alignment of its
+        # pointer arguments, and the warm-up's batch sizes must not leave the other alignment to a request.
         cu = [0]
         for n in extend_lens_cpu:
             cu.append(cu[-1] + n)
-        lens = to_device(torch.tensor(seq_lens_cpu + extend_lens_cpu + cu, dtype=torch.int32), device)
-        seq_lens, extend_lens, cu_extend_lens = lens[:batch], lens[batch : 2 * batch], lens[2 * batch :]
+        stride = -(-batch // LENS_ALIGN) * LENS_ALIGN
+        padding = [0] * (stride - batch)
+        lens = to_device(torch.tensor(seq_lens_cpu + padding + extend_lens_cpu + padding + cu, dtype=torch.int32),
+                         device)
+        seq_lens, extend_lens = lens[:batch], lens[stride : stride + batch]
+        cu_extend_lens = lens[2 * stride :]
         per_request = extend_lens_cpu[0] if batch else 0
         if num_tokens == batch and all(n == 1 for n in extend_lens_cpu):  # decode: one token per request
             request_of_token = torch.arange(batch, device=device)

@@ -20,6 +20,17 @@ def test_build_derives_positions_and_slots_from_the_block_table():
     assert batch.cu_extend_lens.tolist() == [0, 3, 5]
 
 
+@pytest.mark.parametrize("batch_size", [1, 2, 3, 5])
+def test_build_starts_every_length_tensor_16_byte_aligned(batch_size: int):
+    """Triton compiles once per pointer alignment: an odd batch must not hand kernels misaligned lengths."""
+    seq, new = [4 + i for i in range(batch_size)], [1 + i % 3 for i in range(batch_size)]
+    batch = ForwardBatch.build(ForwardMode.EXTEND, seq, new, torch.zeros(batch_size, 3, dtype=torch.int32), _pool())
+    for lengths in (batch.seq_lens, batch.extend_lens, batch.cu_extend_lens):
+        assert lengths.data_ptr() % 16 == 0
+    assert batch.seq_lens.tolist() == seq and batch.extend_lens.tolist() == new
+    assert batch.cu_extend_lens.tolist() == [0, *torch.tensor(new).cumsum(0).tolist()]
+
+
 @pytest.mark.parametrize(
     ("mode", "seq", "new", "message"),
     [
