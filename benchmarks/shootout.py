@@ -272,11 +272,25 @@ def run_gemm(backends: list, device: torch.device, dtype: torch.dtype, args, emi
 
 
 def moe_specs(dtype: torch.dtype, tp_size: int, ep_size: int, quick: bool) -> list[MoESpec]:
-    """Rank 0's block-FP8 routed experts of each measured model (ModelConfig.moe_spec: width I / P under
-    tensor parallelism, n / P whole experts under expert parallelism). Raises ModelConfigError when a model
-    does not split over the ranks."""
-    return [preset_config(name).quantized_fp8().moe_spec(dtype, tp_size, ep_size, 0)
+    """Rank 0's routed experts of each measured model as it is published and served: V3's block-FP8, V2-Lite's
+    (and the quick model's) in the activation dtype (ModelConfig.moe_spec: width I / P under tensor parallelism,
+    n / P whole experts under expert parallelism). Raises ModelConfigError when a model does not split over the
+    ranks."""
+    return [preset_config(name).moe_spec(dtype, tp_size, ep_size, 0)
             for name in ((QUICK_MODEL,) if quick else MOE_MODELS)]
+
+
+def expert_weights(spec: MoESpec, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Random local experts of `spec`: (w13 [E_l, 2I, H], w2 [E_l, H, I]) in the activation dtype, or block-FP8
+    with their scales (w13, w2, w13_scale_inv, w2_scale_inv)."""
+    hidden, inter, local = spec.hidden_size, spec.intermediate_size, spec.num_local_experts
+    w13 = [torch.randn(2 * inter, hidden, device=device) / hidden**0.5 for _ in range(local)]
+    w2 = [torch.randn(hidden, inter, device=device) / inter**0.5 for _ in range(local)]
+    if not spec.is_fp8:
+        return torch.stack(w13).to(spec.dtype), torch.stack(w2).to(spec.dtype)
+    q13, s13 = zip(*(quantize_block_fp8(w, spec.block_shape) for w in w13), strict=True)
+    q2, s2 = zip(*(quantize_block_fp8(w, spec.block_shape) for w in w2), strict=True)
+    return torch.stack(q13), torch.stack(q2), torch.stack(s13), torch.stack(s2)
 
 
 def run_moe(backends: list, device: torch.device, dtype: torch.dtype, args, emit) -> None:
@@ -284,11 +298,8 @@ def run_moe(backends: list, device: torch.device, dtype: torch.dtype, args, emit
     for spec in moe_specs(dtype, args.tp_size, args.ep_size, args.quick):
         router, hidden, inter = spec.router, spec.hidden_size, spec.intermediate_size
         e, local, first = router.num_experts, spec.num_local_experts, spec.first_expert
-        w13, s13 = zip(*(quantize_block_fp8(torch.randn(2 * inter, hidden, device=device) / hidden**0.5)
-                         for _ in range(local)), strict=True)
-        w2, s2 = zip(*(quantize_block_fp8(torch.randn(hidden, inter, device=device) / inter**0.5)
-                       for _ in range(local)), strict=True)
-        weights = (torch.stack(w13), torch.stack(w2), torch.stack(s13), torch.stack(s2))
+        weights = expert_weights(spec, device)
+        weight_size = 1 if spec.is_fp8 else dtype.itemsize
         experts = f"e{e}" if local == e else f"e{local}of{e}"  # expert parallel: this rank's of all
         for tokens in ([1, 8] if args.quick else [1, 8, 64, 512, 4096]):
             x = torch.randn(tokens, hidden, device=device, dtype=dtype)
@@ -300,12 +311,13 @@ def run_moe(backends: list, device: torch.device, dtype: torch.dtype, args, emit
                 backend = entry.cls(spec, device)
                 topk_weights, topk_ids = backend.route(logits, bias)
                 mine = topk_ids[(topk_ids >= first) & (topk_ids < first + local)]  # the pairs this rank computes
-                # Bytes: the activated local experts' e4m3 weights (3 matrices each) and the activations in and out.
-                weight_bytes = int(mine.unique().numel()) * 3 * hidden * inter
+                # Bytes: the activated local experts' weights (3 matrices each) and the activations in and out.
+                weight_bytes = int(mine.unique().numel()) * 3 * hidden * inter * weight_size
                 flops = 2 * int(mine.numel()) * 3 * hidden * inter
                 case = Case("moe", (Phase.DECODE if tokens <= 512 else Phase.PREFILL).value,
-                            f"t{tokens} {experts}top{router.top_k} h{hidden} i{inter}", tokens,
-                            weight_bytes + tokens * hidden * 4, flops, "fp8")
+                            f"t{tokens} {experts}top{router.top_k} h{hidden} i{inter}"
+                            + ("" if spec.is_fp8 else f" {str(dtype).removeprefix('torch.')}"), tokens,
+                            weight_bytes + tokens * hidden * 4, flops, "fp8" if spec.is_fp8 else "bf16")
                 packed = backend.prepare(*weights)
                 run = partial(backend.forward, x, packed, topk_ids, topk_weights, router.routed_scaling_factor)
                 emit(case, entry.name, *timed(run, device, args.warmup, args.reps_for(entry.name)))

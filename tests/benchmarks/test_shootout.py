@@ -83,7 +83,7 @@ def test_quick_shootout_at_two_ranks_measures_one_ranks_shapes(tmp_path):
     assert all(s.endswith(" h2") for s in shapes["attention"])  # 4 heads over 2 ranks
     tiny = preset_config("tiny")
     assert {s.split(" ", 1)[1] for s in shapes["gemm"]} == {f"n{n} k{k}" for n, k in shootout.gemm_shapes(tiny, 2)}
-    assert {s.split(" ", 1)[1] for s in shapes["moe"]} == {"e16top4 h256 i64"}  # width 128 / 2
+    assert {s.split(" ", 1)[1] for s in shapes["moe"]} == {"e16top4 h256 i64 float32"}  # width 128 / 2, unquantized
     table = SelectionTable.model_validate_json((tmp_path / "tp" / f"{Hardware.detect('cpu').device_key}.json")
                                                .read_text())
     assert (table.tp_size, table.ep_size) == (2, 1)
@@ -92,7 +92,7 @@ def test_quick_shootout_at_two_ranks_measures_one_ranks_shapes(tmp_path):
                    "--backends", "moe:torch_ref"])
     data = json.loads((tmp_path / "ep" / "shootout.json").read_text())
     assert (data["tp_size"], data["ep_size"]) == (2, 2)
-    assert {r["shape"].split(" ", 1)[1] for r in data["rows"]} == {"e8of16top4 h256 i128"}  # rank 0's whole experts
+    assert {r["shape"].split(" ", 1)[1] for r in data["rows"]} == {"e8of16top4 h256 i128 float32"}  # rank 0's experts
 
 
 @pytest.mark.parametrize(("flags", "message"), [
@@ -106,3 +106,19 @@ def test_parallelism_flags_are_checked_naming_the_flags(flags, message, tmp_path
     with pytest.raises(SystemExit):
         shootout.main([*flags, "--output-dir", str(tmp_path)])
     assert message in capsys.readouterr().err
+
+
+def test_moe_models_are_measured_as_published():
+    """V3's experts in block-FP8, V2-Lite's in the activation dtype (its checkpoint's, and the tuned bf16 configs')."""
+    v3, v2_lite = shootout.moe_specs(torch.bfloat16, 1, 1, quick=False)
+    assert v3.is_fp8 and (v3.num_local_experts, v3.intermediate_size) == (256, 2048)
+    assert not v2_lite.is_fp8 and (v2_lite.num_local_experts, v2_lite.intermediate_size) == (64, 1408)
+
+
+def test_expert_weights_in_the_specs_format():
+    spec = preset_config("tiny").moe_spec(torch.bfloat16)
+    w13, w2 = shootout.expert_weights(spec, torch.device("cpu"))
+    assert w13.shape == (16, 256, 256) and w2.shape == (16, 256, 128) and w13.dtype == w2.dtype == torch.bfloat16
+    fp8 = preset_config("tiny").quantized_fp8().moe_spec(torch.bfloat16)
+    q13, q2, s13, s2 = shootout.expert_weights(fp8, torch.device("cpu"))
+    assert q13.dtype == q2.dtype == torch.float8_e4m3fn and s13.shape == (16, 2, 2) and s2.shape == (16, 2, 1)
