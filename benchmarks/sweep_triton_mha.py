@@ -27,9 +27,10 @@ MhaConfig = kernels.MhaConfig
 QK_DIM, V_DIM = 192, 128
 CANDIDATES = [MhaConfig(128, 64, 8, 2), MhaConfig(128, 128, 8, 2), MhaConfig(128, 128, 8, 3), MhaConfig(128, 32, 8, 4),
               MhaConfig(128, 64, 4, 3), MhaConfig(64, 64, 4, 3), MhaConfig(64, 128, 4, 2), MhaConfig(64, 64, 4, 4),
-              MhaConfig(256, 64, 8, 2),
+              MhaConfig(256, 64, 8, 2), MhaConfig(128, 64, 8, 3, tma=True), MhaConfig(128, 128, 8, 2, tma=True),
+              MhaConfig(128, 64, 8, 4, tma=True), MhaConfig(64, 64, 4, 3, tma=True),
               # Last: Triton 3.6 aborted the process compiling a warp-specialized FP8 GEMM loop.
-              MhaConfig(128, 64, 8, 3, True), MhaConfig(128, 128, 8, 2, True)]
+              MhaConfig(128, 64, 8, 3, True), MhaConfig(128, 128, 8, 2, True), MhaConfig(128, 64, 8, 3, True, True)]
 
 
 def causal_flops(tokens: int, prefix: int, heads: int) -> int:

@@ -29,6 +29,8 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from plugserve.plugins.triton_support import tma_source
+
 LOG2E = math.log2(math.e)
 # tl.dot needs every operand dimension >= 16.
 MIN_DOT = 16
@@ -528,22 +530,30 @@ def _mla_fallbacks(config: MlaConfig) -> list[MlaConfig]:
 
 
 @triton.jit
-def _mha_block(acc, m, denom, q1, q2, k_cols, v_rows, d1, d2, dv, offs_m, block_start, kv_len, diagonal, qk_scale,
-               D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_N: tl.constexpr,
-               MASKED: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+def _mha_block(acc, m, denom, q1, q2, k_cols, v_rows, k1_desc, k2_desc, v_desc, row, k_col, v_col, d1, d2, dv,
+               offs_m, block_start, kv_len, diagonal, qk_scale,
+               D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
+               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+               TMA: tl.constexpr):
     """One key block of `_mha_kernel`'s online softmax: (acc, m, denom) updated by keys block_start.. (k_cols
-    [1, N] and v_rows [N, 1]: pointers to their rows of this head). MASKED:
-    the block may hold keys past kv_len or (CAUSAL) past a row's diagonal; unmasked blocks skip every mask and
-    the -inf guard (every score is finite there)."""
+    [1, N] and v_rows [N, 1]: pointers to their rows of this head; with TMA, boxes at key row `row` and columns
+    k_col / v_col of the descriptors instead). MASKED: the block may hold keys past kv_len or (CAUSAL) past a
+    row's diagonal; unmasked blocks skip every mask and the -inf guard (every score is finite there). A TMA box
+    past kv_len reads the next request's keys (finite; their scores are masked, their probabilities 0) or zeros
+    past the tensor, and its columns past D_QK meet zeros in q."""
     offs_n = block_start + tl.arange(0, BLOCK_N)
     key_mask = offs_n < kv_len
-    if MASKED:
+    if TMA:
+        k1 = tl.trans(k1_desc.load([row, k_col]))  # [D1, N]
+    elif MASKED:
         k1 = tl.load(k_cols + d1[:, None], mask=key_mask[None, :] & (d1[:, None] < D_QK), other=0.0)  # [D1, N]
     else:
         k1 = tl.load(k_cols + d1[:, None], mask=d1[:, None] < D_QK, other=0.0)
     scores = tl.dot(q1, k1, input_precision=INPUT_PRECISION)
     if BLOCK_D2 > 0:
-        if MASKED:
+        if TMA:
+            k2 = tl.trans(k2_desc.load([row, k_col + BLOCK_D1]))
+        elif MASKED:
             k2 = tl.load(k_cols + d2[:, None], mask=key_mask[None, :] & (d2[:, None] < D_QK), other=0.0)
         else:
             k2 = tl.load(k_cols + d2[:, None], mask=d2[:, None] < D_QK, other=0.0)
@@ -564,7 +574,9 @@ def _mha_block(acc, m, denom, q1, q2, k_cols, v_rows, d1, d2, dv, offs_m, block_
         probs = tl.exp2(scores * qk_scale - shift[:, None])
     alpha = tl.exp2(m - shift)
     denom = denom * alpha + tl.sum(probs, 1)
-    if MASKED:
+    if TMA:
+        v = v_desc.load([row, v_col])
+    elif MASKED:
         v = tl.load(v_rows + dv[None, :], mask=key_mask[:, None] & (dv[None, :] < D_V), other=0.0)
     else:
         v = tl.load(v_rows + dv[None, :], mask=dv[None, :] < D_V, other=0.0)
@@ -574,14 +586,14 @@ def _mha_block(acc, m, denom, q1, q2, k_cols, v_rows, d1, d2, dv, offs_m, block_
 
 @triton.jit
 def _mha_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_kv_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_kv_ptr, k1_desc, k2_desc, v_desc,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
     stride_o_t, stride_o_h, stride_lse_t, stride_lse_h,
     qk_scale,
     D_QK: tl.constexpr, D_V: tl.constexpr,
     BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, TMA: tl.constexpr,
 ):
     # One block of BLOCK_M queries of one request and one head. The qk head dim is covered by two
     # power-of-two blocks (192 = 128 + 64, 576 = 512 + 64) rather than one padded block (256, 1024).
@@ -624,13 +636,15 @@ def _mha_kernel(
     for block_start in tl.range(0, full_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         acc, m, denom = _mha_block(
             acc, m, denom, q1, q2, k_base + (block_start + keys)[None, :] * stride_k_t,
-            v_base + (block_start + keys)[:, None] * stride_v_t, d1, d2, dv, offs_m, block_start, kv_len, diagonal,
-            qk_scale, D_QK, D_V, BLOCK_D2, BLOCK_N, False, CAUSAL, INPUT_PRECISION)
+            v_base + (block_start + keys)[:, None] * stride_v_t, k1_desc, k2_desc, v_desc, kv_start + block_start,
+            h * D_QK, h * D_V, d1, d2, dv, offs_m, block_start, kv_len, diagonal, qk_scale,
+            D_QK, D_V, BLOCK_D1, BLOCK_D2, BLOCK_N, False, CAUSAL, INPUT_PRECISION, TMA)
     for block_start in range(full_end, kv_end, BLOCK_N):
         acc, m, denom = _mha_block(
             acc, m, denom, q1, q2, k_base + (block_start + keys)[None, :] * stride_k_t,
-            v_base + (block_start + keys)[:, None] * stride_v_t, d1, d2, dv, offs_m, block_start, kv_len, diagonal,
-            qk_scale, D_QK, D_V, BLOCK_D2, BLOCK_N, True, CAUSAL, INPUT_PRECISION)
+            v_base + (block_start + keys)[:, None] * stride_v_t, k1_desc, k2_desc, v_desc, kv_start + block_start,
+            h * D_QK, h * D_V, d1, d2, dv, offs_m, block_start, kv_len, diagonal, qk_scale,
+            D_QK, D_V, BLOCK_D1, BLOCK_D2, BLOCK_N, True, CAUSAL, INPUT_PRECISION, TMA)
 
     # Rows that saw no key: out 0 (acc is 0), lse -inf.
     seen = denom > 0
@@ -683,26 +697,44 @@ def mha_varlen(
                  INPUT_PRECISION=_input_precision(q.dtype))
     candidates = [config] if config is not None else mha_configs(q.is_cuda, block_dv, q.element_size())
     configs = [shape | dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages,
-                            WARP_SPECIALIZE=c.warp_specialize) for c in candidates]
+                            WARP_SPECIALIZE=c.warp_specialize, TMA=c.tma and _mha_tma_fits(k, v))
+               for c in candidates]
     num_requests = cu_q.shape[0] - 1
 
     def grid(meta: dict) -> tuple[int, int, int]:
         return triton.cdiv(max_q_len, meta["BLOCK_M"]), num_requests, h
 
-    _launch_first_fitting(_mha_kernel, grid, args, configs,
+    def launch_args(meta: dict) -> tuple:
+        if not meta["TMA"]:
+            return (*args[:7], None, None, None, *args[7:])
+        keys, values = k.flatten(1), v.flatten(1)  # [Tk, H * D]: rows of every head's columns
+        boxes = (TensorDescriptor.from_tensor(keys, [meta["BLOCK_N"], block_d1]),
+                 TensorDescriptor.from_tensor(keys, [meta["BLOCK_N"], max(block_d2, MIN_DOT)]),
+                 TensorDescriptor.from_tensor(values, [meta["BLOCK_N"], block_dv]))
+        return (*args[:7], *boxes, *args[7:])
+
+    _launch_first_fitting(_mha_kernel, grid, launch_args, configs,
                           ("mha", q.device, q.dtype, d_qk, d_v, causal, config))
     return out, lse
 
 
+def _mha_tma_fits(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """k [Tk, H, Dqk] and v [Tk, H, Dv] read as [Tk, H * D] TMA sources: heads packed within a row."""
+    return all(x.stride(1) == x.shape[2] and x.stride(2) == 1 and tma_source(x.flatten(1)) for x in (k, v))
+
+
 class MhaConfig(NamedTuple):
-    """Launch parameters of `_mha_kernel`: queries and keys per block, num_warps, num_stages, and whether Triton
-    warp-specializes the unmasked key loop (producer warps loading K / V beside the consumers' dots)."""
+    """Launch parameters of `_mha_kernel`: queries and keys per block, num_warps, num_stages, whether Triton
+    warp-specializes the unmasked key loop (producer warps loading K / V beside the consumers' dots), and whether
+    K and V blocks load as TMA boxes (taken where k and v pack their heads in 16-byte aligned rows, pointers
+    otherwise)."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
     warp_specialize: bool = False
+    tma: bool = False
 
 
 def mha_configs(on_gpu: bool, block_dv: int, itemsize: int) -> list[MhaConfig]:

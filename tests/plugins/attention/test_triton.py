@@ -369,10 +369,12 @@ def test_mha_queries_without_keys(kernels: ModuleType, dtype: torch.dtype) -> No
 
 
 @interpreted
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_mha_blocks_without_and_with_masks(kernels: ModuleType, causal: bool) -> None:
+def test_mha_blocks_without_and_with_masks(kernels: ModuleType, causal: bool, tma: bool) -> None:
     """16-key blocks over requests of 40 new tokens after a 24-token prefix, 7 after 0, and 21 after 9: unmasked
-    blocks below each query block's first diagonal, masked ones across it and at kv_len, heaviest blocks first."""
+    blocks below each query block's first diagonal, masked ones across it and at kv_len, heaviest blocks first.
+    TMA boxes read past a request's keys into the next one's and past a head's 40 columns into the next head's."""
     q_lens, prefixes = [40, 7, 21], [24, 0, 9]
     kv_lens = [q + p for q, p in zip(q_lens, prefixes, strict=True)]
     generator = torch.Generator().manual_seed(5)
@@ -381,7 +383,8 @@ def test_mha_blocks_without_and_with_masks(kernels: ModuleType, causal: bool) ->
     v = torch.randn(sum(kv_lens), 2, 24, generator=generator)
     cu_q = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
     cu_kv = torch.tensor([0, *itertools.accumulate(kv_lens)], dtype=torch.int32)
-    out, lse = kernels.mha_varlen(q, k, v, cu_q, cu_kv, max(q_lens), 0.2, causal, kernels.MhaConfig(16, 16, 1, 1))
+    out, lse = kernels.mha_varlen(q, k, v, cu_q, cu_kv, max(q_lens), 0.2, causal,
+                                  kernels.MhaConfig(16, 16, 1, 1, tma=tma))
     ref_out, ref_lse = ragged_attention(q, k, v, q_lens, kv_lens, 0.2, causal)
     assert_close(out, ref_out, torch.float32, "out")
     assert_lse_close(lse, ref_lse, torch.float32, "lse")
