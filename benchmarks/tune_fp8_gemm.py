@@ -60,7 +60,6 @@ FULL_SPACE: dict[str, tuple[int, ...]] = {
     "num_stages": (2, 3, 4, 5),
     "SPLIT_K": (1, 2, 3, 4, 6, 8, 12, 16),
     "TMA": (0, 1),
-    "OVERLAP_SCALING": (0, 1),
 }
 QUICK_SPACE: dict[str, tuple[int, ...]] = {
     "BLOCK_SIZE_M": (16, 32, 64, 128),
@@ -70,10 +69,8 @@ QUICK_SPACE: dict[str, tuple[int, ...]] = {
     "num_stages": (3, 4),
     "SPLIT_K": (1, 2, 4, 8, 16),
 }
-# The quick search from PREFILL_M rows on: the large tiles through TMA (which won every prefill tuning on the H100 and
-# the H200, session 9), each K block's scaling overlapped with the next product or not. (Triton 3.6's warp
-# specialization on Hopper fails to compile this kernel's K loop: PassManager errors, or an assertion that aborts
-# the process.)
+# The quick search from PREFILL_M rows on: the large tiles, with and without TMA. (Triton 3.6's warp specialization
+# on Hopper fails to compile this kernel's K loop: PassManager errors, or an assertion that aborts the process.)
 PREFILL_M = 512
 QUICK_PREFILL_SPACE: dict[str, tuple[int, ...]] = {
     "BLOCK_SIZE_M": (64, 128),
@@ -82,8 +79,7 @@ QUICK_PREFILL_SPACE: dict[str, tuple[int, ...]] = {
     "num_warps": (4, 8),
     "num_stages": (3, 4),
     "SPLIT_K": (1,),
-    "TMA": (1,),
-    "OVERLAP_SCALING": (0, 1),
+    "TMA": (0, 1),
 }
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

@@ -42,7 +42,7 @@ CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "
 # A launch config: CONFIG_KEYS and SPLIT_K (K cut over that many programs per output tile; 1 when a file
 # omits it) -> int, and where set, the kernel's LAUNCH_FLAGS (0 or 1; 0 when absent).
 Config = dict[str, int]
-LAUNCH_FLAGS = ("TMA", "OVERLAP_SCALING")
+LAUNCH_FLAGS = ("TMA",)
 # Untuned split-K aims at this many programs per SM, and gives each at least this many K blocks.
 _SPLIT_K_WAVES = 2
 _SPLIT_K_MIN_BLOCKS = 4

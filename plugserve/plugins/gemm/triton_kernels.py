@@ -119,24 +119,6 @@ def per_token_group_quant_fp8(
 
 
 @triton.jit
-def _fp8_tiles(a_ptrs, b_ptrs, a_desc, b_desc, kb, pid_m, pid_n, K, offs_k, BLOCK_SIZE_M: tl.constexpr,
-               BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr):
-    """K block kb's e4m3 tiles: A [BLOCK_SIZE_M, BLOCK_SIZE_K] and B [BLOCK_SIZE_K, BLOCK_SIZE_N], as TMA boxes or
-    through the pointers at that block (masked past K unless EVEN_K)."""
-    if TMA:
-        a = a_desc.load([pid_m * BLOCK_SIZE_M, kb * BLOCK_SIZE_K])
-        b = tl.trans(b_desc.load([pid_n * BLOCK_SIZE_N, kb * BLOCK_SIZE_K]))
-    elif EVEN_K:
-        a = tl.load(a_ptrs)
-        b = tl.load(b_ptrs)
-    else:
-        k_left = K - kb * BLOCK_SIZE_K
-        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-    return a, b
-
-
-@triton.jit
 def _w8a8_block_fp8_matmul_kernel(
     a_ptr,
     b_ptr,
@@ -167,7 +149,6 @@ def _w8a8_block_fp8_matmul_kernel(
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     TMA: tl.constexpr,
-    OVERLAP_SCALING: tl.constexpr,
 ):
     """C[M, N] = sum over K blocks kb of (A[:, kb] @ B[:, kb]^T) * a_s[m, kb] * b_s[n // GROUP_N, kb].
 
@@ -176,13 +157,7 @@ def _w8a8_block_fp8_matmul_kernel(
     SPLIT_K > 1: program (tile, s) sums the s-th of SPLIT_K runs of K blocks into the float32 slice
     c[s] of a [SPLIT_K, M, N] workspace (stride_cs), which `_split_k_sum_kernel` adds up.
     TMA: A and B tiles come as TMA boxes through the descriptors a_desc [BLOCK_SIZE_M, BLOCK_SIZE_K] and b_desc
-    [BLOCK_SIZE_N, BLOCK_SIZE_K] (zero-filled past the edges) instead of cp.async through a_ptr / b_ptr.
-    OVERLAP_SCALING: K block kb's product is scaled in the next step, while block kb + 1's wgmma runs. Triton waits
-    for a Hopper dot right after it unless its result only feeds another dot's accumulator, or is carried to the
-    next iteration and read there only after a `wait 0` (its WGMMA pipeliner's rule 3b). That `wait 0` comes from
-    an anchor dot at the top of each step ([BLOCK_SIZE_M, 32] x [32, 16] of zeros, the A side made of this step's
-    activation scales times 0 so that it stays in the loop), which retires the previous step's product just before
-    it is scaled. The carried product costs a second float32 tile in registers."""
+    [BLOCK_SIZE_N, BLOCK_SIZE_K] (zero-filled past the edges) instead of cp.async through a_ptr / b_ptr."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_SIZE_M)
@@ -211,34 +186,22 @@ def _w8a8_block_fp8_matmul_kernel(
     b_s_ptrs = b_s_ptr + (cols // GROUP_N) * stride_bs_n
 
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-    if OVERLAP_SCALING:
-        # The previous K block's product and scales (zero before the first), and the anchor dots' row sums (zero).
-        product = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-        product_a_s = tl.zeros((BLOCK_SIZE_M,), dtype=tl.float32)
-        product_b_s = tl.zeros((BLOCK_SIZE_N,), dtype=tl.float32)
-        anchored = tl.zeros((BLOCK_SIZE_M,), dtype=tl.float32)
-        anchor_b = tl.zeros((32, 16), dtype=a_ptr.dtype.element_ty)
-        for kb in range(first_kb, last_kb):
-            a_s = tl.load(a_s_ptrs + kb * stride_as_k)
-            b_s = tl.load(b_s_ptrs + kb * stride_bs_k)
-            anchor_a = tl.broadcast_to((a_s * 0.0)[:, None], (BLOCK_SIZE_M, 32)).to(a_ptr.dtype.element_ty)
-            anchored += tl.sum(tl.dot(anchor_a, anchor_b), 1)
-            acc += product * product_a_s[:, None] * product_b_s[None, :]
-            a, b = _fp8_tiles(a_ptrs, b_ptrs, a_desc, b_desc, kb, pid_m, pid_n, K, offs_k, BLOCK_SIZE_M, BLOCK_SIZE_N,
-                              BLOCK_SIZE_K, EVEN_K, TMA)
-            product, product_a_s, product_b_s = tl.dot(a, b), a_s, b_s
-            a_ptrs += BLOCK_SIZE_K * stride_ak
-            b_ptrs += BLOCK_SIZE_K * stride_bk
-        acc += product * product_a_s[:, None] * product_b_s[None, :] + anchored[:, None]
-    else:
-        for kb in range(first_kb, last_kb):
-            a, b = _fp8_tiles(a_ptrs, b_ptrs, a_desc, b_desc, kb, pid_m, pid_n, K, offs_k, BLOCK_SIZE_M, BLOCK_SIZE_N,
-                              BLOCK_SIZE_K, EVEN_K, TMA)
-            a_s = tl.load(a_s_ptrs + kb * stride_as_k)
-            b_s = tl.load(b_s_ptrs + kb * stride_bs_k)
-            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
-            a_ptrs += BLOCK_SIZE_K * stride_ak
-            b_ptrs += BLOCK_SIZE_K * stride_bk
+    for kb in range(first_kb, last_kb):
+        if TMA:
+            a = a_desc.load([pid_m * BLOCK_SIZE_M, kb * BLOCK_SIZE_K])
+            b = tl.trans(b_desc.load([pid_n * BLOCK_SIZE_N, kb * BLOCK_SIZE_K]))
+        elif EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_left = K - kb * BLOCK_SIZE_K
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        a_s = tl.load(a_s_ptrs + kb * stride_as_k)
+        b_s = tl.load(b_s_ptrs + kb * stride_bs_k)
+        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        a_ptrs += BLOCK_SIZE_K * stride_ak
+        b_ptrs += BLOCK_SIZE_K * stride_bk
 
     c_ptrs = c_ptr + split * stride_cs + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
@@ -273,9 +236,7 @@ def w8a8_block_fp8_matmul(
     num_stages, and optionally SPLIT_K (default 1): with few output tiles (small M), K is cut into
     SPLIT_K runs computed by separate programs into a float32 [SPLIT_K, M, N] workspace, then summed;
     TMA (default 0), see `_w8a8_block_fp8_matmul_kernel`: a speed hint, taken only
-    where a and b can be TMA sources (`tma_source`), the same product through pointers otherwise;
-    OVERLAP_SCALING (default 0), see there: the same sum, each K block's scaling overlapped with the next one's
-    product."""
+    where a and b can be TMA sources (`tma_source`), the same product through pointers otherwise."""
     m, k = a.shape
     n = b.shape[0]
     bn, bk = block_shape
@@ -310,7 +271,6 @@ def w8a8_block_fp8_matmul(
         SPLIT_K=split_k,
         EVEN_K=k % bk == 0,
         TMA=tma,
-        OVERLAP_SCALING=bool(config.get("OVERLAP_SCALING", 0)),
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
     )
