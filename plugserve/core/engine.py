@@ -166,7 +166,7 @@ class Engine:
 
     def _loop(self) -> None:
         try:
-            self.runner.warm_up()
+            self.runner.warm_up(on_late_compile=self.metrics.late_triton_compiles.inc)
         except Exception as exc:  # the model cannot run: serving would fail every request
             logger.exception("warm-up failed")
             self.warm_up_error = f"{type(exc).__name__}: {exc}"

@@ -1,6 +1,7 @@
 """Prometheus metrics of one engine (its own registry, so that several engines in one process, as in
 the tests, do not collide): request counts, token throughput, TTFT / ITL / end-to-end latency, queue
-sizes, KV usage, the prefix-cache hit rate, and speculative decoding's accept length."""
+sizes, KV usage, the prefix-cache hit rate, speculative decoding's accept length, and the Triton kernels compiled
+after the warm-up."""
 
 from __future__ import annotations
 
@@ -47,6 +48,10 @@ class Metrics:
                                      registry=r)
         self.spec_accept_length = Gauge("plugserve_spec_accept_length",
                                         "Mean tokens a request gets from one speculative verify", registry=r)
+        self.late_triton_compiles = Counter(
+            "plugserve_late_triton_compiles",
+            "Triton kernels compiled after the warm-up, each a stall of the batch in flight (the log names them)",
+            registry=r)
         self._window_start = time.perf_counter()
         self._window_tokens = 0
         self._spec_requests = self._spec_tokens = 0

@@ -45,11 +45,12 @@ from plugserve.registry import SelectionError, get_registry, load_selection_tabl
 logger = logging.getLogger(__name__)
 
 
-def report_late_triton_compiles() -> None:
+def report_late_triton_compiles(on_compile: Callable[[], None] | None = None) -> None:
     """From now on (after the warm-up), log a warning for each Triton kernel compiled, naming it and its
-    specialization (argument dtypes, 16-byte alignments, constexprs): a compile inside a request stalls it for
-    tens to hundreds of milliseconds, so each one names a shape or layout the warm-up should walk. A no-op
-    without triton or on a release without `knobs.runtime.jit_post_compile_hook`."""
+    specialization (argument dtypes, 16-byte alignments, constexprs), and call `on_compile` (the engine's metrics
+    counter): a compile inside a request stalls it for tens to hundreds of milliseconds, so each one names a shape
+    or layout the warm-up should walk. Triton's hook is one per process: the last engine warmed up reports. A
+    no-op without triton or on a release without `knobs.runtime.jit_post_compile_hook`."""
     try:
         from triton import knobs
     except ImportError:
@@ -61,6 +62,8 @@ def report_late_triton_compiles() -> None:
     def warn(**details: Any) -> None:
         logger.warning("Triton compiled a kernel after the warm-up (the request waited for it): %s",
                        _describe_compile(details))
+        if on_compile is not None:
+            on_compile()
 
     runtime.jit_post_compile_hook = warn
 
@@ -433,12 +436,13 @@ class ModelRunner:
     # -- warm-up -------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def warm_up(self) -> None:
+    def warm_up(self, on_late_compile: Callable[[], None] | None = None) -> None:
         """Before serving: every prefill bucket's backend on a prompt of its size and of each power of two below
         it down to WARMUP_MIN_PREFILL_TOKENS (and an extension of each over the cached prefix), every decode
         bucket's eagerly (with speculative decoding, the NextN layer after
         each prefill and a round's forwards at each decode batch size), then the CUDA graphs. JIT compiles,
-        autotuning and FlashInfer plans happen here, not in a request."""
+        autotuning and FlashInfer plans happen here, not in a request. After it, each Triton
+        kernel compiled is logged, and `on_late_compile` called (`report_late_triton_compiles`)."""
         cap = WARMUP_PREFILL_TOKENS if self.device.type == "cuda" else CPU_WARMUP_TOKENS
         largest = min(self.prefill_buckets[-1].max_size, cap,
                       self.allocator.num_pages * self.page_size - WARMUP_EXTEND_TOKENS)
@@ -459,7 +463,7 @@ class ModelRunner:
         if self.graph_max_bs:
             self.capture_graphs()
         if self.device.type == "cuda":
-            report_late_triton_compiles()
+            report_late_triton_compiles(on_late_compile)
 
     def _scratch_forward(self, mode: ForwardMode, seq_lens: list[int], extend_lens: list[int],
                          pages: list[list[int]], nextn: bool = False) -> None:

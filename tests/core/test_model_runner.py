@@ -137,8 +137,9 @@ def test_shared_experts_fuse_into_a_backend_that_can_and_give_the_same_logits():
 def test_a_triton_compile_after_the_warm_up_is_logged(caplog: pytest.LogCaptureFixture) -> None:
     knobs = pytest.importorskip("triton").knobs
     before = knobs.runtime.jit_post_compile_hook
+    counted = []
     try:
-        report_late_triton_compiles()
+        report_late_triton_compiles(lambda: counted.append(1))
         hook = knobs.runtime.jit_post_compile_hook
         assert hook is not None
         # The keywords triton's JIT passes once it compiled a kernel (triton 3.9, runtime/jit.py `_call_hook`).
@@ -153,3 +154,4 @@ def test_a_triton_compile_after_the_warm_up_is_logged(caplog: pytest.LogCaptureF
     assert ("_rms_norm_kernel(x_ptr: *bf16, stride_x: i32) divisible by 16: ['x_ptr'] constexprs {'BLOCK': 256}"
             in caplog.text)
     assert "_other_kernel[num_warps=4](...)" in caplog.text
+    assert len(counted) == 2  # the engine's plugserve_late_triton_compiles counter, once per compile

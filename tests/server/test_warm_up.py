@@ -18,11 +18,13 @@ from plugserve.server.app import create_app
 def gated_warm_up(monkeypatch) -> threading.Event:
     """ModelRunner.warm_up blocks until the returned event is set."""
     release = threading.Event()
+    release.kwargs = {}
     original = ModelRunner.warm_up
 
-    def warm_up(self: ModelRunner) -> None:
+    def warm_up(self: ModelRunner, **kwargs) -> None:
+        release.kwargs.update(kwargs)
         release.wait(30)
-        original(self)
+        original(self, **kwargs)
 
     monkeypatch.setattr(ModelRunner, "warm_up", warm_up)
     return release
@@ -46,13 +48,16 @@ def test_requests_wait_for_warm_up_with_503_and_then_serve(gated_warm_up):
         assert client.get("/health").json() == {"status": "ok"}
         completion = client.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 2})
         assert completion.status_code == 200 and completion.json()["usage"]["completion_tokens"] == 2
+        # Kernels compiled after the warm-up count in /metrics (none on the CPU: nothing compiles there).
+        assert gated_warm_up.kwargs["on_late_compile"] == engine.metrics.late_triton_compiles.inc
+        assert "plugserve_late_triton_compiles_total 0.0" in client.get("/metrics").text
     finally:
         gated_warm_up.set()
         engine.shutdown()
 
 
 def test_a_failed_warm_up_is_reported_and_never_serves(monkeypatch):
-    def fail(self: ModelRunner) -> None:
+    def fail(self: ModelRunner, **kwargs) -> None:
         raise RuntimeError("CUDA error: out of memory")
 
     monkeypatch.setattr(ModelRunner, "warm_up", fail)
