@@ -111,7 +111,6 @@ def run_once(runner: ModelRunner, batch_size: int, input_len: int, output_len: i
         raise SystemExit("the batch did not fit one prefill: raise --chunked-prefill-size or --max-total-tokens")
     print(f"Prefill. latency: {prefill:.5f} s, throughput: {batch_size * input_len / prefill:9.2f} token/s")
     decode = _decode_overlapped(scheduler) if overlap else _decode_one_by_one(scheduler, runner, output_len - 1)
-    scheduler.shutdown()  # a speculative round's draft extend may still run on the worker thread
     if verbose:
         for step, latency in enumerate(decode):
             if step < 5 or step == len(decode) - 1:
@@ -174,6 +173,8 @@ def build_runner(namespace: argparse.Namespace, parser: argparse.ArgumentParser)
     flags size it); warmed up (JIT, CUDA graphs) and its chosen backends printed."""
     if namespace.overlap and namespace.disable_overlap_schedule:
         parser.error("--overlap times decode under the overlap scheduler, which --disable-overlap-schedule turns off")
+    if namespace.overlap and namespace.speculative_algorithm:
+        parser.error("--overlap: speculative decoding runs the non-overlap scheduler")
     namespace.disable_overlap_schedule = not namespace.overlap
     namespace.disable_radix_cache = True
     # Each request's tokens in whole pages of the largest page size a backend asks for (CutlassMLA's 128), plus the

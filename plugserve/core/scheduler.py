@@ -9,10 +9,8 @@ Requests batch i finishes ride along in batch i+1 once more; that extra token is
 outputs are the same with and without overlap.
 
 With speculative decoding (`core/speculative.py`) a decode step is a TARGET_VERIFY batch that drafts, verifies
-and accepts one to k + 1 tokens per request. The next round's layout depends on how many each request accepted,
-so overlap there hands over earlier instead: the worker thread passes a round's accepted tokens on as soon as
-they are known, and while it launches and waits for the round's draft extend (which reads no request), this
-thread processes those tokens and plans the next round, which the worker runs after it.
+and accepts one to k + 1 tokens per request; it runs the non-overlap loop, as the next step's layout depends
+on how many each request accepted.
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from typing import Protocol
@@ -131,12 +129,9 @@ class Scheduler:
         # length that step writes KV at (the drafts, and a tree's draft steps).
         self.verify_width = spec.num_draft_tokens if spec is not None else 1
         self.lookahead = spec.lookahead if spec is not None else 0
-        self.overlap = not args.disable_overlap_schedule
+        self.overlap = not args.disable_overlap_schedule and self.spec is None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="plugserve-forward") if self.overlap else None
-        # Overlap: the batch launched and its result (speculative: its tokens, handed over before the round ends).
         self._in_flight: tuple[ScheduledBatch, Future[BatchResult]] | None = None
-        # Speculative overlap: the whole run of the last batch launched, its draft extend included.
-        self._tail: Future[None] | None = None
 
     # -- requests ------------------------------------------------------------------------------------
 
@@ -174,16 +169,15 @@ class Scheduler:
     def overlap_status(self) -> str:
         """Whether scheduling overlaps the forward, and why not (for /server_info)."""
         if self.overlap:
-            return "on (speculative: a round's tokens are processed while its draft extend runs)" if self.spec else "on"
+            return "on"
+        if self.spec is not None:
+            return "off: speculative decoding runs the non-overlap loop"
         return "off: --disable-overlap-schedule"
 
     # -- the loop ------------------------------------------------------------------------------------
 
     def step(self) -> None:
         """Plan, run and process one batch (with overlap: launch one, process the previous one)."""
-        if self.overlap and self.spec is not None:
-            self._step_handing_over()
-            return
         if not self.overlap:
             batch = self._schedule()
             if batch is not None:
@@ -205,45 +199,6 @@ class Scheduler:
         if previous is not None:
             self._finish_batch(*previous)
 
-    def _step_handing_over(self) -> None:
-        """Speculative overlap: process the batch in flight once its tokens are handed over (its draft extend may
-        still run), then plan and launch the next one, which the worker thread runs once that has ended."""
-        if self._in_flight is not None:
-            batch, accepted = self._in_flight
-            self._in_flight = None
-            self._finish_batch(batch, accepted)
-        batch = self._schedule()
-        if batch is not None:
-            accepted: Future[BatchResult] = Future()
-            self._tail = self._executor.submit(self._run_handing_over, batch, accepted)  # type: ignore[union-attr]
-            self._in_flight = (batch, accepted)
-
-    def _run_handing_over(self, batch: ScheduledBatch, accepted: Future[BatchResult]) -> None:
-        """`_run` on the worker thread, `accepted` given the batch's tokens as soon as they are known (else its
-        result, or its error, at the end). A failure after the hand-over (in the draft extend) is only logged: the
-        tokens went out, and the draft state it was refreshing may be stale, which costs acceptance, never
-        correctness (verification decides every token)."""
-        def hand_over(out: SampleOutput) -> None:
-            accepted.set_result(BatchResult.of(out))
-
-        try:
-            result = self._run(batch, None, hand_over)
-        except Exception as exc:
-            if not accepted.done():
-                accepted.set_exception(exc)
-            else:
-                logger.exception("a speculative round failed after its tokens were handed over: later drafts may "
-                                 "be accepted less")
-            return
-        if not accepted.done():
-            accepted.set_result(result)
-
-    def _wait_tail(self) -> None:
-        """Let the last round's work end (it writes KV pages about to be freed, or the worker is shutting down)."""
-        if self._tail is not None:
-            self._tail.result()
-            self._tail = None
-
     def _finish_batch(self, batch: ScheduledBatch, future: Future[BatchResult]) -> None:
         try:
             result = future.result()
@@ -257,7 +212,6 @@ class Scheduler:
         if self._in_flight is not None:
             self._finish_batch(*self._in_flight)
             self._in_flight = None
-        self._wait_tail()
         if self._executor is not None:
             self._executor.shutdown()
 
@@ -444,20 +398,17 @@ class Scheduler:
 
     # -- running -------------------------------------------------------------------------------------
 
-    def _run(self, batch: ScheduledBatch, prior: Future[BatchResult] | None,
-             hand_over: Callable[[SampleOutput], None] | None = None) -> BatchResult:
-        """The batch's forward and sampling. Speculative: `hand_over` gets the tokens as soon as they are known,
-        before the rest of the round (the draft extend; after a prefill, the NextN layer) is launched."""
+    def _run(self, batch: ScheduledBatch, prior: Future[BatchResult] | None) -> BatchResult:
         input_ids = self._resolve(batch, prior)
         requests = batch.sampled_requests
         if self.spec is not None:
             if batch.mode is ForwardMode.TARGET_VERIFY:
                 return BatchResult.of(self.spec.verify(batch.forward_batch, input_ids, requests,
-                                                       self.runner.sampling_generator, hand_over))
+                                                       self.runner.sampling_generator))
             assert batch.next_ids is not None
             return BatchResult.of(self.spec.extend(batch.forward_batch, input_ids, batch.next_ids, batch.sample_rows,
                                                    [r.table_row for r in requests],
-                                                   lambda logits: self._sample(logits, requests), hand_over))
+                                                   lambda logits: self._sample(logits, requests)))
         return BatchResult.of(self._sample(self.runner.forward(input_ids, batch.forward_batch, batch.sample_rows),
                                            requests))
 
@@ -528,8 +479,6 @@ class Scheduler:
             except Exception as exc:
                 self._fail(request, "its output was processed", exc)
             row += was_sampled
-        if verified and self.spec is not None:
-            self.spec.observe(counts)
         if self.metrics:
             self.metrics.observe_batch(batch.mode, appended if verified else sum(batch.extend_lens), self.gauges)
             if verified:
@@ -644,7 +593,6 @@ class Scheduler:
             self._in_flight, in_flight = None, batch.requests
             with contextlib.suppress(Exception):
                 future.result()
-        self._wait_tail()
         self.fail_batch([*self.waiting, *self.running, *([self.chunked] if self.chunked else []), *in_flight], error)
 
     # -- KV ownership --------------------------------------------------------------------------------

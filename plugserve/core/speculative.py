@@ -105,52 +105,36 @@ class SpeculativeWorker:
         before the first."""
         return self.accepted_tokens / self.verify_steps if self.verify_steps else None
 
-    def observe(self, tokens_per_request: Sequence[int]) -> None:
-        """One processed verify: the tokens each of its requests got (drafts accepted + 1). Counted by the scheduler
-        from the host copy, so that the round never waits for the device to count them."""
-        self.verify_steps += len(tokens_per_request)
-        self.accepted_tokens += sum(tokens_per_request)
-
     @torch.inference_mode()
     def extend(self, batch: ForwardBatch, input_ids: torch.Tensor, next_ids: torch.Tensor, sample_rows: torch.Tensor,
-               table_rows: Sequence[int], sample: Callable[[torch.Tensor], SampleOutput],
-               on_sampled: Callable[[SampleOutput], None] | None = None) -> SampleOutput:
+               table_rows: Sequence[int], sample: Callable[[torch.Tensor], SampleOutput]) -> SampleOutput:
         """A prefill forward, then the NextN layer over its positions.
 
         input_ids [T] int64; next_ids [T] int64, the token after each (rows `sample_rows` [S] int64 are overwritten
         with the tokens sampled there); table_rows: the block-table rows of the S requests sampled; `sample` turns
-        their logits [S, vocab] float32 into tokens. `on_sampled` gets them before the NextN layer is launched
-        (the overlap scheduler plans the next batch meanwhile)."""
+        their logits [S, vocab] float32 into tokens."""
         hidden, attention = self._target(input_ids, batch)
         sampled = sample(self._logits(hidden[sample_rows]))
-        if on_sampled is not None:
-            on_sampled(sampled)
         next_ids = next_ids.index_copy(0, sample_rows, sampled.token_ids)
         self._keep(self._rows(table_rows), self.model.forward_nextn(next_ids, hidden, batch, attention)[sample_rows])
         return sampled
 
     @torch.inference_mode()
     def verify(self, batch: ForwardBatch, input_ids: torch.Tensor, requests: Sequence[Request],
-               default_generator: torch.Generator | None,
-               on_accepted: Callable[[SampleOutput], None] | None = None) -> SampleOutput:
+               default_generator: torch.Generator | None) -> SampleOutput:
         """One round for the requests of a TARGET_VERIFY `batch` (n = num_draft_tokens tokens each): draft, verify,
         accept, draft extend. input_ids [B * n] int64 hold each request's last token at its first row (the drafts
-        go in the others). Returns `verify_drafts`' output (`verify_tree`'s with topk > 1); `on_accepted` gets it
-        before the draft extend is launched, which reads no request (the overlap scheduler processes the round's
-        tokens and plans the next one meanwhile)."""
+        go in the others). Returns `verify_drafts`' output (`verify_tree`'s with topk > 1)."""
         b, n = batch.batch_size, self.num_draft_tokens
         rows = self._rows([r.table_row for r in requests])
         if self.topk > 1:
-            return self._verify_tree(batch, input_ids.view(b, n)[:, :1], requests, rows, default_generator,
-                                     on_accepted)
+            return self._verify_tree(batch, input_ids.view(b, n)[:, :1], requests, rows, default_generator)
         drafts, draft_probs = self._draft(batch, requests, rows, default_generator)
         ids = torch.cat([input_ids.view(b, n)[:, :1], drafts], dim=1)
         hidden, logits = self._verify_chains(ids.view(-1), batch)
         out = verify_drafts(logits.view(b, n, -1), drafts, draft_probs, [r.params for r in requests],
                             [r.prompt_ids for r in requests], [r.output_ids[: r.num_resolved] for r in requests],
                             [r.generator for r in requests], default_generator)
-        if on_accepted is not None:
-            on_accepted(out)
         self._draft_extend(batch, hidden, out, rows)
         return out
 
@@ -165,8 +149,7 @@ class SpeculativeWorker:
         return hidden, self._logits(hidden)
 
     def _verify_tree(self, batch: ForwardBatch, roots: torch.Tensor, requests: Sequence[Request], rows: torch.Tensor,
-                     default_generator: torch.Generator | None,
-                     on_accepted: Callable[[SampleOutput], None] | None) -> SampleOutput:
+                     default_generator: torch.Generator | None) -> SampleOutput:
         """`verify` with draft trees; roots [B, 1] int64: each request's last token."""
         drafts, parents = self._draft_tree(batch, rows)
         tree = batch.with_tree(DraftTree.of(parents))
@@ -180,8 +163,6 @@ class SpeculativeWorker:
         batch.kv_pool.copy_slots(slots.gather(1, path[:, 1:]).view(-1), slots[:, 1:].reshape(-1),
                                  range(len(self.model.layers)))
         picked = hidden.view(*tokens.shape, -1).gather(1, path[:, :, None].expand(*tokens.shape, hidden.shape[-1]))
-        if on_accepted is not None:  # the accepted KV is in place (the copy above is ahead of any later forward)
-            on_accepted(out)
         self._draft_extend(batch, picked.view(hidden.shape), out, rows)
         return out
 
@@ -276,6 +257,8 @@ class SpeculativeWorker:
             self._keep(rows, drafted[last], greedy[last])
         else:
             self._keep(rows, self._nextn(out.token_ids.view(-1), hidden, batch)[last])
+        self.verify_steps += b
+        self.accepted_tokens += b + int(out.accept_lens.sum())  # after the launch: this waits for the round
 
     def _keep(self, rows: torch.Tensor, drafted: torch.Tensor, greedy: torch.Tensor | None = None) -> None:
         """h' [B, H] of the requests at block-table rows [B] int64, and its greedy token [B] int64 (the argmax of its

@@ -77,8 +77,7 @@ HELP = {
                                     "can: triton) instead of their own MLP; off by default: slower on the H100 for "
                                     "V2-Lite and V3 (benchmarks/results/.../fast_path/session3)",
     "speculative_algorithm": "NEXTN (or EAGLE, its alias here): speculative decoding with the model's NextN (MTP) "
-                             "layer as the draft; with overlap, a round's tokens are processed and the next round "
-                             "planned while its draft extend runs",
+                             "layer as the draft; runs the non-overlap scheduler",
     "speculative_draft_model_path": "a checkpoint whose NextN layer drafts instead of the target's own (a NextN-only "
                                     "export such as SGLang's DeepSeek-V3-NextN, or a whole checkpoint with one); it "
                                     "must have the target's shapes",
