@@ -69,8 +69,9 @@ def report_late_triton_compiles(on_compile: Callable[[], None] | None = None) ->
 
 
 def _describe_compile(details: dict[str, Any]) -> str:
-    """`name(arg: type, ...) 16-byte aligned or divisible: [args] constexprs {...}` from the keywords triton's JIT
-    passes its hooks (`compile`: signature, constants, configs), or its own `repr` where those differ."""
+    """`name(arg: type, ...) divisible by 16: [args] constexprs {...}` from the keywords triton's JIT passes its
+    hooks (`compile`: signature, constants, configs; a pointer "divisible by 16" is 16-byte aligned), or its own
+    `repr` where those differ."""
     try:
         compile_info = details["compile"]
         signature: dict[str, str] = compile_info["signature"]
@@ -83,6 +84,7 @@ def _describe_compile(details: dict[str, Any]) -> str:
         return f"{details['fn'].name}({args}) divisible by 16: {divisible} constexprs {constants}"
     except (KeyError, TypeError, IndexError, AttributeError):
         return str(details.get("repr", details.get("key")))
+
 
 KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
              "fp8_e4m3": torch.float8_e4m3fn}
@@ -439,10 +441,10 @@ class ModelRunner:
     def warm_up(self, on_late_compile: Callable[[], None] | None = None) -> None:
         """Before serving: every prefill bucket's backend on a prompt of its size and of each power of two below
         it down to WARMUP_MIN_PREFILL_TOKENS (and an extension of each over the cached prefix), every decode
-        bucket's eagerly (with speculative decoding, the NextN layer after
-        each prefill and a round's forwards at each decode batch size), then the CUDA graphs. JIT compiles,
-        autotuning and FlashInfer plans happen here, not in a request. After it, each Triton
-        kernel compiled is logged, and `on_late_compile` called (`report_late_triton_compiles`)."""
+        bucket's eagerly (with speculative decoding, the NextN layer after each prefill and a round's forwards
+        at each decode batch size), then the CUDA graphs. JIT compiles, autotuning and FlashInfer plans happen
+        here, not in a request. After it, each Triton kernel compiled is logged and `on_late_compile` called
+        (`report_late_triton_compiles`)."""
         cap = WARMUP_PREFILL_TOKENS if self.device.type == "cuda" else CPU_WARMUP_TOKENS
         largest = min(self.prefill_buckets[-1].max_size, cap,
                       self.allocator.num_pages * self.page_size - WARMUP_EXTEND_TOKENS)
