@@ -1,9 +1,10 @@
 #!/bin/bash
 # The GPU fast path (issue 10) on the lent GPU machine, from the repo root with the device tool.
-# Carry: .carry/slim (tools/prepare_serving_carry.sh: the serving wheels for Python 3.12) and .carry/c1
-# (../shared/device/prepare-carry.sh: FlashInfer). Steps run in the order given; results in $OUT/r, returned
-# as $OUT/results.tgz.
-#   setup                 the wheels and FlashInfer into /tmp/site
+# Carry: .carry/slim (tools/prepare_serving_carry.sh: the serving wheels for Python 3.12), and for FlashInfer
+# either .carry/c1 (../shared/device/prepare-carry.sh; with .carry/slim it no longer fits beside the tree in one
+# call) or, instead of both, .carry/fi (tools/prepare_flashinfer_carry.sh: FlashInfer and the few wheels the
+# benchmarks import). Steps run in the order given; results in $OUT/r, returned as $OUT/results.tgz.
+#   setup                 the carried wheels and FlashInfer into /tmp/site
 #   kit:NAME              the kit's CUDA-graph tests for attention backend NAME, full shapes, bf16
 #   conf:TAG:ARGS         the kit (plugserve.testing, against its float64 oracle) with pytest ARGS, e.g.
 #                         --plugserve-backend,moe:triton,--plugserve-dtypes,bfloat16 -> conf-TAG.{txt,json}
@@ -45,8 +46,11 @@ for step in "$@"; do
       if [ -n "$args" ]; then export "$tag=$args"; else unset "$tag"; fi
       echo "env $tag=${args}" ;;
     setup)
-      python3 -m pip install -q --no-index --no-deps --target $site .carry/slim/*.whl 2>&1 | tail -2
-      bash .carry/c1/install-on-device.sh > /dev/null
+      for carry in slim fi; do
+        [ -d .carry/$carry ] && python3 -m pip install -q --no-index --no-deps --target $site .carry/$carry/*.whl 2>&1 | tail -2
+      done
+      [ -f .carry/c1/install-on-device.sh ] && bash .carry/c1/install-on-device.sh > /dev/null
+      [ -f .carry/fi/flashinfer.tar.xz ] && [ ! -d $site/flashinfer ] && tar -xJf .carry/fi/flashinfer.tar.xz -C $site
       nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $res/gpu.txt ;;
     kit)
       (cd /tmp && timeout $limit python3 -m pytest -q -p plugserve.testing.plugin -p no:cacheprovider --pyargs \
