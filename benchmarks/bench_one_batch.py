@@ -41,9 +41,8 @@ from plugserve.core.sampling import SamplingParams
 from plugserve.core.scheduler import Scheduler
 from plugserve.core.server_args import ServerArgs
 from plugserve.core.tokenizer import EMBEDDED_MODEL_DIR, load_tokenizer
+from plugserve.plugins.attention.cutlass_mla import PAGE_SIZE as LARGEST_PAGE  # the largest a built-in backend asks
 from plugserve.server.launch import add_server_args, server_args_from
-
-LARGEST_PAGE = 128
 
 
 class _NoText:
@@ -177,7 +176,7 @@ def build_runner(namespace: argparse.Namespace, parser: argparse.ArgumentParser)
         parser.error("--overlap: speculative decoding runs the non-overlap scheduler")
     namespace.disable_overlap_schedule = not namespace.overlap
     namespace.disable_radix_cache = True
-    # Each request's tokens in whole pages of the largest page size a backend asks for (CutlassMLA's 128), plus the
+    # Each request's tokens in whole pages of the largest page size a built-in backend asks for, plus the
     # pages the scheduler holds back for each running request's next step (speculative rounds' drafts included).
     tokens = max(namespace.input_len) + max(namespace.output_len)
     biggest = max(namespace.batch_size) * (-(-tokens // LARGEST_PAGE) + 2) * LARGEST_PAGE
