@@ -112,7 +112,9 @@ class MlaConfig:
     boxes through tensor descriptors (`mla_tma_fits`) instead of cp.async through pointers; reload_q:
     load the query block inside the KV loop. Triton then hoists the load and keeps the block in shared
     memory, reading it into registers for each KV block; held from outside the loop, it stays in
-    registers throughout, which mma.sync (operand A in registers in every warp) cannot afford."""
+    registers throughout, which mma.sync (operand A in registers in every warp) cannot afford;
+    split_scores: the warps share out a block's scores by key instead of each warpgroup computing them
+    all (`_mla_block`)."""
 
     block_h: int
     block_n: int
@@ -120,10 +122,12 @@ class MlaConfig:
     num_stages: int
     tma: bool = False
     reload_q: bool = False
+    split_scores: bool = False
 
     def __str__(self) -> str:
         return (f"h{self.block_h}-n{self.block_n}-w{self.num_warps}-s{self.num_stages}"
-                + ("-tma" if self.tma else "") + ("-reloadq" if self.reload_q else ""))
+                + ("-tma" if self.tma else "") + ("-reloadq" if self.reload_q else "")
+                + ("-splitqk" if self.split_scores else ""))
 
 
 def mla_block_h(num_heads: int, dtype: torch.dtype, capability: tuple[int, int] | None) -> int:
@@ -226,19 +230,33 @@ def _mla_load_q(q_rows, q_rope_rows, head_mask, R: tl.constexpr, P: tl.constexpr
 
 
 @triton.jit
+def _mla_scores(q_lo, q_hi, q_rope, lo, hi, rope, INPUT_PRECISION: tl.constexpr):
+    """Unscaled scores [BLOCK_H, BLOCK_N] float32 of the query block against one KV block."""
+    scores = tl.dot(q_lo, tl.trans(lo), input_precision=INPUT_PRECISION)
+    scores = tl.dot(q_hi, tl.trans(hi), scores, input_precision=INPUT_PRECISION)
+    return tl.dot(q_rope, tl.trans(rope), scores, input_precision=INPUT_PRECISION)
+
+
+@triton.jit
 def _mla_block(
     q_lo, q_hi, q_rope, q_rows, q_rope_rows, head_mask, kv_ptr, kv, kv_rope, block_table_row, stride_kv, b, kv_len,
     tree_start, tree_bits, m, denom, acc_lo, acc_hi, qk_scale,
     R: tl.constexpr, P: tl.constexpr, HALF_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, TREE: tl.constexpr, TMA: tl.constexpr, RELOAD_Q: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
+    SPLIT_SCORES: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
     """Online softmax over key block b (keys b * BLOCK_N ...): returns the updated row max m and denominator
     [BLOCK_H] and accumulator halves [BLOCK_H, HALF_R], all float32 and base 2. MASKED: keys from kv_len
     on are dropped (only the sequence's last block has any); that block is read through pointers even
     under TMA, so that nothing past kv_len enters the dots (0 * inf would poison them). TREE (with MASKED):
     key tree_start + j, a draft-tree node, is seen only where bit j of tree_bits is set. RELOAD_Q: the
-    query block is loaded here (q_lo, q_hi, q_rope are None), see `MlaConfig.reload_q`."""
+    query block is loaded here (q_lo, q_hi, q_rope are None), see `MlaConfig.reload_q`. SPLIT_SCORES: the
+    score dots sit in a branch that is always taken (kv_len >= 1). Triton gives a dot whose result reaches
+    another dot all warps along M, so that a row's softmax stays inside a warp; at 64 heads on 8 warps that
+    makes both warpgroups compute the same [64, BLOCK_N] scores. A value leaving a branch is a new value, so
+    the score dots no longer reach the probs . latent ones, and each warpgroup computes half the keys'
+    scores (the row max and sum then cross warpgroups through shared memory, as probs do to reach the
+    second dots)."""
     if RELOAD_Q:
         q_lo, q_hi, q_rope = _mla_load_q(q_rows, q_rope_rows, head_mask, R, P, HALF_R, BLOCK_P)
     n = b * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -263,9 +281,14 @@ def _mla_block(
         hi = tl.load(rows + HALF_R + r[None, :], mask=valid & (HALF_R + r < R)[None, :], other=0.0)
         rope = tl.load(rows + R + p[None, :], mask=valid & (p < P)[None, :], other=0.0)
 
-    scores = tl.dot(q_lo, tl.trans(lo), input_precision=INPUT_PRECISION)
-    scores = tl.dot(q_hi, tl.trans(hi), scores, input_precision=INPUT_PRECISION)
-    scores = tl.dot(q_rope, tl.trans(rope), scores, input_precision=INPUT_PRECISION) * qk_scale
+    if SPLIT_SCORES:
+        if kv_len > 0:
+            scores = _mla_scores(q_lo, q_hi, q_rope, lo, hi, rope, INPUT_PRECISION)
+        else:
+            scores = tl.zeros([q_lo.shape[0], BLOCK_N], tl.float32)
+    else:
+        scores = _mla_scores(q_lo, q_hi, q_rope, lo, hi, rope, INPUT_PRECISION)
+    scores = scores * qk_scale
     if MASKED:
         visible = n < kv_len
         if TREE:
@@ -296,7 +319,8 @@ def _mla_kernel(
     num_heads, num_splits, min_split_blocks, qk_scale,
     R: tl.constexpr, P: tl.constexpr, HALF_R: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    SPLIT: tl.constexpr, TREE: tl.constexpr, TMA: tl.constexpr, RELOAD_Q: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, TREE: tl.constexpr, TMA: tl.constexpr, RELOAD_Q: tl.constexpr, SPLIT_SCORES: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
 ):
     # kv_ptr: the pool [num_slots, R + P]; kv / kv_rope (TMA, else None): descriptors of its [BLOCK_N, HALF_R]
     # and [BLOCK_N, BLOCK_P] boxes. SPLIT: out_ptr / lse_ptr are float32 partials and base-2 log-sum-exps
@@ -348,20 +372,20 @@ def _mla_kernel(
         m, denom, acc_lo, acc_hi = _mla_block(
             q_lo, q_hi, q_rope, q_rows, q_rope_rows, head_mask, kv_ptr, kv, kv_rope, block_table_row, stride_kv, b,
             kv_len, tree_start, tree_bits, m, denom, acc_lo, acc_hi, qk_scale,
-            R, P, HALF_R, BLOCK_P, BLOCK_N, PAGE_SIZE, False, False, TMA, RELOAD_Q, INPUT_PRECISION,
+            R, P, HALF_R, BLOCK_P, BLOCK_N, PAGE_SIZE, False, False, TMA, RELOAD_Q, SPLIT_SCORES, INPUT_PRECISION,
         )
     if TREE:
         for b in range(tl.maximum(first, full), last):
             m, denom, acc_lo, acc_hi = _mla_block(
                 q_lo, q_hi, q_rope, q_rows, q_rope_rows, head_mask, kv_ptr, kv, kv_rope, block_table_row, stride_kv,
                 b, kv_len, tree_start, tree_bits, m, denom, acc_lo, acc_hi, qk_scale,
-                R, P, HALF_R, BLOCK_P, BLOCK_N, PAGE_SIZE, True, True, TMA, RELOAD_Q, INPUT_PRECISION,
+                R, P, HALF_R, BLOCK_P, BLOCK_N, PAGE_SIZE, True, True, TMA, RELOAD_Q, SPLIT_SCORES, INPUT_PRECISION,
             )
     elif full < last:
         m, denom, acc_lo, acc_hi = _mla_block(
             q_lo, q_hi, q_rope, q_rows, q_rope_rows, head_mask, kv_ptr, kv, kv_rope, block_table_row, stride_kv, full,
             kv_len, tree_start, tree_bits, m, denom, acc_lo, acc_hi, qk_scale,
-            R, P, HALF_R, BLOCK_P, BLOCK_N, PAGE_SIZE, True, False, TMA, RELOAD_Q, INPUT_PRECISION,
+            R, P, HALF_R, BLOCK_P, BLOCK_N, PAGE_SIZE, True, False, TMA, RELOAD_Q, SPLIT_SCORES, INPUT_PRECISION,
         )
 
     r = tl.arange(0, HALF_R)
@@ -491,8 +515,8 @@ def mla_attention(
                 block_table.stride(0), *o_strides, *lse_strides, h, num_splits,
                 triton.cdiv(mla_min_split_keys(h), launch["BLOCK_N"]), sm_scale * LOG2E)
 
-    launches = [shape | dict(BLOCK_N=c.block_n, TMA=c.tma, RELOAD_Q=c.reload_q, num_warps=c.num_warps,
-                             num_stages=c.num_stages)
+    launches = [shape | dict(BLOCK_N=c.block_n, TMA=c.tma, RELOAD_Q=c.reload_q, SPLIT_SCORES=c.split_scores,
+                             num_warps=c.num_warps, num_stages=c.num_stages)
                 for c in _mla_fallbacks(config)]
     grid = (t * num_splits * triton.cdiv(h, config.block_h),)
     _launch_first_fitting(_mla_kernel, grid, args, launches,

@@ -159,7 +159,8 @@ def test_trees_past_64_nodes_are_refused() -> None:
 def test_mla_launches_against_the_oracle(kernels: ModuleType, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
                                         ) -> None:
     """Head blocks of 16 (two for 20 heads, the second partial), 32 and 64 (one, mostly masked); key blocks
-    of 16 and 64, through pointers and TMA boxes, the query held or loaded per block; each at 1 and 3
+    of 16 and 64, through pointers and TMA boxes, the query held or loaded per block, the scores in a branch
+    or not (`MlaConfig.split_scores`); each at 1 and 3
     KV splits, the first also at 16. Page 16 over 1, 300 and 129 keys, splits down to one key block (not
     256 keys): 16 splits of 300 keys leave 6 empty, the 1-key request every split but the first; 300 and
     129 end in a partial key block, 128 (the verify row before it) on a whole one."""
@@ -171,7 +172,7 @@ def test_mla_launches_against_the_oracle(kernels: ModuleType, dtype: torch.dtype
     expected, _ = oracle.mla(batch, LAYER, q_nope, q_rope, latent, k_rope, oracle.softmax_scale(spec))
     backend.set_kv(LAYER, batch.out_cache_loc, latent, k_rope)
     MlaConfig = kernels.MlaConfig
-    configs = [MlaConfig(16, 16, 1, 1, tma=True), MlaConfig(32, 64, 1, 1, reload_q=True),
+    configs = [MlaConfig(16, 16, 1, 1, tma=True), MlaConfig(32, 64, 1, 1, reload_q=True, split_scores=True),
                MlaConfig(64, 16, 1, 1, tma=True, reload_q=True)]
     for config, splits in [(configs[0], 16), *itertools.product(configs, (1, 3))]:
         out = kernels.mla_attention(q_nope, q_rope, batch.kv_pool.buffer(LAYER), batch.block_table,
@@ -179,7 +180,6 @@ def test_mla_launches_against_the_oracle(kernels: ModuleType, dtype: torch.dtype
         assert_close(out, expected, dtype, f"forward_mla, {config}, {splits} KV splits")
 
 
-@interpreted
 @interpreted
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_forward_mla_projected_folds_w_uv_into_the_reduce(kernels: ModuleType, dtype: torch.dtype,
