@@ -18,7 +18,7 @@ which is slow and meant for tests; the torch reference keeps the higher priority
 from __future__ import annotations
 
 from types import ModuleType
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -27,6 +27,9 @@ from plugserve.core.forward_batch import ForwardBatch, ForwardMode
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import AttentionBackend, AttentionCapabilities, AttentionSpec, Availability
 from plugserve.plugins.triton_support import triton_availability
+
+if TYPE_CHECKING:
+    from plugserve.plugins.attention.triton_kernels import MlaConfig
 from plugserve.registry import hookimpl
 
 
@@ -72,8 +75,8 @@ class TritonAttention(AttentionBackend):
         self._kernels: ModuleType = triton_kernels
         hardware = Hardware.detect(device)
         self._multiprocessors = hardware.multiprocessors
-        self._mla_config = triton_kernels.mla_config(spec.num_heads, spec.kv_cache_dtype or spec.dtype,
-                                                     hardware.capability)
+        self._capability = hardware.capability
+        self._mla_config = self._mla_config_for(spec.page_size or 1)
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None  # forward_mla's split partials
         self._tree: tuple[torch.Tensor, torch.Tensor] | None = None  # a draft-tree batch's (tree_start, tree_bits)
         self._graph_token_req: torch.Tensor | None = None  # [max_num_tokens] int32, set by init_cuda_graph
@@ -130,6 +133,11 @@ class TritonAttention(AttentionBackend):
         powers = torch.ones(n, dtype=torch.int64, device=start.device) << torch.arange(n, device=start.device)
         bits = (tree.mask.to(torch.int64) * powers).sum(-1)  # distinct powers of two: the sum is the bitwise or
         return kv_len, (start, bits.view(-1))
+
+    def _mla_config_for(self, page_size: int) -> MlaConfig:
+        spec = self.spec
+        return self._kernels.mla_config(spec.num_heads, spec.kv_cache_dtype or spec.dtype, self._capability, page_size,
+                                        spec.kv_lora_rank, spec.qk_rope_head_dim)
 
     def _mla_splits(self, num_tokens: int, max_kv_len: int) -> int:
         """KV splits for num_tokens query rows times the config's head blocks (host-side, no sync)."""
@@ -193,9 +201,12 @@ class TritonAttention(AttentionBackend):
         batch = self.batch
         pool = batch.kv_pool
         self.check_mla_inputs(q_nope, q_rope)
+        # The spec's page size is the pool's when the model runner builds both; a pool of other pages (the kit's)
+        # may not hold the config's TMA boxes.
+        config = self._mla_config if pool.page_size == self.spec.page_size else self._mla_config_for(pool.page_size)
         return self._kernels.mla_attention(
             q_nope, q_rope, pool.buffer(layer_id), batch.block_table, self._token_req, self._token_kv_len,
-            pool.page_size, self.spec.softmax_scale, self._mla_config, self._num_splits, self._workspace,
+            pool.page_size, self.spec.softmax_scale, config, self._num_splits, self._workspace,
             self._tree, w_vc,
         )
 

@@ -112,9 +112,7 @@ class MlaConfig:
     boxes through tensor descriptors (`mla_tma_fits`) instead of cp.async through pointers; reload_q:
     load the query block inside the KV loop. Triton then hoists the load and keeps the block in shared
     memory, reading it into registers for each KV block; held from outside the loop, it stays in
-    registers throughout, which mma.sync (operand A in registers in every warp) cannot afford;
-    split_scores: the warps share out a block's scores by key instead of each warpgroup computing them
-    all (`_mla_block`)."""
+    registers throughout, which mma.sync (operand A in registers in every warp) cannot afford."""
 
     block_h: int
     block_n: int
@@ -122,12 +120,10 @@ class MlaConfig:
     num_stages: int
     tma: bool = False
     reload_q: bool = False
-    split_scores: bool = False
 
     def __str__(self) -> str:
         return (f"h{self.block_h}-n{self.block_n}-w{self.num_warps}-s{self.num_stages}"
-                + ("-tma" if self.tma else "") + ("-reloadq" if self.reload_q else "")
-                + ("-splitqk" if self.split_scores else ""))
+                + ("-tma" if self.tma else "") + ("-reloadq" if self.reload_q else ""))
 
 
 def mla_block_h(num_heads: int, dtype: torch.dtype, capability: tuple[int, int] | None) -> int:
@@ -144,31 +140,34 @@ def mla_block_h(num_heads: int, dtype: torch.dtype, capability: tuple[int, int] 
     return min(most, _pow2_at_least(num_heads, MIN_DOT))
 
 
-def mla_config(num_heads: int, dtype: torch.dtype, capability: tuple[int, int] | None) -> MlaConfig:
-    """Launch parameters by shape, chosen from ptxas' register counts (none spill) and shared memory
-    for sm90 (Triton 3.6), until the H100 sweep (benchmarks/sweep_triton_mla.py) says better:
-    - 5 stages everywhere on the GPU: the pipeliner shares num_stages - 1 between the page-index load
-      and the KV load that depends on it, so 5 gives each 2: three KV buffers, each block's tile in
-      flight during the whole block before it. At 2 or 3 stages a tile is issued after the block
-      before it and waited for at once, its latency exposed every block.
-    - 64 heads (wgmma): 32-key blocks (3 x 37 KB next to the 72 KB query block: 185 KB, 218
-      registers). Triton gives a chained dot's warps all to M, so both warpgroups of the 8 compute the
-      same [64, 32] scores; the [64, 512] accumulator is split between them.
+def mla_config(num_heads: int, dtype: torch.dtype, capability: tuple[int, int] | None, page_size: int,
+               kv_lora_rank: int, rope_dim: int) -> MlaConfig:
+    """Launch parameters by shape, from the H100 sweeps (benchmarks/sweep_triton_mla.py) and ptxas' register
+    counts (none spill) and shared memory for sm90 (Triton 3.6):
+    - 64 heads (wgmma): 64-key blocks, 2 stages (the 72 KB query block and two 73 KB KV blocks: 221 KB,
+      240 registers), as TMA boxes where a block lies inside a page. At 128 heads this took 1071 us at batch
+      128 x 8192 keys and 282 us at 32 x 8192, against 1342 and 354 us with 32-key blocks and 5 stages
+      (session 11, call 1): half the blocks halve the per-block softmax and accumulator rescaling. Triton
+      gives a chained dot's warps all to M, so both warpgroups of the 8 compute the same [64, 64] scores;
+      the [64, 512] accumulator is split between them. (Moving the score dots into a branch so that the
+      warpgroups split the keys instead, which the sweep measured, spilled at 255 registers and ran 1.3x
+      slower.)
     - 16 / 32 heads (mma.sync): its A operand sits in registers in every warp, 144 of them for a
       [16, 576] query held across the loop, so the query is loaded in the loop instead (`reload_q`:
       kept in shared memory, read per block). Keys must be more than the heads and at least 8 a warp,
       else Triton duplicates rows across warps: 16 x 32 keys on 4 warps (190 registers, 94 KB: two
-      programs an SM), 32 x 64 on 8.
+      programs an SM), 32 x 64 on 8. 5 stages: the pipeliner shares num_stages - 1 between the page-index
+      load and the KV load that depends on it, so 5 gives each 2.
     - fp32 (FMA dots, accuracy checks only): 16 x 16, one stage.
-    TMA boxes stay off until the sweep shows them ahead. The interpreter runs every program in
-    Python: the biggest blocks, one warp."""
+    The interpreter runs every program in Python: the biggest blocks, one warp."""
     block_h = mla_block_h(num_heads, dtype, capability)
     if capability is None:
         return MlaConfig(block_h, 64, 1, 1)
     if dtype == torch.float32:
         return MlaConfig(block_h, 16, 4, 1, reload_q=True)
     if block_h == 64:
-        return MlaConfig(64, 32, 8, 5)
+        config = MlaConfig(64, 64, 8, 2)
+        return replace(config, tma=mla_tma_fits(config, kv_lora_rank, rope_dim, page_size, capability))
     return MlaConfig(block_h, 2 * block_h, 4 if block_h == MIN_DOT else 8, 5, reload_q=True)
 
 
@@ -230,33 +229,19 @@ def _mla_load_q(q_rows, q_rope_rows, head_mask, R: tl.constexpr, P: tl.constexpr
 
 
 @triton.jit
-def _mla_scores(q_lo, q_hi, q_rope, lo, hi, rope, INPUT_PRECISION: tl.constexpr):
-    """Unscaled scores [BLOCK_H, BLOCK_N] float32 of the query block against one KV block."""
-    scores = tl.dot(q_lo, tl.trans(lo), input_precision=INPUT_PRECISION)
-    scores = tl.dot(q_hi, tl.trans(hi), scores, input_precision=INPUT_PRECISION)
-    return tl.dot(q_rope, tl.trans(rope), scores, input_precision=INPUT_PRECISION)
-
-
-@triton.jit
 def _mla_block(
     q_lo, q_hi, q_rope, q_rows, q_rope_rows, head_mask, kv_ptr, kv, kv_rope, block_table_row, stride_kv, b, kv_len,
     tree_start, tree_bits, m, denom, acc_lo, acc_hi, qk_scale,
     R: tl.constexpr, P: tl.constexpr, HALF_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, TREE: tl.constexpr, TMA: tl.constexpr, RELOAD_Q: tl.constexpr,
-    SPLIT_SCORES: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
 ):
     """Online softmax over key block b (keys b * BLOCK_N ...): returns the updated row max m and denominator
     [BLOCK_H] and accumulator halves [BLOCK_H, HALF_R], all float32 and base 2. MASKED: keys from kv_len
     on are dropped (only the sequence's last block has any); that block is read through pointers even
     under TMA, so that nothing past kv_len enters the dots (0 * inf would poison them). TREE (with MASKED):
     key tree_start + j, a draft-tree node, is seen only where bit j of tree_bits is set. RELOAD_Q: the
-    query block is loaded here (q_lo, q_hi, q_rope are None), see `MlaConfig.reload_q`. SPLIT_SCORES: the
-    score dots sit in a branch that is always taken (kv_len >= 1). Triton gives a dot whose result reaches
-    another dot all warps along M, so that a row's softmax stays inside a warp; at 64 heads on 8 warps that
-    makes both warpgroups compute the same [64, BLOCK_N] scores. A value leaving a branch is a new value, so
-    the score dots no longer reach the probs . latent ones, and each warpgroup computes half the keys'
-    scores (the row max and sum then cross warpgroups through shared memory, as probs do to reach the
-    second dots)."""
+    query block is loaded here (q_lo, q_hi, q_rope are None), see `MlaConfig.reload_q`."""
     if RELOAD_Q:
         q_lo, q_hi, q_rope = _mla_load_q(q_rows, q_rope_rows, head_mask, R, P, HALF_R, BLOCK_P)
     n = b * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -281,14 +266,9 @@ def _mla_block(
         hi = tl.load(rows + HALF_R + r[None, :], mask=valid & (HALF_R + r < R)[None, :], other=0.0)
         rope = tl.load(rows + R + p[None, :], mask=valid & (p < P)[None, :], other=0.0)
 
-    if SPLIT_SCORES:
-        if kv_len > 0:
-            scores = _mla_scores(q_lo, q_hi, q_rope, lo, hi, rope, INPUT_PRECISION)
-        else:
-            scores = tl.zeros([q_lo.shape[0], BLOCK_N], tl.float32)
-    else:
-        scores = _mla_scores(q_lo, q_hi, q_rope, lo, hi, rope, INPUT_PRECISION)
-    scores = scores * qk_scale
+    scores = tl.dot(q_lo, tl.trans(lo), input_precision=INPUT_PRECISION)
+    scores = tl.dot(q_hi, tl.trans(hi), scores, input_precision=INPUT_PRECISION)
+    scores = tl.dot(q_rope, tl.trans(rope), scores, input_precision=INPUT_PRECISION) * qk_scale
     if MASKED:
         visible = n < kv_len
         if TREE:
@@ -319,8 +299,7 @@ def _mla_kernel(
     num_heads, num_splits, min_split_blocks, qk_scale,
     R: tl.constexpr, P: tl.constexpr, HALF_R: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    SPLIT: tl.constexpr, TREE: tl.constexpr, TMA: tl.constexpr, RELOAD_Q: tl.constexpr, SPLIT_SCORES: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, TREE: tl.constexpr, TMA: tl.constexpr, RELOAD_Q: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
     # kv_ptr: the pool [num_slots, R + P]; kv / kv_rope (TMA, else None): descriptors of its [BLOCK_N, HALF_R]
     # and [BLOCK_N, BLOCK_P] boxes. SPLIT: out_ptr / lse_ptr are float32 partials and base-2 log-sum-exps
@@ -372,20 +351,20 @@ def _mla_kernel(
         m, denom, acc_lo, acc_hi = _mla_block(
             q_lo, q_hi, q_rope, q_rows, q_rope_rows, head_mask, kv_ptr, kv, kv_rope, block_table_row, stride_kv, b,
             kv_len, tree_start, tree_bits, m, denom, acc_lo, acc_hi, qk_scale,
-            R, P, HALF_R, BLOCK_P, BLOCK_N, PAGE_SIZE, False, False, TMA, RELOAD_Q, SPLIT_SCORES, INPUT_PRECISION,
+            R, P, HALF_R, BLOCK_P, BLOCK_N, PAGE_SIZE, False, False, TMA, RELOAD_Q, INPUT_PRECISION,
         )
     if TREE:
         for b in range(tl.maximum(first, full), last):
             m, denom, acc_lo, acc_hi = _mla_block(
                 q_lo, q_hi, q_rope, q_rows, q_rope_rows, head_mask, kv_ptr, kv, kv_rope, block_table_row, stride_kv,
                 b, kv_len, tree_start, tree_bits, m, denom, acc_lo, acc_hi, qk_scale,
-                R, P, HALF_R, BLOCK_P, BLOCK_N, PAGE_SIZE, True, True, TMA, RELOAD_Q, SPLIT_SCORES, INPUT_PRECISION,
+                R, P, HALF_R, BLOCK_P, BLOCK_N, PAGE_SIZE, True, True, TMA, RELOAD_Q, INPUT_PRECISION,
             )
     elif full < last:
         m, denom, acc_lo, acc_hi = _mla_block(
             q_lo, q_hi, q_rope, q_rows, q_rope_rows, head_mask, kv_ptr, kv, kv_rope, block_table_row, stride_kv, full,
             kv_len, tree_start, tree_bits, m, denom, acc_lo, acc_hi, qk_scale,
-            R, P, HALF_R, BLOCK_P, BLOCK_N, PAGE_SIZE, True, False, TMA, RELOAD_Q, SPLIT_SCORES, INPUT_PRECISION,
+            R, P, HALF_R, BLOCK_P, BLOCK_N, PAGE_SIZE, True, False, TMA, RELOAD_Q, INPUT_PRECISION,
         )
 
     r = tl.arange(0, HALF_R)
@@ -515,8 +494,8 @@ def mla_attention(
                 block_table.stride(0), *o_strides, *lse_strides, h, num_splits,
                 triton.cdiv(mla_min_split_keys(h), launch["BLOCK_N"]), sm_scale * LOG2E)
 
-    launches = [shape | dict(BLOCK_N=c.block_n, TMA=c.tma, RELOAD_Q=c.reload_q, SPLIT_SCORES=c.split_scores,
-                             num_warps=c.num_warps, num_stages=c.num_stages)
+    launches = [shape | dict(BLOCK_N=c.block_n, TMA=c.tma, RELOAD_Q=c.reload_q, num_warps=c.num_warps,
+                             num_stages=c.num_stages)
                 for c in _mla_fallbacks(config)]
     grid = (t * num_splits * triton.cdiv(h, config.block_h),)
     _launch_first_fitting(_mla_kernel, grid, args, launches,

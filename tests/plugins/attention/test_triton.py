@@ -159,8 +159,7 @@ def test_trees_past_64_nodes_are_refused() -> None:
 def test_mla_launches_against_the_oracle(kernels: ModuleType, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
                                         ) -> None:
     """Head blocks of 16 (two for 20 heads, the second partial), 32 and 64 (one, mostly masked); key blocks
-    of 16 and 64, through pointers and TMA boxes, the query held or loaded per block, the scores in a branch
-    or not (`MlaConfig.split_scores`); each at 1 and 3
+    of 16 and 64, through pointers and TMA boxes, the query held or loaded per block; each at 1 and 3
     KV splits, the first also at 16. Page 16 over 1, 300 and 129 keys, splits down to one key block (not
     256 keys): 16 splits of 300 keys leave 6 empty, the 1-key request every split but the first; 300 and
     129 end in a partial key block, 128 (the verify row before it) on a whole one."""
@@ -172,7 +171,7 @@ def test_mla_launches_against_the_oracle(kernels: ModuleType, dtype: torch.dtype
     expected, _ = oracle.mla(batch, LAYER, q_nope, q_rope, latent, k_rope, oracle.softmax_scale(spec))
     backend.set_kv(LAYER, batch.out_cache_loc, latent, k_rope)
     MlaConfig = kernels.MlaConfig
-    configs = [MlaConfig(16, 16, 1, 1, tma=True), MlaConfig(32, 64, 1, 1, reload_q=True, split_scores=True),
+    configs = [MlaConfig(16, 16, 1, 1, tma=True), MlaConfig(32, 64, 1, 1, reload_q=True),
                MlaConfig(64, 16, 1, 1, tma=True, reload_q=True)]
     for config, splits in [(configs[0], 16), *itertools.product(configs, (1, 3))]:
         out = kernels.mla_attention(q_nope, q_rope, batch.kv_pool.buffer(LAYER), batch.block_table,
@@ -229,8 +228,9 @@ def test_launch_heuristics(kernels: ModuleType) -> None:
     h100, sm90, sm80, bf16 = 132, (9, 0), (8, 0), torch.bfloat16
     assert kernels.mla_block_h(128, bf16, sm90) == 64 and kernels.mla_block_h(128, bf16, sm80) == 32
     assert kernels.mla_block_h(20, bf16, sm90) == 32 and kernels.mla_block_h(128, torch.float32, sm90) == 16
-    assert kernels.mla_config(128, bf16, sm90) == kernels.MlaConfig(64, 32, 8, 5)
-    assert kernels.mla_config(16, bf16, sm90) == kernels.MlaConfig(16, 32, 4, 5, reload_q=True)
+    assert kernels.mla_config(128, bf16, sm90, 64, 512, 64) == kernels.MlaConfig(64, 64, 8, 2, tma=True)
+    assert kernels.mla_config(128, bf16, sm90, 16, 512, 64) == kernels.MlaConfig(64, 64, 8, 2)  # blocks span pages
+    assert kernels.mla_config(16, bf16, sm90, 64, 512, 64) == kernels.MlaConfig(16, 32, 4, 5, reload_q=True)
     assert kernels.mla_min_split_keys(128) == 256 and kernels.mla_min_split_keys(16) == 32
     assert kernels.mla_min_split_keys(20) == 64 and kernels.mla_min_split_keys(1) == 32
     # (token, head block) rows -> splits filling 80% of every wave on 132 SMs; 128 heads: 256 keys a split.
