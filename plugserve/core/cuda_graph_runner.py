@@ -1,7 +1,8 @@
 """CUDA-graph replay of the forwards over the paged cache, with a fixed number of new tokens per request:
 the target's DECODE (1), and with speculative decoding the target's TARGET_VERIFY (num_draft_tokens), the
 NextN layer's draft DECODE steps (1) and its DRAFT_EXTEND (num_draft_tokens: `SpeculativeWorker` pads the
-accepted tokens to that many).
+accepted tokens to that many), and a whole round of greedy chains in one graph (`speculative.greedy_round_forward`,
+num_draft_tokens).
 
 At start-up one graph per mode is captured per batch size of `capture_sizes(--cuda-graph-max-bs)`, largest
 first, every mode's in one memory pool. A batch of b requests replays the graph of the smallest captured size
@@ -92,10 +93,10 @@ class GraphInputs:
 
     def load(self, input_ids: torch.Tensor, batch: ForwardBatch, batch_size: int,
              hidden: torch.Tensor | None = None) -> ForwardBatch:
-        """Copy a real batch (b <= batch_size requests of tokens_per_request tokens each; `hidden` [T, H] with
-        the `hidden` buffer, else None) into the first rows and make rows b..batch_size-1 padding (their hidden
-        rows keep whatever they held: padding rows' outputs are never read). Returns the static batch of
-        `batch_size` rows."""
+        """Copy a real batch (b <= batch_size requests of tokens_per_request tokens each; `hidden` [R, H] with
+        the `hidden` buffer, else None: R = T, one row per token, or b for a forward that reads one per request)
+        into the first rows and make rows b..batch_size-1 padding (their hidden rows keep whatever they held:
+        padding rows' outputs are never read). Returns the static batch of `batch_size` rows."""
         b, n = batch.batch_size, batch.num_tokens
         padded_n = batch_size * self.tokens_per_request
         if any(e != self.tokens_per_request for e in batch.extend_lens_cpu):
@@ -108,7 +109,7 @@ class GraphInputs:
         if (hidden is None) != (self.hidden is None):
             raise ValueError("hidden states go with graphs of the NextN layer, and only with them")
         if hidden is not None:
-            self.hidden[:n].copy_(hidden, non_blocking=True)
+            self.hidden[: hidden.shape[0]].copy_(hidden, non_blocking=True)
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(batch.positions, non_blocking=True)
         self.out_cache_loc[:n].copy_(batch.out_cache_loc, non_blocking=True)
@@ -211,13 +212,16 @@ class CudaGraphRunner:
 
     def replay(self, input_ids: torch.Tensor, batch: ForwardBatch, hidden: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, ...]:
-        """input_ids [T] (and hidden [T, H] for the NextN layer) of a batch `can_run` accepts -> the forward's
-        outputs at its T rows (views of the graph's output buffers, valid until the next replay)."""
+        """input_ids [T] (and hidden [T, H] for the NextN layer, or [B, H] for a forward reading one row per
+        request) of a batch `can_run` accepts -> the forward's outputs at its T token rows, or at its B requests'
+        rows for an output of one row per request (views of the graph's output buffers, valid until the next
+        replay)."""
         size = padded_size(self.sizes, batch.batch_size)
         if size is None or not self.can_run(batch):
             raise ValueError(f"no graph for a {batch.mode.name} batch of {batch.batch_size} requests")
         static = self.inputs.load(input_ids, batch, size, hidden)
-        return tuple(out[: batch.num_tokens] for out in self._launch(size, static))
+        return tuple(out[: batch.batch_size if out.shape[0] == size else batch.num_tokens]
+                     for out in self._launch(size, static))
 
     def _launch(self, size: int, static: ForwardBatch) -> tuple[torch.Tensor, ...]:
         """Replay the graph of `size` on the loaded static batch; its full output buffers."""

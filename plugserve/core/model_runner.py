@@ -40,6 +40,7 @@ from plugserve.core.layers.small_ops import EAGER, SmallOps
 from plugserve.core.loader import load_model, read_config, resolve_dtype
 from plugserve.core.models.deepseek import ModelBackends
 from plugserve.core.server_args import ServerArgs, flag
+from plugserve.core.speculative import greedy_round_forward
 from plugserve.registry import SelectionError, get_registry, load_selection_table
 
 logger = logging.getLogger(__name__)
@@ -145,7 +146,9 @@ class GraphPlan:
     """A forward captured in CUDA graphs: its mode and new tokens per request, and whether it is the NextN
     layer's (which reads hidden states [N, H] beside the token ids). Its outputs: logits [N, vocab] float32 when
     `logits`, then each row's greedy token [N] int64 (the logits' argmax over the sampled vocabulary) when
-    `greedy`, then the final hidden states [N, H] in the model dtype when `hidden`."""
+    `greedy`, then the final hidden states [N, H] in the model dtype when `hidden`. `round`: instead, a whole
+    round of greedy chains (`speculative.greedy_round_forward`, whose docstring lists its outputs; it reads hidden
+    states too)."""
 
     mode: ForwardMode
     tokens_per_request: int
@@ -153,9 +156,12 @@ class GraphPlan:
     logits: bool
     hidden: bool
     greedy: bool = False
+    round: bool = False
 
     @property
     def label(self) -> str:
+        if self.round:
+            return "greedy round"
         return f"draft {self.mode.name}" if self.nextn and self.mode is ForwardMode.DECODE else self.mode.name
 
 
@@ -236,6 +242,8 @@ class ModelRunner:
         # NextN layer's (draft DECODE steps, DRAFT_EXTEND).
         self.target_graphs: dict[ForwardMode, CudaGraphRunner] = {}
         self.nextn_graphs: dict[ForwardMode, CudaGraphRunner] = {}
+        # A whole round of greedy chains in one graph (TARGET_VERIFY-shaped), when the attention backends allow it.
+        self.round_graph: CudaGraphRunner | None = None
         self.graph_status = ("disabled by --disable-cuda-graph" if args.disable_cuda_graph else
                              "no CUDA graphs on the CPU" if self.device.type != "cuda" else
                              "decode runs eagerly under --enable-dp-attention (no graphs for it yet)"
@@ -522,8 +530,8 @@ class ModelRunner:
         speculative decoding its TARGET_VERIFY (logits to verify, hidden states for the draft extend), the
         NextN layer's draft DECODE steps (logits to draft from, hidden states for the next step) and its
         DRAFT_EXTEND padded to num_draft_tokens (hidden states: h', and the greedy tokens: the next round's first
-        greedy draft). Draft trees verify and draft in tree form,
-        eagerly (`graph_status` says so), and share DRAFT_EXTEND with chains."""
+        greedy draft), and for chains the greedy round, all of them in one graph. Draft trees verify and draft in
+        tree form, eagerly (`graph_status` says so), and share DRAFT_EXTEND with chains."""
         spec = self.args.speculative
         if spec is None:
             return [GraphPlan(ForwardMode.DECODE, 1, nextn=False, logits=True, hidden=False)]
@@ -532,11 +540,15 @@ class ModelRunner:
         if spec.topk > 1:
             return [extend]
         return [GraphPlan(ForwardMode.TARGET_VERIFY, n, nextn=False, logits=True, hidden=True),
-                GraphPlan(ForwardMode.DECODE, 1, nextn=True, logits=True, hidden=True), extend]
+                GraphPlan(ForwardMode.DECODE, 1, nextn=True, logits=True, hidden=True), extend,
+                GraphPlan(ForwardMode.TARGET_VERIFY, n, nextn=False, logits=True, hidden=True, round=True)]
 
     def _graph_forward(self, plan: GraphPlan) -> GraphForward:
         """What the graph of `plan` captures (see GraphPlan for its outputs)."""
         model, sample_vocab = self.model, self.sample_vocab
+        if plan.round:
+            assert self.args.speculative is not None
+            return greedy_round_forward(model, self.args.speculative.num_steps, sample_vocab, plan_in_graph)
 
         def forward(input_ids: torch.Tensor, hidden: torch.Tensor | None, batch: ForwardBatch,
                     attention: AttentionBackend) -> tuple[torch.Tensor, ...]:
@@ -557,9 +569,9 @@ class ModelRunner:
         sizes = capture_sizes(self.graph_max_bs)
         plans, eager = [], []
         for plan in self._graph_plans():
-            reason = self._graph_blocker(plan.mode)
+            reason = self._round_blocker() if plan.round else self._graph_blocker(plan.mode)
             if reason:
-                eager.append(f"{plan.label} runs eagerly: {reason}")
+                eager.append(f"{plan.label} {'is not one graph' if plan.round else 'runs eagerly'}: {reason}")
                 logger.warning("CUDA graphs off for %s: %s", plan.label, reason)
             else:
                 plans.append(plan)
@@ -569,7 +581,8 @@ class ModelRunner:
         max_pages = min(self.block_table.max_pages, self.allocator.num_pages)
         runners = [CudaGraphRunner(p.mode, sizes, p.tokens_per_request, max_pages, self.pool, self.padding_page,
                                    functools.partial(_in_bucket, self.decode_buckets),
-                                   (self.config.hidden_size, self.dtype) if p.nextn else None) for p in plans]
+                                   (self.config.hidden_size, self.dtype) if p.nextn or p.round else None)
+                   for p in plans]
         captured = ""
         if runners:
             bar = tqdm(total=len(sizes) * len(runners), desc="capturing CUDA graphs", disable=None)
@@ -578,9 +591,12 @@ class ModelRunner:
                 pool_handle = torch.cuda.graph_pool_handle()  # one memory pool for every mode's graphs
                 for plan, runner in zip(plans, runners, strict=True):
                     runner.capture(self._graph_forward(plan), pool_handle, progress=lambda _: bar.update())
-                    (self.nextn_graphs if plan.nextn else self.target_graphs)[plan.mode] = runner
+                    if plan.round:
+                        self.round_graph = runner
+                    else:
+                        (self.nextn_graphs if plan.nextn else self.target_graphs)[plan.mode] = runner
             except Exception as exc:
-                self.target_graphs, self.nextn_graphs = {}, {}
+                self.target_graphs, self.nextn_graphs, self.round_graph = {}, {}, None
                 eager = [f"{', '.join(p.label for p in plans)} run eagerly: capture failed: "
                          f"{type(exc).__name__}: {exc}", *eager]
                 logger.exception("CUDA graph capture failed; the forwards run eagerly")
@@ -591,6 +607,16 @@ class ModelRunner:
                 bar.close()
         self.graph_status = "; ".join(filter(None, [captured, *eager]))
         logger.info("CUDA graphs: %s", self.graph_status)
+
+    def _round_blocker(self) -> str:
+        """Why the greedy round cannot be one graph, or ''."""
+        for mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND):
+            if reason := self._graph_blocker(mode):
+                return reason
+        for bucket in self.decode_buckets:
+            if not bucket.backend.capabilities.graph_plan_on_device:
+                return f"attention backend {bucket.backend.name} plans on the host before each replay"
+        return ""
 
     def _graph_blocker(self, mode: ForwardMode) -> str:
         """Why `mode` cannot be captured, or ''."""
@@ -705,6 +731,11 @@ class ModelRunner:
     def release_followers(self) -> None:
         """Rank 0, once its forwards are over: end the other ranks' `follow`."""
         self.group.broadcast_object(None)
+
+
+def plan_in_graph(attention: AttentionBackend, batch: ForwardBatch) -> None:
+    """How a graph of several forwards plans each one's attention: recorded in the capture (`graph_plan_on_device`)."""
+    attention.plan_capture(batch)
 
 
 def _in_bucket(buckets: list[Bucket], size: int) -> AttentionBackend:

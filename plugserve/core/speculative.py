@@ -49,7 +49,10 @@ sequence that computed it. That costs acceptance at most: verification alone dec
 On a GPU the chains' draft DECODE steps, TARGET_VERIFY and DRAFT_EXTEND replay CUDA graphs (`ModelRunner.
 target_graphs` / `nextn_graphs`, captured at start-up for the decode batch sizes) when the decode attention
 backends declare those modes; a tree's verify and draft forwards carry a per-round tree mask and run eagerly.
-A batch past the largest graph runs eagerly, with the same outputs.
+A round of greedy chains (every request greedy, without penalties) is one graph replay (`ModelRunner.round_graph`,
+`greedy_round_forward`) when the decode attention backends also plan on the device: draft steps, verify, greedy
+acceptance and draft extend, with one input load, so that the host's time per round stays close to a decode
+step's. A batch past the largest graph runs eagerly, with the same outputs.
 """
 
 from __future__ import annotations
@@ -67,8 +70,9 @@ from plugserve.core.sampling import SampleOutput, SamplingParams, apply_penaltie
 from plugserve.core.server_args import SpeculativeConfig, flag
 
 if TYPE_CHECKING:
-    from plugserve.core.cuda_graph_runner import CudaGraphRunner
+    from plugserve.core.cuda_graph_runner import CudaGraphRunner, GraphForward
     from plugserve.core.model_runner import ModelRunner
+    from plugserve.core.models.deepseek import DeepseekForCausalLM
     from plugserve.core.request import Request
 
 
@@ -129,6 +133,9 @@ class SpeculativeWorker:
         rows = self._rows([r.table_row for r in requests])
         if self.topk > 1:
             return self._verify_tree(batch, input_ids.view(b, n)[:, :1], requests, rows, default_generator)
+        round_graph = self.runner.round_graph
+        if round_graph is not None and round_graph.can_run(batch) and all(_plain_greedy(r.params) for r in requests):
+            return self._greedy_round(round_graph, batch, input_ids, requests, rows)
         drafts, draft_probs = self._draft(batch, requests, rows, default_generator)
         ids = torch.cat([input_ids.view(b, n)[:, :1], drafts], dim=1)
         hidden, logits = self._verify_chains(ids.view(-1), batch)
@@ -136,6 +143,22 @@ class SpeculativeWorker:
                             [r.prompt_ids for r in requests], [r.output_ids[: r.num_resolved] for r in requests],
                             [r.generator for r in requests], default_generator)
         self._draft_extend(batch, hidden, out, rows)
+        return out
+
+    def _greedy_round(self, graph: CudaGraphRunner, batch: ForwardBatch, input_ids: torch.Tensor,
+                      requests: Sequence[Request], rows: torch.Tensor) -> SampleOutput:
+        """`verify` of greedy chains in one replay of the round graph (`greedy_round_forward`)."""
+        b, n = batch.batch_size, self.num_draft_tokens
+        ids = input_ids.view(b, n).clone()
+        ids[:, 1] = self.first_draft[rows]
+        tokens, accept_lens, logits, drafted, greedy = graph.replay(ids.view(-1), batch, self.hidden[rows])
+        self.hidden[rows] = drafted
+        self.first_draft[rows] = greedy
+        # The graph's outputs are rewritten by its next replay, which may come before the scheduler reads these.
+        out = _with_logprobs(logits.view(b, n, -1), tokens.view(b, n).clone(), accept_lens.clone(),
+                             [r.params for r in requests])
+        self.verify_steps += b
+        self.accepted_tokens += b + int(accept_lens.sum())  # after the launch: this waits for the round
         return out
 
     def _verify_chains(self, input_ids: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -301,6 +324,51 @@ class SpeculativeWorker:
 
     def _rows(self, table_rows: Sequence[int]) -> torch.Tensor:
         return to_device(torch.tensor(table_rows, dtype=torch.int64), self.hidden.device)
+
+
+def greedy_round_forward(model: DeepseekForCausalLM, num_steps: int, sample_vocab: int,
+                         plan: Callable[[AttentionBackend, ForwardBatch], None]) -> GraphForward:
+    """A round of greedy chains as one forward, for the round graph: the k - 1 draft DECODE steps, the
+    TARGET_VERIFY, greedy acceptance and the padded DRAFT_EXTEND of `SpeculativeWorker.verify`, planning attention
+    for each sub-batch with `plan` (plan_capture in a graph: the backend must plan on the device). It takes the
+    TARGET_VERIFY batch of B requests of n = num_steps + 1 tokens, input_ids [B * n] int64 (each request's last
+    token, then its first draft d_1; the rest is unread) and hidden [>= B, H], h' of each request in its first B
+    rows. Outputs: the target's greedy tokens [B * n] int64 (request b's first accept_lens[b] + 1 are its round's),
+    accept_lens [B] int64, the verify's logits [B * n, sample_vocab] float32, and the next round's h' [B, H] and its
+    greedy token [B] int64."""
+
+    def forward(input_ids: torch.Tensor, hidden: torch.Tensor | None, batch: ForwardBatch,
+                attention: AttentionBackend) -> tuple[torch.Tensor, ...]:
+        assert hidden is not None
+        b = batch.batch_size
+        n = num_steps + 1
+        first = input_ids.view(b, n)
+        drafts, state = [first[:, 1]], hidden[:b]
+        for step in range(1, num_steps):
+            decode = batch.token_as_decode(step - 1)  # step j = step + 1 at the verify's token j - 2
+            plan(attention, decode)
+            state = model.forward_nextn(drafts[-1], state, decode, attention)
+            drafts.append(model.compute_logits(state)[:, :sample_vocab].argmax(dim=-1))
+        drafted = torch.stack(drafts, dim=1)
+        plan(attention, batch)
+        target_hidden = model(torch.cat([first[:, :1], drafted], dim=1).view(-1), batch, attention)
+        logits = model.compute_logits(target_hidden)[:, :sample_vocab]
+        target = logits.argmax(dim=-1).view(b, n)
+        accept_lens = (drafted == target[:, :num_steps]).long().cumprod(dim=1).sum(dim=1)
+        extend = dataclasses.replace(batch, mode=ForwardMode.DRAFT_EXTEND)
+        plan(attention, extend)
+        out = model.forward_nextn(target.view(-1), target_hidden, extend, attention)
+        kept = out[torch.arange(0, b * n, n, device=out.device) + accept_lens]
+        return (target.view(-1), accept_lens, logits, kept,
+                model.compute_logits(kept)[:, :sample_vocab].argmax(dim=-1))
+
+    return forward
+
+
+def _plain_greedy(params: SamplingParams) -> bool:
+    """Whether a request's tokens are the target's argmax as `verify_drafts` picks them with no host input."""
+    return params.is_greedy and params.repetition_penalty == 1 and not params.frequency_penalty \
+        and not params.presence_penalty
 
 
 def _graph(graphs: dict[ForwardMode, CudaGraphRunner], batch: ForwardBatch) -> CudaGraphRunner | None:

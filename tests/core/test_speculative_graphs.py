@@ -54,11 +54,14 @@ class EagerGraphRunner(CudaGraphRunner):
 
 
 def _capture(runner: ModelRunner, monkeypatch, graph_modes: frozenset[ForwardMode], max_bs: int = GRAPH_MAX_BS,
-             moe_graph: bool = True) -> None:
-    """`runner.capture_graphs()` on the CPU, with stand-in graphs, torch_ref declaring `graph_modes` and the MoE
-    backend declaring cuda_graph as `moe_graph` says."""
+             moe_graph: bool = True, plan_on_device: bool = False) -> None:
+    """`runner.capture_graphs()` on the CPU, with stand-in graphs, torch_ref declaring `graph_modes` (and
+    graph_plan_on_device as `plan_on_device` says: the greedy round's graph then plans each of its forwards with
+    `plan`) and the MoE backend declaring cuda_graph as `moe_graph` says."""
     monkeypatch.setattr(TorchRefAttention, "capabilities",
-                        dataclasses.replace(TorchRefAttention.capabilities, graph_modes=graph_modes))
+                        dataclasses.replace(TorchRefAttention.capabilities, graph_modes=graph_modes,
+                                            graph_plan_on_device=plan_on_device))
+    monkeypatch.setattr(model_runner_module, "plan_in_graph", lambda attention, batch: attention.plan(batch))
     moe = runner.model.backends.moe
     monkeypatch.setattr(type(moe), "capabilities", dataclasses.replace(moe.capabilities, cuda_graph=moe_graph))
     monkeypatch.setattr(model_runner_module, "CudaGraphRunner", EagerGraphRunner)
@@ -90,34 +93,56 @@ def expected(checkpoint) -> list[list[int]]:
         engine.shutdown()
 
 
-@pytest.mark.parametrize(("flags", "graph_modes", "status", "target", "nextn"), [
-    (CHAINS, ALL_MODES, "TARGET_VERIFY, draft DECODE, DRAFT_EXTEND captured at batch sizes [1, 2, 4] (larger batches "
-     "run eagerly)", {ForwardMode.TARGET_VERIFY}, {ForwardMode.DECODE, ForwardMode.DRAFT_EXTEND}),
-    (CHAINS, frozenset({ForwardMode.TARGET_VERIFY}), "TARGET_VERIFY captured at batch sizes [1, 2, 4] (larger batches "
-     "run eagerly); draft DECODE runs eagerly: attention backend torch_ref does not run DECODE under CUDA graphs; "
-     "DRAFT_EXTEND runs eagerly: attention backend torch_ref does not run DRAFT_EXTEND under CUDA graphs",
+ON_HOST = "greedy round is not one graph: attention backend torch_ref plans on the host before each replay"
+
+
+@pytest.mark.parametrize(("flags", "graph_modes", "plan_on_device", "status", "target", "nextn"), [
+    (CHAINS, ALL_MODES, False, "TARGET_VERIFY, draft DECODE, DRAFT_EXTEND captured at batch sizes [1, 2, 4] (larger "
+     f"batches run eagerly); {ON_HOST}", {ForwardMode.TARGET_VERIFY}, {ForwardMode.DECODE, ForwardMode.DRAFT_EXTEND}),
+    (CHAINS, ALL_MODES, True, "TARGET_VERIFY, draft DECODE, DRAFT_EXTEND, greedy round captured at batch sizes "
+     "[1, 2, 4] (larger batches run eagerly)", {ForwardMode.TARGET_VERIFY},
+     {ForwardMode.DECODE, ForwardMode.DRAFT_EXTEND}),
+    (CHAINS, frozenset({ForwardMode.TARGET_VERIFY}), True, "TARGET_VERIFY captured at batch sizes [1, 2, 4] (larger "
+     "batches run eagerly); draft DECODE runs eagerly: attention backend torch_ref does not run DECODE under CUDA "
+     "graphs; DRAFT_EXTEND runs eagerly: attention backend torch_ref does not run DRAFT_EXTEND under CUDA graphs; "
+     "greedy round is not one graph: attention backend torch_ref does not run DECODE under CUDA graphs",
      {ForwardMode.TARGET_VERIFY}, set()),
-    (TREES, ALL_MODES, "DRAFT_EXTEND captured at batch sizes [1, 2, 4] (larger batches run eagerly); draft trees "
-     "verify and draft eagerly: no attention backend runs tree attention under CUDA graphs", set(),
+    (TREES, ALL_MODES, False, "DRAFT_EXTEND captured at batch sizes [1, 2, 4] (larger batches run eagerly); draft "
+     "trees verify and draft eagerly: no attention backend runs tree attention under CUDA graphs", set(),
      {ForwardMode.DRAFT_EXTEND}),
 ])
 def test_rounds_under_graphs_give_the_greedy_outputs_without_speculation(checkpoint, expected, monkeypatch, flags,
-                                                                         graph_modes, status, target, nextn):
+                                                                         graph_modes, plan_on_device, status, target,
+                                                                         nextn):
+    """With the greedy round's graph, every round of these greedy requests replays it and nothing else."""
     engine = Engine(_args(checkpoint, **flags))
     try:
         engine.ready.wait()
         runner = engine.runner
-        _capture(runner, monkeypatch, graph_modes)
+        _capture(runner, monkeypatch, graph_modes, plan_on_device=plan_on_device)
         assert runner.graph_status == status
         assert set(runner.target_graphs) == target and set(runner.nextn_graphs) == nextn
-        graphs: list[EagerGraphRunner] = [*runner.target_graphs.values(), *runner.nextn_graphs.values()]  # type: ignore[list-item]
+        assert (runner.round_graph is not None) == ("greedy round captured" in status)
+        forwards: list[EagerGraphRunner] = [*runner.target_graphs.values(), *runner.nextn_graphs.values()]  # type: ignore[list-item]
+        rounds: list[EagerGraphRunner] = [runner.round_graph] if runner.round_graph is not None else []  # type: ignore[list-item]
+        used, unused = (rounds, forwards) if rounds else (forwards, [])
         # 5 requests: rounds past the largest graph run eagerly.
         assert [r.token_ids for r in engine.generate([*PROMPTS, PROMPTS[0]], GREEDY)] == [*expected, expected[0]]
         # 3 requests: rounds on the graphs of 4, one request of padding.
-        for graph in graphs:
+        for graph in forwards + rounds:
             graph.replays.clear()
         assert [r.token_ids for r in engine.generate(PROMPTS[:3], GREEDY)] == expected[:3]
-        assert all(4 in g.replays for g in graphs)
+        assert all(4 in g.replays for g in used) and not any(g.replays for g in unused)
+        if rounds:  # a penalty is applied on the host: those rounds replay each forward's graph
+            penalized = dataclasses.replace(GREEDY, repetition_penalty=1.3)
+            for graph in forwards + rounds:
+                graph.replays.clear()
+            with_graphs = [r.token_ids for r in engine.generate(PROMPTS[:3], penalized)]
+            assert all(g.replays for g in forwards) and not rounds[0].replays
+            runner.round_graph = None
+            runner.target_graphs.clear()
+            runner.nextn_graphs.clear()
+            assert [r.token_ids for r in engine.generate(PROMPTS[:3], penalized)] == with_graphs
     finally:
         engine.shutdown()
 
@@ -128,13 +153,13 @@ def test_nothing_is_captured_when_the_backend_declares_no_mode_or_the_moe_backen
     _capture(runner, monkeypatch, frozenset())
     assert not runner.target_graphs and not runner.nextn_graphs
     assert runner.graph_status == "; ".join(
-        f"{label} runs eagerly: attention backend torch_ref does not run {mode} under CUDA graphs"
-        for label, mode in (("TARGET_VERIFY", "TARGET_VERIFY"), ("draft DECODE", "DECODE"),
-                            ("DRAFT_EXTEND", "DRAFT_EXTEND")))
-    _capture(runner, monkeypatch, ALL_MODES, moe_graph=False)
-    assert not runner.target_graphs and not runner.nextn_graphs
+        f"{label}: attention backend torch_ref does not run {mode} under CUDA graphs"
+        for label, mode in (("TARGET_VERIFY runs eagerly", "TARGET_VERIFY"), ("draft DECODE runs eagerly", "DECODE"),
+                            ("DRAFT_EXTEND runs eagerly", "DRAFT_EXTEND"), ("greedy round is not one graph", "DECODE")))
+    _capture(runner, monkeypatch, ALL_MODES, moe_graph=False, plan_on_device=True)
+    assert not runner.target_graphs and not runner.nextn_graphs and runner.round_graph is None
     moe = runner.model.backends.moe.name
-    assert runner.graph_status.count(f"moe backend {moe} cannot be captured in a CUDA graph") == 3
+    assert runner.graph_status.count(f"moe backend {moe} cannot be captured in a CUDA graph") == 4
 
 
 def test_a_failed_capture_leaves_every_forward_eager_and_says_why(checkpoint, monkeypatch):
@@ -147,10 +172,10 @@ def test_a_failed_capture_leaves_every_forward_eager_and_says_why(checkpoint, mo
 
     real = EagerGraphRunner.capture
     monkeypatch.setattr(EagerGraphRunner, "capture", fail)
-    _capture(runner, monkeypatch, ALL_MODES)
-    assert not runner.target_graphs and not runner.nextn_graphs
-    assert runner.graph_status == ("TARGET_VERIFY, draft DECODE, DRAFT_EXTEND run eagerly: capture failed: "
-                                   "RuntimeError: out of graph memory")
+    _capture(runner, monkeypatch, ALL_MODES, plan_on_device=True)
+    assert not runner.target_graphs and not runner.nextn_graphs and runner.round_graph is None
+    assert runner.graph_status == ("TARGET_VERIFY, draft DECODE, DRAFT_EXTEND, greedy round run eagerly: capture "
+                                   "failed: RuntimeError: out of graph memory")
 
 
 def test_without_speculation_only_the_targets_decode_is_captured(checkpoint, monkeypatch):
@@ -235,30 +260,36 @@ def test_graphed_rounds_leave_the_nextn_layer_the_state_of_the_accepted_tokens(c
 def test_on_the_gpu_rounds_replay_their_graphs_and_give_the_greedy_outputs_without_speculation(checkpoint,
                                                                                                monkeypatch):
     """Real capture and replay (float32, Triton attention, graphs of 1, 2 and 4 requests) against the engine without
-    speculation, whose decode replays its own graphs."""
+    speculation, whose decode replays its own graphs: greedy rounds replay the round's graph, rounds with a penalty
+    each forward's."""
     gpu = {"device": "cuda", "dtype": "float32", "decode_attention_backend": "triton", "cuda_graph_max_bs": 4}
-    replays: list[tuple[ForwardMode, int]] = []
+    replays: list[tuple[ForwardMode | str, int]] = []
+    rounds: set[int] = set()
     replay = CudaGraphRunner.replay
 
     def counting(self, input_ids, batch, hidden=None):
-        replays.append((self.mode, batch.batch_size))
+        replays.append(("round" if id(self) in rounds else self.mode, batch.batch_size))
         return replay(self, input_ids, batch, hidden)
 
     monkeypatch.setattr(CudaGraphRunner, "replay", counting)
+    penalized = dataclasses.replace(GREEDY, repetition_penalty=1.3)
     outputs, statuses = [], []
     for flags in ({}, CHAINS):
         replays.clear()  # the speculative engine's are kept
         engine = Engine(_args(checkpoint, **gpu, **flags))
         try:
+            engine.ready.wait()
+            rounds.add(id(engine.runner.round_graph))
             # 5 requests: past the largest graph, eagerly; then 3 on the graphs of 4.
             outputs.append([r.token_ids for r in engine.generate([*PROMPTS, PROMPTS[0]], GREEDY)]
-                           + [r.token_ids for r in engine.generate(PROMPTS[:3], GREEDY)])
+                           + [r.token_ids for r in engine.generate(PROMPTS[:3], GREEDY)]
+                           + [r.token_ids for r in engine.generate(PROMPTS[:3], penalized)])
             statuses.append(engine.runner.graph_status)
         finally:
             engine.shutdown()
     assert statuses == ["DECODE captured at batch sizes [1, 2, 4] (larger batches run eagerly)",
-                        "TARGET_VERIFY, draft DECODE, DRAFT_EXTEND captured at batch sizes [1, 2, 4] (larger batches "
-                        "run eagerly)"]
+                        "TARGET_VERIFY, draft DECODE, DRAFT_EXTEND, greedy round captured at batch sizes [1, 2, 4] "
+                        "(larger batches run eagerly)"]
     assert outputs[1] == outputs[0]
     assert {ForwardMode.TARGET_VERIFY, ForwardMode.DECODE, ForwardMode.DRAFT_EXTEND} <= {m for m, _ in replays}
-    assert (ForwardMode.TARGET_VERIFY, 3) in replays
+    assert ("round", 3) in replays and (ForwardMode.TARGET_VERIFY, 3) in replays
