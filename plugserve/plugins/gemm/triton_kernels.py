@@ -169,7 +169,7 @@ def _w8a8_block_fp8_matmul_kernel(
     c[s] of a [SPLIT_K, M, N] workspace (stride_cs), which `_split_k_sum_kernel` adds up.
     TMA: A and B tiles come as TMA boxes through the descriptors a_desc [BLOCK_SIZE_M, BLOCK_SIZE_K] and b_desc
     [BLOCK_SIZE_N, BLOCK_SIZE_K] (zero-filled past the edges) instead of cp.async through a_ptr / b_ptr.
-    QUANT_A: A is the unquantized activation (16 or 32 bits, through pointers), quantized here block by block as
+    QUANT_A (without TMA): A is the unquantized activation (16 or 32 bits), quantized here block by block as
     `_per_token_group_quant_kernel` does (the same e4m3 values and scales; a_s_ptr is unread): at decode sizes
     every column tile quantizing its few rows again costs less than the quantization kernel's launch."""
     pid = tl.program_id(0)
@@ -201,19 +201,16 @@ def _w8a8_block_fp8_matmul_kernel(
 
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     for kb in range(first_kb, last_kb):
-        k_left = K - kb * BLOCK_SIZE_K
         if TMA:
+            a = a_desc.load([pid_m * BLOCK_SIZE_M, kb * BLOCK_SIZE_K])
             b = tl.trans(b_desc.load([pid_n * BLOCK_SIZE_N, kb * BLOCK_SIZE_K]))
         elif EVEN_K:
+            a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)
         else:
-            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        if TMA and not QUANT_A:
-            a = a_desc.load([pid_m * BLOCK_SIZE_M, kb * BLOCK_SIZE_K])
-        elif EVEN_K:
-            a = tl.load(a_ptrs)
-        else:
+            k_left = K - kb * BLOCK_SIZE_K
             a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
         if QUANT_A:
             a, a_s = _quantize_groups(a.to(tl.float32), EPS, QMAX, ROUND_IN_FP32)
         else:
@@ -252,8 +249,7 @@ def w8a8_block_fp8_matmul(
     strides; column-major reads best), times b [N, K] float8_e4m3fn with block scales b_scales
     [ceil(N/bn), ceil(K/bk)] float32, transposed: [M, N] in out_dtype, accumulated in float32.
     a_scales None: a is the activation itself (float32, float16 or bfloat16), quantized per token group of bk
-    inside the GEMM as `per_token_group_quant_fp8` would (the same product, one launch less; a is then read
-    through pointers, b still as TMA boxes where the config asks).
+    inside the GEMM as `per_token_group_quant_fp8` would (the same product, one launch less; TMA is not taken).
 
     config: BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K (must equal bk), GROUP_SIZE_M, num_warps,
     num_stages, and optionally SPLIT_K (default 1): with few output tiles (small M), K is cut into
@@ -283,8 +279,8 @@ def w8a8_block_fp8_matmul(
     if m == 0 or n == 0:
         return c
     out = c if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=a.device)
-    tma = bool(config.get("TMA", 0)) and (quant_a or tma_source(a)) and tma_source(b)
-    a_desc = TensorDescriptor.from_tensor(a, [config["BLOCK_SIZE_M"], bk]) if tma and not quant_a else None
+    tma = bool(config.get("TMA", 0)) and not quant_a and tma_source(a) and tma_source(b)
+    a_desc = TensorDescriptor.from_tensor(a, [config["BLOCK_SIZE_M"], bk]) if tma else None
     b_desc = TensorDescriptor.from_tensor(b, [config["BLOCK_SIZE_N"], bk]) if tma else None
     grid = (triton.cdiv(m, config["BLOCK_SIZE_M"]) * triton.cdiv(n, config["BLOCK_SIZE_N"]), split_k)
     _w8a8_block_fp8_matmul_kernel[grid](
