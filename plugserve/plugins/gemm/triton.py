@@ -43,9 +43,6 @@ CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "
 # omits it) -> int, and where set, the kernel's LAUNCH_FLAGS (0 or 1; 0 when absent).
 Config = dict[str, int]
 LAUNCH_FLAGS = ("TMA",)
-# Up to this many rows (decode batches) the GEMM quantizes the activation itself (`w8a8_block_fp8_matmul` with
-# a_scales None): each column tile quantizes the rows again, which costs less than a second launch while M is small.
-FUSED_QUANT_MAX_M = 64
 # Untuned split-K aims at this many programs per SM, and gives each at least this many K blocks.
 _SPLIT_K_WAVES = 2
 _SPLIT_K_MIN_BLOCKS = 4
@@ -168,8 +165,7 @@ class TritonFp8Gemm(Fp8GemmBackend):
 
     def apply(self, x: torch.Tensor, packed: TritonFp8Weight) -> torch.Tensor:
         """x [M, K] of spec.dtype -> [M, N] of spec.dtype. Quantizes x with column-major scales (the
-        GEMM reads one K block's M scales at a time), then runs the GEMM with the config for M; up to
-        FUSED_QUANT_MAX_M rows the GEMM quantizes x itself, one launch instead of two."""
+        GEMM reads one K block's M scales at a time), then runs the GEMM with the config for M."""
         from plugserve.plugins.gemm import triton_kernels
 
         k = packed.weight.shape[1]
@@ -177,13 +173,10 @@ class TritonFp8Gemm(Fp8GemmBackend):
             raise ValueError(f"x must be [M, {k}] of dtype {self.spec.dtype}, "
                              f"got shape {tuple(x.shape)} of dtype {x.dtype}")
         block = self.spec.block_shape
+        x_q, x_scales = triton_kernels.per_token_group_quant_fp8(x, block[1], column_major_scales=True)
         n = packed.weight.shape[0]
         sms = self.hardware.multiprocessors if self.hardware.device_type == "cuda" else None  # interpreter: no split
         config = pick_config(x.shape[0], packed.configs, block, n, k, sms)
-        if x.shape[0] <= FUSED_QUANT_MAX_M:
-            x_q, x_scales = x, None
-        else:
-            x_q, x_scales = triton_kernels.per_token_group_quant_fp8(x, block[1], column_major_scales=True)
         return triton_kernels.w8a8_block_fp8_matmul(
             x_q, x_scales, packed.weight, packed.weight_scale_inv, block, self.spec.dtype, config
         )

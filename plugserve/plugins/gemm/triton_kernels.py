@@ -41,18 +41,6 @@ def _round_to_e4m3_grid(v):
 
 
 @triton.jit
-def _quantize_groups(x, EPS: tl.constexpr, QMAX: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
-    """Rows of x [R, GROUP] float32, one group each -> (e4m3 [R, GROUP], scales [R] float32)."""
-    amax = tl.max(tl.abs(x), axis=1)
-    scale = tl.math.div_rn(tl.maximum(amax, EPS), QMAX)
-    q = tl.math.div_rn(x, scale[:, None])
-    q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
-    if ROUND_IN_FP32:
-        q = _round_to_e4m3_grid(q)
-    return q.to(tl.float8e4nv), scale
-
-
-@triton.jit
 def _per_token_group_quant_kernel(
     x_ptr,
     q_ptr,
@@ -78,8 +66,13 @@ def _per_token_group_quant_kernel(
     cols = groups[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]
     mask = cols < K  # also masks the groups past the last one
     x = tl.load(x_ptr + row * stride_xm + cols * stride_xk, mask=mask, other=0.0).to(tl.float32)
-    q, scale = _quantize_groups(x, EPS, QMAX, ROUND_IN_FP32)
-    tl.store(q_ptr + row * stride_qm + cols, q, mask=mask)
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.math.div_rn(tl.maximum(amax, EPS), QMAX)
+    q = tl.math.div_rn(x, scale[:, None])
+    q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
+    if ROUND_IN_FP32:
+        q = _round_to_e4m3_grid(q)
+    tl.store(q_ptr + row * stride_qm + cols, q.to(tl.float8e4nv), mask=mask)
     tl.store(s_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups < num_groups)
 
 
@@ -156,10 +149,6 @@ def _w8a8_block_fp8_matmul_kernel(
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     TMA: tl.constexpr,
-    QUANT_A: tl.constexpr,
-    EPS: tl.constexpr,
-    QMAX: tl.constexpr,
-    ROUND_IN_FP32: tl.constexpr,
 ):
     """C[M, N] = sum over K blocks kb of (A[:, kb] @ B[:, kb]^T) * a_s[m, kb] * b_s[n // GROUP_N, kb].
 
@@ -168,10 +157,7 @@ def _w8a8_block_fp8_matmul_kernel(
     SPLIT_K > 1: program (tile, s) sums the s-th of SPLIT_K runs of K blocks into the float32 slice
     c[s] of a [SPLIT_K, M, N] workspace (stride_cs), which `_split_k_sum_kernel` adds up.
     TMA: A and B tiles come as TMA boxes through the descriptors a_desc [BLOCK_SIZE_M, BLOCK_SIZE_K] and b_desc
-    [BLOCK_SIZE_N, BLOCK_SIZE_K] (zero-filled past the edges) instead of cp.async through a_ptr / b_ptr.
-    QUANT_A (without TMA): A is the unquantized activation (16 or 32 bits), quantized here block by block as
-    `_per_token_group_quant_kernel` does (the same e4m3 values and scales; a_s_ptr is unread): at decode sizes
-    every column tile quantizing its few rows again costs less than the quantization kernel's launch."""
+    [BLOCK_SIZE_N, BLOCK_SIZE_K] (zero-filled past the edges) instead of cp.async through a_ptr / b_ptr."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_SIZE_M)
@@ -211,10 +197,7 @@ def _w8a8_block_fp8_matmul_kernel(
             k_left = K - kb * BLOCK_SIZE_K
             a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
             b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        if QUANT_A:
-            a, a_s = _quantize_groups(a.to(tl.float32), EPS, QMAX, ROUND_IN_FP32)
-        else:
-            a_s = tl.load(a_s_ptrs + kb * stride_as_k)
+        a_s = tl.load(a_s_ptrs + kb * stride_as_k)
         b_s = tl.load(b_s_ptrs + kb * stride_bs_k)
         acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         a_ptrs += BLOCK_SIZE_K * stride_ak
@@ -238,7 +221,7 @@ def _split_k_sum_kernel(partial_ptr, c_ptr, numel, SPLIT_K: tl.constexpr, BLOCK:
 
 def w8a8_block_fp8_matmul(
     a: torch.Tensor,
-    a_scales: torch.Tensor | None,
+    a_scales: torch.Tensor,
     b: torch.Tensor,
     b_scales: torch.Tensor,
     block_shape: tuple[int, int],
@@ -248,8 +231,6 @@ def w8a8_block_fp8_matmul(
     """a [M, K] float8_e4m3fn with per-token-group scales a_scales [M, ceil(K/bk)] float32 (any
     strides; column-major reads best), times b [N, K] float8_e4m3fn with block scales b_scales
     [ceil(N/bn), ceil(K/bk)] float32, transposed: [M, N] in out_dtype, accumulated in float32.
-    a_scales None: a is the activation itself (float32, float16 or bfloat16), quantized per token group of bk
-    inside the GEMM as `per_token_group_quant_fp8` would (the same product, one launch less; TMA is not taken).
 
     config: BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K (must equal bk), GROUP_SIZE_M, num_warps,
     num_stages, and optionally SPLIT_K (default 1): with few output tiles (small M), K is cut into
@@ -261,15 +242,9 @@ def w8a8_block_fp8_matmul(
     bn, bk = block_shape
     if b.shape[1] != k:
         raise ValueError(f"a is [{m}, {k}] but b is {list(b.shape)}: K differs")
-    quant_a = a_scales is None
-    a_scale_shape = (m, ceil_div(k, bk)) if quant_a else tuple(a_scales.shape)
-    if a_scale_shape != (m, ceil_div(k, bk)) or tuple(b_scales.shape) != (ceil_div(n, bn), ceil_div(k, bk)):
-        raise ValueError(f"scales {a_scale_shape} / {tuple(b_scales.shape)} do not fit a [{m}, {k}] x "
+    if tuple(a_scales.shape) != (m, ceil_div(k, bk)) or tuple(b_scales.shape) != (ceil_div(n, bn), ceil_div(k, bk)):
+        raise ValueError(f"scales {tuple(a_scales.shape)} / {tuple(b_scales.shape)} do not fit a [{m}, {k}] x "
                          f"[{n}, {k}] product in {block_shape} blocks")
-    if quant_a and bk & (bk - 1):
-        raise ValueError(f"quantizing a in the GEMM needs a power-of-two group, got {bk}")
-    if a_scales is None:
-        a_scales = b_scales  # unread under QUANT_A: any float32 tensor keeps the signature
     if config["BLOCK_SIZE_K"] != bk:
         raise ValueError(f"BLOCK_SIZE_K must be the scale group {bk}, got {config['BLOCK_SIZE_K']}")
     split_k = config.get("SPLIT_K", 1)
@@ -279,7 +254,7 @@ def w8a8_block_fp8_matmul(
     if m == 0 or n == 0:
         return c
     out = c if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=a.device)
-    tma = bool(config.get("TMA", 0)) and not quant_a and tma_source(a) and tma_source(b)
+    tma = bool(config.get("TMA", 0)) and tma_source(a) and tma_source(b)
     a_desc = TensorDescriptor.from_tensor(a, [config["BLOCK_SIZE_M"], bk]) if tma else None
     b_desc = TensorDescriptor.from_tensor(b, [config["BLOCK_SIZE_N"], bk]) if tma else None
     grid = (triton.cdiv(m, config["BLOCK_SIZE_M"]) * triton.cdiv(n, config["BLOCK_SIZE_N"]), split_k)
@@ -296,10 +271,6 @@ def w8a8_block_fp8_matmul(
         SPLIT_K=split_k,
         EVEN_K=k % bk == 0,
         TMA=tma,
-        QUANT_A=quant_a,
-        EPS=SCALE_EPS,
-        QMAX=FP8_MAX,
-        ROUND_IN_FP32=INTERPRETED,
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
     )

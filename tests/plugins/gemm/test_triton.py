@@ -191,20 +191,6 @@ def test_split_k_matches_reference(kernels: ModuleType, split_k: int, dtype: tor
         kernels.w8a8_block_fp8_matmul(x_q, x_s, w_q, w_s, BLOCK, dtype, config | {"SPLIT_K": 0})
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("m,k,split_k", [(1, 512, 1), (5, 500, 3), (50, 384, 1)])
-def test_quantizing_in_the_gemm_gives_the_quantized_operands_product(kernels: ModuleType, dtype: torch.dtype,
-                                                                      m: int, k: int, split_k: int) -> None:
-    """a_scales None: the GEMM quantizes the activation block by block, bit for bit as the quantization kernel
-    does (K = 500: a tail group; split K: each split quantizes its own blocks; 50 rows: two M tiles)."""
-    x, w_q, w_s = _operands(m, 200, k, dtype)
-    config = default_config(m) | {"BLOCK_SIZE_M": 32, "SPLIT_K": split_k, "num_stages": 2}
-    x_q, x_s = kernels.per_token_group_quant_fp8(x, column_major_scales=True)
-    two_launches = kernels.w8a8_block_fp8_matmul(x_q, x_s, w_q, w_s, BLOCK, torch.float32, config)
-    fused = kernels.w8a8_block_fp8_matmul(x, None, w_q, w_s, BLOCK, torch.float32, config | {"TMA": 1})
-    assert torch.equal(fused, two_launches)
-
-
 def test_kernel_rejects_mismatched_operands(kernels: ModuleType) -> None:
     x, w_q, w_s = _operands(3, 200, 300)
     x_q, x_s = kernels.per_token_group_quant_fp8(x)
