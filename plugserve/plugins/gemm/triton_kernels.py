@@ -153,7 +153,8 @@ def _w8a8_block_fp8_matmul_kernel(
     """C[M, N] = sum over K blocks kb of (A[:, kb] @ B[:, kb]^T) * a_s[m, kb] * b_s[n // GROUP_N, kb].
 
     BLOCK_SIZE_K is the scale group along K, so each K step uses one activation scale per row and
-    one weight scale per column; each step's e4m3 product is scaled into a float32 accumulator.
+    one weight scale per column; each step's e4m3 product is scaled into a float32 accumulator by one FMA an
+    element (the wgmma's product waits for it, so the promotion's cost adds to every K step's).
     SPLIT_K > 1: program (tile, s) sums the s-th of SPLIT_K runs of K blocks into the float32 slice
     c[s] of a [SPLIT_K, M, N] workspace (stride_cs), which `_split_k_sum_kernel` adds up.
     TMA: A and B tiles come as TMA boxes through the descriptors a_desc [BLOCK_SIZE_M, BLOCK_SIZE_K] and b_desc
@@ -198,8 +199,14 @@ def _w8a8_block_fp8_matmul_kernel(
             a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
             b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
         a_s = tl.load(a_s_ptrs + kb * stride_as_k)
-        b_s = tl.load(b_s_ptrs + kb * stride_bs_k)
-        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        if GROUP_N % BLOCK_SIZE_N == 0:
+            # The tile's columns lie in one weight block (columns past N wrap, and are not stored): one scale a
+            # row, so promoting the block's product into the accumulator is one FMA an element.
+            scale = a_s * tl.load(b_s_ptr + (pid_n * BLOCK_SIZE_N // GROUP_N) * stride_bs_n + kb * stride_bs_k)
+            acc = tl.fma(tl.dot(a, b), scale[:, None], acc)
+        else:
+            b_s = tl.load(b_s_ptrs + kb * stride_bs_k)
+            acc = tl.fma(tl.dot(a, b), a_s[:, None] * b_s[None, :], acc)
         a_ptrs += BLOCK_SIZE_K * stride_ak
         b_ptrs += BLOCK_SIZE_K * stride_bk
 
