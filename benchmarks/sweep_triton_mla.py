@@ -6,8 +6,9 @@ the same run: max(KV bytes / copy GB/s, flops / bf16 TFLOP/s), as benchmarks/sho
 
 For each head count and (batch, kv) decode shape (page 64, bf16, DeepSeek's latent 512 + rope 64) it times
 the backend's own choice (`mla_config` and `mla_num_splits`, through `TritonAttention.forward_mla`) and
-each candidate `MlaConfig` at the host's split count for it, half and twice that, each call captured in a
-CUDA graph and replayed (median of --reps). Every candidate's output is checked against the default's.
+each candidate `MlaConfig` at the host's split count for it, half and twice that, and the most splits that keep
+one wave of programs, each call captured in a CUDA graph and replayed (median of --reps). Every candidate's
+output is checked against the default's.
 Prints one line per run and a table per shape: the default and the fastest, in microseconds and as a
 fraction of the limit, with the registers, spills and shared memory of the compiled kernels.
 (`--device cpu --dtype float16 --quick --shapes 1x256` checks the script in Triton's interpreter.)
@@ -101,7 +102,9 @@ def sweep_shape(heads: int, batch_size: int, kv: int, ceilings: dict[str, float]
     for config in candidates(heads, args.quick):
         rows = batch_size * -(-heads // config.block_h)
         host = kernels.mla_num_splits(rows, kv, backend._multiprocessors, kernels.mla_min_split_keys(heads))
-        for splits in sorted({host, max(1, host // 2), min(kernels.MLA_MAX_SPLITS, 2 * host)}):
+        # One wave of programs on every SM: the most one split's keys can shrink without a second wave.
+        wave = max(1, min(kernels.MLA_MAX_SPLITS, backend._multiprocessors // rows))
+        for splits in sorted({host, max(1, host // 2), min(kernels.MLA_MAX_SPLITS, 2 * host), wave}):
             size = kernels.mla_workspace_size(batch_size, heads, splits)
             workspace = (torch.empty(size * spec.kv_lora_rank, device=device), torch.empty(size, device=device))
             record(config, splits, False, functools.partial(

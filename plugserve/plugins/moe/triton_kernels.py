@@ -516,11 +516,8 @@ def _mma(acc, a, b, a_scale, b_scale, FP8: tl.constexpr, DOT_FP32: tl.constexpr)
     if DOT_FP32:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
-    if FP8:
-        acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
-    else:
-        acc = tl.dot(a, b, acc)
-    return acc
+    # FP8: the block's product promoted into acc by one FMA an element (the scale is the block's outer product).
+    return tl.fma(tl.dot(a, b), a_scale[:, None] * b_scale[None, :], acc) if FP8 else tl.dot(a, b, acc)
 
 
 @triton.jit
