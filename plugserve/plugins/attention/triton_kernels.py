@@ -36,7 +36,7 @@ LOG2E = math.log2(math.e)
 MIN_DOT = 16
 # KV splits: at least `mla_min_split_keys` keys each (MLA_SPLIT_KEYS_PER_HEAD per head, at least
 # MLA_MIN_SPLIT_KEYS; also enforced in the kernel, for CUDA graphs sized for the longest sequence), at most
-# MLA_MAX_SPLITS, programs filling MLA_MIN_FILL of the SMs in each of at most MLA_MAX_WAVES waves.
+# MLA_MAX_SPLITS, programs filling MLA_MIN_FILL of the SMs in one wave, else in each of at most MLA_MAX_WAVES waves.
 MLA_SPLIT_KEYS_PER_HEAD = 2
 MLA_MIN_SPLIT_KEYS = 32
 MLA_MAX_SPLITS = 128
@@ -191,17 +191,23 @@ def mla_min_split_keys(num_heads: int) -> int:
 
 
 def mla_num_splits(rows: int, max_kv_len: int, multiprocessors: int, min_keys: int) -> int:
-    """KV splits for `rows` (query token, head block) rows: the fewest whose programs fill at least
-    MLA_MIN_FILL of the SMs in every wave (one resident program per SM, the big-block configs' case),
-    or 1 if those take more than MLA_MAX_WAVES waves; at most MLA_MAX_SPLITS (the most there are if
-    none fills), and at least `min_keys` keys each (`mla_min_split_keys`). Splitting costs partials
-    written and read again, so it is for batches that leave SMs idle, and the wave bound keeps a
-    launch's partials near 2 x SMs x 128 KB (in L2). On 132 SMs, 128 heads in blocks of 64 (256 keys a
-    split): batch 1 -> 53 splits (106 programs), batch 32 -> 2 (128), batch 50 -> 1 (5 would fill 4
+    """KV splits for `rows` (query token, head block) rows, counting one resident program per SM (the big-block
+    configs' case): the most whose programs fit one wave, when that wave fills at least MLA_MIN_FILL of the SMs
+    (each split's keys are read in sequence, so fewer keys a split is a shorter step: at 128 heads on the H100,
+    batch 1 x 32768 keys took 58.4 us in 66 splits against 65.3 us in 53, batch 8 x 8192 85.1 against 98.4 us
+    in 8 splits against 7; session 11, call 6); else the fewest filling MLA_MIN_FILL of every wave, or 1 if
+    those take more than MLA_MAX_WAVES waves. At most MLA_MAX_SPLITS (the most there are if none fills), and
+    at least `min_keys` keys each (`mla_min_split_keys`). Splitting costs partials written and read again,
+    so it is for batches that leave SMs idle, and the wave bound keeps a launch's partials near 2 x SMs x
+    128 KB (in L2). On 132 SMs, 128 heads in blocks of 64 (256 keys a split): batch 1 -> 66 splits (132
+    programs), batch 32 -> 2 (128), batch 40 -> 3 (240 programs in 2 waves), batch 50 -> 1 (5 would fill 4
     waves), 64 and up -> 1. Under CUDA graphs `max_kv_len` is the longest a graph serves, so the count
     depends on the batch size only; the kernel itself keeps splits at `min_keys` keys and leaves the rest
     empty on shorter sequences."""
     limit = max(1, min(MLA_MAX_SPLITS, triton.cdiv(max_kv_len, min_keys)))
+    one_wave = min(limit, multiprocessors // rows)
+    if one_wave and rows * one_wave >= MLA_MIN_FILL * multiprocessors:
+        return one_wave
     for splits in range(1, limit + 1):
         programs = rows * splits
         waves = triton.cdiv(programs, multiprocessors)

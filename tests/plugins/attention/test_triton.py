@@ -233,17 +233,19 @@ def test_launch_heuristics(kernels: ModuleType) -> None:
     assert kernels.mla_config(16, bf16, sm90, 64, 512, 64) == kernels.MlaConfig(16, 32, 4, 5, reload_q=True)
     assert kernels.mla_min_split_keys(128) == 256 and kernels.mla_min_split_keys(16) == 32
     assert kernels.mla_min_split_keys(20) == 64 and kernels.mla_min_split_keys(1) == 32
-    # (token, head block) rows -> splits filling 80% of every wave on 132 SMs; 128 heads: 256 keys a split.
-    assert kernels.mla_num_splits(2, 32768, h100, 256) == 53  # batch 1, 128 heads in 2 blocks: 106 programs
+    # (token, head block) rows -> the most splits in one wave at least 80% full on 132 SMs, else the fewest filling
+    # 80% of every wave; 128 heads: 256 keys a split.
+    assert kernels.mla_num_splits(2, 32768, h100, 256) == 66  # batch 1, 128 heads in 2 blocks: 132 programs
+    assert kernels.mla_num_splits(16, 32768, h100, 256) == 8  # batch 8: 128 programs
     assert kernels.mla_num_splits(64, 32768, h100, 256) == 2  # batch 32: 128 programs
     assert kernels.mla_num_splits(128, 32768, h100, 256) == 1  # batch 64: one wave without splitting
     assert kernels.mla_num_splits(2, 600, h100, 256) == 3  # never below 256 keys a split
-    assert kernels.mla_num_splits(1, 1 << 20, h100, 256) == 106
+    assert kernels.mla_num_splits(1, 1 << 20, h100, 256) == 128  # at most MLA_MAX_SPLITS
     assert kernels.mla_num_splits(100, 1 << 20, h100, 256) == 1  # 2 splits fill no better, 5 take 4 waves
     assert kernels.mla_num_splits(80, 1 << 20, h100, 256) == 3  # 240 programs: 2 waves, 91% full
     # 16 heads in one block: 32 keys a split.
     assert kernels.mla_num_splits(32, 8192, h100, 32) == 4  # batch 32
-    assert kernels.mla_num_splits(1, 4096, h100, 32) == 106  # batch 1: a 288-key decode runs 9 splits of 32
+    assert kernels.mla_num_splits(1, 4096, h100, 32) == 128  # batch 1: a 288-key decode runs 9 splits of 32
     assert kernels.mla_num_splits(1, 288, h100, 32) == 9
     assert kernels.mla_workspace_size(32, 128, 1) == 0 and kernels.mla_workspace_size(32, 128, 2) == 32 * 128 * 2
 
