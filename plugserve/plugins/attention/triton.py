@@ -33,6 +33,15 @@ if TYPE_CHECKING:
 from plugserve.registry import hookimpl
 
 
+def _tokens_per_request(batch: ForwardBatch) -> int:
+    """The new tokens every request of a graph batch has (`GraphInputs`: the same for all)."""
+    width = batch.extend_lens_cpu[0] if batch.extend_lens_cpu else 1
+    if any(e != width for e in batch.extend_lens_cpu):
+        raise ValueError(f"triton attention: graph batches have the same new tokens per request, got "
+                         f"{batch.extend_lens_cpu}")
+    return width
+
+
 def _cumsum_with_zero(lens: torch.Tensor) -> torch.Tensor:
     """[B] lengths -> [B+1] int32 exclusive prefix sum, on the lengths' device (no host sync)."""
     cu = torch.zeros(lens.shape[0] + 1, dtype=torch.int32, device=lens.device)
@@ -79,8 +88,11 @@ class TritonAttention(AttentionBackend):
         self._mla_config = self._mla_config_for(spec.page_size or 1)
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None  # forward_mla's split partials
         self._tree: tuple[torch.Tensor, torch.Tensor] | None = None  # a draft-tree batch's (tree_start, tree_bits)
-        self._graph_token_req: torch.Tensor | None = None  # [max_num_tokens] int32, set by init_cuda_graph
-        self._graph_token_kv_len: torch.Tensor | None = None
+        # Under graphs every request has the same new tokens (w), so token i's request is i // w: token_req
+        # [max_num_tokens] int32 by w, made once by plan_capture, read by every replay with nothing to compute.
+        self._graph_token_req: dict[int, torch.Tensor] = {}
+        self._graph_max_tokens = 0
+        self._graph_token_kv_len: torch.Tensor | None = None  # [max_num_tokens] int32, set by init_cuda_graph
         self._graph_workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         self._graph_max_kv_len = 0
         self._graph_splits: dict[int, int] = {}  # KV splits of each captured token count
@@ -146,10 +158,10 @@ class TritonAttention(AttentionBackend):
                                             self._kernels.mla_min_split_keys(self.spec.num_heads))
 
     def init_cuda_graph(self, max_batch_size: int, max_num_tokens: int, max_pages: int) -> None:
-        """Fixed token_req / token_kv_len [max_num_tokens] int32; splits sized for max_pages full pages,
-        and one workspace for the split partials of any token count up to max_num_tokens (two flat
-        float32 buffers: [rows * R] outputs, [rows] log-sum-exps)."""
-        self._graph_token_req = torch.zeros(max_num_tokens, dtype=torch.int32, device=self.device)
+        """Fixed token_kv_len [max_num_tokens] int32; splits sized for max_pages full pages, and one workspace
+        for the split partials of any token count up to max_num_tokens (two flat float32 buffers: [rows * R]
+        outputs, [rows] log-sum-exps)."""
+        self._graph_token_req, self._graph_max_tokens = {}, max_num_tokens
         self._graph_token_kv_len = torch.ones(max_num_tokens, dtype=torch.int32, device=self.device)
         self._graph_max_kv_len = max_pages * (self.spec.page_size or 1)
         rows = max(self._kernels.mla_workspace_size(t, self.spec.num_heads, self._mla_splits(t, self._graph_max_kv_len))
@@ -160,27 +172,27 @@ class TritonAttention(AttentionBackend):
         )
 
     def plan_capture(self, batch: ForwardBatch) -> None:
-        if self._graph_token_req is None or self._graph_token_kv_len is None:
+        if self._graph_token_kv_len is None:
             raise RuntimeError("plan_capture before init_cuda_graph")
         self._graph_splits[batch.num_tokens] = self._mla_splits(batch.num_tokens, self._graph_max_kv_len)
+        width = _tokens_per_request(batch)
+        if width not in self._graph_token_req:
+            self._graph_token_req[width] = torch.arange(self._graph_max_tokens, device=self.device).div(
+                width, rounding_mode="floor").to(torch.int32)
         self.plan_replay(batch)
 
     def plan_replay(self, batch: ForwardBatch) -> None:
-        """token_req / token_kv_len of this batch into the leading rows of the fixed buffers, on the
-        device; the split count captured for its size."""
+        """token_kv_len of this batch into the leading rows of its fixed buffer, on the device (one kernel); the
+        token_req and split count captured for its layout."""
         if batch.tree is not None:
             raise ValueError("triton attention: a draft tree's mask changes every round; trees run without CUDA graphs")
         self.batch = batch
         self._tree = None
         num_tokens = batch.num_tokens
-        self._token_req = self._graph_token_req[:num_tokens]  # type: ignore[index]
+        self._token_req = self._graph_token_req[_tokens_per_request(batch)][:num_tokens]
         self._token_kv_len = self._graph_token_kv_len[:num_tokens]  # type: ignore[index]
         self._num_splits = self._graph_splits[num_tokens]
         self._workspace = self._graph_workspace
-        self._token_req.copy_(torch.repeat_interleave(
-            torch.arange(batch.batch_size, dtype=torch.int32, device=self.device), batch.extend_lens,
-            output_size=num_tokens,
-        ))
         self._token_kv_len.copy_(batch.positions + 1)
 
     def forward_mla(self, q_nope: torch.Tensor, q_rope: torch.Tensor, layer_id: int) -> torch.Tensor:
