@@ -4,6 +4,10 @@ the w8a8 block-scaled GEMM, with their launch wrappers.
 Imported lazily (by `plugserve.plugins.gemm.triton` and the tuning script), never at plugin load:
 `triton.jit` reads TRITON_INTERPRET when a kernel is defined, so on the CPU set TRITON_INTERPRET=1
 before the first import. The kernels compile with triton 3.6 and run in the 3.9 interpreter.
+
+Arguments that change with every batch (token, pair and split counts, and the strides that follow them) are
+`do_not_specialize`: Triton would otherwise compile a variant of the kernel for each of == 1, divisible by 16
+and neither, the later ones inside a request after the warm-up.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ def _round_to_e4m3_grid(v):
     return tl.where(v < 0, -units * step, units * step)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_sg"])
 def _per_token_group_quant_kernel(
     x_ptr,
     q_ptr,
@@ -118,7 +122,7 @@ def per_token_group_quant_fp8(
     return x_q, scales
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "stride_as_k"])
 def _w8a8_block_fp8_matmul_kernel(
     a_ptr,
     b_ptr,
