@@ -15,8 +15,8 @@ the interpreter (TRITON_INTERPRET=1, the CPU tests).
 Only plain tl.load / tl.store / arithmetic / tl.sum / tl.exp, so that it compiles on older Triton releases too.
 
 Arguments that change with every batch (token, pair and split counts, and the strides that follow them) are
-`do_not_specialize`: Triton would otherwise compile a variant of the kernel for each of == 1, divisible by 16
-and neither, the later ones inside a request after the warm-up.
+`do_not_specialize_on_alignment`: Triton would otherwise compile a variant for each count divisible by 16 and
+one for the rest, the later inside a request after the warm-up. Their == 1 variants stay.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, WIDTH: tl.constex
     tl.store(out_ptr + t * stride_out + c, (silu * up).to(x_ty), mask=ok)
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
+@triton.jit(do_not_specialize_on_alignment=["num_tokens"])
 def _mla_prepare_kernel(
     kv_a_ptr, q_ptr, weight_ptr, cos_ptr, sin_ptr, slots_ptr, buf_ptr, q_out_ptr, q_nope_ptr, w_kc_ptr, q_abs_ptr,
     num_tokens, stride_kv_a, stride_q_t, stride_q_h, stride_cos, stride_sin, stride_slots, stride_buf, stride_out_t,

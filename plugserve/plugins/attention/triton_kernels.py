@@ -16,8 +16,8 @@ by sm_scale * log2(e), and log-sum-exps are converted back to natural log where 
 All accumulation is float32.
 
 Arguments that change with every batch (token, pair and split counts, and the strides that follow them) are
-`do_not_specialize`: Triton would otherwise compile a variant of the kernel for each of == 1, divisible by 16
-and neither, the later ones inside a request after the warm-up.
+`do_not_specialize_on_alignment`: Triton would otherwise compile a variant for each count divisible by 16 and
+one for the rest, the later inside a request after the warm-up. Their == 1 variants stay.
 """
 
 from __future__ import annotations
@@ -300,7 +300,7 @@ def _mla_block(
     return m_new, denom, acc_lo, acc_hi
 
 
-@triton.jit(do_not_specialize=["stride_bt", "stride_lse_t", "stride_lse_h", "num_splits"])
+@triton.jit(do_not_specialize_on_alignment=["stride_bt", "stride_lse_t", "stride_lse_h", "num_splits"])
 def _mla_kernel(
     q_nope_ptr, q_rope_ptr, kv_ptr, kv, kv_rope, block_table_ptr, token_req_ptr, token_kv_len_ptr, tree_start_ptr,
     tree_bits_ptr, out_ptr, lse_ptr,
@@ -386,7 +386,7 @@ def _mla_kernel(
         tl.store(lse_ptrs, m + tl.log2(denom), mask=head_mask)
 
 
-@triton.jit(do_not_specialize=["stride_pl_t", "stride_pl_h", "num_splits"])
+@triton.jit(do_not_specialize_on_alignment=["stride_pl_t", "stride_pl_h", "num_splits"])
 def _mla_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, w_vc_ptr,
     stride_po_t, stride_po_h, stride_po_s, stride_pl_t, stride_pl_h, stride_o_t, stride_o_h, stride_w_h, stride_w_r,

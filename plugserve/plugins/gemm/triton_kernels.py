@@ -6,8 +6,9 @@ Imported lazily (by `plugserve.plugins.gemm.triton` and the tuning script), neve
 before the first import. The kernels compile with triton 3.6 and run in the 3.9 interpreter.
 
 Arguments that change with every batch (token, pair and split counts, and the strides that follow them) are
-`do_not_specialize`: Triton would otherwise compile a variant of the kernel for each of == 1, divisible by 16
-and neither, the later ones inside a request after the warm-up.
+`do_not_specialize_on_alignment`: Triton would otherwise compile a variant for each count divisible by 16 and
+one for the rest, the later inside a request after the warm-up. Their == 1 variants stay: M = 1 is decode at
+batch 1.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def _round_to_e4m3_grid(v):
     return tl.where(v < 0, -units * step, units * step)
 
 
-@triton.jit(do_not_specialize=["stride_sg"])
+@triton.jit(do_not_specialize_on_alignment=["stride_sg"])
 def _per_token_group_quant_kernel(
     x_ptr,
     q_ptr,
@@ -122,7 +123,7 @@ def per_token_group_quant_fp8(
     return x_q, scales
 
 
-@triton.jit(do_not_specialize=["M", "stride_as_k"])
+@triton.jit(do_not_specialize_on_alignment=["M", "stride_as_k"])
 def _w8a8_block_fp8_matmul_kernel(
     a_ptr,
     b_ptr,

@@ -18,9 +18,9 @@ Pipeline of `fused_experts`:
   6. `_topk_sum_kernel`: out[t] = sum_j y[t * k + j], [T, H]. For one token the w2 pass does this sum itself
      (its SUM_PAIRS epilogue: the last program of each column block to finish adds that block's k rows).
 
-Arguments that change with every batch (pair, chunk and block counts) are `do_not_specialize`: Triton would
-otherwise compile a variant of the kernel for each of == 1, divisible by 16 and neither, the later ones
-inside a request after the warm-up.
+Arguments that change with every batch (pair, chunk and block counts) are `do_not_specialize_on_alignment`:
+Triton would otherwise compile a variant for each count divisible by 16 and one for the rest, the later inside a
+request after the warm-up.
 """
 
 from __future__ import annotations
@@ -306,7 +306,7 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Block
     return moe_align_block_size(topk_ids, num_experts, block_m)
 
 
-@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
+@triton.jit(do_not_specialize_on_alignment=["num_pairs", "num_blocks"])
 def _align_single_kernel(
     ids_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, num_pairs, num_blocks,
     NUM_EXPERTS: tl.constexpr, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -353,7 +353,7 @@ def _align_single_kernel(
         next_slot += chunk_counts
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit(do_not_specialize_on_alignment=["num_pairs"])
 def _align_count_kernel(
     ids_ptr, rank_ptr, counts_ptr, num_pairs,
     NUM_EXPERTS: tl.constexpr, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
@@ -377,7 +377,7 @@ def _align_count_kernel(
     tl.store(counts_ptr + chunk * NUM_EXPERTS + expert, counts, mask=expert < NUM_EXPERTS)
 
 
-@triton.jit(do_not_specialize=["num_chunks", "num_blocks"])
+@triton.jit(do_not_specialize_on_alignment=["num_chunks", "num_blocks"])
 def _align_scan_kernel(
     counts_ptr, offsets_ptr, starts_ptr, expert_ids_ptr, num_padded_ptr, num_chunks, num_blocks,
     NUM_EXPERTS: tl.constexpr, EXPERTS_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCKS: tl.constexpr,
@@ -404,7 +404,7 @@ def _align_scan_kernel(
         tl.store(expert_ids_ptr + block, tl.where(block * BLOCK_M < used, owner, -1), mask=block < num_blocks)
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit(do_not_specialize_on_alignment=["num_pairs"])
 def _align_scatter_kernel(
     ids_ptr, rank_ptr, offsets_ptr, starts_ptr, sorted_ptr, num_pairs,
     NUM_EXPERTS: tl.constexpr, CHUNK: tl.constexpr,
@@ -524,7 +524,7 @@ def _mma(acc, a, b, a_scale, b_scale, FP8: tl.constexpr, DOT_FP32: tl.constexpr)
     return tl.fma(tl.dot(a, b), a_scale[:, None] * b_scale[None, :], acc) if FP8 else tl.dot(a, b, acc)
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit(do_not_specialize_on_alignment=["num_pairs"])
 def _fused_moe_gemm_kernel(
     a_ptr, b_ptr, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr,
     sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, sum_ptr, arrived_ptr,
