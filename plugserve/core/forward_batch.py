@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -121,7 +122,8 @@ class ForwardBatch:
         block_table: torch.Tensor,
         kv_pool: MLAKVPool,
     ) -> ForwardBatch:
-        """Derive positions, slots and device tensors from per-request lengths and the block table."""
+        """Derive positions, slots and device tensors from per-request lengths and the block table (on CUDA in one
+        Triton launch, `triton_forward_batch.token_layout`; elsewhere with torch ops)."""
         seq_lens_cpu, extend_lens_cpu = list(seq_lens), list(extend_lens)
         if len(seq_lens_cpu) != len(extend_lens_cpu) or len(seq_lens_cpu) != block_table.shape[0]:
             raise ValueError("seq_lens, extend_lens and block_table must describe the same requests")
@@ -142,21 +144,13 @@ class ForwardBatch:
                          device)
         seq_lens, extend_lens = lens[:batch], lens[stride : stride + batch]
         cu_extend_lens = lens[2 * stride :]
-        per_request = extend_lens_cpu[0] if batch else 0
-        if num_tokens == batch and all(n == 1 for n in extend_lens_cpu):  # decode: one token per request
-            request_of_token = torch.arange(batch, device=device)
-            positions = seq_lens.to(torch.int64) - 1
-        elif per_request and num_tokens == batch * per_request and all(n == per_request for n in extend_lens_cpu):
-            # Chains of one length (a speculative round's verify and draft extend): no repeat_interleave, whose
-            # kernels (a scan among them) a decode-sized round pays on the host for.
-            offsets = torch.arange(per_request, device=device)
-            request_of_token = torch.arange(batch, device=device)[:, None].expand(batch, per_request).reshape(-1)
-            positions = ((seq_lens.to(torch.int64) - per_request)[:, None] + offsets).view(-1)
+        layout = _triton_token_layout() if device.type == "cuda" and block_table.stride(-1) == 1 else None
+        if layout is not None:
+            positions, out_cache_loc = layout(seq_lens, extend_lens, cu_extend_lens, block_table, kv_pool.page_size,
+                                              num_tokens, max(extend_lens_cpu, default=0))
         else:
-            request_of_token = torch.repeat_interleave(  # output_size: no read-back of the lengths
-                torch.arange(batch, device=device), extend_lens, output_size=num_tokens)
-            first = (seq_lens - extend_lens - cu_extend_lens[:-1]).to(torch.int64)  # position of token 0 less its index
-            positions = first[request_of_token] + torch.arange(num_tokens, device=device)
+            positions, out_cache_loc = _token_layout(seq_lens, extend_lens, cu_extend_lens, extend_lens_cpu,
+                                                     block_table, kv_pool.page_size)
         return cls(
             mode=mode,
             seq_lens_cpu=seq_lens_cpu,
@@ -166,7 +160,7 @@ class ForwardBatch:
             cu_extend_lens=cu_extend_lens,
             positions=positions,
             block_table=block_table,
-            out_cache_loc=token_slots(block_table, request_of_token, positions, kv_pool.page_size),
+            out_cache_loc=out_cache_loc,
             kv_pool=kv_pool,
         )
 
@@ -216,3 +210,36 @@ class ForwardBatch:
     @property
     def prefix_lens_cpu(self) -> list[int]:
         return [s - e for s, e in zip(self.seq_lens_cpu, self.extend_lens_cpu, strict=True)]
+
+
+def _token_layout(seq_lens: torch.Tensor, extend_lens: torch.Tensor, cu_extend_lens: torch.Tensor,
+                  extend_lens_cpu: list[int], block_table: torch.Tensor, page_size: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The new tokens' positions and pool slots [sum(extend_lens)] int64 with torch ops (seq_lens, extend_lens [B],
+    cu_extend_lens [B + 1] int32 on the block table's device)."""
+    device, batch, num_tokens = block_table.device, len(extend_lens_cpu), sum(extend_lens_cpu)
+    per_request = extend_lens_cpu[0] if batch else 0
+    if num_tokens == batch and all(n == 1 for n in extend_lens_cpu):  # decode: one token per request
+        request_of_token = torch.arange(batch, device=device)
+        positions = seq_lens.to(torch.int64) - 1
+    elif per_request and num_tokens == batch * per_request and all(n == per_request for n in extend_lens_cpu):
+        # Chains of one length (a speculative round's verify and draft extend): no repeat_interleave and its scan.
+        offsets = torch.arange(per_request, device=device)
+        request_of_token = torch.arange(batch, device=device)[:, None].expand(batch, per_request).reshape(-1)
+        positions = ((seq_lens.to(torch.int64) - per_request)[:, None] + offsets).view(-1)
+    else:
+        request_of_token = torch.repeat_interleave(  # output_size: no read-back of the lengths
+            torch.arange(batch, device=device), extend_lens, output_size=num_tokens)
+        first = (seq_lens - extend_lens - cu_extend_lens[:-1]).to(torch.int64)  # position of token 0 less its index
+        positions = first[request_of_token] + torch.arange(num_tokens, device=device)
+    return positions, token_slots(block_table, request_of_token, positions, page_size)
+
+
+@functools.cache
+def _triton_token_layout() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+    """`triton_forward_batch.token_layout` (one launch where torch takes about ten), or None without triton."""
+    try:
+        from plugserve.core import triton_forward_batch  # imports triton: only on CUDA, never at import
+    except ImportError:
+        return None
+    return triton_forward_batch.token_layout
