@@ -134,6 +134,10 @@ class FlashMLAAttention(AttentionBackend):
         qk_rope_head_dims=frozenset({64}),
         page_sizes=frozenset({PAGE_SIZE}),
         graph_modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND}),
+        # plan_replay is host layout only, the same for every replay of a captured size, and the scheduler metadata
+        # is refilled inside the graph: recorded once in the capture, a replay calls nothing on the host, and a
+        # speculative round can be one graph.
+        graph_plan_on_device=True,
     )
     # Above Triton (50): the fastest MLA decode in the device README's H200 numbers. A shootout table overrides.
     priority: ClassVar[dict[str, int]] = {"sm90": 70}
