@@ -27,10 +27,10 @@ from plugserve.core.forward_batch import ForwardBatch, ForwardMode
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import AttentionBackend, AttentionCapabilities, AttentionSpec, Availability
 from plugserve.plugins.triton_support import triton_availability
+from plugserve.registry import hookimpl
 
 if TYPE_CHECKING:
     from plugserve.plugins.attention.triton_kernels import MlaConfig
-from plugserve.registry import hookimpl
 
 
 def _tokens_per_request(batch: ForwardBatch) -> int:
