@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 
 # Larger than any GPU's L2 (H100 50 MB, H200 60 MB, B200 126 MB).
-_FLUSH_BYTES = 256 << 20
+FLUSH_BYTES = 256 << 20
 
 
 def time_cold_graph_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 20) -> float:
@@ -28,7 +28,7 @@ def time_cold_graph_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 20
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    flush = torch.empty(_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     for start, end in events:
         flush.zero_()

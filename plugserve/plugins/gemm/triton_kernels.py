@@ -21,7 +21,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from plugserve.core.layers.quant import FP8_DTYPE, FP8_MAX, SCALE_EPS, ceil_div
-from plugserve.plugins.triton_support import tma_source
+from plugserve.plugins.triton_support import programmatic_launch, tma_source
 
 # Groups one program of the quantization kernel handles (a [groups, group_size] tile).
 MAX_GROUPS_PER_PROGRAM = 8
@@ -45,6 +45,16 @@ def _round_to_e4m3_grid(v):
     return tl.where(v < 0, -units * step, units * step)
 
 
+@triton.jit
+def _programmatic_prologue(PDL: tl.constexpr):
+    """A kernel launched as a programmatic dependent (PDL: `launch_pdl`) starts while the previous kernel runs:
+    it waits for that one's writes here, then lets the next kernel launch, which waits here in turn. So a chain
+    of such launches (quantization, GEMM) keeps at most two grids resident and hides each launch's latency."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
 @triton.jit(do_not_specialize_on_alignment=["stride_sg"])
 def _per_token_group_quant_kernel(
     x_ptr,
@@ -62,10 +72,13 @@ def _per_token_group_quant_kernel(
     EPS: tl.constexpr,
     QMAX: tl.constexpr,
     ROUND_IN_FP32: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One row, GROUPS_PER_PROGRAM consecutive groups of it: scale = max(amax, EPS) / QMAX and
     q = clamp(x / scale, -QMAX, QMAX) as e4m3, both divisions and the cast rounded to nearest like
-    torch's on the CPU. ROUND_IN_FP32: round onto the e4m3 grid before the cast (see INTERPRETED)."""
+    torch's on the CPU. ROUND_IN_FP32: round onto the e4m3 grid before the cast (see INTERPRETED).
+    PDL: launched as a programmatic dependent (see `_programmatic_prologue`)."""
+    _programmatic_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     groups = tl.program_id(1) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
     cols = groups[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]
@@ -118,9 +131,16 @@ def per_token_group_quant_fp8(
         x.stride(0), x.stride(1), x_q.stride(0), scales.stride(0), scales.stride(1),
         GROUP_SIZE=group_size, GROUPS_PER_PROGRAM=groups_per_program, EPS=SCALE_EPS, QMAX=FP8_MAX,
         ROUND_IN_FP32=INTERPRETED,
+        **_launch_options(x),
         num_warps=4 if groups_per_program * group_size >= 1024 else 2,
     )
     return x_q, scales
+
+
+def _launch_options(x: torch.Tensor) -> dict[str, bool]:
+    """The PDL constexpr of a kernel working on x, and the launch option that goes with it."""
+    pdl = programmatic_launch(x)
+    return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
 
 
 @triton.jit(do_not_specialize_on_alignment=["M", "stride_as_k"])
@@ -130,6 +150,8 @@ def _w8a8_block_fp8_matmul_kernel(
     a_desc,
     b_desc,
     c_ptr,
+    partial_ptr,
+    arrivals_ptr,
     a_s_ptr,
     b_s_ptr,
     M,
@@ -139,7 +161,7 @@ def _w8a8_block_fp8_matmul_kernel(
     stride_ak,
     stride_bn,
     stride_bk,
-    stride_cs,
+    stride_ps,
     stride_cm,
     stride_cn,
     stride_as_m,
@@ -154,6 +176,7 @@ def _w8a8_block_fp8_matmul_kernel(
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     TMA: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """C[M, N] = sum over K blocks kb of (A[:, kb] @ B[:, kb]^T) * a_s[m, kb] * b_s[n // GROUP_N, kb].
 
@@ -161,9 +184,13 @@ def _w8a8_block_fp8_matmul_kernel(
     one weight scale per column; each step's e4m3 product is scaled into a float32 accumulator by one FMA an
     element (the wgmma's product waits for it, so the promotion's cost adds to every K step's).
     SPLIT_K > 1: program (tile, s) sums the s-th of SPLIT_K runs of K blocks into the float32 slice
-    c[s] of a [SPLIT_K, M, N] workspace (stride_cs), which `_split_k_sum_kernel` adds up.
+    partial[s] of a [SPLIT_K, M, N] workspace (stride_ps) and counts itself in arrivals[tile] (int32, zero
+    between launches); the tile's last program to arrive adds the SPLIT_K slices into C, in split order (the
+    same sum whichever program is last), and zeroes the count for the next launch.
     TMA: A and B tiles come as TMA boxes through the descriptors a_desc [BLOCK_SIZE_M, BLOCK_SIZE_K] and b_desc
-    [BLOCK_SIZE_N, BLOCK_SIZE_K] (zero-filled past the edges) instead of cp.async through a_ptr / b_ptr."""
+    [BLOCK_SIZE_N, BLOCK_SIZE_K] (zero-filled past the edges) instead of cp.async through a_ptr / b_ptr.
+    PDL: launched as a programmatic dependent of the activations' quantization (`_programmatic_prologue`)."""
+    _programmatic_prologue(PDL)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_SIZE_M)
@@ -215,20 +242,37 @@ def _w8a8_block_fp8_matmul_kernel(
         a_ptrs += BLOCK_SIZE_K * stride_ak
         b_ptrs += BLOCK_SIZE_K * stride_bk
 
-    c_ptrs = c_ptr + split * stride_cs + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tile = offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+    if SPLIT_K == 1:
+        tl.store(c_ptr + tile, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+    else:
+        tl.store(partial_ptr + split * stride_ps + tile, acc, mask=c_mask)
+        # Every thread's slice is stored before one thread's release makes them visible to the last program.
+        tl.debug_barrier()
+        if tl.atomic_add(arrivals_ptr + pid, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                # .cg: from L2, where the other programs' slices are, never a stale line of this SM's L1.
+                total += tl.load(partial_ptr + s * stride_ps + tile, mask=c_mask, other=0.0, cache_modifier=".cg")
+            tl.store(c_ptr + tile, total.to(c_ptr.dtype.element_ty), mask=c_mask)
+            tl.store(arrivals_ptr + pid, 0)
 
 
-@triton.jit
-def _split_k_sum_kernel(partial_ptr, c_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
-    """c[i] = sum over s of partial[s, i] (float32, in split order: deterministic), cast to c's dtype."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        acc += tl.load(partial_ptr + s * numel + offs, mask=mask, other=0.0)
-    tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+# Split-K arrival counts (int32, zero between launches) of each device and stream: GEMMs on two streams at once
+# (the shared experts' beside the routed ones) must not count into the same slots.
+_arrivals: dict[tuple[int | None, int], torch.Tensor] = {}
+
+
+def _split_k_arrivals(device: torch.device, tiles: int) -> torch.Tensor:
+    """At least `tiles` arrival counts for GEMMs on `device`'s current stream, zero at every kernel boundary
+    (each launch re-arms the counts it used). Grown outside CUDA graphs: the warm-up launches every captured
+    shape eagerly first."""
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    arrivals = _arrivals.get(key)
+    if arrivals is None or arrivals.numel() < tiles:
+        arrivals = _arrivals[key] = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
+    return arrivals
 
 
 def w8a8_block_fp8_matmul(
@@ -246,8 +290,8 @@ def w8a8_block_fp8_matmul(
 
     config: BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K (must equal bk), GROUP_SIZE_M, num_warps,
     num_stages, and optionally SPLIT_K (default 1): with few output tiles (small M), K is cut into
-    SPLIT_K runs computed by separate programs into a float32 [SPLIT_K, M, N] workspace, then summed;
-    TMA (default 0), see `_w8a8_block_fp8_matmul_kernel`: a speed hint, taken only
+    SPLIT_K runs computed by separate programs into a float32 [SPLIT_K, M, N] workspace, summed by each tile's
+    last program (no second kernel); TMA (default 0), see `_w8a8_block_fp8_matmul_kernel`: a speed hint, taken only
     where a and b can be TMA sources (`tma_source`), the same product through pointers otherwise."""
     m, k = a.shape
     n = b.shape[0]
@@ -265,15 +309,16 @@ def w8a8_block_fp8_matmul(
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return c
-    out = c if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=a.device)
+    tiles = triton.cdiv(m, config["BLOCK_SIZE_M"]) * triton.cdiv(n, config["BLOCK_SIZE_N"])
+    partial = c if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=a.device)
+    arrivals = partial if split_k == 1 else _split_k_arrivals(a.device, tiles)
     tma = bool(config.get("TMA", 0)) and tma_source(a) and tma_source(b)
     a_desc = TensorDescriptor.from_tensor(a, [config["BLOCK_SIZE_M"], bk]) if tma else None
     b_desc = TensorDescriptor.from_tensor(b, [config["BLOCK_SIZE_N"], bk]) if tma else None
-    grid = (triton.cdiv(m, config["BLOCK_SIZE_M"]) * triton.cdiv(n, config["BLOCK_SIZE_N"]), split_k)
-    _w8a8_block_fp8_matmul_kernel[grid](
-        a, b, a_desc, b_desc, out, a_scales, b_scales, m, n, k,
+    _w8a8_block_fp8_matmul_kernel[(tiles, split_k)](
+        a, b, a_desc, b_desc, c, partial, arrivals, a_scales, b_scales, m, n, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        out.stride(0) if split_k > 1 else 0, out.stride(-2), out.stride(-1),
+        partial.stride(0) if split_k > 1 else 0, c.stride(0), c.stride(1),
         a_scales.stride(0), a_scales.stride(1), b_scales.stride(0), b_scales.stride(1),
         GROUP_N=bn,
         BLOCK_SIZE_M=config["BLOCK_SIZE_M"],
@@ -283,10 +328,8 @@ def w8a8_block_fp8_matmul(
         SPLIT_K=split_k,
         EVEN_K=k % bk == 0,
         TMA=tma,
+        **_launch_options(a),
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
     )
-    if split_k > 1:
-        block = 1024
-        _split_k_sum_kernel[(triton.cdiv(m * n, block),)](out, c, m * n, SPLIT_K=split_k, BLOCK=block, num_warps=4)
     return c

@@ -7,6 +7,7 @@ sets TRITON_INTERPRET=1 before Triton is imported)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from collections.abc import Callable
@@ -18,6 +19,7 @@ import torch
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import Fp8GemmBackend, GemmSpec
 from plugserve.core.layers.quant import dequantize_block_fp8, quantize_block_fp8
+from plugserve.plugins.gemm.triton import TritonFp8Gemm, default_config
 from plugserve.registry import Registry
 from tests.plugins import fake_deep_gemm
 from tests.plugins.graph_safety import assert_replays, no_host_reads, outside_check
@@ -112,3 +114,27 @@ def test_apply_replays_in_a_cuda_graph(name: str, m: int) -> None:
     x, new_x = (torch.randn(m, K, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
     assert_replays(lambda x: backend.apply(x, packed), [x], [new_x])
     assert_replays(backend.quantize_activation, [x], [new_x])
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+def test_triton_split_k_rearms_across_replays() -> None:
+    """Split-K's per-tile arrival counts are zeroed again inside every replay: each of several replays on new
+    inputs finds its tiles' last programs and matches the eager product."""
+    backend = TritonFp8Gemm(GemmSpec(torch.bfloat16), DEVICE)
+    packed = backend.prepare(*(t.to(DEVICE) for t in _weight()))
+    packed = dataclasses.replace(packed, configs={1: default_config(1) | {"BLOCK_SIZE_N": 64, "SPLIT_K": 3}})
+    g = torch.Generator().manual_seed(3)
+    inputs = [torch.randn(1, K, generator=g).to(DEVICE, torch.bfloat16) for _ in range(4)]
+    static = inputs[0].clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        backend.apply(static, packed)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        captured = backend.apply(static, packed)
+    for x in inputs[1:]:
+        static.copy_(x)
+        graph.replay()
+        torch.testing.assert_close(captured, backend.apply(x, packed), rtol=0, atol=0)

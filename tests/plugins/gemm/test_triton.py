@@ -191,6 +191,20 @@ def test_split_k_matches_reference(kernels: ModuleType, split_k: int, dtype: tor
         kernels.w8a8_block_fp8_matmul(x_q, x_s, w_q, w_s, BLOCK, dtype, config | {"SPLIT_K": 0})
 
 
+def test_split_k_rearms_its_arrival_counts(kernels: ModuleType) -> None:
+    """Each tile's last program zeroes the tile's count: launches after the first still find their last program
+    and write C (a count left at SPLIT_K would leave C unwritten)."""
+    m, n, k = 3, 256, 512
+    config = default_config(m) | {"BLOCK_SIZE_N": 64, "SPLIT_K": 4, "num_stages": 2}
+    for seed in range(3):
+        x, w_q, w_s = _operands(m, n, k, torch.float32, seed=seed)
+        x_q, x_s = kernels.per_token_group_quant_fp8(x, column_major_scales=True)
+        out = kernels.w8a8_block_fp8_matmul(x_q, x_s, w_q, w_s, BLOCK, torch.float32, config)
+        assert_close(out, block_fp8_matmul(x_q, x_s, w_q, w_s, BLOCK, torch.float32), torch.float32, f"launch {seed}")
+    (arrivals,) = kernels._arrivals.values()
+    assert not arrivals.any()
+
+
 def test_kernel_rejects_mismatched_operands(kernels: ModuleType) -> None:
     x, w_q, w_s = _operands(3, 200, 300)
     x_q, x_s = kernels.per_token_group_quant_fp8(x)
