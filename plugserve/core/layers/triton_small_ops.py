@@ -12,7 +12,9 @@ the interpreter (TRITON_INTERPRET=1, the CPU tests).
     add_rms_norm  the residual add and the RMSNorm of the sum, both written by one launch.
     silu_and_mul  silu(gate) * up of the MLP's gate_up output (eager: three kernels).
 
-Only plain tl.load / tl.store / arithmetic / tl.sum / tl.exp, so that it compiles on older Triton releases too.
+Only plain tl.load / tl.store / arithmetic / tl.sum / tl.exp, so that it compiles on older Triton releases too;
+on Hopper and newer GPUs with a Triton that offers it, the kernels launch as programmatic dependents
+(`plugserve.core.triton_pdl`).
 
 Arguments that change with every batch (token, pair and split counts, and the strides that follow them) are
 `do_not_specialize_on_alignment`: Triton would otherwise compile a variant for each count divisible by 16 and
@@ -26,6 +28,7 @@ import triton
 import triton.language as tl
 
 from plugserve.core.layers import small_ops
+from plugserve.core.triton_pdl import launch_options, programmatic_prologue
 
 # Dtypes the kernel stores the pool in. Its casts round to nearest even like torch's; torch's cast to fp8
 # gives NaN past e4m3's range where Triton's saturates, so an fp8 pool takes the eager op.
@@ -51,9 +54,10 @@ def _rms_normed(x, weight_ptr, offsets, mask, eps, size, x_ty):
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, sum_ptr, weight_ptr, out_ptr, stride_x, stride_residual, stride_sum,
-                     stride_out, eps, D: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr):
+                     stride_out, eps, D: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr):
     """Program t: out[t] = weight * rms_norm(x[t]); with ADD, of the sum x[t] + residual[t] (rounded to x's dtype,
     as torch adds), which it also writes to sum[t]."""
+    programmatic_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
     ok = d < D
@@ -68,9 +72,11 @@ def _rms_norm_kernel(x_ptr, residual_ptr, sum_ptr, weight_ptr, out_ptr, stride_x
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, WIDTH: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
     """Program (t, b): out[t, b-block] = silu(gate) * up with gate = x[t, :WIDTH], up = x[t, WIDTH:], silu rounded
     to x's dtype before the product, as torch's two kernels round."""
+    programmatic_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = c < WIDTH
@@ -88,13 +94,14 @@ def _mla_prepare_kernel(
     stride_out_h, stride_nope_t, stride_nope_h, stride_w_h, stride_w_d, stride_abs_t, stride_abs_h, eps,
     H: tl.constexpr, R: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, ROUND_NORM: tl.constexpr,
-    ROPE_BLOCKS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_RA: tl.constexpr,
+    ROPE_BLOCKS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_RA: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (t, 0): pool row slots[t] = rms_norm(latent) ++ rope(k_rope). Program (t, 1 + b), b < ROPE_BLOCKS:
     heads [b * BLOCK_H, (b + 1) * BLOCK_H) of q_rope[t] rotated into q_out[t]. Every cast goes through the input's
     dtype first, as the eager ops round (`small_ops.rms_norm`, `small_ops._rotate`). Program (0, 1 + ROPE_BLOCKS + a)
     (launched only to absorb): q_abs[:, h, r-block] = q_nope[:, h] @ w_kc[h, :, r-block] for every token, float32
     sums, with h, r-block = divmod(a, ceil(R / BLOCK_RA))."""
+    programmatic_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     x_ty = kv_a_ptr.dtype.element_ty
@@ -180,7 +187,7 @@ def mla_prepare(kv_a: torch.Tensor, q_nope: torch.Tensor, q_rope: torch.Tensor, 
         w_kc.stride(1), q_abs.stride(0), q_abs.stride(1), eps,
         H=h, R=r, P=p, D=d, BLOCK_H=block_h, BLOCK_R=triton.next_power_of_2(r), BLOCK_HALF=block_half,
         ROUND_NORM=norm_weight.dtype == kv_a.dtype, ROPE_BLOCKS=rope_blocks, BLOCK_D=triton.next_power_of_2(d),
-        BLOCK_RA=ABSORB_BLOCK_R,
+        BLOCK_RA=ABSORB_BLOCK_R, **launch_options(kv_a),
         # Products and sums rounded one by one, as torch's element-wise kernels do (no FMA contraction).
         enable_fp_fusion=False,
     )
@@ -204,7 +211,8 @@ def _norm_launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         block = triton.next_power_of_2(d)
         _rms_norm_kernel[(t,)](rows, others, summed, weight, out, rows.stride(0), others.stride(0), summed.stride(0),
                                out.stride(0), eps, D=d, BLOCK=block, ADD=residual is not None,
-                               num_warps=min(max(block // 512, 1), 16), enable_fp_fusion=False)
+                               **launch_options(rows), num_warps=min(max(block // 512, 1), 16),
+                               enable_fp_fusion=False)
     return out.view(x.shape), summed.view(x.shape)
 
 
@@ -236,5 +244,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if t > 0:
         block = min(SILU_BLOCK, triton.next_power_of_2(i))
         _silu_and_mul_kernel[(t, triton.cdiv(i, block))](rows, out, rows.stride(0), out.stride(0), WIDTH=i,
-                                                          BLOCK=block, num_warps=4, enable_fp_fusion=False)
+                                                          BLOCK=block, **launch_options(rows), num_warps=4,
+                                                          enable_fp_fusion=False)
     return out.view(*gate_up.shape[:-1], i)

@@ -18,6 +18,9 @@ All accumulation is float32.
 Arguments that change with every batch (token, pair and split counts, and the strides that follow them) are
 `do_not_specialize_on_alignment`: Triton would otherwise compile a variant for each count divisible by 16 and
 one for the rest, the later inside a request after the warm-up. Their == 1 variants stay.
+
+The decode kernels (MLA and its split merge) launch as programmatic dependents on Hopper and newer GPUs
+(`plugserve.core.triton_pdl`).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from plugserve.core.triton_pdl import launch_options, programmatic_prologue
 from plugserve.plugins.triton_support import tma_source
 
 LOG2E = math.log2(math.e)
@@ -310,12 +314,14 @@ def _mla_kernel(
     R: tl.constexpr, P: tl.constexpr, HALF_R: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SPLIT: tl.constexpr, TREE: tl.constexpr, TMA: tl.constexpr, RELOAD_Q: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # kv_ptr: the pool [num_slots, R + P]; kv / kv_rope (TMA, else None): descriptors of its [BLOCK_N, HALF_R]
     # and [BLOCK_N, BLOCK_P] boxes. SPLIT: out_ptr / lse_ptr are float32 partials and base-2 log-sum-exps
     # (unit stride over splits), else out_ptr is the output and no lse is kept. TREE: the token is a draft-tree
     # node whose keys from tree_start[t] on are the tree's nodes, seen per tree_bits[t]; every block from the
-    # tree's first on is masked.
+    # tree's first on is masked. PDL: launched as a programmatic dependent (plugserve.core.triton_pdl).
+    programmatic_prologue(PDL)
     pid = tl.program_id(0)
     head_blocks = tl.cdiv(num_heads, BLOCK_H)
     head_block = pid % head_blocks
@@ -392,12 +398,14 @@ def _mla_reduce_kernel(
     stride_po_t, stride_po_h, stride_po_s, stride_pl_t, stride_pl_h, stride_o_t, stride_o_h, stride_w_h, stride_w_r,
     num_splits,
     R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, V: tl.constexpr, BLOCK_V: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # One (token, head): an online log-sum-exp merge over the splits, BLOCK_S at a time. Empty splits
     # have lse -inf, weight 0, and their (unwritten) partials are not read. V > 0: program (t, h, v-block) also
     # multiplies the merged latent, rounded to out's dtype, by w_vc[h, :, v-block] (W_UV) and stores that
     # [BLOCK_V] slice of out [T, H, V]: each v-block's program merges the same splits again, which at decode costs
     # less than a bmm's launch.
+    programmatic_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -489,7 +497,8 @@ def mla_attention(
     half_r = _pow2_at_least(r, 2 * MIN_DOT) // 2
     block_p = _pow2_at_least(p, MIN_DOT)
     shape = dict(R=r, P=p, HALF_R=half_r, BLOCK_P=block_p, BLOCK_H=config.block_h, PAGE_SIZE=page_size,
-                 SPLIT=num_splits > 1, TREE=tree is not None, INPUT_PRECISION=_input_precision(q_nope.dtype))
+                 SPLIT=num_splits > 1, TREE=tree is not None, INPUT_PRECISION=_input_precision(q_nope.dtype),
+                 **launch_options(q_nope))
     tree_start, tree_bits = tree if tree is not None else (token_kv_len, token_kv_len)  # unread without TREE
 
     def args(launch: dict) -> tuple:
@@ -521,7 +530,7 @@ def mla_attention(
         *part_out.stride()[:3], *part_lse.stride()[:2], out.stride(0), out.stride(1),
         w_vc.stride(0) if v else 0, w_vc.stride(1) if v else 0, num_splits,
         R=r, BLOCK_S=min(MLA_REDUCE_SPLITS, triton.next_power_of_2(num_splits)), BLOCK_R=triton.next_power_of_2(r),
-        V=v, BLOCK_V=MLA_REDUCE_BLOCK_V,
+        V=v, BLOCK_V=MLA_REDUCE_BLOCK_V, **launch_options(part_out),
     )
     return out
 

@@ -21,7 +21,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from plugserve.core.layers.quant import FP8_DTYPE, FP8_MAX, SCALE_EPS, ceil_div
-from plugserve.plugins.triton_support import programmatic_launch, tma_source
+from plugserve.core.triton_pdl import launch_options, programmatic_prologue
+from plugserve.plugins.triton_support import tma_source
 
 # Groups one program of the quantization kernel handles (a [groups, group_size] tile).
 MAX_GROUPS_PER_PROGRAM = 8
@@ -43,16 +44,6 @@ def _round_to_e4m3_grid(v):
     magic = 8388608.0  # 2^23: adding it to a float32 below 2^22 rounds to an integer, ties to even
     units = (tl.math.div_rn(tl.abs(v), step) + magic) - magic
     return tl.where(v < 0, -units * step, units * step)
-
-
-@triton.jit
-def _programmatic_prologue(PDL: tl.constexpr):
-    """A kernel launched as a programmatic dependent (PDL: `launch_pdl`) starts while the previous kernel runs:
-    it waits for that one's writes here, then lets the next kernel launch, which waits here in turn. So a chain
-    of such launches (quantization, GEMM) keeps at most two grids resident and hides each launch's latency."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit(do_not_specialize_on_alignment=["stride_sg"])
@@ -77,8 +68,8 @@ def _per_token_group_quant_kernel(
     """One row, GROUPS_PER_PROGRAM consecutive groups of it: scale = max(amax, EPS) / QMAX and
     q = clamp(x / scale, -QMAX, QMAX) as e4m3, both divisions and the cast rounded to nearest like
     torch's on the CPU. ROUND_IN_FP32: round onto the e4m3 grid before the cast (see INTERPRETED).
-    PDL: launched as a programmatic dependent (see `_programmatic_prologue`)."""
-    _programmatic_prologue(PDL)
+    PDL: launched as a programmatic dependent (`plugserve.core.triton_pdl`)."""
+    programmatic_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     groups = tl.program_id(1) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
     cols = groups[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]
@@ -131,16 +122,10 @@ def per_token_group_quant_fp8(
         x.stride(0), x.stride(1), x_q.stride(0), scales.stride(0), scales.stride(1),
         GROUP_SIZE=group_size, GROUPS_PER_PROGRAM=groups_per_program, EPS=SCALE_EPS, QMAX=FP8_MAX,
         ROUND_IN_FP32=INTERPRETED,
-        **_launch_options(x),
+        **launch_options(x),
         num_warps=4 if groups_per_program * group_size >= 1024 else 2,
     )
     return x_q, scales
-
-
-def _launch_options(x: torch.Tensor) -> dict[str, bool]:
-    """The PDL constexpr of a kernel working on x, and the launch option that goes with it."""
-    pdl = programmatic_launch(x)
-    return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
 
 
 @triton.jit(do_not_specialize_on_alignment=["M", "stride_as_k"])
@@ -189,8 +174,8 @@ def _w8a8_block_fp8_matmul_kernel(
     same sum whichever program is last), and zeroes the count for the next launch.
     TMA: A and B tiles come as TMA boxes through the descriptors a_desc [BLOCK_SIZE_M, BLOCK_SIZE_K] and b_desc
     [BLOCK_SIZE_N, BLOCK_SIZE_K] (zero-filled past the edges) instead of cp.async through a_ptr / b_ptr.
-    PDL: launched as a programmatic dependent of the activations' quantization (`_programmatic_prologue`)."""
-    _programmatic_prologue(PDL)
+    PDL: launched as a programmatic dependent of the activations' quantization (`plugserve.core.triton_pdl`)."""
+    programmatic_prologue(PDL)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_SIZE_M)
@@ -328,7 +313,7 @@ def w8a8_block_fp8_matmul(
         SPLIT_K=split_k,
         EVEN_K=k % bk == 0,
         TMA=tma,
-        **_launch_options(a),
+        **launch_options(a),
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
     )

@@ -21,6 +21,9 @@ Pipeline of `fused_experts`:
 Arguments that change with every batch (pair, chunk and block counts) are `do_not_specialize_on_alignment`:
 Triton would otherwise compile a variant for each count divisible by 16 and one for the rest, the later inside a
 request after the warm-up.
+
+On Hopper and newer GPUs every kernel here launches as a programmatic dependent (`plugserve.core.triton_pdl`:
+the PDL constexpr), so that the chain above hides its launches behind each other's tails.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from plugserve.core.interfaces import RouterConfig
 from plugserve.core.layers.quant import FP8_DTYPE, FP8_MAX, SCALE_EPS
+from plugserve.core.triton_pdl import launch_options, programmatic_prologue
 from plugserve.plugins.moe.configs import GemmConfig, MoEConfig
 from plugserve.plugins.triton_support import tma_source
 
@@ -141,8 +145,10 @@ def _grouped_topk_kernel(
     TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, TOPK_PAD: tl.constexpr,
     SOFTMAX: tl.constexpr, GROUPING: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_TO_ZERO: tl.constexpr,
     RENORMALIZE: tl.constexpr, NUM_SHARED: tl.constexpr, SHARED_PAD: tl.constexpr, shared_weight,
+    PDL: tl.constexpr,
 ):
     """One token per program: `_select_experts` from its row of router logits."""
+    programmatic_prologue(PDL)
     token = tl.program_id(0).to(tl.int64)
     _select_experts(logits_ptr + token * stride_logits, bias_ptr, weights_ptr, ids_ptr, token,
                     NUM_GROUPS, GROUP_SIZE, GROUPS_PAD, GROUP_PAD, TOPK_GROUP, TOP_K, TOPK_PAD, SOFTMAX, GROUPING,
@@ -158,11 +164,13 @@ def _fused_router_kernel(
     SOFTMAX: tl.constexpr, GROUPING: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_TO_ZERO: tl.constexpr,
     RENORMALIZE: tl.constexpr, NUM_SHARED: tl.constexpr, SHARED_PAD: tl.constexpr, shared_weight,
     TOKENS_PAD: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program e: the gate's logits of experts [e * BLOCK_E, (e + 1) * BLOCK_E) for every token into the float32
     scratch logits [num_tokens, E] (contiguous). The program that arrives last (an atomic count in arrived_ptr,
     after every program's stores) selects every token's experts from the whole rows, and sets the count back to
     0 for the next launch (a CUDA graph's replay too)."""
+    programmatic_prologue(PDL)
     experts = NUM_GROUPS * GROUP_SIZE
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     t = tl.arange(0, TOKENS_PAD)
@@ -207,7 +215,8 @@ def grouped_topk(
     constants = _selection_constants(router, num_experts, num_shared, correction_bias is not None)
     _grouped_topk_kernel[(num_tokens,)](
         logits, correction_bias.contiguous() if correction_bias is not None else None, weights, ids, logits.stride(0),
-        **constants, num_warps=4 if constants["GROUPS_PAD"] * constants["GROUP_PAD"] > 256 else 1,
+        **constants, **launch_options(logits),
+        num_warps=4 if constants["GROUPS_PAD"] * constants["GROUP_PAD"] > 256 else 1,
     )
     return weights, ids
 
@@ -259,7 +268,7 @@ def fused_router(
         x, gate, logits, arrived, correction_bias.contiguous() if correction_bias is not None else None, weights, ids,
         num_tokens, hidden, x.stride(0), gate.stride(0),
         **_selection_constants(router, num_experts, num_shared, correction_bias is not None),
-        TOKENS_PAD=tokens_pad, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4,
+        TOKENS_PAD=tokens_pad, BLOCK_E=block_e, BLOCK_K=block_k, **launch_options(x), num_warps=4,
     )
     return weights, ids
 
@@ -311,11 +320,13 @@ def _align_single_kernel(
     ids_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, num_pairs, num_blocks,
     NUM_EXPERTS: tl.constexpr, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
     FILL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """The whole alignment in one program (decode-sized pair counts; one CHUNK of pairs at a time):
     per-expert counts (histograms), the padded runs placed by an exclusive scan, then per chunk, in
     pair order, one sort of the keys expert * CHUNK + pair, which orders the chunk's pairs by expert and
     by pair within each expert; the sorted pairs of expert e fill its next free slots."""
+    programmatic_prologue(PDL)
     lane = tl.arange(0, CHUNK)
     counts = tl.zeros([EXPERTS_PAD], dtype=tl.int32)  # 0 past E: dropped ids are not counted
     for first_pair in range(0, num_pairs, CHUNK):
@@ -357,9 +368,11 @@ def _align_single_kernel(
 def _align_count_kernel(
     ids_ptr, rank_ptr, counts_ptr, num_pairs,
     NUM_EXPERTS: tl.constexpr, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Per chunk of pairs: each pair's rank among the chunk's earlier pairs of its expert, and the
     chunk's count of every expert into counts [chunks, E]."""
+    programmatic_prologue(PDL)
     chunk = tl.program_id(0)
     pair = chunk * CHUNK + tl.arange(0, CHUNK)
     ids = tl.load(ids_ptr + pair, mask=pair < num_pairs, other=-1)
@@ -381,11 +394,13 @@ def _align_count_kernel(
 def _align_scan_kernel(
     counts_ptr, offsets_ptr, starts_ptr, expert_ids_ptr, num_padded_ptr, num_chunks, num_blocks,
     NUM_EXPERTS: tl.constexpr, EXPERTS_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCKS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program: offsets [chunks, E], each chunk's offset within each expert's run (the counts
     [chunks, E] of the chunks before it; a separate buffer, since threads holding copies of one element
     are not synchronized between a load and a store); each expert's run starts after the padded runs
     of the experts before it; every M-block gets its expert."""
+    programmatic_prologue(PDL)
     expert = tl.arange(0, EXPERTS_PAD)
     real = expert < NUM_EXPERTS
     total = tl.zeros([EXPERTS_PAD], dtype=tl.int32)
@@ -408,8 +423,10 @@ def _align_scan_kernel(
 def _align_scatter_kernel(
     ids_ptr, rank_ptr, offsets_ptr, starts_ptr, sorted_ptr, num_pairs,
     NUM_EXPERTS: tl.constexpr, CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Each pair to its slot: its expert's start + its chunk's offset in that run + its rank."""
+    programmatic_prologue(PDL)
     chunk = tl.program_id(0)
     pair = chunk * CHUNK + tl.arange(0, CHUNK)
     ids = tl.load(ids_ptr + pair, mask=pair < num_pairs, other=-1)
@@ -441,7 +458,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
         _align_single_kernel[(1,)](
             ids, sorted_ids, expert_ids, num_padded, num_pairs, num_blocks, NUM_EXPERTS=num_experts,
             EXPERTS_PAD=experts_pad, CHUNK=min(max(triton.next_power_of_2(num_pairs), 16), _ALIGN_SORT),
-            BLOCK_M=block_m, FILL=_ALIGN_FILL, num_warps=4,
+            BLOCK_M=block_m, FILL=_ALIGN_FILL, **launch_options(ids), num_warps=4,
         )
         return BlockAlignment(sorted_ids, expert_ids, num_padded, block_m, num_pairs)
 
@@ -458,14 +475,15 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     starts = torch.empty(num_experts, dtype=torch.int32, device=device)
     _align_count_kernel[(num_chunks,)](
         ids, ranks, counts, num_pairs, NUM_EXPERTS=num_experts, EXPERTS_PAD=experts_pad, CHUNK=_ALIGN_CHUNK,
-        SUB=_ALIGN_SUB, num_warps=4,
+        SUB=_ALIGN_SUB, **launch_options(ids), num_warps=4,
     )
     _align_scan_kernel[(1,)](
         counts, offsets, starts, expert_ids, num_padded, num_chunks, num_blocks, NUM_EXPERTS=num_experts,
-        EXPERTS_PAD=experts_pad, BLOCK_M=block_m, BLOCKS=_ALIGN_BLOCKS, num_warps=4,
+        EXPERTS_PAD=experts_pad, BLOCK_M=block_m, BLOCKS=_ALIGN_BLOCKS, **launch_options(ids), num_warps=4,
     )
     _align_scatter_kernel[(num_chunks,)](
-        ids, ranks, offsets, starts, sorted_ids, num_pairs, NUM_EXPERTS=num_experts, CHUNK=_ALIGN_CHUNK, num_warps=4
+        ids, ranks, offsets, starts, sorted_ids, num_pairs, NUM_EXPERTS=num_experts, CHUNK=_ALIGN_CHUNK,
+        **launch_options(ids), num_warps=4,
     )
     return alignment
 
@@ -478,9 +496,11 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
 def _group_quant_kernel(
     x_ptr, q_ptr, scale_ptr, cols, num_groups, stride_x, stride_q, stride_scale,
     GROUP: tl.constexpr, GROUPS: tl.constexpr, FP8_MAX: tl.constexpr, EPS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """GROUPS 1 x GROUP groups of one row: scale = max(amax, EPS) / FP8_MAX, q = clamp(x / scale),
     with correctly rounded divisions, as the reference quantizer computes them."""
+    programmatic_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     col = group[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
@@ -505,7 +525,7 @@ def per_token_group_quant(x: torch.Tensor, group_size: int) -> tuple[torch.Tenso
         groups = min(_QUANT_GROUPS, triton.next_power_of_2(num_groups))
         _group_quant_kernel[(rows, triton.cdiv(num_groups, groups))](
             x, q, scales, cols, num_groups, x.stride(0), q.stride(0), scales.stride(0),
-            GROUP=group_size, GROUPS=groups, FP8_MAX=FP8_MAX, EPS=SCALE_EPS,
+            GROUP=group_size, GROUPS=groups, FP8_MAX=FP8_MAX, EPS=SCALE_EPS, **launch_options(x),
         )
     return q.to(FP8_DTYPE), scales
 
@@ -536,6 +556,7 @@ def _fused_moe_gemm_kernel(
     FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE_M: tl.constexpr,
     TMA: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """C[p, n] for the pairs p of one M-block (one expert e) and BLOCK_N columns:
     acc = A[p // A_ROW_DIV] @ B[e]^T (B [E, N or 2N, K]), float32 accumulation;
@@ -549,6 +570,7 @@ def _fused_moe_gemm_kernel(
     every program's stores; set back to 0 for the next launch), so that no top-k sum kernel follows.
     TMA: B tiles come as [BLOCK_N, BLOCK_K] boxes of b_desc, B viewed as [E * b_rows, K] (zero-filled past K and
     past the last expert; a box reaching past an expert's N rows reads the next rows, whose columns are not stored)."""
+    programmatic_prologue(PDL)
     pid = tl.program_id(0)
     # Programs sweep GROUP_SIZE_M M-blocks per column of N-blocks, so weight tiles are reused in L2.
     num_pid_m = tl.cdiv(padded_rows, BLOCK_M)
@@ -684,7 +706,7 @@ def grouped_gemm(
         SUM_PAIRS=pair_sum is not None,
         FP8=fp8, GROUP_N=block_shape[0], GROUP_K=block_shape[1], DOT_FP32=INTERPRET and a.dtype == torch.bfloat16,
         BLOCK_M=alignment.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_SIZE_M=config.group_m,
-        TMA=tma, num_warps=config.num_warps, num_stages=config.num_stages,
+        TMA=tma, **launch_options(a), num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 
@@ -696,8 +718,10 @@ def grouped_gemm(
 def _topk_sum_kernel(
     y_ptr, ids_ptr, out_ptr, H, num_experts, stride_y, stride_out,
     TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[t] = sum over the k slots of token t with an expert id in [0, E) of y[t * k + j], in float32."""
+    programmatic_prologue(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -753,6 +777,7 @@ def fused_experts(
         return out
     block_h = min(_SUM_BLOCK_H, triton.next_power_of_2(hidden))
     _topk_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
-        y, ids, out, hidden, num_experts, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK_H=block_h
+        y, ids, out, hidden, num_experts, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK_H=block_h,
+        **launch_options(y),
     )
     return out
