@@ -5,6 +5,8 @@ side by side with the device's own ceilings measured in the same run.
     python benchmarks/shootout.py --tp-size 8 [--ep-size 8] ...   # one rank's shapes of an 8-GPU deployment
     python benchmarks/shootout.py --kinds attention --heads 16 --merge-into plugserve/tables/<gpu>.json ...
                                   # attention's ranking at 16 heads a rank, beside the table's 128
+    python benchmarks/shootout.py --kinds gemm --backends gemm:triton gemm:torch_scaled_mm \\
+        --merge-into plugserve/tables/<gpu>.json ...   # those two re-ranked where they stand in the table
 
 For each case and backend: time (CUDA events after warm-up, median of --reps), achieved GB/s and
 TFLOP/s, and the fraction of the limit, where limit = max(bytes / measured copy GB/s, flops / measured
@@ -366,23 +368,42 @@ def selection_table(rows: list[Row], hardware: Hardware, command: str, tp_size: 
             "attention_heads": attention_heads, "rankings": rankings}
 
 
-def merge_attention(path: Path, measured: dict) -> None:
-    """Put `measured`'s attention rankings into the selection table at `path` (of the same device and
-    parallelism): as its main attention ranking when measured at the table's `attention_heads`, else under
-    `attention_by_heads`, so that `auto` picks by the heads a model runs per rank (registry.SelectionTable)."""
+def merge_rankings(path: Path, measured: dict) -> None:
+    """Put `measured`'s rankings into the selection table at `path` (of the same device and parallelism), bucket by
+    bucket: the backends this run measured take, in their new order, the places they held in the table's order, and
+    the table's other backends keep theirs (a run of two backends reorders those two, whatever was measured beside
+    them before). A bucket, phase or kind the table lacks is added as measured. Attention measured at other heads
+    than the table's `attention_heads` goes under `attention_by_heads`, so that `auto` picks by the heads a model
+    runs per rank (registry.SelectionTable)."""
     table = json.loads(path.read_text())
     if (table["device_name"], table.get("tp_size", 1)) != (measured["device_name"], measured["tp_size"]):
         raise SystemExit(f"--merge-into {path}: measured on {measured['device_name']} at tp {measured['tp_size']}, "
                          f"the table is {table['device_name']}'s at tp {table.get('tp_size', 1)}")
-    if "attention" not in measured["rankings"]:
-        raise SystemExit("--merge-into takes attention rankings: run with --kinds attention")
+    if not measured["rankings"]:
+        raise SystemExit(f"--merge-into {path}: this run ranked no backend")
     heads = measured["attention_heads"]
-    if heads == table.get("attention_heads", 128):
-        table["rankings"]["attention"] = measured["rankings"]["attention"]
-    else:
-        table.setdefault("attention_by_heads", {})[str(heads)] = measured["rankings"]["attention"]
-    table["source"] = f"{table.get('source', '')}; attention at {heads} heads: {measured['source']}"
+    for kind, phases in measured["rankings"].items():
+        if kind == "attention" and heads != table.get("attention_heads", 128):
+            target = table.setdefault("attention_by_heads", {}).setdefault(str(heads), {})
+        else:
+            target = table["rankings"].setdefault(kind, {})
+        for phase, buckets in phases.items():
+            old = {b["max_batch_size"]: b["order"] for b in target.get(phase, [])}
+            for bucket in buckets:
+                old[bucket["max_batch_size"]] = _spliced(old.get(bucket["max_batch_size"], []), bucket["order"])
+            target[phase] = [{"max_batch_size": edge, "order": old[edge]} for edge in sorted(old)]
+    kinds = ", ".join(measured["rankings"])
+    table["source"] = f"{table.get('source', '')}; {kinds} at {heads} heads re-ranked by: {measured['source']}"
     path.write_text(json.dumps(table, indent=1) + "\n")
+
+
+def _spliced(old: list[str], measured: list[str]) -> list[str]:
+    """`old` with the backends of `measured` put, in measured's order, into the places they held. Where `old` lacks
+    one of them (a bucket never measured with it), measured's order, then old's other backends."""
+    if not set(measured) <= set(old):
+        return [*measured, *(name for name in old if name not in measured)]
+    ranked = iter(measured)
+    return [next(ranked) if name in measured else name for name in old]
 
 
 def write_outputs(rows: list[Row], ceilings: dict[str, float], hardware: Hardware, out: Path, command: str,
@@ -464,8 +485,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny grid (to check the script, e.g. on the CPU)")
     parser.add_argument("--output-dir", type=Path, required=True)
     parser.add_argument("--merge-into", type=Path, default=None,
-                        help="a selection table (plugserve/tables/<device>.json) to merge this run's attention "
-                             "rankings into, under the heads a rank ran (see registry.SelectionTable)")
+                        help="a selection table (plugserve/tables/<device>.json) to merge this run's rankings into: "
+                             "the measured backends re-ranked in the places they held (see merge_rankings)")
     args = parser.parse_args(argv)
     check_parallelism(parser, args)
     args.reps_for = lambda name: args.reference_reps if name == "torch_ref" else args.reps
@@ -503,7 +524,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         # After each kind: partial runs keep theirs.
         write_outputs(rows, ceilings, hardware, args.output_dir, command, args.tp_size, args.ep_size, heads)
     if args.merge_into is not None:
-        merge_attention(args.merge_into, selection_table(rows, hardware, command, args.tp_size, args.ep_size, heads))
+        merge_rankings(args.merge_into, selection_table(rows, hardware, command, args.tp_size, args.ep_size, heads))
 
 
 if __name__ == "__main__":

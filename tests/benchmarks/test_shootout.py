@@ -46,13 +46,33 @@ def test_merge_into_files_attention_under_the_heads_it_ran(tmp_path):
     path.write_text(json.dumps(shootout.selection_table(
         [*rows, shootout.Row("gemm", "decode", "m1", "g", 1, 0, 0, 0, 1, "graph")], cpu, "all kinds")))
     flipped = [shootout.Row("attention", "decode", "b1", r.backend, 3 - r.us, 0, 0, 0, 1, "graph") for r in rows]
-    shootout.merge_attention(path, shootout.selection_table(flipped, cpu, "16 heads", attention_heads=16))
+    shootout.merge_rankings(path, shootout.selection_table(flipped, cpu, "16 heads", attention_heads=16))
     table = SelectionTable.model_validate_json(path.read_text())
     assert table.order("attention", Phase.DECODE, 1) == ["b", "a"]  # 128 heads: unchanged
     assert table.order("attention", Phase.DECODE, 1, num_heads=16) == ["a", "b"]
     assert table.order("gemm", Phase.DECODE, 1) == ["g"] and "16 heads" in table.source
-    with pytest.raises(SystemExit, match="--kinds attention"):
-        shootout.merge_attention(path, shootout.selection_table(rows[:0], cpu, "nothing", attention_heads=16))
+    with pytest.raises(SystemExit, match="ranked no backend"):
+        shootout.merge_rankings(path, shootout.selection_table(rows[:0], cpu, "nothing", attention_heads=16))
+
+
+def test_merge_into_reranks_the_measured_backends_in_their_places(tmp_path):
+    """A run of two of a bucket's four backends swaps those two and leaves the others where they stood; a bucket
+    the table lacks, or one that never held a measured backend, takes the measured order first."""
+    cpu = Hardware.detect("cpu")
+    path = tmp_path / "table.json"
+    before = [shootout.Row("gemm", "decode", "m8", b, us, 0, 0, 0, 8, "graph")
+              for b, us in [("deep", 1), ("scaled", 2), ("cutlass", 3), ("triton", 4)]]
+    path.write_text(json.dumps(shootout.selection_table(before, cpu, "all four")))
+    now = [shootout.Row("gemm", "decode", shape, b, us, 0, 0, 0, batch, "graph")
+           for shape, batch, b, us in [("m8", 8, "scaled", 5), ("m8", 8, "triton", 3),
+                                       ("m64", 64, "scaled", 5), ("m64", 64, "triton", 6),
+                                       ("m1", 1, "new", 1), ("m1", 1, "triton", 2)]]
+    shootout.merge_rankings(path, shootout.selection_table(now, cpu, "two of them"))
+    table = SelectionTable.model_validate_json(path.read_text())
+    assert table.order("gemm", Phase.DECODE, 8) == ["deep", "triton", "cutlass", "scaled"]
+    assert table.order("gemm", Phase.DECODE, 64) == ["scaled", "triton"]  # a bucket the table lacked
+    assert table.order("gemm", Phase.DECODE, 1) == ["new", "triton"]
+    assert "two of them" in table.source and "all four" in table.source
 
 
 def test_wrapper_overhead_compares_with_the_library_called_directly():
