@@ -340,7 +340,7 @@ def time_library(setup: Callable[[], Callable[[], object]] | None, device: torch
 # -- outputs -----------------------------------------------------------------------------------------
 
 
-def selection_table(rows: list[Row], hardware: Hardware, command: str, tp_size: int = 1, ep_size: int = 1,
+def selection_table(rows: list[Row], device_name: str, command: str, tp_size: int = 1, ep_size: int = 1,
                     attention_heads: int = 128) -> dict:
     """Per kind and phase, for each batch bucket, backend names ordered by their summed time over the
     cases falling in that bucket (only backends measured on every such case compete); with the parallelism
@@ -364,7 +364,7 @@ def selection_table(rows: list[Row], hardware: Hardware, command: str, tp_size: 
                 buckets.append({"max_batch_size": edge, "order": sorted(totals, key=totals.get)})
             if buckets:
                 rankings.setdefault(kind, {})[phase] = buckets
-    return {"device_name": hardware.name, "source": command, "tp_size": tp_size, "ep_size": ep_size,
+    return {"device_name": device_name, "source": command, "tp_size": tp_size, "ep_size": ep_size,
             "attention_heads": attention_heads, "rankings": rankings}
 
 
@@ -392,9 +392,18 @@ def merge_rankings(path: Path, measured: dict) -> None:
             for bucket in buckets:
                 old[bucket["max_batch_size"]] = _spliced(old.get(bucket["max_batch_size"], []), bucket["order"])
             target[phase] = [{"max_batch_size": edge, "order": old[edge]} for edge in sorted(old)]
-    kinds = ", ".join(measured["rankings"])
-    table["source"] = f"{table.get('source', '')}; {kinds} at {heads} heads re-ranked by: {measured['source']}"
+    kinds = ", ".join(f"attention at {heads} heads" if kind == "attention" else kind for kind in measured["rankings"])
+    table["source"] = f"{table.get('source', '')}; {kinds} re-ranked by: {measured['source']}"
     path.write_text(json.dumps(table, indent=1) + "\n")
+
+
+def merge_results(results: Path, table: Path) -> None:
+    """`merge_rankings` of an earlier run's shootout.json (its rows, device, parallelism and command; runs before
+    the file recorded their attention heads measured DeepSeek-V3's 128)."""
+    data = json.loads(results.read_text())
+    rows = [Row(**{k: v for k, v in row.items() if k != "wrapper_overhead"}) for row in data["rows"]]
+    merge_rankings(table, selection_table(rows, data["device"], f"{data['command']} ({results})", data["tp_size"],
+                                          data["ep_size"], data.get("attention_heads", 128)))
 
 
 def _spliced(old: list[str], measured: list[str]) -> list[str]:
@@ -410,7 +419,8 @@ def write_outputs(rows: list[Row], ceilings: dict[str, float], hardware: Hardwar
                   tp_size: int = 1, ep_size: int = 1, attention_heads: int = 128) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "shootout.json").write_text(json.dumps({"device": hardware.name, "command": command,
-                                                   "tp_size": tp_size, "ep_size": ep_size, "ceilings": ceilings,
+                                                   "tp_size": tp_size, "ep_size": ep_size,
+                                                   "attention_heads": attention_heads, "ceilings": ceilings,
                                                    "rows": [asdict(r) | {"wrapper_overhead": r.wrapper_overhead}
                                                             for r in rows]}, indent=1))
     lines = [f"# Shootout on {hardware.name}", "", f"`{command}`", "",
@@ -424,7 +434,7 @@ def write_outputs(rows: list[Row], ceilings: dict[str, float], hardware: Hardwar
               + ("" if r.wrapper_overhead is None else f"{r.wrapper_overhead:+.1%}") + " |" for r in rows]
     (out / "shootout.md").write_text("\n".join(lines) + "\n")
     (out / f"{hardware.device_key}.json").write_text(
-        json.dumps(selection_table(rows, hardware, command, tp_size, ep_size, attention_heads), indent=1))
+        json.dumps(selection_table(rows, hardware.name, command, tp_size, ep_size, attention_heads), indent=1))
     try:
         import matplotlib
 
@@ -483,11 +493,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--reference-reps", type=int, default=3, help="repetitions for the slow torch_ref backends")
     parser.add_argument("--quick", action="store_true", help="tiny grid (to check the script, e.g. on the CPU)")
-    parser.add_argument("--output-dir", type=Path, required=True)
+    parser.add_argument("--output-dir", type=Path, default=None, help="where the results go (needed unless "
+                        "--from-results)")
     parser.add_argument("--merge-into", type=Path, default=None,
                         help="a selection table (plugserve/tables/<device>.json) to merge this run's rankings into: "
                              "the measured backends re-ranked in the places they held (see merge_rankings)")
+    parser.add_argument("--from-results", type=Path, default=None,
+                        help="an earlier run's shootout.json: merge its rankings into --merge-into, measuring nothing")
     args = parser.parse_args(argv)
+    if args.from_results is not None:
+        if args.merge_into is None:
+            parser.error("--from-results re-ranks a table: give the table with --merge-into")
+        merge_results(args.from_results, args.merge_into)
+        return
+    if args.output_dir is None:
+        parser.error("--output-dir is required (unless --from-results)")
     check_parallelism(parser, args)
     args.reps_for = lambda name: args.reference_reps if name == "torch_ref" else args.reps
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -524,7 +544,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         # After each kind: partial runs keep theirs.
         write_outputs(rows, ceilings, hardware, args.output_dir, command, args.tp_size, args.ep_size, heads)
     if args.merge_into is not None:
-        merge_rankings(args.merge_into, selection_table(rows, hardware, command, args.tp_size, args.ep_size, heads))
+        merge_rankings(args.merge_into, selection_table(rows, hardware.name, command, args.tp_size, args.ep_size,
+                                                        heads))
 
 
 if __name__ == "__main__":

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -32,7 +33,7 @@ def test_selection_table_ranks_by_summed_time_over_the_bucket():
     rows = [shootout.Row("gemm", "decode", s, b, us, 0, 0, 0, batch, "graph")
             for s, b, us, batch in [("m1", "a", 10, 1), ("m1", "b", 5, 1), ("m8", "a", 1, 8), ("m8", "b", 30, 8),
                                     ("m4", "a", 2, 4)]]
-    table = shootout.selection_table(rows, Hardware.detect("cpu"), "cmd")
+    table = shootout.selection_table(rows, "cpu", "cmd")
     buckets = table["rankings"]["gemm"]["decode"]
     assert buckets[0] == {"max_batch_size": 1, "order": ["b", "a"]}
     # In (1, 8] only "a" ran every case (m4 and m8), so only it competes there.
@@ -40,7 +41,7 @@ def test_selection_table_ranks_by_summed_time_over_the_bucket():
 
 
 def test_merge_into_files_attention_under_the_heads_it_ran(tmp_path):
-    cpu = Hardware.detect("cpu")
+    cpu = Hardware.detect("cpu").name
     rows = [shootout.Row("attention", "decode", "b1", b, us, 0, 0, 0, 1, "graph") for b, us in [("a", 2), ("b", 1)]]
     path = tmp_path / "table.json"
     path.write_text(json.dumps(shootout.selection_table(
@@ -58,7 +59,7 @@ def test_merge_into_files_attention_under_the_heads_it_ran(tmp_path):
 def test_merge_into_reranks_the_measured_backends_in_their_places(tmp_path):
     """A run of two of a bucket's four backends swaps those two and leaves the others where they stood; a bucket
     the table lacks, or one that never held a measured backend, takes the measured order first."""
-    cpu = Hardware.detect("cpu")
+    cpu = Hardware.detect("cpu").name
     path = tmp_path / "table.json"
     before = [shootout.Row("gemm", "decode", "m8", b, us, 0, 0, 0, 8, "graph")
               for b, us in [("deep", 1), ("scaled", 2), ("cutlass", 3), ("triton", 4)]]
@@ -142,3 +143,20 @@ def test_expert_weights_in_the_specs_format():
     fp8 = preset_config("tiny").quantized_fp8().moe_spec(torch.bfloat16)
     q13, q2, s13, s2 = shootout.expert_weights(fp8, torch.device("cpu"))
     assert q13.dtype == q2.dtype == torch.float8_e4m3fn and s13.shape == (16, 2, 2) and s2.shape == (16, 2, 1)
+
+
+def test_from_results_reranks_a_table_without_measuring(tmp_path):
+    """An earlier run's shootout.json re-ranks its backends in a table (here b now ahead of a, c kept between)."""
+    table, results = tmp_path / "table.json", tmp_path / "shootout.json"
+    before = [shootout.Row("gemm", "decode", "m8", b, us, 0, 0, 0, 8, "graph")
+              for b, us in [("a", 1), ("c", 2), ("b", 3)]]
+    table.write_text(json.dumps(shootout.selection_table(before, "gpu", "first run")))
+    rows = [shootout.Row("gemm", "decode", "m8", b, us, 0, 0, 0, 8, "graph") for b, us in [("a", 5), ("b", 4)]]
+    results.write_text(json.dumps({"device": "gpu", "command": "second run", "tp_size": 1, "ep_size": 1,
+                                   "rows": [dataclasses.asdict(r) | {"wrapper_overhead": None} for r in rows]}))
+    shootout.main(["--from-results", str(results), "--merge-into", str(table)])
+    merged = SelectionTable.model_validate_json(table.read_text())
+    assert merged.order("gemm", Phase.DECODE, 8) == ["b", "c", "a"]
+    assert "second run" in merged.source
+    with pytest.raises(SystemExit):
+        shootout.main(["--from-results", str(results)])
