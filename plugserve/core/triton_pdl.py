@@ -36,8 +36,8 @@ def launch_options(x: torch.Tensor) -> dict[str, bool]:
 
 def programmatic_launch(x: torch.Tensor) -> bool:
     """Whether kernels working on x launch as programmatic dependents: on a GPU of compute capability 9.0 or newer
-    with a Triton that offers the launch option."""
-    return x.is_cuda and _programmatic_launch_on(x.device.index)
+    with a Triton that offers the launch option, kernels compiled (the interpreter has no griddepcontrol)."""
+    return x.is_cuda and not triton.knobs.runtime.interpret and _programmatic_launch_on(x.device.index)
 
 
 @functools.cache

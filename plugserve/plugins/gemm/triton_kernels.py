@@ -251,8 +251,8 @@ _arrivals: dict[tuple[int | None, int], torch.Tensor] = {}
 
 def _split_k_arrivals(device: torch.device, tiles: int) -> torch.Tensor:
     """At least `tiles` arrival counts for GEMMs on `device`'s current stream, zero at every kernel boundary
-    (each launch re-arms the counts it used). Grown outside CUDA graphs: the warm-up launches every captured
-    shape eagerly first."""
+    (each launch re-arms the counts it used). The warm-up before a capture allocates them on the capture's stream;
+    a capture that still grows them allocates in the graph's pool and zeroes them in the graph too."""
     key = (device.index, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
     arrivals = _arrivals.get(key)
     if arrivals is None or arrivals.numel() < tiles:
