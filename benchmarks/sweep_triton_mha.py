@@ -56,7 +56,7 @@ def sweep_shape(tokens: int, prefix: int, heads: int, ceilings: dict[str, float]
 
     expected = run(None).float()
     runs = []
-    for config in [None, *CANDIDATES]:
+    for config in [None, *args.candidates]:
         row = dict(tokens=tokens, prefix=prefix, heads=heads, limit_us=limit * 1e6, default=config is None,
                    config=str(config or kernels.mha_configs(device.type == "cuda", V_DIM, q.element_size())[0]))
         try:
@@ -72,6 +72,15 @@ def sweep_shape(tokens: int, prefix: int, heads: int, ceilings: dict[str, float]
     return runs
 
 
+def parse_config(text: str) -> MhaConfig:
+    """'128x64x8x3' (BLOCK_M, BLOCK_N, num_warps, num_stages), then optionally 'tma' and / or 'ws'."""
+    parts = text.split("x")
+    flags = set(parts[4:])
+    if len(parts) < 4 or not all(p.isdigit() for p in parts[:4]) or not flags <= {"tma", "ws"}:
+        raise ValueError(f"{text!r} is not MxNxWARPSxSTAGES[xtma][xws]")
+    return MhaConfig(*map(int, parts[:4]), warp_specialize="ws" in flags, tma="tma" in flags)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--heads", type=int, default=128)
@@ -81,7 +90,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--output", type=Path, default=None, help="write every run as JSON")
+    parser.add_argument("--configs", nargs="*", default=None, metavar="MxNxWARPSxSTAGES[xtma][xws]",
+                        help="time these configs beside the default instead of the built-in candidates (none: the "
+                             "default only), e.g. 128x64x8x3xtma")
     args = parser.parse_args(argv)
+    try:
+        args.candidates = CANDIDATES if args.configs is None else [parse_config(c) for c in args.configs]
+    except ValueError as exc:
+        parser.error(f"--configs: {exc}")
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     ceilings = measure_ceilings(device, quick=device.type != "cuda")
