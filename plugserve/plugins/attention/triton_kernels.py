@@ -552,23 +552,17 @@ def _mla_fallbacks(config: MlaConfig) -> list[MlaConfig]:
 
 
 @triton.jit
-def _mha_block(acc, m, denom, q1, q2, k_cols, v_rows, k1_desc, k2_desc, v_desc, row, k_col, v_col, d1, d2, dv,
-               offs_m, block_start, kv_len, diagonal, qk_scale,
-               D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
-               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-               TMA: tl.constexpr):
-    """One key block of `_mha_kernel`'s online softmax: (acc, m, denom) updated by keys block_start.. (k_cols
-    [1, N] and v_rows [N, 1]: pointers to their rows of this head; with TMA, boxes at key row `row` and columns
-    k_col / v_col of the descriptors instead). MASKED: the block may hold keys past kv_len or (CAUSAL) past a
-    row's diagonal; unmasked blocks skip every mask and the -inf guard (every score is finite there). A TMA box
-    past kv_len reads the next request's keys (finite; their scores are masked, their probabilities 0) or zeros
-    past the tensor, and its columns past D_QK meet zeros in q."""
-    offs_n = block_start + tl.arange(0, BLOCK_N)
-    key_mask = offs_n < kv_len
+def _mha_scores(q1, q2, k_cols, k1_desc, k2_desc, row, k_col, d1, d2, offs_n, kv_len,
+                D_QK: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, MASKED: tl.constexpr,
+                INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr):
+    """Raw scores [M, N] float32 of `_mha_kernel`'s queries against keys offs_n (k_cols [1, N]: pointers to their
+    rows of this head; with TMA, boxes at key row `row` and columns k_col of the descriptors instead). MASKED:
+    keys past kv_len load as zeros. A TMA box past kv_len reads the next request's keys (finite; `_mha_update`
+    masks their scores) or zeros past the tensor, and its columns past D_QK meet zeros in q."""
     if TMA:
         k1 = tl.trans(k1_desc.load([row, k_col]))  # [D1, N]
     elif MASKED:
-        k1 = tl.load(k_cols + d1[:, None], mask=key_mask[None, :] & (d1[:, None] < D_QK), other=0.0)  # [D1, N]
+        k1 = tl.load(k_cols + d1[:, None], mask=(offs_n < kv_len)[None, :] & (d1[:, None] < D_QK), other=0.0)
     else:
         k1 = tl.load(k_cols + d1[:, None], mask=d1[:, None] < D_QK, other=0.0)
     scores = tl.dot(q1, k1, input_precision=INPUT_PRECISION)
@@ -576,12 +570,21 @@ def _mha_block(acc, m, denom, q1, q2, k_cols, v_rows, k1_desc, k2_desc, v_desc, 
         if TMA:
             k2 = tl.trans(k2_desc.load([row, k_col + BLOCK_D1]))
         elif MASKED:
-            k2 = tl.load(k_cols + d2[:, None], mask=key_mask[None, :] & (d2[:, None] < D_QK), other=0.0)
+            k2 = tl.load(k_cols + d2[:, None], mask=(offs_n < kv_len)[None, :] & (d2[:, None] < D_QK), other=0.0)
         else:
             k2 = tl.load(k_cols + d2[:, None], mask=d2[:, None] < D_QK, other=0.0)
         scores += tl.dot(q2, k2, input_precision=INPUT_PRECISION)
+    return scores
+
+
+@triton.jit
+def _mha_softmax(m, denom, scores, offs_m, offs_n, kv_len, diagonal, qk_scale, MASKED: tl.constexpr,
+                 CAUSAL: tl.constexpr):
+    """Online softmax of one key block's raw scores: (probabilities [M, N] float32, m_new, denom_new, alpha, the
+    factor the accumulator takes). MASKED: the block may hold keys past kv_len or (CAUSAL) past a row's diagonal;
+    unmasked blocks skip every mask and the -inf guard (every score is finite there)."""
     if MASKED:
-        visible = key_mask[None, :]
+        visible = (offs_n < kv_len)[None, :]
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= diagonal + offs_m[:, None])
         scores = tl.where(visible, scores * qk_scale, float("-inf"))
@@ -595,15 +598,19 @@ def _mha_block(acc, m, denom, q1, q2, k_cols, v_rows, k1_desc, k2_desc, v_desc, 
         shift = m_new
         probs = tl.exp2(scores * qk_scale - shift[:, None])
     alpha = tl.exp2(m - shift)
-    denom = denom * alpha + tl.sum(probs, 1)
+    return probs, m_new, denom * alpha + tl.sum(probs, 1), alpha
+
+
+@triton.jit
+def _mha_values(v_rows, v_desc, row, v_col, dv, offs_n, kv_len, D_V: tl.constexpr, MASKED: tl.constexpr,
+                TMA: tl.constexpr):
+    """The value block [N, DV] of keys offs_n (v_rows [N, 1]: pointers to their rows of this head; with TMA, the box
+    at key row `row`, column v_col)."""
     if TMA:
-        v = v_desc.load([row, v_col])
-    elif MASKED:
-        v = tl.load(v_rows + dv[None, :], mask=key_mask[:, None] & (dv[None, :] < D_V), other=0.0)
-    else:
-        v = tl.load(v_rows + dv[None, :], mask=dv[None, :] < D_V, other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=INPUT_PRECISION)
-    return acc, m_new, denom
+        return v_desc.load([row, v_col])
+    if MASKED:
+        return tl.load(v_rows + dv[None, :], mask=(offs_n < kv_len)[:, None] & (dv[None, :] < D_V), other=0.0)
+    return tl.load(v_rows + dv[None, :], mask=dv[None, :] < D_V, other=0.0)
 
 
 @triton.jit
@@ -655,18 +662,36 @@ def _mha_kernel(
     k_base = k_ptr + kv_start.to(tl.int64) * stride_k_t + h * stride_k_h
     v_base = v_ptr + kv_start.to(tl.int64) * stride_v_t + h * stride_v_h
     keys = tl.arange(0, BLOCK_N).to(tl.int64)
+    # Keys every row sees, in whole blocks, software-pipelined: each step computes the next block's scores before
+    # this block's PV product, which stays in flight through the next step's softmax, so that the tensor cores
+    # work on PV while the warps compute exponentials. The last step's look-ahead re-reads the last block (unused), and
+    # the first block's scores load masked: with no full block (full_end 0) they are unused, and may pass kv_len.
+    last_full = tl.maximum(full_end - BLOCK_N, 0)
+    scores = _mha_scores(q1, q2, k_base + keys[None, :] * stride_k_t, k1_desc, k2_desc, kv_start, h * D_QK, d1, d2,
+                         keys, kv_len, D_QK, BLOCK_D1, BLOCK_D2, True, INPUT_PRECISION, TMA)
     for block_start in tl.range(0, full_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-        acc, m, denom = _mha_block(
-            acc, m, denom, q1, q2, k_base + (block_start + keys)[None, :] * stride_k_t,
-            v_base + (block_start + keys)[:, None] * stride_v_t, k1_desc, k2_desc, v_desc, kv_start + block_start,
-            h * D_QK, h * D_V, d1, d2, dv, offs_m, block_start, kv_len, diagonal, qk_scale,
-            D_QK, D_V, BLOCK_D1, BLOCK_D2, BLOCK_N, False, CAUSAL, INPUT_PRECISION, TMA)
+        offs_n = block_start + keys
+        probs, m, denom, alpha = _mha_softmax(m, denom, scores, offs_m, offs_n, kv_len, diagonal, qk_scale,
+                                              False, CAUSAL)
+        next_start = tl.minimum(block_start + BLOCK_N, last_full)
+        scores = _mha_scores(q1, q2, k_base + (next_start + keys)[None, :] * stride_k_t, k1_desc, k2_desc,
+                             kv_start + next_start, h * D_QK, d1, d2, next_start + keys, kv_len, D_QK, BLOCK_D1,
+                             BLOCK_D2, False, INPUT_PRECISION, TMA)
+        v = _mha_values(v_base + offs_n[:, None] * stride_v_t, v_desc, kv_start + block_start, h * D_V, dv, offs_n,
+                        kv_len, D_V, False, TMA)
+        # acc is first touched here, after the look-ahead's wait: the previous step's PV product ran beside this
+        # step's softmax and the look-ahead, and its wait is the look-ahead's.
+        acc = acc * alpha[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=INPUT_PRECISION)
+    # The blocks crossing kv_len or a row's diagonal, masked.
     for block_start in range(full_end, kv_end, BLOCK_N):
-        acc, m, denom = _mha_block(
-            acc, m, denom, q1, q2, k_base + (block_start + keys)[None, :] * stride_k_t,
-            v_base + (block_start + keys)[:, None] * stride_v_t, k1_desc, k2_desc, v_desc, kv_start + block_start,
-            h * D_QK, h * D_V, d1, d2, dv, offs_m, block_start, kv_len, diagonal, qk_scale,
-            D_QK, D_V, BLOCK_D1, BLOCK_D2, BLOCK_N, True, CAUSAL, INPUT_PRECISION, TMA)
+        offs_n = block_start + keys
+        scores = _mha_scores(q1, q2, k_base + offs_n[None, :] * stride_k_t, k1_desc, k2_desc, kv_start + block_start,
+                             h * D_QK, d1, d2, offs_n, kv_len, D_QK, BLOCK_D1, BLOCK_D2, True, INPUT_PRECISION, TMA)
+        probs, m, denom, alpha = _mha_softmax(m, denom, scores, offs_m, offs_n, kv_len, diagonal, qk_scale,
+                                              True, CAUSAL)
+        v = _mha_values(v_base + offs_n[:, None] * stride_v_t, v_desc, kv_start + block_start, h * D_V, dv, offs_n,
+                        kv_len, D_V, True, TMA)
+        acc = acc * alpha[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=INPUT_PRECISION)
 
     # Rows that saw no key: out 0 (acc is 0), lse -inf.
     seen = denom > 0
