@@ -248,11 +248,11 @@ def tune_model(name: str, model: Model, tp: int, ep: int, dtype_name: str, batch
         rows.append((m, total, untuned, limit_ms))
         print(f"M={m}: best {total * 1e3:.1f} us (default configuration {untuned * 1e3:.1f} us, weight-read limit "
               f"{limit_ms * 1e3:.1f} us): {best[m].to_json()} [{time.perf_counter() - start:.0f} s]", flush=True)
+        configs.write_config_file(path, kept | best)  # after each count: a run cut short keeps what it finished
     print(f"\n{name} E={spec.num_local_experts} N={spec.intermediate_size} {dtype_name}: w13 + w2 passes, us")
     print("| M | tuned | default | weight-read limit | tuned: of limit |\n|---|---|---|---|---|")
     for m, total, untuned, limit_ms in rows:
         print(f"| {m} | {total * 1e3:.1f} | {untuned * 1e3:.1f} | {limit_ms * 1e3:.1f} | {limit_ms / total:.2f} |")
-    configs.write_config_file(path, kept | best)
     print(f"wrote {path}" + (f" (kept M {sorted(set(kept) - set(best))})" if kept else ""), flush=True)
     return path
 

@@ -532,3 +532,24 @@ def test_tuner_tunes_the_experts_a_rank_looks_up(tp: int, ep: int) -> None:
     served = preset_config("deepseek-v3").moe_spec(torch.bfloat16, tp, ep, 0)
     assert (tuned.num_local_experts, tuned.intermediate_size) == (served.num_local_experts, served.intermediate_size)
     assert (tuned.is_fp8, tuned.dtype, tuned.router.num_experts) == (served.is_fp8, served.dtype, 256)
+
+
+def test_tuner_writes_each_finished_count(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tuning run cut short (a device call's time limit) leaves the token counts it finished in the file."""
+    import benchmarks.tune_fused_moe as tuner
+
+    cpu = Hardware.detect("cpu")
+    monkeypatch.setattr(tuner.Hardware, "detect", lambda device: cpu)
+    monkeypatch.setattr(tuner.Experts, "random", lambda spec, device: None)
+    monkeypatch.setattr(tuner, "copy_bandwidth", lambda device: 1e12)
+
+    def tune_batch(experts, m, block_ms, tiles, quick, kept):
+        if m == 64:
+            raise KeyboardInterrupt  # the step's timeout
+        return TMA_TILES, 1.0, 2.0, 1000
+
+    monkeypatch.setattr(tuner, "tune_batch", tune_batch)
+    with pytest.raises(KeyboardInterrupt):
+        tuner.tune_model("v2", tuner.MODELS["v2"], 1, 1, "bfloat16", (1, 16, 64), True, 64, tmp_path)
+    (path,) = tmp_path.iterdir()
+    assert configs.load_config_file.__wrapped__(path) == {1: TMA_TILES, 16: TMA_TILES}
