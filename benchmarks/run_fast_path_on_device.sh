@@ -29,7 +29,8 @@
 #                         folder) -> py-TAG.txt
 #   env:NAME:VALUE        export NAME=VALUE (commas for spaces) for the steps after it (an empty VALUE unsets
 #                         NAME), e.g. env:SPEC_FLAGS:--speculative-algorithm,NEXTN,--speculative-eagle-topk,4
-# Each step ends after $STEP_TIMEOUT seconds (300).
+# In ARGS a comma stands for a space and a doubled comma for a comma. Each step ends after $STEP_TIMEOUT
+# seconds (300).
 set -uo pipefail
 site=/tmp/site
 res=$OUT/r
@@ -40,7 +41,9 @@ limit=${STEP_TIMEOUT:-300}
 for step in "$@"; do
   start=$SECONDS
   IFS=: read -r kind tag args <<< "$step"
+  args=${args//,,/$'\x1f'}  # a doubled comma is a literal one (e.g. --plugserve-dtypes,float16,,float32)
   args=${args//,/ }
+  args=${args//$'\x1f'/,}
   case $kind in
     env)
       if [ -n "$args" ]; then export "$tag=$args"; else unset "$tag"; fi
