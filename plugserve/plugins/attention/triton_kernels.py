@@ -557,7 +557,7 @@ def _mha_scores(q1, q2, k_cols, k1_desc, k2_desc, row, k_col, d1, d2, offs_n, kv
                 INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr):
     """Raw scores [M, N] float32 of `_mha_kernel`'s queries against keys offs_n (k_cols [1, N]: pointers to their
     rows of this head; with TMA, boxes at key row `row` and columns k_col of the descriptors instead). MASKED:
-    keys past kv_len load as zeros. A TMA box past kv_len reads the next request's keys (finite; `_mha_update`
+    keys past kv_len load as zeros. A TMA box past kv_len reads the next request's keys (finite; `_mha_softmax`
     masks their scores) or zeros past the tensor, and its columns past D_QK meet zeros in q."""
     if TMA:
         k1 = tl.trans(k1_desc.load([row, k_col]))  # [D1, N]
