@@ -496,9 +496,9 @@ def mla_attention(
         o_strides, lse_strides = part_out.stride()[:3], part_lse.stride()[:2]
     half_r = _pow2_at_least(r, 2 * MIN_DOT) // 2
     block_p = _pow2_at_least(p, MIN_DOT)
+    pdl = launch_options(q_nope)  # both kernels' (one device)
     shape = dict(R=r, P=p, HALF_R=half_r, BLOCK_P=block_p, BLOCK_H=config.block_h, PAGE_SIZE=page_size,
-                 SPLIT=num_splits > 1, TREE=tree is not None, INPUT_PRECISION=_input_precision(q_nope.dtype),
-                 **launch_options(q_nope))
+                 SPLIT=num_splits > 1, TREE=tree is not None, INPUT_PRECISION=_input_precision(q_nope.dtype), **pdl)
     tree_start, tree_bits = tree if tree is not None else (token_kv_len, token_kv_len)  # unread without TREE
 
     def args(launch: dict) -> tuple:
@@ -530,7 +530,7 @@ def mla_attention(
         *part_out.stride()[:3], *part_lse.stride()[:2], out.stride(0), out.stride(1),
         w_vc.stride(0) if v else 0, w_vc.stride(1) if v else 0, num_splits,
         R=r, BLOCK_S=min(MLA_REDUCE_SPLITS, triton.next_power_of_2(num_splits)), BLOCK_R=triton.next_power_of_2(r),
-        V=v, BLOCK_V=MLA_REDUCE_BLOCK_V, **launch_options(part_out),
+        V=v, BLOCK_V=MLA_REDUCE_BLOCK_V, **pdl,
     )
     return out
 

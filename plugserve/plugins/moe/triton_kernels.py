@@ -473,17 +473,18 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     counts = torch.empty(num_chunks, num_experts, dtype=torch.int32, device=device)
     offsets = torch.empty(num_chunks, num_experts, dtype=torch.int32, device=device)
     starts = torch.empty(num_experts, dtype=torch.int32, device=device)
+    pdl = launch_options(ids)  # the three kernels'
     _align_count_kernel[(num_chunks,)](
         ids, ranks, counts, num_pairs, NUM_EXPERTS=num_experts, EXPERTS_PAD=experts_pad, CHUNK=_ALIGN_CHUNK,
-        SUB=_ALIGN_SUB, **launch_options(ids), num_warps=4,
+        SUB=_ALIGN_SUB, **pdl, num_warps=4,
     )
     _align_scan_kernel[(1,)](
         counts, offsets, starts, expert_ids, num_padded, num_chunks, num_blocks, NUM_EXPERTS=num_experts,
-        EXPERTS_PAD=experts_pad, BLOCK_M=block_m, BLOCKS=_ALIGN_BLOCKS, **launch_options(ids), num_warps=4,
+        EXPERTS_PAD=experts_pad, BLOCK_M=block_m, BLOCKS=_ALIGN_BLOCKS, **pdl, num_warps=4,
     )
     _align_scatter_kernel[(num_chunks,)](
         ids, ranks, offsets, starts, sorted_ids, num_pairs, NUM_EXPERTS=num_experts, CHUNK=_ALIGN_CHUNK,
-        **launch_options(ids), num_warps=4,
+        **pdl, num_warps=4,
     )
     return alignment
 
