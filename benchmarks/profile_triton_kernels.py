@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.shootout import V3_ROUTER
 from plugserve.core.forward_batch import ForwardMode
 from plugserve.core.interfaces import AttentionSpec, GemmSpec, MoESpec
 from plugserve.core.layers.quant import quantize_block_fp8
@@ -19,6 +18,7 @@ from plugserve.plugins.attention.triton import TritonAttention
 from plugserve.plugins.gemm.triton import TritonFp8Gemm
 from plugserve.plugins.moe.triton import TritonMoE
 from plugserve.testing.batches import random_batch
+from plugserve.testing.cases import V3_ROUTER
 
 
 def main() -> None:
