@@ -1,0 +1,244 @@
+"""Absorbed MLA decode for Hopper written in Gluon (WIP, not yet run on a GPU): the Triton kernel's work
+(`triton_kernels._mla_kernel`) with the score dot split between the two warpgroups instead of duplicated.
+
+Triton gives a chained dot's warps all to M, so with 64 heads (one warpgroup's M) on 8 warps both warpgroups of
+`_mla_kernel` compute the same [64, BLOCK_N] scores, 576 deep, and split only the [64, 512] output: per key block
+each warpgroup does 64 x 64 x 576 + 64 x 64 x 256 multiply-adds. Here the layouts are explicit: the scores' wgmma
+layout puts the warpgroups side by side along the keys (warps [4, 2]), each scoring its BLOCK_N / 2 keys, the
+probabilities go through shared memory, and the output's layout splits the latent columns: 64 x 32 x 576 +
+64 x 64 x 256 each, a third less tensor work, and half the softmax each.
+
+Programs, splits and partials are `_mla_kernel`'s (one per token, KV split and block of 64 heads; `_mla_reduce_kernel`
+merges the splits), without draft trees. Full key blocks come as TMA boxes into a STAGES-deep ring; the sequence's
+last, partial block is loaded through masked pointers into its stage, zeros past kv_len. A stage refills with the
+block STAGES on once both warpgroups are done with it. Gluon kernels do not run
+in Triton's interpreter: tested on a GPU only.
+
+Compiled for sm90 on the CPU with Triton 3.6 (the GPU machine's): 254-255 registers, no spills, 225 KB of shared
+memory at 64-key blocks in 2 stages. A key block costs 10 CTA barriers: the three explicit ones, and the
+cross-warpgroup row max and sum and the probabilities' layout change. Keeping per-warpgroup partial sums (a
+[64, 2, 32] view reduced within each warpgroup) would save some; measure first.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from plugserve.plugins.attention import triton_kernels
+
+# Triton 3.9 names the TMA load async_load (async_copy_global_to_shared raises there); 3.6 has only the latter.
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+HEADS_PER_PROGRAM = 64  # one warpgroup's wgmma M
+BLOCK_H = gl.constexpr(HEADS_PER_PROGRAM)
+LOG2E = 1.4426950408889634
+
+
+@gluon.jit
+def _load_rows(base, rows, row_stride, row_mask, COLS: gl.constexpr, layout: gl.constexpr):
+    """[len(rows), COLS] elements at base + rows * row_stride + col, 0 where row_mask is false."""
+    cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+    ptrs = base + rows[:, None] * row_stride + cols[None, :]
+    return gl.load(ptrs, mask=row_mask[:, None], other=0.0)
+
+
+@gluon.jit
+def _gluon_mla_kernel(
+    q_nope_ptr, q_rope_ptr, kv_ptr, latent_desc, rope_desc, block_table_ptr, token_req_ptr, token_kv_len_ptr,
+    out_ptr, lse_ptr,
+    stride_qn_t, stride_qn_h, stride_qr_t, stride_qr_h, stride_kv, stride_bt,
+    stride_o_t, stride_o_h, stride_o_s, stride_lse_t, stride_lse_h,
+    num_heads, num_splits, min_split_blocks, qk_scale,
+    R: gl.constexpr, P: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr,
+    SPLIT: gl.constexpr, num_warps: gl.constexpr,
+):
+    """kv_ptr: the pool [num_slots, R + P]; latent_desc / rope_desc: its [BLOCK_N, R / 2] and [BLOCK_N, P] TMA
+    boxes. SPLIT: out_ptr / lse_ptr are float32 partials and base-2 log-sum-exps (unit stride over splits), else
+    out_ptr is the output. qk_scale: the softmax scale times log2(e)."""
+    HALF_R: gl.constexpr = R // 2
+    gl.static_assert(num_warps == 8, "two warpgroups: keys split for the scores, latent columns for the output")
+    pid = gl.program_id(0)
+    head_blocks = gl.cdiv(num_heads, BLOCK_H)
+    head_block = pid % head_blocks
+    split = (pid // head_blocks) % num_splits
+    t = (pid // head_blocks // num_splits).to(gl.int64)
+    req = gl.load(token_req_ptr + t).to(gl.int64)
+    kv_len = gl.load(token_kv_len_ptr + t)
+    num_blocks = gl.cdiv(kv_len, BLOCK_N)
+    per_split = gl.maximum(gl.cdiv(num_blocks, num_splits), min_split_blocks)
+    first = split * per_split
+    last = gl.minimum(first + per_split, num_blocks)
+    full = gl.minimum(last, kv_len // BLOCK_N)
+
+    # Scores [64, BLOCK_N]: warpgroup w scores keys w * BLOCK_N / 2 ...; output halves [64, R / 2]: warpgroup w
+    # holds columns w * R / 4 ... of each.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                       instr_shape=[16, BLOCK_N // 2, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                       instr_shape=[16, HALF_R // 2, 16])
+    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    dtype: gl.constexpr = q_nope_ptr.dtype.element_ty
+
+    heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, io_layout))
+    head_mask = heads < num_heads
+    lse_heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_layout)
+    lse_ptrs = lse_ptr + t * stride_lse_t + lse_heads * stride_lse_h + split
+    if first >= last:
+        if SPLIT:
+            gl.store(lse_ptrs, gl.full([BLOCK_H], float("-inf"), gl.float32, row_layout), mask=lse_heads < num_heads)
+        return
+
+    half_smem: gl.constexpr = latent_desc.layout
+    rope_smem: gl.constexpr = rope_desc.layout
+    q_layout_half: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, HALF_R], dtype)
+    q_layout_rope: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, P], dtype)
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype)
+    q_lo = gl.allocate_shared_memory(dtype, [BLOCK_H, HALF_R], q_layout_half)
+    q_hi = gl.allocate_shared_memory(dtype, [BLOCK_H, HALF_R], q_layout_half)
+    q_rope = gl.allocate_shared_memory(dtype, [BLOCK_H, P], q_layout_rope)
+    kv_lo = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HALF_R], half_smem)
+    kv_hi = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HALF_R], half_smem)
+    kv_rope = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, P], rope_smem)
+    probs_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], p_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+
+    block_table_row = block_table_ptr + req * stride_bt
+    box_bytes: gl.constexpr = 2 * latent_desc.block_type.nbytes + rope_desc.block_type.nbytes
+    for i in gl.static_range(STAGES):
+        b = first + i
+        row = gl.load(block_table_row + b * BLOCK_N // PAGE_SIZE, mask=b < full, other=0) * PAGE_SIZE \
+            + b * BLOCK_N % PAGE_SIZE
+        mbarrier.expect(ready.index(i), box_bytes, pred=b < full)
+        _tma_load(latent_desc, [row, 0], ready.index(i), kv_lo.index(i), pred=b < full)
+        _tma_load(latent_desc, [row, HALF_R], ready.index(i), kv_hi.index(i), pred=b < full)
+        _tma_load(rope_desc, [row, R], ready.index(i), kv_rope.index(i), pred=b < full)
+
+    q_base = q_nope_ptr + t * stride_qn_t
+    q_lo.store(_load_rows(q_base, heads, stride_qn_h, head_mask, HALF_R, io_layout))
+    q_hi.store(_load_rows(q_base + HALF_R, heads, stride_qn_h, head_mask, HALF_R, io_layout))
+    q_rope.store(_load_rows(q_rope_ptr + t * stride_qr_t, heads, stride_qr_h, head_mask, P, io_layout))
+    fence_async_shared()
+    gl.thread_barrier()
+
+    m = gl.full([BLOCK_H], float("-inf"), gl.float32, row_layout)
+    denom = gl.zeros([BLOCK_H], gl.float32, row_layout)
+    acc_lo = gl.zeros([BLOCK_H, HALF_R], gl.float32, o_layout)
+    acc_hi = gl.zeros([BLOCK_H, HALF_R], gl.float32, o_layout)
+    keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    for i in range(last - first):
+        b = first + i
+        stage = i % STAGES
+        if b < full:
+            mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+        else:
+            # The sequence's last block, partial: through masked pointers, zeros past kv_len, so that no stale
+            # row of the pool (0 * inf) enters the output.
+            n = b * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, io_layout))
+            valid = n < kv_len
+            page = gl.load(block_table_row + n // PAGE_SIZE, mask=valid, other=0).to(gl.int64)
+            slots = page * PAGE_SIZE + n % PAGE_SIZE
+            kv_lo.index(stage).store(_load_rows(kv_ptr, slots, stride_kv, valid, HALF_R, io_layout))
+            kv_hi.index(stage).store(_load_rows(kv_ptr + HALF_R, slots, stride_kv, valid, HALF_R, io_layout))
+            kv_rope.index(stage).store(_load_rows(kv_ptr + R, slots, stride_kv, valid, P, io_layout))
+            fence_async_shared()
+            gl.thread_barrier()
+        scores = warpgroup_mma(q_lo, kv_lo.index(stage).permute((1, 0)),
+                               gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+        scores = warpgroup_mma(q_hi, kv_hi.index(stage).permute((1, 0)), scores, is_async=True)
+        scores = warpgroup_mma(q_rope, kv_rope.index(stage).permute((1, 0)), scores, is_async=True)
+        scores = warpgroup_mma_wait(num_outstanding=0, deps=(scores,)) * qk_scale
+        if b >= full:
+            scores = gl.where((b * BLOCK_N + keys < kv_len)[None, :], scores, float("-inf"))
+        m_new = gl.maximum(m, gl.max(scores, 1))
+        alpha = gl.exp2(m - m_new)
+        probs = gl.exp2(scores - m_new[:, None])
+        denom = denom * alpha + gl.sum(probs, 1)
+        m = m_new
+        # Each warpgroup wrote its keys' probabilities; each multiplies all of them by its latent columns.
+        probs_smem.store(probs.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        acc_lo = warpgroup_mma(probs_smem, kv_lo.index(stage), acc_lo * alpha_o, is_async=True)
+        acc_hi = warpgroup_mma(probs_smem, kv_hi.index(stage), acc_hi * alpha_o, is_async=True)
+        acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc_lo, acc_hi))
+        # Both warpgroups are done with this stage and with probs_smem before either is written again: the stage
+        # refills with the block STAGES on, which loads while the next STAGES - 1 blocks are computed.
+        gl.thread_barrier()
+        refill = b + STAGES
+        row = gl.load(block_table_row + refill * BLOCK_N // PAGE_SIZE, mask=refill < full, other=0) * PAGE_SIZE \
+            + refill * BLOCK_N % PAGE_SIZE
+        mbarrier.expect(ready.index(stage), box_bytes, pred=refill < full)
+        _tma_load(latent_desc, [row, 0], ready.index(stage), kv_lo.index(stage), pred=refill < full)
+        _tma_load(latent_desc, [row, HALF_R], ready.index(stage), kv_hi.index(stage), pred=refill < full)
+        _tma_load(rope_desc, [row, R], ready.index(stage), kv_rope.index(stage), pred=refill < full)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+
+    denom_o = gl.convert_layout(denom, gl.SliceLayout(1, o_layout))[:, None]
+    o_heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_layout))
+    cols = gl.arange(0, HALF_R, layout=gl.SliceLayout(0, o_layout))
+    out_rows = out_ptr + t * stride_o_t + o_heads[:, None] * stride_o_h + split * stride_o_s + cols[None, :]
+    o_mask = (o_heads < num_heads)[:, None]
+    gl.store(out_rows, (acc_lo / denom_o).to(out_ptr.dtype.element_ty), mask=o_mask)
+    gl.store(out_rows + HALF_R, (acc_hi / denom_o).to(out_ptr.dtype.element_ty), mask=o_mask)
+    if SPLIT:
+        gl.store(lse_ptrs, m + gl.log2(denom), mask=lse_heads < num_heads)
+
+
+def gluon_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_buffer: torch.Tensor, block_table: torch.Tensor,
+                        token_req: torch.Tensor, token_kv_len: torch.Tensor, page_size: int, sm_scale: float,
+                        num_splits: int, block_n: int = 64, stages: int = 2) -> torch.Tensor:
+    """`triton_kernels.mla_attention`'s contract without trees or W_UV (q_nope [T, H, R], q_rope [T, H, P] bf16 /
+    fp16; kv_buffer [num_slots, R + P]; block_table [B, max_pages] int32; token_req, token_kv_len [T] int32) for
+    R = 512, P = 64 and page_size a multiple of block_n: out [T, H, R] in q's dtype."""
+    t, h, r = q_nope.shape
+    p = q_rope.shape[2]
+    if (r, p) != (512, 64) or page_size % block_n or q_nope.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"needs latent 512, rope 64, a page size ({page_size}) that block_n ({block_n}) divides and "
+                         f"bf16 / fp16 (got {r}, {p}, {q_nope.dtype})")
+    device = q_nope.device
+    out = torch.empty(t, h, r, dtype=q_nope.dtype, device=device)
+    if t == 0:
+        return out
+    if num_splits == 1:
+        part_out, part_lse = out, out
+        o_strides, lse_strides = (out.stride(0), out.stride(1), 0), (0, 0)
+    else:
+        part_out = torch.empty(t, h, num_splits, r, dtype=torch.float32, device=device)
+        part_lse = torch.empty(t, h, num_splits, dtype=torch.float32, device=device)
+        o_strides, lse_strides = part_out.stride()[:3], part_lse.stride()[:2]
+    element = gl.bfloat16 if q_nope.dtype == torch.bfloat16 else gl.float16
+    latent_desc = TensorDescriptor.from_tensor(
+        kv_buffer, [block_n, r // 2], gl.NVMMASharedLayout.get_default_for([block_n, r // 2], element))
+    rope_desc = TensorDescriptor.from_tensor(
+        kv_buffer, [block_n, p], gl.NVMMASharedLayout.get_default_for([block_n, p], element))
+    grid = (t * num_splits * triton.cdiv(h, HEADS_PER_PROGRAM),)
+    _gluon_mla_kernel[grid](
+        q_nope, q_rope, kv_buffer, latent_desc, rope_desc, block_table, token_req, token_kv_len, part_out, part_lse,
+        q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), kv_buffer.stride(0),
+        block_table.stride(0), *o_strides, *lse_strides, h, num_splits,
+        triton.cdiv(triton_kernels.mla_min_split_keys(h), block_n), sm_scale * LOG2E,
+        R=r, P=p, BLOCK_N=block_n, PAGE_SIZE=page_size, STAGES=stages, SPLIT=num_splits > 1, num_warps=8,
+    )
+    if num_splits == 1:
+        return out
+    triton_kernels._mla_reduce_kernel[(t, h, 1)](
+        part_out, part_lse, out, None, *part_out.stride()[:3], *part_lse.stride()[:2], out.stride(0), out.stride(1),
+        0, 0, num_splits, R=r, BLOCK_S=min(triton_kernels.MLA_REDUCE_SPLITS, triton.next_power_of_2(num_splits)),
+        BLOCK_R=triton.next_power_of_2(r), V=0, BLOCK_V=triton_kernels.MLA_REDUCE_BLOCK_V, PDL=False,
+    )
+    return out
