@@ -20,6 +20,8 @@ from plugserve.plugins.attention import gluon_mla
 from plugserve.plugins.attention.triton import TritonAttention
 from plugserve.testing.batches import random_batch
 
+GLUON_CONFIGS = [(64, 2), (32, 3), (32, 4)]  # (keys a block, stages)
+
 
 def compare(batch_size: int, kv: int, heads: int, ceilings: dict[str, float]) -> None:
     """Both kernels at one decode shape, one line each."""
@@ -34,10 +36,11 @@ def compare(batch_size: int, kv: int, heads: int, ceilings: dict[str, float]) ->
     backend = TritonAttention(spec, device)
     backend.plan(batch)
     expected = backend.forward_mla(q_nope, q_rope, 0).float()
-    runs = {"triton": functools.partial(backend.forward_mla, q_nope, q_rope, 0),
-            "gluon": functools.partial(gluon_mla.gluon_mla_attention, q_nope, q_rope, batch.kv_pool.buffer(0),
-                                       batch.block_table, backend._token_req, backend._token_kv_len, 64,
-                                       spec.softmax_scale, backend._num_splits)}
+    runs = {"triton": functools.partial(backend.forward_mla, q_nope, q_rope, 0)}
+    for block_n, stages in GLUON_CONFIGS:
+        runs[f"gluon n{block_n}s{stages}"] = functools.partial(
+            gluon_mla.gluon_mla_attention, q_nope, q_rope, batch.kv_pool.buffer(0), batch.block_table,
+            backend._token_req, backend._token_kv_len, 64, spec.softmax_scale, backend._num_splits, block_n, stages)
     for name, run in runs.items():
         try:
             diff = (run().float() - expected).abs().max().item() / expected.abs().max().item()
@@ -45,7 +48,7 @@ def compare(batch_size: int, kv: int, heads: int, ceilings: dict[str, float]) ->
         except Exception as exc:  # report and go on to the next run
             print(f"b{batch_size} kv{kv} {name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
             continue
-        print(f"b{batch_size:<4} kv{kv:<6} x{backend._num_splits:<3} {name:7} {seconds * 1e6:8.1f} us  "
+        print(f"b{batch_size:<4} kv{kv:<6} x{backend._num_splits:<3} {name:11} {seconds * 1e6:8.1f} us  "
               f"{limit / seconds:.2f} of limit ({how})" + ("" if diff < 2e-2 else f"  WRONG {diff:.3g}"), flush=True)
 
 

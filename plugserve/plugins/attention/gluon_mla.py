@@ -11,13 +11,16 @@ probabilities go through shared memory, and the output's layout splits the laten
 Programs, splits and partials are `_mla_kernel`'s (one per token, KV split and block of 64 heads; `_mla_reduce_kernel`
 merges the splits), without draft trees. Full key blocks come as TMA boxes into a STAGES-deep ring; the sequence's
 last, partial block is loaded through masked pointers into its stage, zeros past kv_len. A stage refills with the
-block STAGES on once both warpgroups are done with it. Gluon kernels do not run
+block STAGES on once both warpgroups are done with it. Each step issues the next block's scores beside this block's
+PV product and computes the next softmax while PV runs. Gluon kernels do not run
 in Triton's interpreter: tested on a GPU only.
 
-Compiled for sm90 on the CPU with Triton 3.6 (the GPU machine's): 254-255 registers, no spills, 225 KB of shared
-memory at 64-key blocks in 2 stages. A key block costs 10 CTA barriers: the three explicit ones, and the
-cross-warpgroup row max and sum and the probabilities' layout change. Keeping per-warpgroup partial sums (a
-[64, 2, 32] view reduced within each warpgroup) would save some; measure first.
+Compiled for sm90 on the CPU with Triton 3.6 (the GPU machine's): 255 registers, no spills; shared memory 225 KB
+at 64-key blocks in 2 stages, 185 KB at 32 x 3, 221 KB at 32 x 4. In the loop's PTX the softmax's exponentials
+sit between `wgmma.wait_group 2` (scores done) and `wait_group 0` (PV done). A key block costs about 11 CTA
+barriers: the explicit ones, the cross-warpgroup row max and sum, the alpha layout change, and one before each
+TMA issue. Keeping per-warpgroup partial sums (a [64, 2, BLOCK_N / 2] view reduced within each warpgroup) would
+save some; measure first.
 """
 
 from __future__ import annotations
@@ -50,6 +53,65 @@ def _load_rows(base, rows, row_stride, row_mask, COLS: gl.constexpr, layout: gl.
     cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
     ptrs = base + rows[:, None] * row_stride + cols[None, :]
     return gl.load(ptrs, mask=row_mask[:, None], other=0.0)
+
+
+@gluon.jit
+def _refill(latent_desc, rope_desc, kv_lo, kv_hi, kv_rope, ready, block_table_row, b, stage, full, R: gl.constexpr,
+            BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr):
+    """TMA loads of key block b (when it is full, b < full) into `stage`, arriving on ready[stage]. A full block lies
+    inside one page: one page lookup, three boxes (the latent halves and the rope key)."""
+    row = gl.load(block_table_row + b * BLOCK_N // PAGE_SIZE, mask=b < full, other=0) * PAGE_SIZE \
+        + b * BLOCK_N % PAGE_SIZE
+    mbarrier.expect(ready.index(stage), 2 * latent_desc.block_type.nbytes + rope_desc.block_type.nbytes, pred=b < full)
+    _tma_load(latent_desc, [row, 0], ready.index(stage), kv_lo.index(stage), pred=b < full)
+    _tma_load(latent_desc, [row, R // 2], ready.index(stage), kv_hi.index(stage), pred=b < full)
+    _tma_load(rope_desc, [row, R], ready.index(stage), kv_rope.index(stage), pred=b < full)
+
+
+@gluon.jit
+def _stage_block(kv_ptr, kv_lo, kv_hi, kv_rope, ready, block_table_row, stride_kv, b, i, full, kv_len,
+                 R: gl.constexpr, P: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr,
+                 io_layout: gl.constexpr):
+    """Key block b, the program's i-th, in stage i % STAGES: a full block's TMA boxes waited for; the sequence's
+    last, partial block loaded through masked pointers, zeros past kv_len, so that no stale row of the pool
+    (0 * inf) enters the output."""
+    stage = i % STAGES
+    if b < full:
+        mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+    else:
+        n = b * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, io_layout))
+        valid = n < kv_len
+        page = gl.load(block_table_row + n // PAGE_SIZE, mask=valid, other=0).to(gl.int64)
+        slots = page * PAGE_SIZE + n % PAGE_SIZE
+        kv_lo.index(stage).store(_load_rows(kv_ptr, slots, stride_kv, valid, R // 2, io_layout))
+        kv_hi.index(stage).store(_load_rows(kv_ptr + R // 2, slots, stride_kv, valid, R // 2, io_layout))
+        kv_rope.index(stage).store(_load_rows(kv_ptr + R, slots, stride_kv, valid, P, io_layout))
+        fence_async_shared()
+        gl.thread_barrier()
+
+
+@gluon.jit
+def _scores(q_lo, q_hi, q_rope, kv_lo, kv_hi, kv_rope, stage, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+            s_layout: gl.constexpr):
+    """The raw scores [BLOCK_H, BLOCK_N] of the block in `stage`, as three async wgmma groups (the latent halves,
+    the rope key): wait on the result before reading it."""
+    scores = warpgroup_mma(q_lo, kv_lo.index(stage).permute((1, 0)),
+                           gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+    scores = warpgroup_mma(q_hi, kv_hi.index(stage).permute((1, 0)), scores, is_async=True)
+    return warpgroup_mma(q_rope, kv_rope.index(stage).permute((1, 0)), scores, is_async=True)
+
+
+@gluon.jit
+def _softmax(scores, b, full, kv_len, keys, m, denom, qk_scale, BLOCK_N: gl.constexpr):
+    """Online softmax of block b's raw scores, base 2: (probabilities [BLOCK_H, BLOCK_N] float32, row max, denominator,
+    alpha, the factor the accumulator takes). Keys past kv_len (only in the last block, b >= full) are dropped."""
+    scores = scores * qk_scale
+    if b >= full:
+        scores = gl.where((b * BLOCK_N + keys < kv_len)[None, :], scores, float("-inf"))
+    m_new = gl.maximum(m, gl.max(scores, 1))
+    alpha = gl.exp2(m - m_new)
+    probs = gl.exp2(scores - m_new[:, None])
+    return probs, m_new, denom * alpha + gl.sum(probs, 1), alpha
 
 
 @gluon.jit
@@ -116,15 +178,9 @@ def _gluon_mla_kernel(
         mbarrier.init(ready.index(i), count=1)
 
     block_table_row = block_table_ptr + req * stride_bt
-    box_bytes: gl.constexpr = 2 * latent_desc.block_type.nbytes + rope_desc.block_type.nbytes
     for i in gl.static_range(STAGES):
-        b = first + i
-        row = gl.load(block_table_row + b * BLOCK_N // PAGE_SIZE, mask=b < full, other=0) * PAGE_SIZE \
-            + b * BLOCK_N % PAGE_SIZE
-        mbarrier.expect(ready.index(i), box_bytes, pred=b < full)
-        _tma_load(latent_desc, [row, 0], ready.index(i), kv_lo.index(i), pred=b < full)
-        _tma_load(latent_desc, [row, HALF_R], ready.index(i), kv_hi.index(i), pred=b < full)
-        _tma_load(rope_desc, [row, R], ready.index(i), kv_rope.index(i), pred=b < full)
+        _refill(latent_desc, rope_desc, kv_lo, kv_hi, kv_rope, ready, block_table_row, first + i, i, full, R, BLOCK_N,
+                PAGE_SIZE)
 
     q_base = q_nope_ptr + t * stride_qn_t
     q_lo.store(_load_rows(q_base, heads, stride_qn_h, head_mask, HALF_R, io_layout))
@@ -133,58 +189,51 @@ def _gluon_mla_kernel(
     fence_async_shared()
     gl.thread_barrier()
 
+    keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     m = gl.full([BLOCK_H], float("-inf"), gl.float32, row_layout)
     denom = gl.zeros([BLOCK_H], gl.float32, row_layout)
     acc_lo = gl.zeros([BLOCK_H, HALF_R], gl.float32, o_layout)
     acc_hi = gl.zeros([BLOCK_H, HALF_R], gl.float32, o_layout)
-    keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    for i in range(last - first):
+    # Software-pipelined: step i issues block i + 1's scores and block i's PV product together, and computes block
+    # i + 1's softmax while PV runs on the tensor cores. The probabilities wait for PV to finish reading the last
+    # ones before they are stored.
+    _stage_block(kv_ptr, kv_lo, kv_hi, kv_rope, ready, block_table_row, stride_kv, first, 0, full, kv_len, R, P,
+                 BLOCK_N, PAGE_SIZE, STAGES, io_layout)
+    scores = _scores(q_lo, q_hi, q_rope, kv_lo, kv_hi, kv_rope, 0, BLOCK_H, BLOCK_N, s_layout)
+    scores = warpgroup_mma_wait(num_outstanding=0, deps=(scores,))
+    probs, m, denom, alpha = _softmax(scores, first, full, kv_len, keys, m, denom, qk_scale, BLOCK_N)
+    probs_smem.store(probs.to(dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    for i in range(last - first - 1):
         b = first + i
         stage = i % STAGES
-        if b < full:
-            mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
-        else:
-            # The sequence's last block, partial: through masked pointers, zeros past kv_len, so that no stale
-            # row of the pool (0 * inf) enters the output.
-            n = b * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, io_layout))
-            valid = n < kv_len
-            page = gl.load(block_table_row + n // PAGE_SIZE, mask=valid, other=0).to(gl.int64)
-            slots = page * PAGE_SIZE + n % PAGE_SIZE
-            kv_lo.index(stage).store(_load_rows(kv_ptr, slots, stride_kv, valid, HALF_R, io_layout))
-            kv_hi.index(stage).store(_load_rows(kv_ptr + HALF_R, slots, stride_kv, valid, HALF_R, io_layout))
-            kv_rope.index(stage).store(_load_rows(kv_ptr + R, slots, stride_kv, valid, P, io_layout))
-            fence_async_shared()
-            gl.thread_barrier()
-        scores = warpgroup_mma(q_lo, kv_lo.index(stage).permute((1, 0)),
-                               gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-        scores = warpgroup_mma(q_hi, kv_hi.index(stage).permute((1, 0)), scores, is_async=True)
-        scores = warpgroup_mma(q_rope, kv_rope.index(stage).permute((1, 0)), scores, is_async=True)
-        scores = warpgroup_mma_wait(num_outstanding=0, deps=(scores,)) * qk_scale
-        if b >= full:
-            scores = gl.where((b * BLOCK_N + keys < kv_len)[None, :], scores, float("-inf"))
-        m_new = gl.maximum(m, gl.max(scores, 1))
-        alpha = gl.exp2(m - m_new)
-        probs = gl.exp2(scores - m_new[:, None])
-        denom = denom * alpha + gl.sum(probs, 1)
-        m = m_new
-        # Each warpgroup wrote its keys' probabilities; each multiplies all of them by its latent columns.
+        nxt = (i + 1) % STAGES
+        _stage_block(kv_ptr, kv_lo, kv_hi, kv_rope, ready, block_table_row, stride_kv, b + 1, i + 1, full, kv_len,
+                     R, P, BLOCK_N, PAGE_SIZE, STAGES, io_layout)
+        scores = _scores(q_lo, q_hi, q_rope, kv_lo, kv_hi, kv_rope, nxt, BLOCK_H, BLOCK_N, s_layout)
+        acc_lo = warpgroup_mma(probs_smem, kv_lo.index(stage), acc_lo, is_async=True)
+        acc_hi = warpgroup_mma(probs_smem, kv_hi.index(stage), acc_hi, is_async=True)
+        # The three score groups are done, the two PV groups may still run.
+        scores = warpgroup_mma_wait(num_outstanding=2, deps=(scores,))
+        probs, m, denom, alpha = _softmax(scores, b + 1, full, kv_len, keys, m, denom, qk_scale, BLOCK_N)
+        acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc_lo, acc_hi))
+        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        acc_lo = acc_lo * alpha_o
+        acc_hi = acc_hi * alpha_o
+        # Both warpgroups are done with block i's stage and probabilities: the next probabilities are stored (each
+        # warpgroup its keys', each multiplies all of them by its latent columns) and the stage refills with the
+        # block STAGES on, which loads while the next STAGES - 1 blocks are computed.
+        gl.thread_barrier()
         probs_smem.store(probs.to(dtype))
         fence_async_shared()
         gl.thread_barrier()
-        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        acc_lo = warpgroup_mma(probs_smem, kv_lo.index(stage), acc_lo * alpha_o, is_async=True)
-        acc_hi = warpgroup_mma(probs_smem, kv_hi.index(stage), acc_hi * alpha_o, is_async=True)
-        acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc_lo, acc_hi))
-        # Both warpgroups are done with this stage and with probs_smem before either is written again: the stage
-        # refills with the block STAGES on, which loads while the next STAGES - 1 blocks are computed.
-        gl.thread_barrier()
-        refill = b + STAGES
-        row = gl.load(block_table_row + refill * BLOCK_N // PAGE_SIZE, mask=refill < full, other=0) * PAGE_SIZE \
-            + refill * BLOCK_N % PAGE_SIZE
-        mbarrier.expect(ready.index(stage), box_bytes, pred=refill < full)
-        _tma_load(latent_desc, [row, 0], ready.index(stage), kv_lo.index(stage), pred=refill < full)
-        _tma_load(latent_desc, [row, HALF_R], ready.index(stage), kv_hi.index(stage), pred=refill < full)
-        _tma_load(rope_desc, [row, R], ready.index(stage), kv_rope.index(stage), pred=refill < full)
+        _refill(latent_desc, rope_desc, kv_lo, kv_hi, kv_rope, ready, block_table_row, b + STAGES, stage, full, R,
+                BLOCK_N, PAGE_SIZE)
+    stage = (last - first - 1) % STAGES
+    acc_lo = warpgroup_mma(probs_smem, kv_lo.index(stage), acc_lo, is_async=True)
+    acc_hi = warpgroup_mma(probs_smem, kv_hi.index(stage), acc_hi, is_async=True)
+    acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc_lo, acc_hi))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
 

@@ -46,13 +46,14 @@ def test_refuses_what_the_kernel_does_not_handle():
 @pytest.mark.parametrize("kv_lens", [[37], [64, 130, 1000], [4096, 1]], ids=["one-partial-block", "mixed", "long"])
 @pytest.mark.parametrize("heads", [64, 128])
 @pytest.mark.parametrize("splits", [1, 4])
-def test_matches_the_reference(kv_lens: list[int], heads: int, splits: int):
+@pytest.mark.parametrize("block_n,stages", [(64, 2), (32, 3)])
+def test_matches_the_reference(kv_lens: list[int], heads: int, splits: int, block_n: int, stages: int):
     q, pool, table, keys = _paged(kv_lens, heads, torch.bfloat16, seed=sum(kv_lens) + heads)
     scale = 192**-0.5
     lens = torch.tensor(kv_lens, dtype=torch.int32)
     out = gluon_mla.gluon_mla_attention(q[..., :512].cuda(), q[..., 512:].cuda(), pool.cuda(), table.cuda(),
                                         torch.arange(len(kv_lens), dtype=torch.int32).cuda(), lens.cuda(), PAGE,
-                                        scale, splits)
+                                        scale, splits, block_n, stages)
     expected, _ = mla_attention_reference(q[..., :512], q[..., 512:], keys[:, :512], keys[:, 512:],
                                           [1] * len(kv_lens), kv_lens, scale)
     assert_close(out.cpu(), expected, torch.bfloat16, f"gluon MLA {kv_lens} x{heads} heads, {splits} splits")
