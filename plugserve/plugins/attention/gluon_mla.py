@@ -1,5 +1,6 @@
-"""Absorbed MLA decode for Hopper written in Gluon (WIP, not yet run on a GPU): the Triton kernel's work
-(`triton_kernels._mla_kernel`) with the score dot split between the two warpgroups instead of duplicated.
+"""Absorbed MLA decode for Hopper written in Gluon (WIP, not yet run on a GPU): stage 1 of
+`triton_kernels.mla_attention` for configs with `gluon` set, `_mla_kernel`'s work with the score dot split between
+the two warpgroups instead of duplicated.
 
 Triton gives a chained dot's warps all to M, so with 64 heads (one warpgroup's M) on 8 warps both warpgroups of
 `_mla_kernel` compute the same [64, BLOCK_N] scores, 576 deep, and split only the [64, 512] output: per key block
@@ -26,7 +27,6 @@ save some; measure first.
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -38,13 +38,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from plugserve.plugins.attention import triton_kernels
-
 # Triton 3.9 names the TMA load async_load (async_copy_global_to_shared raises there); 3.6 has only the latter.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-HEADS_PER_PROGRAM = 64  # one warpgroup's wgmma M
-BLOCK_H = gl.constexpr(HEADS_PER_PROGRAM)
-LOG2E = 1.4426950408889634
+BLOCK_H = gl.constexpr(64)  # heads a program: one warpgroup's wgmma M (`mla_gluon_fits`)
 
 
 @gluon.jit
@@ -248,46 +244,22 @@ def _gluon_mla_kernel(
         gl.store(lse_ptrs, m + gl.log2(denom), mask=lse_heads < num_heads)
 
 
-def gluon_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_buffer: torch.Tensor, block_table: torch.Tensor,
-                        token_req: torch.Tensor, token_kv_len: torch.Tensor, page_size: int, sm_scale: float,
-                        num_splits: int, block_n: int = 64, stages: int = 2) -> torch.Tensor:
-    """`triton_kernels.mla_attention`'s contract without trees or W_UV (q_nope [T, H, R], q_rope [T, H, P] bf16 /
-    fp16; kv_buffer [num_slots, R + P]; block_table [B, max_pages] int32; token_req, token_kv_len [T] int32) for
-    R = 512, P = 64 and page_size a multiple of block_n: out [T, H, R] in q's dtype."""
-    t, h, r = q_nope.shape
-    p = q_rope.shape[2]
-    if (r, p) != (512, 64) or page_size % block_n or q_nope.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"needs latent 512, rope 64, a page size ({page_size}) that block_n ({block_n}) divides and "
-                         f"bf16 / fp16 (got {r}, {p}, {q_nope.dtype})")
-    device = q_nope.device
-    out = torch.empty(t, h, r, dtype=q_nope.dtype, device=device)
-    if t == 0:
-        return out
-    if num_splits == 1:
-        part_out, part_lse = out, out
-        o_strides, lse_strides = (out.stride(0), out.stride(1), 0), (0, 0)
-    else:
-        part_out = torch.empty(t, h, num_splits, r, dtype=torch.float32, device=device)
-        part_lse = torch.empty(t, h, num_splits, dtype=torch.float32, device=device)
-        o_strides, lse_strides = part_out.stride()[:3], part_lse.stride()[:2]
+def launch(grid: tuple[int], q_nope: torch.Tensor, q_rope: torch.Tensor, kv_buffer: torch.Tensor,
+           block_table: torch.Tensor, token_req: torch.Tensor, token_kv_len: torch.Tensor, part_out: torch.Tensor,
+           part_lse: torch.Tensor, o_strides: tuple[int, int, int], lse_strides: tuple[int, int], num_splits: int,
+           min_split_blocks: int, qk_scale: float, page_size: int, block_n: int, stages: int) -> None:
+    """Stage 1 of `triton_kernels.mla_attention` for a config that `mla_gluon_fits` (it checked the shapes and
+    made the arguments): q_nope [T, H, 512], q_rope [T, H, 64] bf16 / fp16, last dims contiguous; the pool
+    kv_buffer [num_slots, 576]; part_out / part_lse and their strides as `_mla_kernel` takes them."""
     element = gl.bfloat16 if q_nope.dtype == torch.bfloat16 else gl.float16
+    r, p = q_nope.shape[2], q_rope.shape[2]
     latent_desc = TensorDescriptor.from_tensor(
         kv_buffer, [block_n, r // 2], gl.NVMMASharedLayout.get_default_for([block_n, r // 2], element))
     rope_desc = TensorDescriptor.from_tensor(
         kv_buffer, [block_n, p], gl.NVMMASharedLayout.get_default_for([block_n, p], element))
-    grid = (t * num_splits * triton.cdiv(h, HEADS_PER_PROGRAM),)
     _gluon_mla_kernel[grid](
         q_nope, q_rope, kv_buffer, latent_desc, rope_desc, block_table, token_req, token_kv_len, part_out, part_lse,
         q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), kv_buffer.stride(0),
-        block_table.stride(0), *o_strides, *lse_strides, h, num_splits,
-        triton.cdiv(triton_kernels.mla_min_split_keys(h), block_n), sm_scale * LOG2E,
+        block_table.stride(0), *o_strides, *lse_strides, q_nope.shape[1], num_splits, min_split_blocks, qk_scale,
         R=r, P=p, BLOCK_N=block_n, PAGE_SIZE=page_size, STAGES=stages, SPLIT=num_splits > 1, num_warps=8,
     )
-    if num_splits == 1:
-        return out
-    triton_kernels._mla_reduce_kernel[(t, h, 1)](
-        part_out, part_lse, out, None, *part_out.stride()[:3], *part_lse.stride()[:2], out.stride(0), out.stride(1),
-        0, 0, num_splits, R=r, BLOCK_S=min(triton_kernels.MLA_REDUCE_SPLITS, triton.next_power_of_2(num_splits)),
-        BLOCK_R=triton.next_power_of_2(r), V=0, BLOCK_V=triton_kernels.MLA_REDUCE_BLOCK_V, PDL=False,
-    )
-    return out

@@ -1,17 +1,31 @@
-"""The Gluon MLA decode kernel (WIP): its input checks on the CPU; against the torch reference on a Hopper GPU
-(Gluon kernels do not run in Triton's interpreter)."""
+"""The Gluon MLA decode kernel (WIP), as `mla_attention`'s stage 1 for configs with `gluon` set: where it fits
+(on the CPU, no GPU needed), and against the torch reference on a Hopper GPU (Gluon kernels do not run in Triton's
+interpreter)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from plugserve.plugins.attention import gluon_mla
+from plugserve.plugins.attention import triton_kernels as kernels
 from plugserve.plugins.attention.torch_ref import mla_attention_reference
 from plugserve.testing.tolerances import assert_close
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 PAGE = 64
+GLUON = kernels.MlaConfig(64, 64, 8, 2, gluon=True)
+
+
+def test_where_the_gluon_kernel_fits():
+    bf16, sm90 = torch.bfloat16, (9, 0)
+    assert kernels.mla_gluon_fits(GLUON, 512, 64, 64, bf16, sm90)
+    assert kernels.mla_gluon_fits(GLUON, 512, 64, 128, torch.float16, (10, 0))
+    assert not kernels.mla_gluon_fits(GLUON, 512, 64, 64, bf16, None)  # the interpreter runs no Gluon
+    assert not kernels.mla_gluon_fits(GLUON, 512, 64, 64, bf16, (8, 9))  # wgmma is sm90's
+    assert not kernels.mla_gluon_fits(GLUON, 512, 64, 32, bf16, sm90)  # 64-key blocks span 32-key pages
+    assert not kernels.mla_gluon_fits(GLUON, 256, 64, 64, bf16, sm90)  # DeepSeek's latent only
+    assert not kernels.mla_gluon_fits(GLUON, 512, 64, 64, torch.float32, sm90)
+    assert not kernels.mla_gluon_fits(kernels.MlaConfig(32, 64, 8, 2, gluon=True), 512, 64, 64, bf16, sm90)
 
 
 def _paged(kv_lens: list[int], heads: int, dtype: torch.dtype, seed: int):
@@ -35,13 +49,6 @@ def _paged(kv_lens: list[int], heads: int, dtype: torch.dtype, seed: int):
     return q.to(dtype), pool.to(dtype), table, keys.to(dtype)
 
 
-def test_refuses_what_the_kernel_does_not_handle():
-    q = torch.zeros(1, 64, 512, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="latent 512, rope 64"):
-        gluon_mla.gluon_mla_attention(q, q[..., :32], torch.zeros(64, 544), torch.zeros(1, 1, dtype=torch.int32),
-                                      torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 64, 0.1, 1)
-
-
 @pytest.mark.skipif(not HOPPER, reason="Gluon's wgmma kernel needs a Hopper GPU")
 @pytest.mark.parametrize("kv_lens", [[37], [64, 130, 1000], [4096, 1]], ids=["one-partial-block", "mixed", "long"])
 @pytest.mark.parametrize("heads", [64, 128])
@@ -51,9 +58,10 @@ def test_matches_the_reference(kv_lens: list[int], heads: int, splits: int, bloc
     q, pool, table, keys = _paged(kv_lens, heads, torch.bfloat16, seed=sum(kv_lens) + heads)
     scale = 192**-0.5
     lens = torch.tensor(kv_lens, dtype=torch.int32)
-    out = gluon_mla.gluon_mla_attention(q[..., :512].cuda(), q[..., 512:].cuda(), pool.cuda(), table.cuda(),
-                                        torch.arange(len(kv_lens), dtype=torch.int32).cuda(), lens.cuda(), PAGE,
-                                        scale, splits, block_n, stages)
+    config = kernels.MlaConfig(64, block_n, 8, stages, gluon=True)
+    out = kernels.mla_attention(q[..., :512].cuda(), q[..., 512:].cuda(), pool.cuda(), table.cuda(),
+                                torch.arange(len(kv_lens), dtype=torch.int32).cuda(), lens.cuda(), PAGE, scale, config,
+                                splits)
     expected, _ = mla_attention_reference(q[..., :512], q[..., 512:], keys[:, :512], keys[:, 512:],
                                           [1] * len(kv_lens), kv_lens, scale)
-    assert_close(out.cpu(), expected, torch.bfloat16, f"gluon MLA {kv_lens} x{heads} heads, {splits} splits")
+    assert_close(out.cpu(), expected, torch.bfloat16, f"gluon MLA {kv_lens} x{heads} heads, {splits} splits, {config}")
