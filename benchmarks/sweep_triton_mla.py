@@ -46,7 +46,7 @@ def candidates(heads: int, quick: bool) -> list[MlaConfig]:
     if quick:
         return wide if heads > 32 else narrow
     wide += [MlaConfig(64, 32, 8, 5), MlaConfig(64, 32, 8, 5, tma=True), MlaConfig(64, 32, 8, 3),
-             MlaConfig(64, 16, 8, 5), MlaConfig(64, 32, 8, 4, gluon=True)]
+             MlaConfig(64, 16, 8, 5)]
     narrow += [MlaConfig(16, 32, 4, 3, reload_q=True), MlaConfig(16, 16, 4, 5, reload_q=True),
                MlaConfig(16, 64, 8, 4, reload_q=True)]
     if heads > 32:

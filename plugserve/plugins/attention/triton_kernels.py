@@ -318,6 +318,25 @@ def _mla_block(
     return m_new, denom, acc_lo, acc_hi
 
 
+@triton.jit
+def _mla_program(num_heads, num_splits, min_split_blocks, token_req_ptr, token_kv_len_ptr, BLOCK_H: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """This MLA decode program's work, the same for `_mla_kernel` and `gluon_mla._gluon_mla_kernel` (one program per
+    token, KV split and block of BLOCK_H heads, heads fastest): (head block, split, token t and its request (int64),
+    kv_len, its key blocks first .. last - 1). Splits are of whole blocks, at least min_split_blocks each: only the
+    sequence's last block is partial, and the late splits of a short sequence are empty (first >= last)."""
+    pid = tl.program_id(0)
+    head_blocks = tl.cdiv(num_heads, BLOCK_H)
+    split = (pid // head_blocks) % num_splits
+    t = (pid // head_blocks // num_splits).to(tl.int64)
+    kv_len = tl.load(token_kv_len_ptr + t)
+    num_blocks = tl.cdiv(kv_len, BLOCK_N)
+    per_split = tl.maximum(tl.cdiv(num_blocks, num_splits), min_split_blocks)
+    first = split * per_split
+    return (pid % head_blocks, split, t, tl.load(token_req_ptr + t).to(tl.int64), kv_len, first,
+            tl.minimum(first + per_split, num_blocks))
+
+
 @triton.jit(do_not_specialize_on_alignment=["stride_bt", "stride_lse_t", "stride_lse_h", "num_splits"])
 def _mla_kernel(
     q_nope_ptr, q_rope_ptr, kv_ptr, kv, kv_rope, block_table_ptr, token_req_ptr, token_kv_len_ptr, tree_start_ptr,
@@ -336,19 +355,8 @@ def _mla_kernel(
     # node whose keys from tree_start[t] on are the tree's nodes, seen per tree_bits[t]; every block from the
     # tree's first on is masked. PDL: launched as a programmatic dependent (plugserve.core.triton_pdl).
     programmatic_prologue(PDL)
-    pid = tl.program_id(0)
-    head_blocks = tl.cdiv(num_heads, BLOCK_H)
-    head_block = pid % head_blocks
-    split = (pid // head_blocks) % num_splits
-    t = (pid // head_blocks // num_splits).to(tl.int64)
-    req = tl.load(token_req_ptr + t).to(tl.int64)
-    kv_len = tl.load(token_kv_len_ptr + t)
-    # Splits of whole blocks, at least min_split_blocks each: only the last block of the sequence is
-    # partial, and the late splits of a short sequence are empty.
-    num_blocks = tl.cdiv(kv_len, BLOCK_N)
-    per_split = tl.maximum(tl.cdiv(num_blocks, num_splits), min_split_blocks)
-    first = split * per_split
-    last = tl.minimum(first + per_split, num_blocks)
+    head_block, split, t, req, kv_len, first, last = _mla_program(
+        num_heads, num_splits, min_split_blocks, token_req_ptr, token_kv_len_ptr, BLOCK_H, BLOCK_N)
 
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     head_mask = heads < num_heads

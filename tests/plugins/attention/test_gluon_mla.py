@@ -1,4 +1,4 @@
-"""The Gluon MLA decode kernel (WIP), as `mla_attention`'s stage 1 for configs with `gluon` set: where it fits
+"""The Gluon MLA decode kernel, as `mla_attention`'s stage 1 for configs with `gluon` set: where it fits
 (on the CPU, no GPU needed), and against the torch reference on a Hopper GPU (Gluon kernels do not run in Triton's
 interpreter)."""
 
