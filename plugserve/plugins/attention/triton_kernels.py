@@ -120,7 +120,9 @@ class MlaConfig:
     boxes through tensor descriptors (`mla_tma_fits`) instead of cp.async through pointers; reload_q:
     load the query block inside the KV loop. Triton then hoists the load and keeps the block in shared
     memory, reading it into registers for each KV block; held from outside the loop, it stays in
-    registers throughout, which mma.sync (operand A in registers in every warp) cannot afford."""
+    registers throughout, which mma.sync (operand A in registers in every warp) cannot afford. gluon: stage 1
+    is `gluon_mla._gluon_mla_kernel` instead (`mla_gluon_fits`; block_n keys a block in a TMA ring of num_stages;
+    a call with a draft tree takes `_mla_kernel` with the same blocks)."""
 
     block_h: int
     block_n: int
@@ -128,10 +130,12 @@ class MlaConfig:
     num_stages: int
     tma: bool = False
     reload_q: bool = False
+    gluon: bool = False
 
     def __str__(self) -> str:
         return (f"h{self.block_h}-n{self.block_n}-w{self.num_warps}-s{self.num_stages}"
-                + ("-tma" if self.tma else "") + ("-reloadq" if self.reload_q else ""))
+                + ("-tma" if self.tma else "") + ("-reloadq" if self.reload_q else "")
+                + ("-gluon" if self.gluon else ""))
 
 
 def mla_block_h(num_heads: int, dtype: torch.dtype, capability: tuple[int, int] | None) -> int:
@@ -175,7 +179,8 @@ def mla_config(num_heads: int, dtype: torch.dtype, capability: tuple[int, int] |
         return MlaConfig(block_h, 16, 4, 1, reload_q=True)
     if block_h == 64:
         config = MlaConfig(64, 64, 8, 2)
-        return replace(config, tma=mla_tma_fits(config, kv_lora_rank, rope_dim, page_size, capability))
+        config = replace(config, tma=mla_tma_fits(config, kv_lora_rank, rope_dim, page_size, capability))
+        return replace(config, gluon=mla_gluon_fits(config, kv_lora_rank, rope_dim, page_size, dtype, capability))
     return MlaConfig(block_h, 2 * block_h, 4 if block_h == MIN_DOT else 8, 5, reload_q=True)
 
 
@@ -186,6 +191,15 @@ def mla_tma_fits(config: MlaConfig, kv_lora_rank: int, rope_dim: int, page_size:
     half_r = _pow2_at_least(kv_lora_rank, 2 * MIN_DOT) // 2
     return (page_size % config.block_n == 0 and kv_lora_rank == 2 * half_r
             and rope_dim == _pow2_at_least(rope_dim, MIN_DOT) and (capability is None or capability >= (9, 0)))
+
+
+def mla_gluon_fits(config: MlaConfig, kv_lora_rank: int, rope_dim: int, page_size: int, dtype: torch.dtype,
+                   capability: tuple[int, int] | None) -> bool:
+    """Can `config` run as the Gluon kernel (`gluon_mla`): 64 heads on 8 warps, DeepSeek's latent 512 + rope 64 in
+    bf16 / fp16, key blocks inside one page, compiled for sm90+ (Gluon kernels do not run in the interpreter: None)."""
+    return (config.block_h == 64 and config.num_warps == 8 and (kv_lora_rank, rope_dim) == (512, 64)
+            and page_size % config.block_n == 0 and dtype in (torch.bfloat16, torch.float16)
+            and capability is not None and capability >= (9, 0))
 
 
 def mla_min_split_keys(num_heads: int) -> int:
@@ -304,6 +318,25 @@ def _mla_block(
     return m_new, denom, acc_lo, acc_hi
 
 
+@triton.jit
+def _mla_program(num_heads, num_splits, min_split_blocks, token_req_ptr, token_kv_len_ptr, BLOCK_H: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """This MLA decode program's work, the same for `_mla_kernel` and `gluon_mla._gluon_mla_kernel` (one program per
+    token, KV split and block of BLOCK_H heads, heads fastest): (head block, split, token t and its request (int64),
+    kv_len, its key blocks first .. last - 1). Splits are of whole blocks, at least min_split_blocks each: only the
+    sequence's last block is partial, and the late splits of a short sequence are empty (first >= last)."""
+    pid = tl.program_id(0)
+    head_blocks = tl.cdiv(num_heads, BLOCK_H)
+    split = (pid // head_blocks) % num_splits
+    t = (pid // head_blocks // num_splits).to(tl.int64)
+    kv_len = tl.load(token_kv_len_ptr + t)
+    num_blocks = tl.cdiv(kv_len, BLOCK_N)
+    per_split = tl.maximum(tl.cdiv(num_blocks, num_splits), min_split_blocks)
+    first = split * per_split
+    return (pid % head_blocks, split, t, tl.load(token_req_ptr + t).to(tl.int64), kv_len, first,
+            tl.minimum(first + per_split, num_blocks))
+
+
 @triton.jit(do_not_specialize_on_alignment=["stride_bt", "stride_lse_t", "stride_lse_h", "num_splits"])
 def _mla_kernel(
     q_nope_ptr, q_rope_ptr, kv_ptr, kv, kv_rope, block_table_ptr, token_req_ptr, token_kv_len_ptr, tree_start_ptr,
@@ -322,19 +355,8 @@ def _mla_kernel(
     # node whose keys from tree_start[t] on are the tree's nodes, seen per tree_bits[t]; every block from the
     # tree's first on is masked. PDL: launched as a programmatic dependent (plugserve.core.triton_pdl).
     programmatic_prologue(PDL)
-    pid = tl.program_id(0)
-    head_blocks = tl.cdiv(num_heads, BLOCK_H)
-    head_block = pid % head_blocks
-    split = (pid // head_blocks) % num_splits
-    t = (pid // head_blocks // num_splits).to(tl.int64)
-    req = tl.load(token_req_ptr + t).to(tl.int64)
-    kv_len = tl.load(token_kv_len_ptr + t)
-    # Splits of whole blocks, at least min_split_blocks each: only the last block of the sequence is
-    # partial, and the late splits of a short sequence are empty.
-    num_blocks = tl.cdiv(kv_len, BLOCK_N)
-    per_split = tl.maximum(tl.cdiv(num_blocks, num_splits), min_split_blocks)
-    first = split * per_split
-    last = tl.minimum(first + per_split, num_blocks)
+    head_block, split, t, req, kv_len, first, last = _mla_program(
+        num_heads, num_splits, min_split_blocks, token_req_ptr, token_kv_len_ptr, BLOCK_H, BLOCK_N)
 
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     head_mask = heads < num_heads
@@ -476,9 +498,15 @@ def mla_attention(
         return out
     q_nope, q_rope = _last_dim_contiguous(q_nope), _last_dim_contiguous(q_rope)
     block_table = _last_dim_contiguous(block_table)
-    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" and config.tma else None
+    checked = device.type == "cuda" and (config.tma or config.gluon)
+    capability = torch.cuda.get_device_capability(device) if checked else None
     if config.tma and not mla_tma_fits(config, r, p, page_size, capability):
         raise ValueError(f"MLA config {config} cannot use TMA with page size {page_size}, latent {r}, rope {p}")
+    if config.gluon and not mla_gluon_fits(config, r, p, page_size, q_nope.dtype, capability):
+        raise ValueError(f"MLA config {config} cannot run the Gluon kernel with page size {page_size}, latent {r}, "
+                         f"rope {p}, {q_nope.dtype} on {'the CPU' if capability is None else f'sm{capability}'}")
+    if config.gluon and tree is not None:
+        config = replace(config, gluon=False)  # the Gluon kernel has no draft trees
     if num_splits == 1:
         # Written straight into `out`: the split dim has stride 0 and no lse is kept.
         part_out, part_lse = out, out
@@ -513,12 +541,19 @@ def mla_attention(
                 block_table.stride(0), *o_strides, *lse_strides, h, num_splits,
                 triton.cdiv(mla_min_split_keys(h), launch["BLOCK_N"]), sm_scale * LOG2E)
 
-    launches = [shape | dict(BLOCK_N=c.block_n, TMA=c.tma, RELOAD_Q=c.reload_q, num_warps=c.num_warps,
-                             num_stages=c.num_stages)
-                for c in _mla_fallbacks(config)]
     grid = (t * num_splits * triton.cdiv(h, config.block_h),)
-    _launch_first_fitting(_mla_kernel, grid, args, launches,
-                          ("mla", device, q_nope.dtype, r, p, page_size, config, num_splits > 1, tree is not None))
+    if config.gluon:
+        from plugserve.plugins.attention import gluon_mla
+
+        gluon_mla.launch(grid, q_nope, q_rope, kv_buffer, block_table, token_req, token_kv_len, part_out, part_lse,
+                         o_strides, lse_strides, num_splits, triton.cdiv(mla_min_split_keys(h), config.block_n),
+                         sm_scale * LOG2E, page_size, config.block_n, config.num_stages)
+    else:
+        launches = [shape | dict(BLOCK_N=c.block_n, TMA=c.tma, RELOAD_Q=c.reload_q, num_warps=c.num_warps,
+                                 num_stages=c.num_stages)
+                    for c in _mla_fallbacks(config)]
+        _launch_first_fitting(_mla_kernel, grid, args, launches,
+                              ("mla", device, q_nope.dtype, r, p, page_size, config, num_splits > 1, tree is not None))
     if num_splits == 1:
         return out if w_vc is None else torch.bmm(out.transpose(0, 1), w_vc).transpose(0, 1)
     v = 0 if w_vc is None else w_vc.shape[2]

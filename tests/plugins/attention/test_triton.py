@@ -218,6 +218,8 @@ def test_mla_refuses_what_does_not_fit(kernels: ModuleType) -> None:
                              backend._token_req, backend._token_kv_len, 16, spec.softmax_scale)
     with pytest.raises(ValueError, match="cannot use TMA"):  # 64-key blocks span pages of 16
         call(kernels.MlaConfig(16, 64, 1, 1, tma=True), 1)
+    with pytest.raises(ValueError, match="cannot run the Gluon kernel"):  # the CPU (and 16 heads, a small latent)
+        call(kernels.MlaConfig(64, 16, 8, 2, gluon=True), 1)
     rows = kernels.mla_workspace_size(2, HEADS, 3)
     with pytest.raises(ValueError, match="too small"):
         call(kernels.MlaConfig(16, 16, 1, 1), 3, (torch.empty(rows * R - 1), torch.empty(rows)))
@@ -228,8 +230,11 @@ def test_launch_heuristics(kernels: ModuleType) -> None:
     h100, sm90, sm80, bf16 = 132, (9, 0), (8, 0), torch.bfloat16
     assert kernels.mla_block_h(128, bf16, sm90) == 64 and kernels.mla_block_h(128, bf16, sm80) == 32
     assert kernels.mla_block_h(20, bf16, sm90) == 32 and kernels.mla_block_h(128, torch.float32, sm90) == 16
-    assert kernels.mla_config(128, bf16, sm90, 64, 512, 64) == kernels.MlaConfig(64, 64, 8, 2, tma=True)
+    # sm90, 64-head blocks: the Gluon kernel where its blocks lie in pages; else Triton's, TMA where it can.
+    assert kernels.mla_config(128, bf16, sm90, 64, 512, 64) == kernels.MlaConfig(64, 64, 8, 2, tma=True, gluon=True)
     assert kernels.mla_config(128, bf16, sm90, 16, 512, 64) == kernels.MlaConfig(64, 64, 8, 2)  # blocks span pages
+    assert kernels.mla_config(128, bf16, sm90, 64, 256, 64) == kernels.MlaConfig(64, 64, 8, 2, tma=True)
+    assert kernels.mla_config(128, bf16, None, 64, 512, 64) == kernels.MlaConfig(64, 64, 1, 1)  # the interpreter
     assert kernels.mla_config(16, bf16, sm90, 64, 512, 64) == kernels.MlaConfig(16, 32, 4, 5, reload_q=True)
     assert kernels.mla_min_split_keys(128) == 256 and kernels.mla_min_split_keys(16) == 32
     assert kernels.mla_min_split_keys(20) == 64 and kernels.mla_min_split_keys(1) == 32

@@ -1,0 +1,67 @@
+"""The Gluon MLA decode kernel, as `mla_attention`'s stage 1 for configs with `gluon` set: where it fits
+(on the CPU, no GPU needed), and against the torch reference on a Hopper GPU (Gluon kernels do not run in Triton's
+interpreter)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plugserve.plugins.attention import triton_kernels as kernels
+from plugserve.plugins.attention.torch_ref import mla_attention_reference
+from plugserve.testing.tolerances import assert_close
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+PAGE = 64
+GLUON = kernels.MlaConfig(64, 64, 8, 2, gluon=True)
+
+
+def test_where_the_gluon_kernel_fits():
+    bf16, sm90 = torch.bfloat16, (9, 0)
+    assert kernels.mla_gluon_fits(GLUON, 512, 64, 64, bf16, sm90)
+    assert kernels.mla_gluon_fits(GLUON, 512, 64, 128, torch.float16, (10, 0))
+    assert not kernels.mla_gluon_fits(GLUON, 512, 64, 64, bf16, None)  # the interpreter runs no Gluon
+    assert not kernels.mla_gluon_fits(GLUON, 512, 64, 64, bf16, (8, 9))  # wgmma is sm90's
+    assert not kernels.mla_gluon_fits(GLUON, 512, 64, 32, bf16, sm90)  # 64-key blocks span 32-key pages
+    assert not kernels.mla_gluon_fits(GLUON, 256, 64, 64, bf16, sm90)  # DeepSeek's latent only
+    assert not kernels.mla_gluon_fits(GLUON, 512, 64, 64, torch.float32, sm90)
+    assert not kernels.mla_gluon_fits(kernels.MlaConfig(32, 64, 8, 2, gluon=True), 512, 64, 64, bf16, sm90)
+
+
+def _paged(kv_lens: list[int], heads: int, dtype: torch.dtype, seed: int):
+    """Queries, a shuffled page pool holding each request's keys and its block table, and the keys in order."""
+    g = torch.Generator().manual_seed(seed)
+    pages = [-(-n // PAGE) for n in kv_lens]
+    order = torch.randperm(sum(pages) + 3, generator=g)  # and 3 pages nobody owns
+    pool = torch.randn((sum(pages) + 3) * PAGE, 576, generator=g)
+    table = torch.zeros(len(kv_lens), max(pages), dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(pages):
+        table[i, :n] = order[start:start + n]
+        start += n
+        # Rows past kv_len in the last page are NaN: a kernel that lets one into its dots returns NaN (0 * NaN).
+        last = table[i, n - 1].item() * PAGE
+        pool[last + kv_lens[i] - (n - 1) * PAGE:last + PAGE] = float("nan")
+    rows = [torch.cat([pool[p * PAGE:(p + 1) * PAGE] for p in table[i, :pages[i]].tolist()])[:n]
+            for i, n in enumerate(kv_lens)]
+    keys = torch.cat(rows)
+    q = torch.randn(len(kv_lens), heads, 576, generator=g)
+    return q.to(dtype), pool.to(dtype), table, keys.to(dtype)
+
+
+@pytest.mark.skipif(not HOPPER, reason="Gluon's wgmma kernel needs a Hopper GPU")
+@pytest.mark.parametrize("kv_lens", [[37], [64, 130, 1000], [4096, 1]], ids=["one-partial-block", "mixed", "long"])
+@pytest.mark.parametrize("heads", [64, 128])
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("block_n,stages", [(64, 2), (32, 3)])
+def test_matches_the_reference(kv_lens: list[int], heads: int, splits: int, block_n: int, stages: int):
+    q, pool, table, keys = _paged(kv_lens, heads, torch.bfloat16, seed=sum(kv_lens) + heads)
+    scale = 192**-0.5
+    lens = torch.tensor(kv_lens, dtype=torch.int32)
+    config = kernels.MlaConfig(64, block_n, 8, stages, gluon=True)
+    out = kernels.mla_attention(q[..., :512].cuda(), q[..., 512:].cuda(), pool.cuda(), table.cuda(),
+                                torch.arange(len(kv_lens), dtype=torch.int32).cuda(), lens.cuda(), PAGE, scale, config,
+                                splits)
+    expected, _ = mla_attention_reference(q[..., :512], q[..., 512:], keys[:, :512], keys[:, 512:],
+                                          [1] * len(kv_lens), kv_lens, scale)
+    assert_close(out.cpu(), expected, torch.bfloat16, f"gluon MLA {kv_lens} x{heads} heads, {splits} splits, {config}")
