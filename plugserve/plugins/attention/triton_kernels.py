@@ -196,10 +196,11 @@ def mla_tma_fits(config: MlaConfig, kv_lora_rank: int, rope_dim: int, page_size:
 def mla_gluon_fits(config: MlaConfig, kv_lora_rank: int, rope_dim: int, page_size: int, dtype: torch.dtype,
                    capability: tuple[int, int] | None) -> bool:
     """Can `config` run as the Gluon kernel (`gluon_mla`): 64 heads on 8 warps, DeepSeek's latent 512 + rope 64 in
-    bf16 / fp16, key blocks inside one page, compiled for sm90+ (Gluon kernels do not run in the interpreter: None)."""
+    bf16 / fp16, key blocks inside one page, on sm90: its wgmma is Hopper's alone (Blackwell's tensor cores take
+    tcgen05), and Gluon kernels do not run in the interpreter (None)."""
     return (config.block_h == 64 and config.num_warps == 8 and (kv_lora_rank, rope_dim) == (512, 64)
             and page_size % config.block_n == 0 and dtype in (torch.bfloat16, torch.float16)
-            and capability is not None and capability >= (9, 0))
+            and capability is not None and capability[0] == 9)
 
 
 def mla_min_split_keys(num_heads: int) -> int:

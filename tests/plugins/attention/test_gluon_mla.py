@@ -11,7 +11,7 @@ from plugserve.plugins.attention import triton_kernels as kernels
 from plugserve.plugins.attention.torch_ref import mla_attention_reference
 from plugserve.testing.tolerances import assert_close
 
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 PAGE = 64
 GLUON = kernels.MlaConfig(64, 64, 8, 2, gluon=True)
 
@@ -19,7 +19,8 @@ GLUON = kernels.MlaConfig(64, 64, 8, 2, gluon=True)
 def test_where_the_gluon_kernel_fits():
     bf16, sm90 = torch.bfloat16, (9, 0)
     assert kernels.mla_gluon_fits(GLUON, 512, 64, 64, bf16, sm90)
-    assert kernels.mla_gluon_fits(GLUON, 512, 64, 128, torch.float16, (10, 0))
+    assert kernels.mla_gluon_fits(GLUON, 512, 64, 128, torch.float16, sm90)
+    assert not kernels.mla_gluon_fits(GLUON, 512, 64, 64, bf16, (10, 0))  # Blackwell has no wgmma
     assert not kernels.mla_gluon_fits(GLUON, 512, 64, 64, bf16, None)  # the interpreter runs no Gluon
     assert not kernels.mla_gluon_fits(GLUON, 512, 64, 64, bf16, (8, 9))  # wgmma is sm90's
     assert not kernels.mla_gluon_fits(GLUON, 512, 64, 32, bf16, sm90)  # 64-key blocks span 32-key pages
