@@ -255,9 +255,15 @@ class Engine:
     def submit(self, prompt: Prompt, params: SamplingParams, on_output: Callable[[RequestOutput], None],
                rid: str | None = None) -> str:
         """Queue one request (n must be 1 here: `generate` and the server expand n). Returns its id."""
+        request = self._request(prompt, params, on_output, rid)
+        self._queue([request])
+        return request.rid
+
+    def _request(self, prompt: Prompt, params: SamplingParams, on_output: Callable[[RequestOutput], None],
+                 rid: str | None = None) -> Request:
+        """A checked request, not queued yet: raises ValueError for bad parameters or a bad prompt."""
         params.validate()
         ids = self.tokenize(prompt)
-        rid = rid or uuid.uuid4().hex
 
         def report(output: RequestOutput) -> None:
             if output.finished:
@@ -265,14 +271,19 @@ class Engine:
                     self._outstanding.discard(request)
             on_output(output)
 
-        request = Request(rid, ids, params, report, self.eos_token_ids, make_generator(params.seed, self.runner.device))
+        request = Request(rid or uuid.uuid4().hex, ids, params, report, self.eos_token_ids,
+                          make_generator(params.seed, self.runner.device))
+        return request
+
+    def _queue(self, requests: list[Request]) -> None:
+        """Hand requests to the scheduler in one command, so that they reach it between the same two steps (and
+        batch together as far as the pool allows, whatever the threads' timing)."""
         with self._lock:
             if self.error is not None or self.closing is not None:
                 raise EngineStopped(self.error or self.closing)
-            self._outstanding.add(request)
-            self._inbox.put(lambda: self.scheduler.add(request))
+            self._outstanding.update(requests)
+            self._inbox.put(lambda: [self.scheduler.add(request) for request in requests])
         self._wake.set()
-        return rid
 
     def abort(self, rid: str) -> None:
         self._call_in_loop(lambda: self.scheduler.abort(rid))
@@ -341,7 +352,7 @@ class Engine:
         params = params or SamplingParams()
         params.validate()
         samples = self.expand(params)
-        for sample in samples:  # seed + i too: nothing is submitted unless every sample is valid
+        for sample in samples:  # seed + i too: nothing is queued unless every sample is valid
             sample.validate()
         single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
         batch = [prompts] if single else list(prompts)
@@ -355,8 +366,10 @@ class Engine:
                     done.release()
             return on_output
 
-        for result, (prompt, sample_params) in zip(results, itertools.product(batch, samples), strict=True):
-            self.submit(prompt, sample_params, collect(result))
+        # Every request is built (its prompt checked) before any is queued, and all are queued at once.
+        self._queue([self._request(prompt, sample_params, collect(result))
+                     for result, (prompt, sample_params) in zip(results, itertools.product(batch, samples),
+                                                                strict=True)])
         for _ in results:
             done.acquire()
         return results

@@ -118,6 +118,33 @@ def test_samples_whose_seeds_leave_the_generators_range_are_refused_before_any_r
     assert engine.num_outstanding == 0
 
 
+def test_a_bad_prompt_among_several_is_refused_before_any_is_queued(engine):
+    """generate checks every prompt first: the good prompts before a bad one used to run, their outputs unread."""
+    with pytest.raises(ValueError):
+        engine.generate([PROMPTS[0], [10**9]], SamplingParams(max_new_tokens=2))
+    assert engine.num_outstanding == 0
+
+
+def test_generate_hands_its_requests_to_the_scheduler_in_one_command(engine, monkeypatch):
+    """All of a generate call's requests reach the scheduler between the same two steps, so how they batch does not
+    depend on the threads' timing (queued one by one, a loaded machine once split them over two steps)."""
+    inbox = engine._inbox
+
+    class CountingInbox:
+        puts = 0
+
+        def put(self, command):
+            CountingInbox.puts += 1
+            inbox.put(command)
+
+        def __getattr__(self, name):
+            return getattr(inbox, name)
+
+    monkeypatch.setattr(engine, "_inbox", CountingInbox())
+    results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=2, n=2))
+    assert len(results) == 8 and CountingInbox.puts == 1
+
+
 def test_abort_frees_the_request(engine):
     done = threading.Event()
     outputs = []
