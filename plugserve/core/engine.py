@@ -278,11 +278,15 @@ class Engine:
     def _queue(self, requests: list[Request]) -> None:
         """Hand requests to the scheduler in one command, so that they reach it between the same two steps (and
         batch together as far as the pool allows, whatever the threads' timing)."""
+        def add_all() -> None:
+            for request in requests:
+                self.scheduler.add(request)
+
         with self._lock:
             if self.error is not None or self.closing is not None:
                 raise EngineStopped(self.error or self.closing)
             self._outstanding.update(requests)
-            self._inbox.put(lambda: [self.scheduler.add(request) for request in requests])
+            self._inbox.put(add_all)
         self._wake.set()
 
     def abort(self, rid: str) -> None:
