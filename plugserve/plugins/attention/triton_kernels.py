@@ -523,9 +523,44 @@ def mla_attention(
         part_out = workspace[0][: rows * r].view(t, h, num_splits, r)
         part_lse = workspace[1][:rows].view(t, h, num_splits)
         o_strides, lse_strides = part_out.stride()[:3], part_lse.stride()[:2]
+    pdl = launch_options(q_nope)  # both kernels' (one device)
+    grid = (t * num_splits * triton.cdiv(h, config.block_h),)
+    if config.gluon:
+        from plugserve.plugins.attention import gluon_mla
+
+        gluon_mla.launch(grid, q_nope, q_rope, kv_buffer, block_table, token_req, token_kv_len, part_out, part_lse,
+                         o_strides, lse_strides, num_splits, triton.cdiv(mla_min_split_keys(h), config.block_n),
+                         sm_scale * LOG2E, page_size, config.block_n, config.num_stages)
+    else:
+        _launch_mla_kernel(grid, config, q_nope, q_rope, kv_buffer, block_table, token_req, token_kv_len, tree,
+                           part_out, part_lse, o_strides, lse_strides, num_splits, page_size, sm_scale, pdl)
+    if num_splits == 1:
+        return out if w_vc is None else torch.bmm(out.transpose(0, 1), w_vc).transpose(0, 1)
+    v = 0 if w_vc is None else w_vc.shape[2]
+    if w_vc is not None:
+        out = torch.empty(t, h, v, dtype=q_nope.dtype, device=device)
+        w_vc = _last_dim_contiguous(w_vc)
+    _mla_reduce_kernel[(t, h, triton.cdiv(v, MLA_REDUCE_BLOCK_V) if v else 1)](
+        part_out, part_lse, out, w_vc,
+        *part_out.stride()[:3], *part_lse.stride()[:2], out.stride(0), out.stride(1),
+        w_vc.stride(0) if v else 0, w_vc.stride(1) if v else 0, num_splits,
+        R=r, BLOCK_S=min(MLA_REDUCE_SPLITS, triton.next_power_of_2(num_splits)), BLOCK_R=triton.next_power_of_2(r),
+        V=v, BLOCK_V=MLA_REDUCE_BLOCK_V, **pdl,
+    )
+    return out
+
+
+def _launch_mla_kernel(grid: tuple[int], config: MlaConfig, q_nope: torch.Tensor, q_rope: torch.Tensor,
+                       kv_buffer: torch.Tensor, block_table: torch.Tensor, token_req: torch.Tensor,
+                       token_kv_len: torch.Tensor, tree: tuple[torch.Tensor, torch.Tensor] | None,
+                       part_out: torch.Tensor, part_lse: torch.Tensor, o_strides: tuple[int, int, int],
+                       lse_strides: tuple[int, int], num_splits: int, page_size: int, sm_scale: float,
+                       pdl: dict) -> None:
+    """Stage 1 of `mla_attention` as `_mla_kernel`: `config`, else the first of its fallbacks that compiles here
+    (arguments as `mla_attention` made them)."""
+    r, p, h = q_nope.shape[2], q_rope.shape[2], q_nope.shape[1]
     half_r = _pow2_at_least(r, 2 * MIN_DOT) // 2
     block_p = _pow2_at_least(p, MIN_DOT)
-    pdl = launch_options(q_nope)  # both kernels' (one device)
     shape = dict(R=r, P=p, HALF_R=half_r, BLOCK_P=block_p, BLOCK_H=config.block_h, PAGE_SIZE=page_size,
                  SPLIT=num_splits > 1, TREE=tree is not None, INPUT_PRECISION=_input_precision(q_nope.dtype), **pdl)
     tree_start, tree_bits = tree if tree is not None else (token_kv_len, token_kv_len)  # unread without TREE
@@ -542,33 +577,11 @@ def mla_attention(
                 block_table.stride(0), *o_strides, *lse_strides, h, num_splits,
                 triton.cdiv(mla_min_split_keys(h), launch["BLOCK_N"]), sm_scale * LOG2E)
 
-    grid = (t * num_splits * triton.cdiv(h, config.block_h),)
-    if config.gluon:
-        from plugserve.plugins.attention import gluon_mla
-
-        gluon_mla.launch(grid, q_nope, q_rope, kv_buffer, block_table, token_req, token_kv_len, part_out, part_lse,
-                         o_strides, lse_strides, num_splits, triton.cdiv(mla_min_split_keys(h), config.block_n),
-                         sm_scale * LOG2E, page_size, config.block_n, config.num_stages)
-    else:
-        launches = [shape | dict(BLOCK_N=c.block_n, TMA=c.tma, RELOAD_Q=c.reload_q, num_warps=c.num_warps,
-                                 num_stages=c.num_stages)
-                    for c in _mla_fallbacks(config)]
-        _launch_first_fitting(_mla_kernel, grid, args, launches,
-                              ("mla", device, q_nope.dtype, r, p, page_size, config, num_splits > 1, tree is not None))
-    if num_splits == 1:
-        return out if w_vc is None else torch.bmm(out.transpose(0, 1), w_vc).transpose(0, 1)
-    v = 0 if w_vc is None else w_vc.shape[2]
-    if w_vc is not None:
-        out = torch.empty(t, h, v, dtype=q_nope.dtype, device=device)
-        w_vc = _last_dim_contiguous(w_vc)
-    _mla_reduce_kernel[(t, h, triton.cdiv(v, MLA_REDUCE_BLOCK_V) if v else 1)](
-        part_out, part_lse, out, w_vc,
-        *part_out.stride()[:3], *part_lse.stride()[:2], out.stride(0), out.stride(1),
-        w_vc.stride(0) if v else 0, w_vc.stride(1) if v else 0, num_splits,
-        R=r, BLOCK_S=min(MLA_REDUCE_SPLITS, triton.next_power_of_2(num_splits)), BLOCK_R=triton.next_power_of_2(r),
-        V=v, BLOCK_V=MLA_REDUCE_BLOCK_V, **pdl,
-    )
-    return out
+    launches = [shape | dict(BLOCK_N=c.block_n, TMA=c.tma, RELOAD_Q=c.reload_q, num_warps=c.num_warps,
+                             num_stages=c.num_stages)
+                for c in _mla_fallbacks(config)]
+    _launch_first_fitting(_mla_kernel, grid, args, launches, ("mla", q_nope.device, q_nope.dtype, r, p, page_size,
+                                                              config, num_splits > 1, tree is not None))
 
 
 def _mla_fallbacks(config: MlaConfig) -> list[MlaConfig]:
