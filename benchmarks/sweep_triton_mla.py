@@ -41,7 +41,7 @@ def candidates(heads: int, quick: bool) -> list[MlaConfig]:
     """Configs worth timing for `heads` on sm90. 64-head blocks take wgmma; blocks of 16 / 32 mma.sync,
     which wants the query loaded inside the KV loop (`MlaConfig.reload_q`)."""
     wide = [MlaConfig(64, 64, 8, 2, tma) for tma in (False, True)]
-    wide += [MlaConfig(64, 64, 8, 2, gluon=True), MlaConfig(64, 32, 8, 3, gluon=True)]
+    wide += [MlaConfig(64, 64, 8, 2, gluon=True)]
     narrow = [MlaConfig(16, 32, 4, 5, tma, reload_q=True) for tma in (False, True)]
     if quick:
         return wide if heads > 32 else narrow

@@ -1,22 +1,35 @@
-"""Absorbed MLA decode for Hopper written in Gluon: stage 1 of `triton_kernels.mla_attention` for configs with
-`gluon` set (`mla_config`'s choice on sm90), `_mla_kernel`'s work with the score dot split between the two
-warpgroups instead of duplicated.
+"""Absorbed MLA decode for Hopper in Gluon, scheduled as FlashMLA's sm90 kernel is ("seesaw"): stage 1 of
+`triton_kernels.mla_attention` for configs with `gluon` set (`mla_gluon_fits`).
 
-Triton gives a chained dot's warps all to M, so with 64 heads (one warpgroup's M) on 8 warps both warpgroups of
-`_mla_kernel` compute the same [64, BLOCK_N] scores, 576 deep, and split only the [64, 512] output: per key block
-each warpgroup does 64 x 64 x 576 + 64 x 64 x 256 multiply-adds. Here the layouts are explicit: the scores' wgmma
-layout puts the warpgroups side by side along the keys (warps [4, 2]), each scoring its BLOCK_N / 2 keys, the
-probabilities go through shared memory, and the output's layout splits the latent columns: 64 x 32 x 576 +
-64 x 64 x 256 each, a third less tensor work, and half the softmax each.
+Two warpgroups working in lockstep on one 64-key block (session 14's kernel) each scored 32 of its keys (a wgmma N
+of 32, which reads the whole query from shared memory for every 32 keys), the softmax's row max and sum crossed
+between them, and the tensor cores waited while both ran the softmax. Here the warpgroups are two warp-specialized
+partitions that take key blocks in turns, as FlashMLA does (its docs/20250422-new-kernel-deep-dive.md):
+warpgroup 0 scores block b and warpgroup 1 block b + 1, each a [64, 64] x 576 wgmma (N = 64), and each holds half
+of the [64, 512] output (the latent's low / high 256 columns, 128 float32 registers a thread). Per pair of blocks:
 
-Programs, splits and partials are `_mla_kernel`'s (`_mla_program`; `_mla_reduce_kernel` merges the splits), without
-draft trees. Full key blocks come as TMA boxes into a STAGES-deep ring; the sequence's last, partial block is loaded
-through masked pointers into its stage, zeros past kv_len. A stage refills with the block STAGES on once both
-warpgroups are done with it. Gluon kernels do not run in Triton's interpreter: tested on a GPU only.
+    WG0: softmax of b against the running max (sM) -> m0;  signal scale0   | WG1: wait scale0; softmax of b + 1
+         O_L += P0 V_b,L (P0 from registers)                                |      against m0 -> m1; signal scale1
+         wait scale1; P0 *= exp2(m0 - m1) into shared memory; signal P0     |      P1 into shared memory; signal P1
+         O_L *= exp2(m0 - m1); O_L += P1 V_b+1,L (P1 from shared memory)    |      O_R *= exp2(m_prev - m1);
+         scores of b + 2                                                    |      O_R += P1 V_b+1,R + P0 V_b,R
+                                                                            |      scores of b + 3
 
-Compiled for sm90 with Triton 3.6 (the GPU machine's): 255 registers, no spills; shared memory 225 KB at 64-key
-blocks in 2 stages, 185 KB at 32 x 3. On the H100, 64 x 2 runs batch 32 x 8192 keys (128 heads) at 0.65 of the
-limit, against 0.44 for `_mla_kernel` (session 14's results).
+so one warpgroup's softmax runs beside the other's wgmma. A stage's parts are refilled by the warpgroup that read
+them last, as soon as its wgmma on them retires: the low latent half of stage 0 (block b) by WG0 after P0 V_b,L,
+its high half and rope key by WG1 after P0 V_b,R; stage 1 likewise. Each part has its own TMA barrier, so the next
+scores wait only for the parts they read.
+
+Each warpgroup keeps the row sum of its own blocks' probabilities; the two are added once at the end. Shared
+memory: the query's latent (64 KB; its rope part is a register operand of each warpgroup's score wgmma, so that
+the second probability buffer fits), two 64-key stages (147 KB) and the two [64, 64] probability buffers (16 KB):
+229 KB. The sequence's last, partial block is loaded through masked pointers, zeros past kv_len (a stale row of
+the pool times a zero probability must not be NaN).
+
+Every shared buffer a loop reads is indexed by `_opaque_zero` (plus 0 or 1): with constant indices the compiler
+hoists the loop's ~80 wgmma descriptors (two registers each) out of it and spills them, and every wgmma then
+waits for a local-memory load (ncu, H200: 50 % of stall samples on the long scoreboard, 0.59 of the limit at
+batch 128 x 8192 keys; 0.84 without the spills).
 """
 
 from __future__ import annotations
@@ -37,74 +50,257 @@ from plugserve.plugins.attention.triton_kernels import _mla_program
 
 # Triton 3.9 names the TMA load async_load (async_copy_global_to_shared raises there); 3.6 has only the latter.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-BLOCK_H = gl.constexpr(64)  # heads a program: one warpgroup's wgmma M (`mla_gluon_fits`)
+BLOCK_H = gl.constexpr(64)  # heads a program: one warpgroup's wgmma M
+BLOCK_N = gl.constexpr(64)  # keys a block: one warpgroup's score wgmma N
+WORKER_REGS = gl.constexpr(256)  # warpgroup 1's registers: with warpgroup 0 at 256 too, the whole register file
+# One warpgroup's layouts: scores [64, 64], its output half [64, 256] (DeepSeek's latent, `mla_gluon_fits`),
+# probabilities and the rope query as wgmma A operands from registers, and a blocked layout for global loads.
+S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
+O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16]))
+P_OPERAND = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT.value, k_width=2))
+Q_OPERAND = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=S_LAYOUT.value, k_width=2))
+IO_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
+ROW_S = gl.constexpr(gl.SliceLayout(1, S_LAYOUT.value))
+ROW_O = gl.constexpr(gl.SliceLayout(1, O_LAYOUT.value))
 
 
 @gluon.jit
 def _load_rows(base, rows, row_stride, row_mask, COLS: gl.constexpr, layout: gl.constexpr):
     """[len(rows), COLS] elements at base + rows * row_stride + col, 0 where row_mask is false."""
     cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
-    ptrs = base + rows[:, None] * row_stride + cols[None, :]
-    return gl.load(ptrs, mask=row_mask[:, None], other=0.0)
+    return gl.load(base + rows[:, None] * row_stride + cols[None, :], mask=row_mask[:, None], other=0.0)
 
 
 @gluon.jit
-def _refill(latent_desc, rope_desc, kv_lo, kv_hi, kv_rope, ready, block_table_row, b, stage, full, R: gl.constexpr,
-            BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr):
-    """TMA loads of key block b (when it is full, b < full) into `stage`, arriving on ready[stage]. A full block lies
-    inside one page: one page lookup, three boxes (the latent halves and the rope key)."""
-    row = gl.load(block_table_row + b * BLOCK_N // PAGE_SIZE, mask=b < full, other=0) * PAGE_SIZE \
-        + b * BLOCK_N % PAGE_SIZE
-    mbarrier.expect(ready.index(stage), 2 * latent_desc.block_type.nbytes + rope_desc.block_type.nbytes, pred=b < full)
-    _tma_load(latent_desc, [row, 0], ready.index(stage), kv_lo.index(stage), pred=b < full)
-    _tma_load(latent_desc, [row, R // 2], ready.index(stage), kv_hi.index(stage), pred=b < full)
-    _tma_load(rope_desc, [row, R], ready.index(stage), kv_rope.index(stage), pred=b < full)
-
-
-@gluon.jit
-def _stage_block(kv_ptr, kv_lo, kv_hi, kv_rope, ready, block_table_row, stride_kv, b, i, full, kv_len,
-                 R: gl.constexpr, P: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr,
-                 io_layout: gl.constexpr):
-    """Key block b, the program's i-th, in stage i % STAGES: a full block's TMA boxes waited for; the sequence's
-    last, partial block loaded through masked pointers, zeros past kv_len, so that no stale row of the pool
-    (0 * inf) enters the output."""
-    stage = i % STAGES
+def _fill_part(desc, kv_ptr, dst, ready, block_table_row, stride_kv, b, last, full, kv_len, col0,
+               COLS: gl.constexpr, PAGE_SIZE: gl.constexpr):
+    """Key block b's columns col0 .. col0 + COLS of the pool into `dst` [64, COLS] (nothing when b >= last), arriving
+    on `ready`: one TMA box for a full block (inside one page), masked loads for the sequence's partial last
+    block. Run by one warpgroup."""
     if b < full:
-        mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
-    else:
-        n = b * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, io_layout))
-        valid = n < kv_len
-        page = gl.load(block_table_row + n // PAGE_SIZE, mask=valid, other=0).to(gl.int64)
-        slots = page * PAGE_SIZE + n % PAGE_SIZE
-        kv_lo.index(stage).store(_load_rows(kv_ptr, slots, stride_kv, valid, R // 2, io_layout))
-        kv_hi.index(stage).store(_load_rows(kv_ptr + R // 2, slots, stride_kv, valid, R // 2, io_layout))
-        kv_rope.index(stage).store(_load_rows(kv_ptr + R, slots, stride_kv, valid, P, io_layout))
-        fence_async_shared()
-        gl.thread_barrier()
+        row = gl.load(block_table_row + b * BLOCK_N // PAGE_SIZE) * PAGE_SIZE + b * BLOCK_N % PAGE_SIZE
+        mbarrier.expect(ready, desc.block_type.nbytes)
+        _tma_load(desc, [row, col0], ready, dst)
+    elif b < last:
+        _fill_partial(kv_ptr, dst, ready, block_table_row, stride_kv, b, kv_len, col0, COLS, PAGE_SIZE)
 
 
 @gluon.jit
-def _scores(q_lo, q_hi, q_rope, kv_lo, kv_hi, kv_rope, stage, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-            s_layout: gl.constexpr):
-    """The raw scores [BLOCK_H, BLOCK_N] of the block in `stage`, as three async wgmma groups (the latent halves,
-    the rope key): wait on the result before reading it."""
-    scores = warpgroup_mma(q_lo, kv_lo.index(stage).permute((1, 0)),
-                           gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-    scores = warpgroup_mma(q_hi, kv_hi.index(stage).permute((1, 0)), scores, is_async=True)
-    return warpgroup_mma(q_rope, kv_rope.index(stage).permute((1, 0)), scores, is_async=True)
+def _fill_partial(kv_ptr, dst, ready, block_table_row, stride_kv, b, kv_len, col0, COLS: gl.constexpr,
+                  PAGE_SIZE: gl.constexpr):
+    """`_fill_part` for the sequence's partial last block b: masked loads of 64 columns at a time, zeros past kv_len.
+    (Inlined: as a noinline function its thread barrier lowers to the whole CTA's, which a warp-specialized
+    partition must not wait on.)"""
+    n = b * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, IO_LAYOUT))
+    valid = n < kv_len
+    page = gl.load(block_table_row + n // PAGE_SIZE, mask=valid, other=0).to(gl.int64)
+    rows = kv_ptr + (page * PAGE_SIZE + n % PAGE_SIZE)[:, None] * stride_kv
+    for c in gl.static_range(COLS // 64):
+        cols = col0 + c * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, IO_LAYOUT))
+        dst.slice(c * 64, 64, dim=1).store(gl.load(rows + cols[None, :], mask=valid[:, None], other=0.0))
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(ready, count=1)
 
 
 @gluon.jit
-def _softmax(scores, b, full, kv_len, keys, m, denom, qk_scale, BLOCK_N: gl.constexpr):
-    """Online softmax of block b's raw scores, base 2: (probabilities [BLOCK_H, BLOCK_N] float32, row max, denominator,
-    alpha, the factor the accumulator takes). Keys past kv_len (only in the last block, b >= full) are dropped."""
+def _rope_query(q_rope_ptr, t, head_block, num_heads, stride_qr_t, stride_qr_h, P: gl.constexpr):
+    """The head block's rope query [64, P] as a wgmma A operand in registers. Loaded in the scores' layout, whose
+    conversion to the operand's stays in registers (from a blocked layout it would take 8 KB of shared memory in each
+    warpgroup, which the stages leave no room for)."""
+    heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_S)
+    return gl.convert_layout(_load_rows(q_rope_ptr + t * stride_qr_t, heads, stride_qr_h, heads < num_heads, P,
+                                        S_LAYOUT), Q_OPERAND)
+
+
+@gluon.jit
+def _scores(q_lo, q_hi, q_rope, kv_lo, kv_hi, kv_rope, lo_ready, hi_ready, phase):
+    """Raw scores [64, 64] float32 of the block in a stage (kv_lo, kv_hi, kv_rope: its parts), each part's wgmma
+    issued once its TMA barrier (phase) says it has landed."""
+    mbarrier.wait(lo_ready, phase)
+    scores = warpgroup_mma(q_lo, kv_lo.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_LAYOUT),
+                           use_acc=False, is_async=True)
+    mbarrier.wait(hi_ready, phase)
+    scores = warpgroup_mma(q_hi, kv_hi.permute((1, 0)), scores, is_async=True)
+    scores = warpgroup_mma(q_rope, kv_rope.permute((1, 0)), scores, is_async=True)
+    return warpgroup_mma_wait(num_outstanding=0, deps=(scores,))
+
+
+@gluon.jit
+def _scaled(scores, b, full, kv_len, qk_scale):
+    """Scores in base 2 (times qk_scale), keys past kv_len at -inf (only in the last block, b >= full)."""
     scores = scores * qk_scale
     if b >= full:
-        scores = gl.where((b * BLOCK_N + keys < kv_len)[None, :], scores, float("-inf"))
-    m_new = gl.maximum(m, gl.max(scores, 1))
-    alpha = gl.exp2(m - m_new)
-    probs = gl.exp2(scores - m_new[:, None])
-    return probs, m_new, denom * alpha + gl.sum(probs, 1), alpha
+        keys = b * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
+        scores = gl.where((keys < kv_len)[None, :], scores, float("-inf"))
+    return scores
+
+
+@gluon.jit
+def _signal(bar):
+    """Arrive on `bar` once this warpgroup's shared-memory writes are all done (count 1: one thread arrives)."""
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(bar, count=1)
+
+
+@gluon.jit
+def _opaque_zero(j):
+    """0, as an instruction the compiler neither folds nor hoists out of loop iteration j (see the module's
+    docstring)."""
+    return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r,r", [j], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _warpgroup0(q, kv_lo, kv_hi, kv_rope, p_smem, s_max, s_scale1, s_l, bars, latent_desc, kv_ptr,
+                q_rope_ptr, out_ptr, lse_ptr, block_table_row, stride_kv, t, head_block, split, num_heads, stride_qr_t,
+                stride_qr_h, stride_o_t, stride_o_h, stride_o_s, stride_lse_t, stride_lse_h, first, last, full, kv_len,
+                qk_scale, R: gl.constexpr, P: gl.constexpr, PAGE_SIZE: gl.constexpr, SPLIT: gl.constexpr):
+    """Blocks first, first + 2, ...: their scores and softmax, and the output's low latent half over every block."""
+    q_rope = _rope_query(q_rope_ptr, t, head_block, num_heads, stride_qr_t, stride_qr_h, P)
+    lo_ready, hi_ready = bars.index(0), bars.index(2)
+    scale0_ready, scale1_ready, p0_ready, p1_ready = bars.index(4), bars.index(5), bars.index(6), bars.index(7)
+    l1_ready, l_ready = bars.index(8), bars.index(9)
+
+    acc = gl.zeros([BLOCK_H, R // 2], gl.float32, O_LAYOUT)
+    denom = gl.zeros([BLOCK_H], gl.float32, ROW_S)
+    scores = _scores(q.index(0), q.index(1), q_rope, kv_lo.index(0), kv_hi.index(0), kv_rope.index(0), lo_ready,
+                     hi_ready, 0)
+    for j in range(gl.cdiv(last - first, 2)):
+        z = _opaque_zero(j)
+        b = first + 2 * j
+        second = b + 1 < last
+        s = _scaled(scores, b, full, kv_len, qk_scale)
+        m_old = s_max.load(ROW_S)
+        m0 = gl.maximum(m_old, gl.max(s, 1))
+        scale0 = gl.exp2(m_old - m0)
+        probs = gl.exp2(s - m0[:, None])
+        denom = denom * scale0 + gl.sum(probs, 1)
+        gl.thread_barrier()  # every thread has read sM before it changes
+        s_max.store(m0)
+        _signal(scale0_ready)
+        acc = acc * gl.convert_layout(scale0, ROW_O)[:, None]
+        # Only the 16-bit probabilities stay live (register room): P0 for warpgroup 1 is rounded twice, once here
+        # and once after it moves to the pair's max (exactly once where that max is this block's).
+        p0 = probs.to(p_smem.dtype)
+        acc = warpgroup_mma(gl.convert_layout(p0, P_OPERAND), kv_lo.index(z), acc, is_async=True)
+        mbarrier.wait(scale1_ready, j & 1)
+        scale1 = s_scale1.load(ROW_S)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        # Stage 0's low half is read by no one else: it refills with block b + 2 now.
+        _fill_part(latent_desc, kv_ptr, kv_lo.index(z), lo_ready, block_table_row, stride_kv, b + 2, last, full,
+                   kv_len, 0, R // 2, PAGE_SIZE)
+        # P0 against the pair's max, for warpgroup 1's half; this warpgroup's half and sum move to that max too.
+        p_smem.index(z).store((p0.to(gl.float32) * scale1[:, None]).to(p_smem.dtype))
+        _signal(p0_ready)
+        denom = denom * scale1
+        acc = acc * gl.convert_layout(scale1, ROW_O)[:, None]
+        if second:
+            mbarrier.wait(p1_ready, j & 1)
+            acc = warpgroup_mma(p_smem.index(z + 1), kv_lo.index(z + 1), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            _fill_part(latent_desc, kv_ptr, kv_lo.index(z + 1), bars.index(1), block_table_row, stride_kv, b + 3, last,
+                       full, kv_len, 0, R // 2, PAGE_SIZE)
+        if b + 2 < last:
+            scores = _scores(q.index(z), q.index(z + 1), q_rope, kv_lo.index(z), kv_hi.index(z), kv_rope.index(z),
+                             lo_ready, hi_ready, (j + 1) & 1)
+
+    # Both halves' sums at the pair's final max: warpgroup 1's is added here, and the total goes back to it.
+    mbarrier.wait(l1_ready, 0)
+    denom = denom + s_l.load(ROW_S)
+    m = s_max.load(ROW_S)
+    gl.thread_barrier()
+    s_l.store(denom)
+    _signal(l_ready)
+    _store_half(acc, denom, out_ptr, t, head_block, split, num_heads, stride_o_t, stride_o_h, stride_o_s, 0, R)
+    if SPLIT:
+        lse_heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_S)
+        gl.store(lse_ptr + t * stride_lse_t + lse_heads * stride_lse_h + split, m + gl.log2(denom),
+                 mask=lse_heads < num_heads)
+
+
+@gluon.jit
+def _warpgroup1(q, kv_lo, kv_hi, kv_rope, p_smem, s_max, s_scale1, s_l, bars, latent_desc, rope_desc,
+                kv_ptr, q_rope_ptr, out_ptr, block_table_row, stride_kv, t, head_block, split, num_heads, stride_qr_t,
+                stride_qr_h, stride_o_t, stride_o_h, stride_o_s, first, last, full, kv_len, qk_scale, R: gl.constexpr,
+                P: gl.constexpr, PAGE_SIZE: gl.constexpr):
+    """Blocks first + 1, first + 3, ...: their scores and softmax, and the output's high latent half over every
+    block."""
+    q_rope = _rope_query(q_rope_ptr, t, head_block, num_heads, stride_qr_t, stride_qr_h, P)
+    lo_ready, hi_ready = bars.index(1), bars.index(3)
+    scale0_ready, scale1_ready, p0_ready, p1_ready = bars.index(4), bars.index(5), bars.index(6), bars.index(7)
+    l1_ready, l_ready = bars.index(8), bars.index(9)
+
+    acc = gl.zeros([BLOCK_H, R // 2], gl.float32, O_LAYOUT)
+    denom = gl.zeros([BLOCK_H], gl.float32, ROW_S)
+    m_prev = gl.full([BLOCK_H], float("-inf"), gl.float32, ROW_S)
+    scores = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_LAYOUT)
+    if first + 1 < last:
+        scores = _scores(q.index(0), q.index(1), q_rope, kv_lo.index(1), kv_hi.index(1), kv_rope.index(1), lo_ready,
+                         hi_ready, 0)
+    for j in range(gl.cdiv(last - first, 2)):
+        z = _opaque_zero(j)
+        b = first + 2 * j
+        second = b + 1 < last
+        mbarrier.wait(scale0_ready, j & 1)
+        m0 = s_max.load(ROW_S)
+        if second:
+            s = _scaled(scores, b + 1, full, kv_len, qk_scale)
+        else:
+            s = gl.full([BLOCK_H, BLOCK_N], float("-inf"), gl.float32, S_LAYOUT)
+        m1 = gl.maximum(m0, gl.max(s, 1))
+        gl.thread_barrier()  # every thread has read sM before it changes
+        s_max.store(m1)
+        s_scale1.store(gl.exp2(m0 - m1))
+        _signal(scale1_ready)
+        probs = gl.exp2(s - m1[:, None])
+        factor = gl.exp2(m_prev - m1)
+        denom = denom * factor + gl.sum(probs, 1)
+        acc = acc * gl.convert_layout(factor, ROW_O)[:, None]
+        m_prev = m1
+        if second:
+            p1 = probs.to(p_smem.dtype)
+            p_smem.index(z + 1).store(p1)
+            _signal(p1_ready)
+            p1 = gl.convert_layout(p1, P_OPERAND)
+            acc = warpgroup_mma(p1, kv_hi.index(z + 1), acc, is_async=True)
+            mbarrier.wait(p0_ready, j & 1)
+            acc = warpgroup_mma(p_smem.index(z), kv_hi.index(z), acc, is_async=True)
+            warpgroup_mma_wait(num_outstanding=1, deps=(p1,))
+            # Stage 1's high half and rope key are read by no one else now: they refill with block b + 3.
+            _fill_part(latent_desc, kv_ptr, kv_hi.index(z + 1), hi_ready, block_table_row, stride_kv, b + 3, last, full,
+                       kv_len, R // 2, R // 2, PAGE_SIZE)
+            _fill_part(rope_desc, kv_ptr, kv_rope.index(z + 1), hi_ready, block_table_row, stride_kv, b + 3, last, full,
+                       kv_len, R, P, PAGE_SIZE)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        else:
+            mbarrier.wait(p0_ready, j & 1)
+            acc = warpgroup_mma(p_smem.index(z), kv_hi.index(z), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        _fill_part(latent_desc, kv_ptr, kv_hi.index(z), bars.index(2), block_table_row, stride_kv, b + 2, last, full,
+                   kv_len, R // 2, R // 2, PAGE_SIZE)
+        _fill_part(rope_desc, kv_ptr, kv_rope.index(z), bars.index(2), block_table_row, stride_kv, b + 2, last, full,
+                   kv_len, R, P, PAGE_SIZE)
+        if b + 3 < last:
+            scores = _scores(q.index(z), q.index(z + 1), q_rope, kv_lo.index(z + 1), kv_hi.index(z + 1),
+                             kv_rope.index(z + 1), lo_ready, hi_ready, (j + 1) & 1)
+
+    s_l.store(denom)
+    _signal(l1_ready)
+    mbarrier.wait(l_ready, 0)
+    denom = s_l.load(ROW_S)
+    _store_half(acc, denom, out_ptr, t, head_block, split, num_heads, stride_o_t, stride_o_h, stride_o_s, R // 2, R)
+
+
+@gluon.jit
+def _store_half(acc, denom, out_ptr, t, head_block, split, num_heads, stride_o_t, stride_o_h, stride_o_s, col0,
+                R: gl.constexpr):
+    """acc / denom into the output's (or the split's partial's) columns col0 .. col0 + R / 2."""
+    heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_LAYOUT))
+    cols = col0 + gl.arange(0, R // 2, layout=gl.SliceLayout(0, O_LAYOUT))
+    ptrs = out_ptr + t * stride_o_t + heads[:, None] * stride_o_h + split * stride_o_s + cols[None, :]
+    out = acc / gl.convert_layout(denom, gl.SliceLayout(1, O_LAYOUT))[:, None]
+    gl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=(heads < num_heads)[:, None])
 
 
 @gluon.jit
@@ -114,126 +310,89 @@ def _gluon_mla_kernel(
     stride_qn_t, stride_qn_h, stride_qr_t, stride_qr_h, stride_kv, stride_bt,
     stride_o_t, stride_o_h, stride_o_s, stride_lse_t, stride_lse_h,
     num_heads, num_splits, min_split_blocks, qk_scale,
-    R: gl.constexpr, P: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr,
-    SPLIT: gl.constexpr, num_warps: gl.constexpr,
+    R: gl.constexpr, P: gl.constexpr, PAGE_SIZE: gl.constexpr, SPLIT: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """kv_ptr: the pool [num_slots, R + P]; latent_desc / rope_desc: its [BLOCK_N, R / 2] and [BLOCK_N, P] TMA
-    boxes. SPLIT: out_ptr / lse_ptr are float32 partials and base-2 log-sum-exps (unit stride over splits), else
-    out_ptr is the output. qk_scale: the softmax scale times log2(e)."""
-    HALF_R: gl.constexpr = R // 2
-    gl.static_assert(num_warps == 8, "two warpgroups: keys split for the scores, latent columns for the output")
+    """kv_ptr: the pool [num_slots, R + P]; latent_desc / rope_desc: its [64, R / 2] and [64, P] TMA boxes. SPLIT:
+    out_ptr / lse_ptr are float32 partials and base-2 log-sum-exps (unit stride over splits), else out_ptr is the
+    output. qk_scale: the softmax scale times log2(e). num_warps 4: warpgroup 0; warpgroup 1 is the worker."""
+    gl.static_assert(num_warps == 4, "warpgroup 0 runs the kernel's warps, warpgroup 1 a worker partition")
     head_block, split, t, req, kv_len, first, last = _mla_program(
         num_heads, num_splits, min_split_blocks, token_req_ptr, token_kv_len_ptr, BLOCK_H, BLOCK_N)
     full = gl.minimum(last, kv_len // BLOCK_N)
-
-    # Scores [64, BLOCK_N]: warpgroup w scores keys w * BLOCK_N / 2 ...; output halves [64, R / 2]: warpgroup w
-    # holds columns w * R / 4 ... of each.
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, BLOCK_N // 2, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, HALF_R // 2, 16])
-    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    dtype: gl.constexpr = q_nope_ptr.dtype.element_ty
-
-    heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, io_layout))
-    head_mask = heads < num_heads
-    lse_heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_layout)
-    lse_ptrs = lse_ptr + t * stride_lse_t + lse_heads * stride_lse_h + split
+    row_layout: gl.constexpr = gl.SliceLayout(1, IO_LAYOUT)
     if first >= last:
         if SPLIT:
-            gl.store(lse_ptrs, gl.full([BLOCK_H], float("-inf"), gl.float32, row_layout), mask=lse_heads < num_heads)
+            heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_layout)
+            gl.store(lse_ptr + t * stride_lse_t + heads * stride_lse_h + split,
+                     gl.full([BLOCK_H], float("-inf"), gl.float32, row_layout), mask=heads < num_heads)
         return
 
-    half_smem: gl.constexpr = latent_desc.layout
-    rope_smem: gl.constexpr = rope_desc.layout
-    q_layout_half: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, HALF_R], dtype)
-    q_layout_rope: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, P], dtype)
+    dtype: gl.constexpr = q_nope_ptr.dtype.element_ty
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, R // 2], dtype)
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype)
-    q_lo = gl.allocate_shared_memory(dtype, [BLOCK_H, HALF_R], q_layout_half)
-    q_hi = gl.allocate_shared_memory(dtype, [BLOCK_H, HALF_R], q_layout_half)
-    q_rope = gl.allocate_shared_memory(dtype, [BLOCK_H, P], q_layout_rope)
-    kv_lo = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HALF_R], half_smem)
-    kv_hi = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HALF_R], half_smem)
-    kv_rope = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, P], rope_smem)
-    probs_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], p_layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-
-    block_table_row = block_table_ptr + req * stride_bt
-    for i in gl.static_range(STAGES):
-        _refill(latent_desc, rope_desc, kv_lo, kv_hi, kv_rope, ready, block_table_row, first + i, i, full, R, BLOCK_N,
-                PAGE_SIZE)
-
-    q_base = q_nope_ptr + t * stride_qn_t
-    q_lo.store(_load_rows(q_base, heads, stride_qn_h, head_mask, HALF_R, io_layout))
-    q_hi.store(_load_rows(q_base + HALF_R, heads, stride_qn_h, head_mask, HALF_R, io_layout))
-    q_rope.store(_load_rows(q_rope_ptr + t * stride_qr_t, heads, stride_qr_h, head_mask, P, io_layout))
+    stats_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    q = gl.allocate_shared_memory(dtype, [2, BLOCK_H, R // 2], q_layout)
+    kv_lo = gl.allocate_shared_memory(dtype, [2, BLOCK_N, R // 2], latent_desc.layout)
+    kv_hi = gl.allocate_shared_memory(dtype, [2, BLOCK_N, R // 2], latent_desc.layout)
+    kv_rope = gl.allocate_shared_memory(dtype, [2, BLOCK_N, P], rope_desc.layout)
+    p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_H, BLOCK_N], p_layout)
+    # Per head: the running row max, exp2(m0 - m1) of the pair, the row-sum exchange.
+    s_max = gl.allocate_shared_memory(gl.float32, [BLOCK_H], stats_layout)
+    s_scale1 = gl.allocate_shared_memory(gl.float32, [BLOCK_H], stats_layout)
+    s_l = gl.allocate_shared_memory(gl.float32, [BLOCK_H], stats_layout)
+    # lo_ready[2], hi_ready[2] (a stage's high half and rope key: two fills, two arrivals), then scale0, scale1,
+    # p0, p1, l1 and l ready (one arrival each).
+    bars = gl.allocate_shared_memory(gl.int64, [10, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(10):
+        mbarrier.init(bars.index(i), count=2 if i == 2 or i == 3 else 1)
     fence_async_shared()
     gl.thread_barrier()
 
-    keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    m = gl.full([BLOCK_H], float("-inf"), gl.float32, row_layout)
-    denom = gl.zeros([BLOCK_H], gl.float32, row_layout)
-    acc_lo = gl.zeros([BLOCK_H, HALF_R], gl.float32, o_layout)
-    acc_hi = gl.zeros([BLOCK_H, HALF_R], gl.float32, o_layout)
-    # One block at a time: scores, softmax, PV. A stage serves one step, so the other STAGES - 1 load while it
-    # computes. (Issuing the next block's scores beside this block's PV, to hide the softmax, holds two stages a
-    # step: with the two that fit, the next load then had nothing to hide behind, and ncu found the warps waiting
-    # on its barrier a quarter of the time; 0.50 of the limit against 0.65 at batch 32 x 8192 keys.)
-    for i in range(last - first):
-        b = first + i
-        stage = i % STAGES
-        _stage_block(kv_ptr, kv_lo, kv_hi, kv_rope, ready, block_table_row, stride_kv, b, i, full, kv_len, R, P,
-                     BLOCK_N, PAGE_SIZE, STAGES, io_layout)
-        scores = _scores(q_lo, q_hi, q_rope, kv_lo, kv_hi, kv_rope, stage, BLOCK_H, BLOCK_N, s_layout)
-        scores = warpgroup_mma_wait(num_outstanding=0, deps=(scores,))
-        probs, m, denom, alpha = _softmax(scores, b, full, kv_len, keys, m, denom, qk_scale, BLOCK_N)
-        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        acc_lo = acc_lo * alpha_o
-        acc_hi = acc_hi * alpha_o
-        # Each warpgroup stores its keys' probabilities and multiplies all of them by its latent columns.
-        probs_smem.store(probs.to(dtype))
-        fence_async_shared()
-        gl.thread_barrier()
-        acc_lo = warpgroup_mma(probs_smem, kv_lo.index(stage), acc_lo, is_async=True)
-        acc_hi = warpgroup_mma(probs_smem, kv_hi.index(stage), acc_hi, is_async=True)
-        acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc_lo, acc_hi))
-        # Both warpgroups are done with the stage and the probabilities: the stage refills with the block STAGES on.
-        gl.thread_barrier()
-        _refill(latent_desc, rope_desc, kv_lo, kv_hi, kv_rope, ready, block_table_row, b + STAGES, stage, full, R,
-                BLOCK_N, PAGE_SIZE)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(i))
+    block_table_row = block_table_ptr + req * stride_bt
+    for s in gl.static_range(2):
+        _fill_part(latent_desc, kv_ptr, kv_lo.index(s), bars.index(s), block_table_row, stride_kv, first + s, last,
+                   full, kv_len, 0, R // 2, PAGE_SIZE)
+        _fill_part(latent_desc, kv_ptr, kv_hi.index(s), bars.index(2 + s), block_table_row, stride_kv, first + s,
+                   last, full, kv_len, R // 2, R // 2, PAGE_SIZE)
+        _fill_part(rope_desc, kv_ptr, kv_rope.index(s), bars.index(2 + s), block_table_row, stride_kv, first + s,
+                   last, full, kv_len, R, P, PAGE_SIZE)
+    heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_layout)
+    q_base = q_nope_ptr + t * stride_qn_t
+    q.index(0).store(_load_rows(q_base, heads, stride_qn_h, heads < num_heads, R // 2, IO_LAYOUT))
+    q.index(1).store(_load_rows(q_base + R // 2, heads, stride_qn_h, heads < num_heads, R // 2, IO_LAYOUT))
+    s_max.store(gl.full([BLOCK_H], float("-inf"), gl.float32, row_layout))
+    fence_async_shared()
+    gl.thread_barrier()
 
-    denom_o = gl.convert_layout(denom, gl.SliceLayout(1, o_layout))[:, None]
-    o_heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_layout))
-    cols = gl.arange(0, HALF_R, layout=gl.SliceLayout(0, o_layout))
-    out_rows = out_ptr + t * stride_o_t + o_heads[:, None] * stride_o_h + split * stride_o_s + cols[None, :]
-    o_mask = (o_heads < num_heads)[:, None]
-    gl.store(out_rows, (acc_lo / denom_o).to(out_ptr.dtype.element_ty), mask=o_mask)
-    gl.store(out_rows + HALF_R, (acc_hi / denom_o).to(out_ptr.dtype.element_ty), mask=o_mask)
-    if SPLIT:
-        gl.store(lse_ptrs, m + gl.log2(denom), mask=lse_heads < num_heads)
+    gl.warp_specialize([
+        (_warpgroup0, (q, kv_lo, kv_hi, kv_rope, p_smem, s_max, s_scale1, s_l, bars, latent_desc,
+                       kv_ptr, q_rope_ptr, out_ptr, lse_ptr, block_table_row, stride_kv, t, head_block, split,
+                       num_heads, stride_qr_t, stride_qr_h, stride_o_t, stride_o_h, stride_o_s, stride_lse_t,
+                       stride_lse_h, first, last, full, kv_len, qk_scale, R, P, PAGE_SIZE, SPLIT)),
+        (_warpgroup1, (q, kv_lo, kv_hi, kv_rope, p_smem, s_max, s_scale1, s_l, bars, latent_desc,
+                       rope_desc, kv_ptr, q_rope_ptr, out_ptr, block_table_row, stride_kv, t, head_block, split,
+                       num_heads, stride_qr_t, stride_qr_h, stride_o_t, stride_o_h, stride_o_s, first, last, full,
+                       kv_len, qk_scale, R, P, PAGE_SIZE)),
+    ], [4], [WORKER_REGS])
+    for i in gl.static_range(10):
+        mbarrier.invalidate(bars.index(i))
 
 
 def launch(grid: tuple[int], q_nope: torch.Tensor, q_rope: torch.Tensor, kv_buffer: torch.Tensor,
            block_table: torch.Tensor, token_req: torch.Tensor, token_kv_len: torch.Tensor, part_out: torch.Tensor,
            part_lse: torch.Tensor, o_strides: tuple[int, int, int], lse_strides: tuple[int, int], num_splits: int,
-           min_split_blocks: int, qk_scale: float, page_size: int, block_n: int, stages: int) -> None:
-    """Stage 1 of `triton_kernels.mla_attention` for a config that `mla_gluon_fits` (it checked the shapes and
-    made the arguments): q_nope [T, H, 512], q_rope [T, H, 64] bf16 / fp16, last dims contiguous; the pool
-    kv_buffer [num_slots, 576]; part_out / part_lse and their strides as `_mla_kernel` takes them."""
+           min_split_blocks: int, qk_scale: float, page_size: int) -> None:
+    """Stage 1 of `triton_kernels.mla_attention` for a Gluon config (`mla_gluon_fits` checked the shapes):
+    q_nope [T, H, 512], q_rope [T, H, 64] bf16 / fp16, last dims contiguous; the pool kv_buffer [num_slots, 576];
+    part_out / part_lse and their strides as `_mla_kernel` takes them."""
     element = gl.bfloat16 if q_nope.dtype == torch.bfloat16 else gl.float16
     r, p = q_nope.shape[2], q_rope.shape[2]
     latent_desc = TensorDescriptor.from_tensor(
-        kv_buffer, [block_n, r // 2], gl.NVMMASharedLayout.get_default_for([block_n, r // 2], element))
-    rope_desc = TensorDescriptor.from_tensor(
-        kv_buffer, [block_n, p], gl.NVMMASharedLayout.get_default_for([block_n, p], element))
+        kv_buffer, [64, r // 2], gl.NVMMASharedLayout.get_default_for([64, r // 2], element))
+    rope_desc = TensorDescriptor.from_tensor(kv_buffer, [64, p], gl.NVMMASharedLayout.get_default_for([64, p], element))
     _gluon_mla_kernel[grid](
         q_nope, q_rope, kv_buffer, latent_desc, rope_desc, block_table, token_req, token_kv_len, part_out, part_lse,
         q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), kv_buffer.stride(0),
         block_table.stride(0), *o_strides, *lse_strides, q_nope.shape[1], num_splits, min_split_blocks, qk_scale,
-        R=r, P=p, BLOCK_N=block_n, PAGE_SIZE=page_size, STAGES=stages, SPLIT=num_splits > 1, num_warps=8,
+        R=r, P=p, PAGE_SIZE=page_size, SPLIT=num_splits > 1, num_warps=4,
     )

@@ -121,8 +121,8 @@ class MlaConfig:
     load the query block inside the KV loop. Triton then hoists the load and keeps the block in shared
     memory, reading it into registers for each KV block; held from outside the loop, it stays in
     registers throughout, which mma.sync (operand A in registers in every warp) cannot afford. gluon: stage 1
-    is `gluon_mla._gluon_mla_kernel` instead (`mla_gluon_fits`; block_n keys a block in a TMA ring of num_stages;
-    a call with a draft tree takes `_mla_kernel` with the same blocks)."""
+    is `gluon_mla._gluon_mla_kernel` instead (`mla_gluon_fits`: 64-key blocks in two stages; a call with a draft
+    tree takes `_mla_kernel` with the same blocks)."""
 
     block_h: int
     block_n: int
@@ -164,6 +164,9 @@ def mla_config(num_heads: int, dtype: torch.dtype, capability: tuple[int, int] |
       the [64, 512] accumulator is split between them. (Moving the score dots into a branch so that the
       warpgroups split the keys instead, which the sweep measured, spilled at 255 registers and ran 1.3x
       slower.)
+      On sm90, where `mla_gluon_fits`, the same blocks run as the Gluon kernel (`gluon_mla`), whose
+      warpgroups take key blocks in turns: 532 us at 128 x 8192 and 166 us at 32 x 8192 on the H200 (session
+      15), against 700 and 190 us for session 14's lockstep Gluon kernel.
     - 16 / 32 heads (mma.sync): its A operand sits in registers in every warp, 144 of them for a
       [16, 576] query held across the loop, so the query is loaded in the loop instead (`reload_q`:
       kept in shared memory, read per block). Keys must be more than the heads and at least 8 a warp,
@@ -195,11 +198,13 @@ def mla_tma_fits(config: MlaConfig, kv_lora_rank: int, rope_dim: int, page_size:
 
 def mla_gluon_fits(config: MlaConfig, kv_lora_rank: int, rope_dim: int, page_size: int, dtype: torch.dtype,
                    capability: tuple[int, int] | None) -> bool:
-    """Can `config` run as the Gluon kernel (`gluon_mla`): 64 heads on 8 warps, DeepSeek's latent 512 + rope 64 in
-    bf16 / fp16, key blocks inside one page, on sm90: its wgmma is Hopper's alone (Blackwell's tensor cores take
-    tcgen05), and Gluon kernels do not run in the interpreter (None)."""
+    """Can `config` run as the Gluon kernel (`gluon_mla`): 64 heads on 8 warps (two warpgroups), 64-key blocks in
+    two stages, DeepSeek's latent 512 + rope 64 in bf16 / fp16, key blocks inside one page, on sm90: its wgmma is
+    Hopper's alone (Blackwell's tensor cores take tcgen05), and Gluon kernels do not run in the interpreter
+    (None)."""
     return (config.block_h == 64 and config.num_warps == 8 and (kv_lora_rank, rope_dim) == (512, 64)
-            and page_size % config.block_n == 0 and dtype in (torch.bfloat16, torch.float16)
+            and (config.block_n, config.num_stages) == (64, 2) and page_size % config.block_n == 0
+            and dtype in (torch.bfloat16, torch.float16)
             and capability is not None and capability[0] == 9)
 
 
@@ -530,7 +535,7 @@ def mla_attention(
 
         gluon_mla.launch(grid, q_nope, q_rope, kv_buffer, block_table, token_req, token_kv_len, part_out, part_lse,
                          o_strides, lse_strides, num_splits, triton.cdiv(mla_min_split_keys(h), config.block_n),
-                         sm_scale * LOG2E, page_size, config.block_n, config.num_stages)
+                         sm_scale * LOG2E, page_size)
     else:
         _launch_mla_kernel(grid, config, q_nope, q_rope, kv_buffer, block_table, token_req, token_kv_len, tree,
                            part_out, part_lse, o_strides, lse_strides, num_splits, page_size, sm_scale, pdl)
