@@ -1,9 +1,11 @@
 """One warm launch of each hot Triton kernel at a shape the issue's targets name, for a profiler:
 
     ncu --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \\
-        -k regex:'_mla_kernel|_w8a8_block_fp8_matmul|_fused_moe_gemm' -c 6 python benchmarks/profile_triton_kernels.py
+        -k regex:'_mla_kernel|_mha_kernel|_w8a8_block_fp8_matmul|_fused_moe_gemm' -c 8 \\
+        python benchmarks/profile_triton_kernels.py
 
-MLA decode at batch 64 x 8192 keys (128 heads), block-FP8 GEMM at M=4096 on (N, K) = (7168, 16384), fused MoE
+MLA decode at batch 64 x 8192 keys (128 heads), causal MHA prefill of 4096 tokens (128 heads, qk 192, v 128),
+block-FP8 GEMM at M=4096 on (N, K) = (7168, 16384), fused MoE
 (E=256 top-8, V3 experts as one GPU of TP8 holds them) at 1 token. Each runs twice (compile, then the profiled
 launch)."""
 
@@ -15,6 +17,7 @@ from plugserve.core.forward_batch import ForwardMode
 from plugserve.core.interfaces import AttentionSpec, GemmSpec, MoESpec
 from plugserve.core.layers.quant import quantize_block_fp8
 from plugserve.plugins.attention.triton import TritonAttention
+from plugserve.plugins.attention.triton_kernels import mha_varlen
 from plugserve.plugins.gemm.triton import TritonFp8Gemm
 from plugserve.plugins.moe.triton import TritonMoE
 from plugserve.testing.batches import random_batch
@@ -29,6 +32,9 @@ def main() -> None:
     attention.plan(batch)
     q_nope = torch.randn(64, 128, 512, device=device, dtype=dtype)
     q_rope = torch.randn(64, 128, 64, device=device, dtype=dtype)
+    q, k = (torch.randn(4096, 128, 192, device=device, dtype=dtype) for _ in range(2))
+    v = torch.randn(4096, 128, 128, device=device, dtype=dtype)
+    cu_seqlens = torch.tensor([0, 4096], dtype=torch.int32, device=device)
 
     gemm = TritonFp8Gemm(GemmSpec(dtype=dtype), device)
     packed = gemm.prepare(*quantize_block_fp8(torch.randn(7168, 16384, device=device) / 128, (128, 128)))
@@ -45,6 +51,7 @@ def main() -> None:
 
     for _ in range(2):
         attention.forward_mla(q_nope, q_rope, 0)
+        mha_varlen(q, k, v, cu_seqlens, cu_seqlens, 4096, 192**-0.5, True)
         gemm.apply(x, packed)
         moe.forward(tokens, weights, topk_ids, topk_weights, 2.5)
     torch.cuda.synchronize()

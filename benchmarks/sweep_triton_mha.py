@@ -5,10 +5,10 @@ measured in the same run: causal flops / bf16 TFLOP/s, as benchmarks/shootout.py
         [--output sweep.json]
 
 For each (new tokens, cached prefix) shape of one request (DeepSeek's MHA heads: qk 192, v 128; causal,
-bottom-right) it times the kernel's own choice (`mha_configs`' first) and each candidate `MhaConfig`, every call
-captured in a CUDA graph and replayed (median of --reps), and checks each output against the default's. Prints a
-line per run and the default and fastest per shape. (`--device cpu --dtype float16 --shapes 64x16 --heads 2`
-checks the script in Triton's interpreter.)
+bottom-right) it times the kernel's own choice (the Gluon kernel where it fits, else `mha_configs`' first) and
+each candidate `MhaConfig`, every call captured in a CUDA graph and replayed (median of --reps), and checks each
+output against the default's. Prints a line per run and the default and fastest per shape. (`--device cpu
+--dtype float16 --shapes 64x16 --heads 2` checks the script in Triton's interpreter.)
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from plugserve.plugins.attention import triton_kernels as kernels
 
 MhaConfig = kernels.MhaConfig
 QK_DIM, V_DIM = 192, 128
-CANDIDATES = [MhaConfig(128, 64, 8, 2), MhaConfig(128, 128, 8, 2), MhaConfig(128, 128, 8, 3), MhaConfig(128, 32, 8, 4),
+CANDIDATES = [MhaConfig(128, 128, 8, 2, gluon=True), MhaConfig(128, 64, 8, 2, gluon=True),
+              MhaConfig(128, 64, 8, 2), MhaConfig(128, 128, 8, 2), MhaConfig(128, 128, 8, 3), MhaConfig(128, 32, 8, 4),
               MhaConfig(128, 64, 4, 3), MhaConfig(64, 64, 4, 3), MhaConfig(64, 128, 4, 2), MhaConfig(64, 64, 4, 4),
               MhaConfig(256, 64, 8, 2), MhaConfig(128, 64, 8, 3, tma=True), MhaConfig(128, 128, 8, 2, tma=True),
               MhaConfig(128, 64, 8, 4, tma=True), MhaConfig(64, 64, 4, 3, tma=True),
@@ -55,10 +56,13 @@ def sweep_shape(tokens: int, prefix: int, heads: int, ceilings: dict[str, float]
         return kernels.mha_varlen(q, k, v, cu_q, cu_kv, tokens, scale, True, config)[0]
 
     expected = run(None).float()
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    default = (kernels.GLUON_MHA if kernels.mha_gluon_fits(kernels.GLUON_MHA, q, k, v, capability)
+               else kernels.mha_configs(device.type == "cuda", V_DIM, q.element_size())[0])
     runs = []
     for config in [None, *args.candidates]:
         row = dict(tokens=tokens, prefix=prefix, heads=heads, limit_us=limit * 1e6, default=config is None,
-                   config=str(config or kernels.mha_configs(device.type == "cuda", V_DIM, q.element_size())[0]))
+                   config=str(config or default))
         try:
             diff = (run(config).float() - expected).abs().max().item()
             seconds, how = timed(lambda config=config: run(config), device, args.warmup, args.reps)
@@ -73,12 +77,12 @@ def sweep_shape(tokens: int, prefix: int, heads: int, ceilings: dict[str, float]
 
 
 def parse_config(text: str) -> MhaConfig:
-    """'128x64x8x3' (BLOCK_M, BLOCK_N, num_warps, num_stages), then optionally 'tma' and / or 'ws'."""
+    """'128x64x8x3' (BLOCK_M, BLOCK_N, num_warps, num_stages), then optionally 'tma', 'ws' and / or 'gluon'."""
     parts = text.split("x")
     flags = set(parts[4:])
-    if len(parts) < 4 or not all(p.isdigit() for p in parts[:4]) or not flags <= {"tma", "ws"}:
-        raise ValueError(f"{text!r} is not MxNxWARPSxSTAGES[xtma][xws]")
-    return MhaConfig(*map(int, parts[:4]), warp_specialize="ws" in flags, tma="tma" in flags)
+    if len(parts) < 4 or not all(p.isdigit() for p in parts[:4]) or not flags <= {"tma", "ws", "gluon"}:
+        raise ValueError(f"{text!r} is not MxNxWARPSxSTAGES[xtma][xws][xgluon]")
+    return MhaConfig(*map(int, parts[:4]), warp_specialize="ws" in flags, tma="tma" in flags, gluon="gluon" in flags)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -774,9 +774,9 @@ def mha_varlen(
     """Ragged MHA: q [T, H, Dqk], k [Tk, H, Dqk], v [Tk, H, Dv] (last dims contiguous), requests packed
     request-major; cu_q / cu_kv [B+1] int32 exclusive prefix sums of the per-request query / key
     counts; max_q_len the largest query count. Causal masks bottom-right. `config`: launch exactly this one
-    (benchmarks/sweep_triton_mha.py); None, the first of `mha_configs` this GPU's shared memory holds.
-    Returns out [T, H, Dv] in q's dtype and lse [T, H] float32 (natural log; -inf, out 0 where a
-    query sees no key)."""
+    (benchmarks/sweep_triton_mha.py); None, the Gluon kernel where `mha_gluon_fits` (sm90), else the first of
+    `mha_configs` this GPU's shared memory holds. Returns out [T, H, Dv] in q's dtype and lse [T, H] float32
+    (natural log; -inf, out 0 where a query sees no key)."""
     t, h, d_qk = q.shape
     d_v = v.shape[2]
     out = torch.empty(t, h, d_v, dtype=q.dtype, device=q.device)
@@ -784,6 +784,16 @@ def mha_varlen(
     if t == 0:
         return out, lse
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+    capability = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
+    gluon = GLUON_MHA if config is None else config
+    if gluon.gluon and mha_gluon_fits(gluon, q, k, v, capability):
+        from plugserve.plugins.attention import gluon_mha
+
+        gluon_mha.launch(q, k, v, out, lse, cu_q, cu_kv, max_q_len, sm_scale * LOG2E, causal, gluon.block_n)
+        return out, lse
+    if config is not None and config.gluon:
+        raise ValueError(f"MHA config {config} cannot run the Gluon kernel with q {tuple(q.shape)} {q.dtype}, "
+                         f"v {tuple(v.shape)} on {'the CPU' if capability is None else f'sm{capability}'}")
     block_d1 = max(MIN_DOT, 1 << (d_qk.bit_length() - 1))  # the largest power of two <= d_qk
     tail = d_qk - block_d1
     block_d2 = _pow2_at_least(tail, MIN_DOT) if tail > 0 else 0
@@ -819,16 +829,17 @@ def mha_varlen(
     return out, lse
 
 
-def _mha_tma_fits(k: torch.Tensor, v: torch.Tensor) -> bool:
-    """k [Tk, H, Dqk] and v [Tk, H, Dv] read as [Tk, H * D] TMA sources: heads packed within a row."""
-    return all(x.stride(1) == x.shape[2] and x.stride(2) == 1 and tma_source(x.flatten(1)) for x in (k, v))
+def _mha_tma_fits(*tensors: torch.Tensor) -> bool:
+    """Each of q / k [T, H, Dqk] and v [T, H, Dv] read as a [T, H * D] TMA source: heads packed within a row."""
+    return all(x.stride(1) == x.shape[2] and x.stride(2) == 1 and tma_source(x.flatten(1)) for x in tensors)
 
 
 class MhaConfig(NamedTuple):
     """Launch parameters of `_mha_kernel`: queries and keys per block, num_warps, num_stages, whether Triton
     warp-specializes the unmasked key loop (producer warps loading K / V beside the consumers' dots), and whether
     K and V blocks load as TMA boxes (taken where k and v pack their heads in 16-byte aligned rows, pointers
-    otherwise)."""
+    otherwise). gluon: `gluon_mha._gluon_mha_kernel` instead (`mha_gluon_fits`: 128 queries on two consumer
+    warpgroups, num_warps 8, beside a TMA producer warp; two stages of block_n keys)."""
 
     block_m: int
     block_n: int
@@ -836,6 +847,29 @@ class MhaConfig(NamedTuple):
     num_stages: int
     warp_specialize: bool = False
     tma: bool = False
+    gluon: bool = False
+
+
+# sm90's default where it fits: FA3's tiles at DeepSeek's 192 / 128 head dims (0.77-0.85 of the limit on the H200,
+# against 0.56-0.63 for `_mha_kernel`'s best config; session 15).
+GLUON_MHA = MhaConfig(128, 128, 8, 2, gluon=True)
+
+
+def mha_gluon_fits(config: MhaConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   capability: tuple[int, int] | None) -> bool:
+    """Can `config` run as the Gluon kernel (`gluon_mha`): 128 x block_n tiles on 8 consumer warps, two stages; bf16 /
+    fp16 with heads packed in rows (TMA boxes); the qk head dim a power of two of at most 256 plus a smaller
+    power-of-two tail (192 = 128 + 64), a value head dim of at most 128 (the [128, Dv] float32 output in
+    registers) and the tiles within sm90's shared memory; on sm90 (wgmma; the interpreter, None, runs no
+    Gluon)."""
+    d_qk, d_v = q.shape[2], v.shape[2]
+    d1 = 1 << (d_qk.bit_length() - 1)
+    d2 = d_qk - d1
+    shared = 2 * (128 * d_qk + 2 * config.block_n * (d_qk + d_v))
+    return ((config.block_m, config.num_warps, config.num_stages) == (128, 8, 2) and config.block_n in (64, 128)
+            and q.dtype in (torch.bfloat16, torch.float16) and k.dtype == v.dtype == q.dtype
+            and MIN_DOT <= d2 < d1 <= 256 and d2 & (d2 - 1) == 0 and MIN_DOT <= d_v <= 128 and d_v & (d_v - 1) == 0
+            and shared <= 220 * 1024 and _mha_tma_fits(q, k, v) and capability is not None and capability[0] == 9)
 
 
 def mha_configs(on_gpu: bool, block_dv: int, itemsize: int) -> list[MhaConfig]:
