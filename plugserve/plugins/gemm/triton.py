@@ -165,7 +165,8 @@ class TritonFp8Gemm(Fp8GemmBackend):
 
     def apply(self, x: torch.Tensor, packed: TritonFp8Weight) -> torch.Tensor:
         """x [M, K] of spec.dtype -> [M, N] of spec.dtype. Quantizes x with column-major scales (the
-        GEMM reads one K block's M scales at a time), then runs the GEMM with the config for M."""
+        GEMM reads one K block's M scales at a time), then runs the GEMM: on sm90 from GLUON_MIN_M rows the Gluon
+        kernel (`gluon_gemm`), else the Triton kernel with the config for M."""
         from plugserve.plugins.gemm import triton_kernels
 
         k = packed.weight.shape[1]
@@ -174,6 +175,12 @@ class TritonFp8Gemm(Fp8GemmBackend):
                              f"got shape {tuple(x.shape)} of dtype {x.dtype}")
         block = self.spec.block_shape
         x_q, x_scales = triton_kernels.per_token_group_quant_fp8(x, block[1], column_major_scales=True)
+        if self.hardware.device_type == "cuda":
+            from plugserve.plugins.gemm import gluon_gemm
+
+            if gluon_gemm.gluon_gemm_fits(x_q, packed.weight, block, self.hardware.capability):
+                return gluon_gemm.gluon_block_fp8_matmul(x_q, x_scales, packed.weight, packed.weight_scale_inv,
+                                                         self.spec.dtype, self.hardware.multiprocessors)
         n = packed.weight.shape[0]
         sms = self.hardware.multiprocessors if self.hardware.device_type == "cuda" else None  # interpreter: no split
         config = pick_config(x.shape[0], packed.configs, block, n, k, sms)
