@@ -1,5 +1,5 @@
 """Block-FP8 GEMM for Hopper in Gluon, scheduled as DeepGEMM's sm90 kernel is: the Triton backend's GEMM where
-`gluon_gemm_fits` (sm90, M of at least `GLUON_MIN_M`).
+`gluon_gemm_fits` (sm90, at least `GLUON_MIN_M` rows and `GLUON_MIN_K` deep).
 
 Persistent: one program an SM walks the [128, 128] output tiles (groups of GROUP_M row tiles sweep the column
 tiles together, so that the programs running at once share A and B tiles in L2). Three warp-specialized
@@ -35,10 +35,12 @@ BLOCK = 128  # the tile's rows and columns and the K block: DeepSeek's 128 x 128
 HALF = gl.constexpr(64)  # rows a consumer warpgroup: its wgmma M
 STAGES = 6  # 32 KB a stage (A and B e4m3 blocks): 192 KB of shared memory
 GROUP_M = 8
-# Below, most of a 128-row tile is padding and the Triton kernel's decode configs (small tiles, split-K) take the
-# rows; from 256 rows on the Gluon kernel was the faster on the H100 on every V3 shape but n7168 k2048 at 512 and
-# 1024 rows (within 5 %; session 15).
+# Where the Gluon kernel takes over from the Triton one (H100, V3's shapes, session 15): below 256 rows most of a
+# 128-row tile is padding and the Triton kernel's decode configs (small tiles, split-K) fit better; below 4096 deep
+# (K = 2048, 1536: within 5 % either way; K = 512: 0.25 of dense FP8 against 0.33) a tile's few K blocks do not
+# amortize its pipeline fill and store. From both on it was 1.05-1.7x faster, but for n2112 at 1024 rows (0.79x).
 GLUON_MIN_M = 256
+GLUON_MIN_K = 4096
 CONSUMER_REGS = gl.constexpr(240)  # consumer 1's; Triton gives consumer 0 (the kernel's own warps) the same
 PRODUCER_REGS = gl.constexpr(24)
 
@@ -163,11 +165,11 @@ def _gluon_fp8_gemm_kernel(a_desc, b_desc, c_ptr, a_s_ptr, b_s_ptr, M, N, K, str
 
 def gluon_gemm_fits(a: torch.Tensor, b: torch.Tensor, block_shape: tuple[int, int],
                     capability: tuple[int, int] | None) -> bool:
-    """Can a [M, K] x b [N, K]^T run as the Gluon kernel: e4m3 operands that are TMA sources (K contiguous, rows
-    16-byte aligned), 128 x 128 weight scale blocks, K a multiple of 128, M of at least GLUON_MIN_M, on sm90
-    (wgmma; the interpreter, None, runs no Gluon)."""
+    """Should a [M, K] x b [N, K]^T run as the Gluon kernel: e4m3 operands that are TMA sources (K contiguous,
+    rows 16-byte aligned), 128 x 128 weight scale blocks, K a multiple of 128, M and K of at least GLUON_MIN_M and
+    GLUON_MIN_K, on sm90 (wgmma; the interpreter, None, runs no Gluon)."""
     m, k = a.shape
-    return (tuple(block_shape) == (BLOCK, BLOCK) and k % BLOCK == 0 and m >= GLUON_MIN_M
+    return (tuple(block_shape) == (BLOCK, BLOCK) and k % BLOCK == 0 and m >= GLUON_MIN_M and k >= GLUON_MIN_K
             and a.dtype == b.dtype == torch.float8_e4m3fn and a.stride(1) == b.stride(1) == 1
             and a.stride(0) % 16 == 0 and b.stride(0) % 16 == 0 and a.data_ptr() % 16 == 0
             and b.data_ptr() % 16 == 0 and capability is not None and capability[0] == 9)

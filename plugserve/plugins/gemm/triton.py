@@ -165,8 +165,8 @@ class TritonFp8Gemm(Fp8GemmBackend):
 
     def apply(self, x: torch.Tensor, packed: TritonFp8Weight) -> torch.Tensor:
         """x [M, K] of spec.dtype -> [M, N] of spec.dtype. Quantizes x with column-major scales (the
-        GEMM reads one K block's M scales at a time), then runs the GEMM: on sm90 from GLUON_MIN_M rows the Gluon
-        kernel (`gluon_gemm`), else the Triton kernel with the config for M."""
+        GEMM reads one K block's M scales at a time), then runs the GEMM: on sm90 from GLUON_MIN_M rows and GLUON_MIN_K
+        deep the Gluon kernel (`gluon_gemm`), else the Triton kernel with the config for M."""
         from plugserve.plugins.gemm import triton_kernels
 
         k = packed.weight.shape[1]

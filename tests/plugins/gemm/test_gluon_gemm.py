@@ -18,17 +18,18 @@ SM90, E4M3 = (9, 0), torch.float8_e4m3fn
 
 
 def test_where_the_gluon_kernel_fits():
-    a, b = torch.zeros(256, 512).to(E4M3), torch.zeros(384, 512).to(E4M3)
+    a, b = torch.zeros(256, 4224).to(E4M3), torch.zeros(384, 4224).to(E4M3)
     fits = gluon_gemm.gluon_gemm_fits
     assert fits(a, b, (128, 128), SM90)
     assert not fits(a, b, (128, 128), None)  # the interpreter runs no Gluon
     assert not fits(a, b, (128, 128), (10, 0))  # Blackwell has no wgmma
     assert not fits(a[:255], b, (128, 128), SM90)  # fewer rows than GLUON_MIN_M: the Triton kernel's
     assert not fits(a, b, (64, 128), SM90)
-    assert not fits(torch.zeros(256, 200).to(E4M3), torch.zeros(384, 200).to(E4M3), (128, 128), SM90)
+    assert not fits(a[:, :4100], b[:, :4100], (128, 128), SM90)  # K not a multiple of 128
+    assert not fits(a[:, :3968], b[:, :3968], (128, 128), SM90)  # under GLUON_MIN_K deep: the Triton kernel's
     assert not fits(a.to(torch.bfloat16), b.to(torch.bfloat16), (128, 128), SM90)
     assert not fits(a.t().contiguous().t(), b, (128, 128), SM90)  # K must be contiguous (TMA rows)
-    assert fits(a[:, :384], b[:, :384], (128, 128), SM90)  # 3 K blocks of rows strided by 512
+    assert fits(a[:, :4096], b[:, :4096], (128, 128), SM90)  # rows strided by 4224
 
 
 def _operands(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -54,14 +55,18 @@ def test_matches_the_reference(m: int, n: int, k: int):
 
 
 @pytest.mark.skipif(not HOPPER, reason="Gluon's wgmma kernel needs a Hopper GPU")
-def test_the_backend_takes_it_from_gluon_min_m():
+def test_the_backend_takes_it_from_gluon_min_m(monkeypatch: pytest.MonkeyPatch):
+    calls = []
+    gluon = gluon_gemm.gluon_block_fp8_matmul
+    monkeypatch.setattr(gluon_gemm, "gluon_block_fp8_matmul", lambda *args: calls.append(args[0].shape) or gluon(*args))
     backend = TritonFp8Gemm(GemmSpec(dtype=torch.bfloat16), torch.device("cuda"))
-    x, _, _, w_q, w_s = _operands(gluon_gemm.GLUON_MIN_M + 3, 640, 1536, 7)
+    x, _, _, w_q, w_s = _operands(gluon_gemm.GLUON_MIN_M + 3, 640, gluon_gemm.GLUON_MIN_K, 7)
     packed = backend.prepare(w_q, w_s)
     for rows in (gluon_gemm.GLUON_MIN_M - 1, gluon_gemm.GLUON_MIN_M + 3):
         x_q, x_s = per_token_group_quant_fp8(x[:rows], 128)
         expected = block_fp8_matmul(x_q, x_s, w_q, w_s, (128, 128), torch.bfloat16)
         assert_close(backend.apply(x[:rows], packed), expected, torch.bfloat16, f"{rows} rows")
+    assert calls == [(gluon_gemm.GLUON_MIN_M + 3, gluon_gemm.GLUON_MIN_K)]
 
 
 def test_refuses_row_major_activation_scales():
