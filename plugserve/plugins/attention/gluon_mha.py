@@ -28,14 +28,14 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-# Triton 3.9 names the TMA load async_load (async_copy_global_to_shared raises there); 3.6 has only the latter.
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+from plugserve.plugins.attention.triton_kernels import _mha_softmax
+from plugserve.plugins.gluon_support import release, tma_load
+
 BLOCK_M = gl.constexpr(128)  # queries a program: 64 for each of two consumer warpgroups
 QUARTER = gl.constexpr(64)  # query rows a consumer warpgroup: its wgmma M
 S_WARPS = gl.constexpr([4, 1])  # a consumer partition's warps over rows and columns
@@ -54,49 +54,31 @@ def _producer(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, q1, q2, k1, k2, v, q_r
     if n_blocks > 0:
         mbarrier.expect(q_ready, 2 * (q1_desc.block_type.nbytes + q2_desc.block_type.nbytes))
         for c in gl.static_range(2):
-            _tma_load(q1_desc, [q_row + c * QUARTER, k_col], q_ready, q1.index(c))
-            _tma_load(q2_desc, [q_row + c * QUARTER, k_col + D1], q_ready, q2.index(c))
+            tma_load(q1_desc, [q_row + c * QUARTER, k_col], q_ready, q1.index(c))
+            tma_load(q2_desc, [q_row + c * QUARTER, k_col + D1], q_ready, q2.index(c))
     for j in range(n_blocks):
         slot = j % 2
         row = kv_start + j * BLOCK_N
         mbarrier.wait(k_empty.index(slot), ((j - 2) // 2) & 1, pred=j >= 2)
         mbarrier.expect(k_ready.index(slot), k1_desc.block_type.nbytes + k2_desc.block_type.nbytes)
-        _tma_load(k1_desc, [row, k_col], k_ready.index(slot), k1.index(slot))
-        _tma_load(k2_desc, [row, k_col + D1], k_ready.index(slot), k2.index(slot))
+        tma_load(k1_desc, [row, k_col], k_ready.index(slot), k1.index(slot))
+        tma_load(k2_desc, [row, k_col + D1], k_ready.index(slot), k2.index(slot))
         mbarrier.wait(v_empty.index(slot), ((j - 2) // 2) & 1, pred=j >= 2)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        _tma_load(v_desc, [row, v_col], v_ready.index(slot), v.index(slot))
-
-
-@gluon.jit
-def _release(bar):
-    """Arrive on `bar` (count 2: one arrival per consumer) once every warp of this warpgroup is past its wait."""
-    gl.thread_barrier()
-    mbarrier.arrive(bar, count=1)
+        tma_load(v_desc, [row, v_col], v_ready.index(slot), v.index(slot))
 
 
 @gluon.jit
 def _softmax(scores, j, full_blocks, rows, kv_len, diagonal, m, denom, qk_scale, BLOCK_N: gl.constexpr,
              CAUSAL: gl.constexpr, s_layout: gl.constexpr):
-    """Online softmax of key block j's raw scores [64, BLOCK_N], base 2: (probabilities, row max, denominator,
-    alpha, the factor the output takes). Blocks from full_blocks on may hold keys past kv_len or (causal) past a
-    row's diagonal; a row that has seen no key keeps max -inf and shifts by 0, so that its weights stay 0."""
+    """`triton_kernels._mha_softmax` of key block j's raw scores [64, BLOCK_N]: blocks from full_blocks on may hold
+    keys past kv_len or (causal) past a row's diagonal, and take its masked path."""
+    keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     if j >= full_blocks:
-        keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        visible = (keys < kv_len)[None, :]
-        if CAUSAL:
-            visible = visible & (keys[None, :] <= diagonal + rows[:, None])
-        scores = gl.where(visible, scores * qk_scale, float("-inf"))
-        m_new = gl.maximum(m, gl.max(scores, 1))
-        shift = gl.where(m_new == float("-inf"), 0.0, m_new)
-        probs = gl.exp2(scores - shift[:, None])
+        probs, m, denom, alpha = _mha_softmax(m, denom, scores, rows, keys, kv_len, diagonal, qk_scale, True, CAUSAL)
     else:
-        # The scale and the shift in one FMA per score (the scale is positive: the max commutes with it).
-        m_new = gl.maximum(m, gl.max(scores, 1) * qk_scale)
-        shift = m_new
-        probs = gl.exp2(scores * qk_scale - shift[:, None])
-    alpha = gl.exp2(m - shift)
-    return probs, m_new, denom * alpha + gl.sum(probs, 1), alpha
+        probs, m, denom, alpha = _mha_softmax(m, denom, scores, rows, keys, kv_len, diagonal, qk_scale, False, CAUSAL)
+    return probs, m, denom, alpha
 
 
 @gluon.jit
@@ -123,7 +105,7 @@ def _consumer(q1, q2, k1, k2, v, q_ready, k_ready, v_ready, k_empty, v_empty, ou
                                use_acc=False, is_async=True)
         scores = warpgroup_mma(q_hi, k2.index(0).permute((1, 0)), scores, is_async=True)
         scores = warpgroup_mma_wait(num_outstanding=0, deps=(scores,))
-        _release(k_empty.index(0))
+        release(k_empty.index(0))
         probs, m, denom, alpha = _softmax(scores, 0, full_blocks, rows, kv_len, diagonal, m, denom, qk_scale,
                                           BLOCK_N, CAUSAL, s_layout)
         p = gl.convert_layout(probs.to(dtype), p_operand)
@@ -137,11 +119,11 @@ def _consumer(q1, q2, k1, k2, v, q_ready, k_ready, v_ready, k_empty, v_empty, ou
             mbarrier.wait(v_ready.index(prev), ((j - 1) // 2) & 1)
             acc = warpgroup_mma(p, v.index(prev), acc, is_async=True)
             scores = warpgroup_mma_wait(num_outstanding=1, deps=(scores,))
-            _release(k_empty.index(slot))
+            release(k_empty.index(slot))
             probs, m, denom, alpha = _softmax(scores, j, full_blocks, rows, kv_len, diagonal, m, denom, qk_scale,
                                               BLOCK_N, CAUSAL, s_layout)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            _release(v_empty.index(prev))
+            release(v_empty.index(prev))
             p = gl.convert_layout(probs.to(dtype), p_operand)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         last = (n_blocks - 1) % 2

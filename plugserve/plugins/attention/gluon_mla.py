@@ -40,16 +40,14 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from plugserve.plugins.attention.triton_kernels import _mla_program
+from plugserve.plugins.gluon_support import tma_load
 
-# Triton 3.9 names the TMA load async_load (async_copy_global_to_shared raises there); 3.6 has only the latter.
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 BLOCK_H = gl.constexpr(64)  # heads a program: one warpgroup's wgmma M
 BLOCK_N = gl.constexpr(64)  # keys a block: one warpgroup's score wgmma N
 WORKER_REGS = gl.constexpr(256)  # warpgroup 1's registers: with warpgroup 0 at 256 too, the whole register file
@@ -80,7 +78,7 @@ def _fill_part(desc, kv_ptr, dst, ready, block_table_row, stride_kv, b, last, fu
     if b < full:
         row = gl.load(block_table_row + b * BLOCK_N // PAGE_SIZE) * PAGE_SIZE + b * BLOCK_N % PAGE_SIZE
         mbarrier.expect(ready, desc.block_type.nbytes)
-        _tma_load(desc, [row, col0], ready, dst)
+        tma_load(desc, [row, col0], ready, dst)
     elif b < last:
         _fill_partial(kv_ptr, dst, ready, block_table_row, stride_kv, b, kv_len, col0, COLS, PAGE_SIZE)
 

@@ -23,14 +23,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-# Triton 3.9 names the TMA load async_load (async_copy_global_to_shared raises there); 3.6 has only the latter.
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+from plugserve.plugins.gluon_support import release, tma_load
+
 BLOCK = 128  # the tile's rows and columns and the K block: DeepSeek's 128 x 128 weight scale blocks
 HALF = gl.constexpr(64)  # rows a consumer warpgroup: its wgmma M
 STAGES = 6  # 32 KB a stage (A and B e4m3 blocks): 192 KB of shared memory
@@ -67,17 +66,10 @@ def _producer(a_desc, b_desc, a_smem, b_smem, full, empty, num_m, num_n, num_kb,
             slot = it % STAGES
             mbarrier.wait(empty.index(slot), ((it - STAGES) // STAGES) & 1, pred=it >= STAGES)
             mbarrier.expect(full.index(slot), 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            _tma_load(a_desc, [off_m, kb * 128], full.index(slot), a_smem.index(2 * slot))
-            _tma_load(a_desc, [off_m + HALF, kb * 128], full.index(slot), a_smem.index(2 * slot + 1))
-            _tma_load(b_desc, [off_n, kb * 128], full.index(slot), b_smem.index(slot))
+            tma_load(a_desc, [off_m, kb * 128], full.index(slot), a_smem.index(2 * slot))
+            tma_load(a_desc, [off_m + HALF, kb * 128], full.index(slot), a_smem.index(2 * slot + 1))
+            tma_load(b_desc, [off_n, kb * 128], full.index(slot), b_smem.index(slot))
             it += 1
-
-
-@gluon.jit
-def _release(bar):
-    """Arrive on `bar` (count 2: one arrival per consumer) once every warp of this warpgroup is past its wait."""
-    gl.thread_barrier()
-    mbarrier.arrive(bar, count=1)
 
 
 @gluon.jit
@@ -94,7 +86,7 @@ def _promote(part, outstanding: gl.constexpr, scale, total, empty, it, STAGES: g
     """Waits for `part` (leaving `outstanding` products in flight), releases its slot (ring position it) and adds it,
     times its scales [64], to the float32 total."""
     done = warpgroup_mma_wait(num_outstanding=outstanding, deps=(part,))
-    _release(empty.index(it % STAGES))
+    release(empty.index(it % STAGES))
     return gl.fma(done, scale[:, None], total)
 
 
