@@ -37,7 +37,7 @@ from plugserve.plugins.attention.triton_kernels import _mha_softmax
 from plugserve.plugins.gluon_support import release, tma_load
 
 BLOCK_M = gl.constexpr(128)  # queries a program: 64 for each of two consumer warpgroups
-QUARTER = gl.constexpr(64)  # query rows a consumer warpgroup: its wgmma M
+HALF_M = gl.constexpr(64)  # query rows a consumer warpgroup: its wgmma M
 S_WARPS = gl.constexpr([4, 1])  # a consumer partition's warps over rows and columns
 # Consumer 1's and the producer's registers, FA3's split; Triton gives consumer 0 (the kernel's own warps) the same
 # 240 and the producer warpgroup's 3 idle warps the rest.
@@ -54,8 +54,8 @@ def _producer(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, q1, q2, k1, k2, v, q_r
     if n_blocks > 0:
         mbarrier.expect(q_ready, 2 * (q1_desc.block_type.nbytes + q2_desc.block_type.nbytes))
         for c in gl.static_range(2):
-            tma_load(q1_desc, [q_row + c * QUARTER, k_col], q_ready, q1.index(c))
-            tma_load(q2_desc, [q_row + c * QUARTER, k_col + D1], q_ready, q2.index(c))
+            tma_load(q1_desc, [q_row + c * HALF_M, k_col], q_ready, q1.index(c))
+            tma_load(q2_desc, [q_row + c * HALF_M, k_col + D1], q_ready, q2.index(c))
     for j in range(n_blocks):
         slot = j % 2
         row = kv_start + j * BLOCK_N
@@ -93,15 +93,15 @@ def _consumer(q1, q2, k1, k2, v, q_ready, k_ready, v_ready, k_empty, v_empty, ou
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=S_WARPS, instr_shape=[16, DV, 16])
     p_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     dtype: gl.constexpr = v.dtype
-    rows = m_block * 2 * QUARTER + C * QUARTER + gl.arange(0, QUARTER, layout=gl.SliceLayout(1, s_layout))
-    m = gl.full([QUARTER], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    denom = gl.zeros([QUARTER], gl.float32, gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([QUARTER, DV], gl.float32, o_layout)
+    rows = m_block * BLOCK_M + C * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
+    m = gl.full([HALF_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    denom = gl.zeros([HALF_M], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([HALF_M, DV], gl.float32, o_layout)
     if n_blocks > 0:
         mbarrier.wait(q_ready, 0)
         q_lo, q_hi = q1.index(C), q2.index(C)
         mbarrier.wait(k_ready.index(0), 0)
-        scores = warpgroup_mma(q_lo, k1.index(0).permute((1, 0)), gl.zeros([QUARTER, BLOCK_N], gl.float32, s_layout),
+        scores = warpgroup_mma(q_lo, k1.index(0).permute((1, 0)), gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout),
                                use_acc=False, is_async=True)
         scores = warpgroup_mma(q_hi, k2.index(0).permute((1, 0)), scores, is_async=True)
         scores = warpgroup_mma_wait(num_outstanding=0, deps=(scores,))
@@ -114,7 +114,7 @@ def _consumer(q1, q2, k1, k2, v, q_ready, k_ready, v_ready, k_empty, v_empty, ou
             prev = (j - 1) % 2
             mbarrier.wait(k_ready.index(slot), (j // 2) & 1)
             scores = warpgroup_mma(q_lo, k1.index(slot).permute((1, 0)),
-                                   gl.zeros([QUARTER, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+                                   gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
             scores = warpgroup_mma(q_hi, k2.index(slot).permute((1, 0)), scores, is_async=True)
             mbarrier.wait(v_ready.index(prev), ((j - 1) // 2) & 1)
             acc = warpgroup_mma(p, v.index(prev), acc, is_async=True)
@@ -134,7 +134,7 @@ def _consumer(q1, q2, k1, k2, v, q_ready, k_ready, v_ready, k_empty, v_empty, ou
     # Rows that saw no key: out 0 (acc is 0), lse -inf.
     seen = denom > 0
     safe_denom = gl.where(seen, denom, 1.0)
-    rows_o = m_block * 2 * QUARTER + C * QUARTER + gl.arange(0, QUARTER, layout=gl.SliceLayout(1, o_layout))
+    rows_o = m_block * BLOCK_M + C * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
     cols = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
     out = acc / gl.convert_layout(safe_denom, gl.SliceLayout(1, o_layout))[:, None]
     gl.store(out_ptr + (q_start + rows_o).to(gl.int64)[:, None] * stride_o_t + h * stride_o_h + cols[None, :],
@@ -173,8 +173,8 @@ def _gluon_mha_kernel(
     full_blocks = gl.maximum(full, 0) // BLOCK_N
 
     dtype: gl.constexpr = q1_desc.dtype
-    q1 = gl.allocate_shared_memory(dtype, [2, QUARTER, D1], q1_desc.layout)
-    q2 = gl.allocate_shared_memory(dtype, [2, QUARTER, D2], q2_desc.layout)
+    q1 = gl.allocate_shared_memory(dtype, [2, HALF_M, D1], q1_desc.layout)
+    q2 = gl.allocate_shared_memory(dtype, [2, HALF_M, D2], q2_desc.layout)
     k1 = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D1], k1_desc.layout)
     k2 = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D2], k2_desc.layout)
     v = gl.allocate_shared_memory(dtype, [2, BLOCK_N, DV], v_desc.layout)

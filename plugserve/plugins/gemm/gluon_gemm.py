@@ -37,7 +37,8 @@ GROUP_M = 8
 # Where the Gluon kernel takes over from the Triton one (H100, V3's shapes, session 15): below 256 rows most of a
 # 128-row tile is padding and the Triton kernel's decode configs (small tiles, split-K) fit better; below 4096 deep
 # (K = 2048, 1536: within 5 % either way; K = 512: 0.25 of dense FP8 against 0.33) a tile's few K blocks do not
-# amortize its pipeline fill and store. From both on it was 1.05-1.7x faster, but for n2112 at 1024 rows (0.79x).
+# amortize its pipeline fill and store. From both on it was 1.04-1.73x faster, except for n2112 at 256, 1024 and
+# 2048 rows (0.98x, 0.79x, 0.98x).
 GLUON_MIN_M = 256
 GLUON_MIN_K = 4096
 CONSUMER_REGS = gl.constexpr(240)  # consumer 1's; Triton gives consumer 0 (the kernel's own warps) the same
