@@ -8,11 +8,12 @@ partitions:
   e4m3 boxes, through a STAGES-deep ring, refilling a slot once both consumers released it (empty barriers of
   count 2); it runs ahead into the next tile while the consumers finish and store the last one;
 - two consumer warpgroups (240 registers each) take 64 rows each. Every K block's product lands in its own wgmma
-  accumulator (use_acc=False); after issuing block kb's, the consumer waits for block kb - 1's only (wait_group 1),
-  releases its slot and promotes it into the float32 total with one FMA by its scales (the row's per-token-group
-  scale times the weight block's) while kb's wgmma runs. Three [64, 128] float32 tiles live in registers: the
-  total, the product in flight and the one promoted.
-The consumers never wait for each other. Gluon kernels do not run in Triton's interpreter: tested on a GPU only.
+  accumulator (use_acc=False) and is promoted into the float32 total with one FMA by its scales (the row's
+  per-token-group scale times the weight block's). Two K blocks a step: both issued, the first waited for alone
+  (wait_group 1), its slot released and promoted while the second's wgmma runs, then the second. Three [64, 128]
+  float32 tiles live in registers: the total and the two products.
+The consumers never wait for each other, so one's promotions run beside the other's wgmmas. Gluon kernels do not
+run in Triton's interpreter: tested on a GPU only.
 """
 
 from __future__ import annotations
