@@ -30,6 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from plugserve.plugins.gluon_support import release, tma_load
+from plugserve.plugins.triton_support import tma_source
 
 BLOCK = 128  # the tile's rows and columns and the K block: DeepSeek's 128 x 128 weight scale blocks
 HALF = gl.constexpr(64)  # rows a consumer warpgroup: its wgmma M
@@ -164,9 +165,8 @@ def gluon_gemm_fits(a: torch.Tensor, b: torch.Tensor, block_shape: tuple[int, in
     GLUON_MIN_K, on sm90 (wgmma; the interpreter, None, runs no Gluon)."""
     m, k = a.shape
     return (tuple(block_shape) == (BLOCK, BLOCK) and k % BLOCK == 0 and m >= GLUON_MIN_M and k >= GLUON_MIN_K
-            and a.dtype == b.dtype == torch.float8_e4m3fn and a.stride(1) == b.stride(1) == 1
-            and a.stride(0) % 16 == 0 and b.stride(0) % 16 == 0 and a.data_ptr() % 16 == 0
-            and b.data_ptr() % 16 == 0 and capability is not None and capability[0] == 9)
+            and a.dtype == b.dtype == torch.float8_e4m3fn and tma_source(a) and tma_source(b)
+            and capability is not None and capability[0] == 9)
 
 
 def gluon_block_fp8_matmul(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
