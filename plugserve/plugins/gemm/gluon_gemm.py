@@ -24,25 +24,27 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from plugserve.plugins.gluon_support import release, tma_load
+from plugserve.plugins.gluon_support import release, tma_load, tma_store
 from plugserve.plugins.triton_support import tma_source
 
 BLOCK = 128  # the tile's rows and columns and the K block: DeepSeek's 128 x 128 weight scale blocks
 HALF = gl.constexpr(64)  # rows a consumer warpgroup: its wgmma M
-STAGES = 6  # 32 KB a stage (A and B e4m3 blocks): 192 KB of shared memory
+# 32 KB a ring stage (A and B e4m3 blocks), and the two consumers' output tiles: 32 KB in 16 bits (6 stages, 224
+# KB of shared memory), 64 KB in float32 (5 stages).
+STAGES = {2: 6, 4: 5}
+OUT_ELEMENT = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
 GROUP_M = 8
-# Where the Gluon kernel takes over from the Triton one (H100, V3's shapes, session 15): below 256 rows most of a
-# 128-row tile is padding and the Triton kernel's decode configs (small tiles, split-K) fit better; below 4096 deep
-# (K = 2048, 1536: within 5 % either way; K = 512: 0.25 of dense FP8 against 0.33) a tile's few K blocks do not
-# amortize its pipeline fill and store. From both on it was 1.04-1.73x faster, except for n2112 at 256, 1024 and
-# 2048 rows (0.98x, 0.79x, 0.98x).
+# Where the Gluon kernel takes over from the Triton one (H100, V3's shapes, session 16): below 256 rows most of a
+# 128-row tile is padding and the Triton kernel's decode configs (small tiles, split-K) fit better. From 256 rows it
+# was 1.0-1.6x faster at every depth measured (K = 512 ... 18432), except for n2112 at 1024 rows (0.86x).
 GLUON_MIN_M = 256
-GLUON_MIN_K = 4096
+GLUON_MIN_K = 512  # the shallowest measured
 CONSUMER_REGS = gl.constexpr(240)  # consumer 1's; Triton gives consumer 0 (the kernel's own warps) the same
 PRODUCER_REGS = gl.constexpr(24)
 
@@ -94,8 +96,8 @@ def _promote(part, outstanding: gl.constexpr, scale, total, empty, it, STAGES: g
 
 
 @gluon.jit
-def _consumer(a_smem, b_smem, full, empty, c_ptr, a_s_ptr, b_s_ptr, M, N, stride_cm, stride_as_k, stride_bs_n,
-              num_m, num_n, num_kb, C: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+def _consumer(a_smem, b_smem, c_smem, full, empty, c_desc, a_s_ptr, b_s_ptr, M, stride_as_k, stride_bs_n, num_m,
+              num_n, num_kb, C: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
     """Rows C * 64 ... of every tile this program owns: its K blocks' products, promoted by their scales into the
     float32 total, then the tile's store. Two K blocks a step: the first is promoted while the second's wgmma runs,
     and both have retired by the step's end (the other consumer's wgmmas fill the tensor cores meanwhile). A
@@ -122,13 +124,18 @@ def _consumer(a_smem, b_smem, full, empty, c_ptr, a_s_ptr, b_s_ptr, M, N, stride
             scale = gl.load(a_scales + last * stride_as_k) * gl.load(b_scales + last)
             total = _promote(part, 0, scale, total, empty, it + last, STAGES)
         it += num_kb
-        cols = off_n + gl.arange(0, 128, layout=gl.SliceLayout(0, layout))
-        gl.store(c_ptr + rows.to(gl.int64)[:, None] * stride_cm + cols[None, :], total.to(c_ptr.dtype.element_ty),
-                 mask=(rows < M)[:, None] & (cols < N)[None, :])
+        # The tile leaves through shared memory and one TMA store (clipped at M and N), so that the consumer goes on
+        # to the next tile at once; the previous tile's store must have read the buffer before it is rewritten.
+        tma.store_wait(0)
+        c_smem.store(total.to(c_desc.dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        tma_store(c_desc, [off_m + C * HALF, off_n], c_smem)
+    tma.store_wait(0)
 
 
 @gluon.jit
-def _gluon_fp8_gemm_kernel(a_desc, b_desc, c_ptr, a_s_ptr, b_s_ptr, M, N, K, stride_cm, stride_as_k, stride_bs_n,
+def _gluon_fp8_gemm_kernel(a_desc, b_desc, c_desc, a_s_ptr, b_s_ptr, M, N, K, stride_as_k, stride_bs_n,
                            STAGES: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
     """C [M, N] = sum over K blocks kb of (A[:, kb] @ B[:, kb]^T) * a_s[m, kb] * b_s[n // 128, kb]; a_desc / b_desc:
     [64, 128] / [128, 128] e4m3 boxes of A [M, K] and B [N, K] (zero-filled past M and N). num_warps 4: consumer 0;
@@ -139,6 +146,7 @@ def _gluon_fp8_gemm_kernel(a_desc, b_desc, c_ptr, a_s_ptr, b_s_ptr, M, N, K, str
     num_kb = K // 128
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, HALF, 128], a_desc.layout)
     b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, 128, 128], b_desc.layout)
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, [2, HALF, 128], c_desc.layout)  # a consumer's tile each
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -147,10 +155,10 @@ def _gluon_fp8_gemm_kernel(a_desc, b_desc, c_ptr, a_s_ptr, b_s_ptr, M, N, K, str
     fence_async_shared()
     gl.thread_barrier()
     gl.warp_specialize([
-        (_consumer, (a_smem, b_smem, full, empty, c_ptr, a_s_ptr, b_s_ptr, M, N, stride_cm, stride_as_k, stride_bs_n,
-                     num_m, num_n, num_kb, 0, STAGES, GROUP_M)),
-        (_consumer, (a_smem, b_smem, full, empty, c_ptr, a_s_ptr, b_s_ptr, M, N, stride_cm, stride_as_k, stride_bs_n,
-                     num_m, num_n, num_kb, 1, STAGES, GROUP_M)),
+        (_consumer, (a_smem, b_smem, c_smem.index(0), full, empty, c_desc, a_s_ptr, b_s_ptr, M, stride_as_k,
+                     stride_bs_n, num_m, num_n, num_kb, 0, STAGES, GROUP_M)),
+        (_consumer, (a_smem, b_smem, c_smem.index(1), full, empty, c_desc, a_s_ptr, b_s_ptr, M, stride_as_k,
+                     stride_bs_n, num_m, num_n, num_kb, 1, STAGES, GROUP_M)),
         (_producer, (a_desc, b_desc, a_smem, b_smem, full, empty, num_m, num_n, num_kb, STAGES, GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     for i in gl.static_range(STAGES):
@@ -161,10 +169,12 @@ def _gluon_fp8_gemm_kernel(a_desc, b_desc, c_ptr, a_s_ptr, b_s_ptr, M, N, K, str
 def gluon_gemm_fits(a: torch.Tensor, b: torch.Tensor, block_shape: tuple[int, int],
                     capability: tuple[int, int] | None) -> bool:
     """Should a [M, K] x b [N, K]^T run as the Gluon kernel: e4m3 operands that are TMA sources (K contiguous,
-    rows 16-byte aligned), 128 x 128 weight scale blocks, K a multiple of 128, M and K of at least GLUON_MIN_M and
-    GLUON_MIN_K, on sm90 (wgmma; the interpreter, None, runs no Gluon)."""
+    rows 16-byte aligned), an output whose 16-bit rows are too (N a multiple of 8), 128 x 128 weight scale blocks,
+    K a multiple of 128, M and K of at least GLUON_MIN_M and GLUON_MIN_K, on sm90 (wgmma; the interpreter, None,
+    runs no Gluon)."""
     m, k = a.shape
     return (tuple(block_shape) == (BLOCK, BLOCK) and k % BLOCK == 0 and m >= GLUON_MIN_M and k >= GLUON_MIN_K
+            and b.shape[0] % 8 == 0
             and a.dtype == b.dtype == torch.float8_e4m3fn and tma_source(a) and tma_source(b)
             and capability is not None and capability[0] == 9)
 
@@ -173,8 +183,8 @@ def gluon_block_fp8_matmul(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Ten
                            out_dtype: torch.dtype, multiprocessors: int) -> torch.Tensor:
     """a [M, K] float8_e4m3fn with per-token-group scales a_scales [M, K/128] float32, column-major (stride (1, M)),
     times b [N, K] float8_e4m3fn with 128 x 128 block scales b_scales [ceil(N/128), K/128] float32 (unit stride
-    along K), transposed: [M, N] in out_dtype. `gluon_gemm_fits` checked the operands; one program a
-    multiprocessor at most."""
+    along K), transposed: [M, N] in out_dtype (bf16, fp16 or fp32). `gluon_gemm_fits` checked the operands; one
+    program a multiprocessor at most."""
     m, k = a.shape
     n = b.shape[0]
     if a_scales.stride(0) != 1 or b_scales.stride(1) != 1:
@@ -185,9 +195,11 @@ def gluon_block_fp8_matmul(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Ten
                                                                                                gl.float8e4nv))
     b_desc = TensorDescriptor.from_tensor(b, [BLOCK, BLOCK], gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK],
                                                                                                   gl.float8e4nv))
+    c_desc = TensorDescriptor.from_tensor(c, [64, BLOCK], gl.NVMMASharedLayout.get_default_for([64, BLOCK],
+                                                                                      OUT_ELEMENT[out_dtype]))
     tiles = -(-m // BLOCK) * -(-n // BLOCK)
     _gluon_fp8_gemm_kernel[(min(tiles, multiprocessors),)](
-        a_desc, b_desc, c, a_scales, b_scales, m, n, k, c.stride(0), a_scales.stride(1), b_scales.stride(0),
-        STAGES=STAGES, GROUP_M=GROUP_M, num_warps=4,
+        a_desc, b_desc, c_desc, a_scales, b_scales, m, n, k, a_scales.stride(1), b_scales.stride(0),
+        STAGES=STAGES[c.element_size()], GROUP_M=GROUP_M, num_warps=4,
     )
     return c

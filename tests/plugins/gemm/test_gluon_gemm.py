@@ -26,10 +26,11 @@ def test_where_the_gluon_kernel_fits():
     assert not fits(a[:255], b, (128, 128), SM90)  # fewer rows than GLUON_MIN_M: the Triton kernel's
     assert not fits(a, b, (64, 128), SM90)
     assert not fits(a[:, :4100], b[:, :4100], (128, 128), SM90)  # K not a multiple of 128
-    assert not fits(a[:, :3968], b[:, :3968], (128, 128), SM90)  # under GLUON_MIN_K deep: the Triton kernel's
+    assert not fits(a[:, :384], b[:, :384], (128, 128), SM90)  # under GLUON_MIN_K deep: the Triton kernel's
     assert not fits(a.to(torch.bfloat16), b.to(torch.bfloat16), (128, 128), SM90)
     assert not fits(a.t().contiguous().t(), b, (128, 128), SM90)  # K must be contiguous (TMA rows)
     assert fits(a[:, :4096], b[:, :4096], (128, 128), SM90)  # rows strided by 4224
+    assert not fits(a, b[:380], (128, 128), SM90)  # the output's 16-bit rows must be 16-byte aligned (TMA store)
 
 
 def _operands(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -41,17 +42,21 @@ def _operands(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
 
 
 @pytest.mark.skipif(not HOPPER, reason="Gluon's wgmma kernel needs a Hopper GPU")
-@pytest.mark.parametrize("m,n,k", [(256, 256, 512), (300, 2112, 7168), (1000, 384, 1024), (4096, 4096, 1024),
-                                   (2050, 7168, 2048)])
-def test_matches_the_reference(m: int, n: int, k: int):
+@pytest.mark.parametrize("m,n,k,out_dtype", [
+    (256, 256, 512, torch.bfloat16), (300, 2112, 7168, torch.bfloat16), (1000, 384, 1024, torch.float16),
+    (4096, 4096, 1024, torch.bfloat16), (2050, 7168, 2048, torch.bfloat16),
+    # float32 tiles take twice the shared memory on their way out: one ring stage fewer
+    (300, 2112, 7168, torch.float32), (1000, 384, 1024, torch.float32)])
+def test_matches_the_reference(m: int, n: int, k: int, out_dtype: torch.dtype):
     _, x_q, x_s, w_q, w_s = _operands(m, n, k, m + n)
     # Column-major scales with a padded leading stride, as the quantization kernel's TMA-aligned ones are.
     padded = torch.empty(k // 128, m + 5, device="cuda")[:, :m].t()
     padded.copy_(x_s)
-    out = gluon_gemm.gluon_block_fp8_matmul(x_q, padded, w_q, w_s, torch.bfloat16,
+    out = gluon_gemm.gluon_block_fp8_matmul(x_q, padded, w_q, w_s, out_dtype,
                                             torch.cuda.get_device_properties(0).multi_processor_count)
-    assert_close(out, block_fp8_matmul(x_q, x_s, w_q, w_s, (128, 128), torch.bfloat16), torch.bfloat16,
-                 f"gluon GEMM {m}x{n}x{k}")
+    assert out.dtype == out_dtype
+    assert_close(out, block_fp8_matmul(x_q, x_s, w_q, w_s, (128, 128), out_dtype), out_dtype,
+                 f"gluon GEMM {m}x{n}x{k} {out_dtype}")
 
 
 @pytest.mark.skipif(not HOPPER, reason="Gluon's wgmma kernel needs a Hopper GPU")
