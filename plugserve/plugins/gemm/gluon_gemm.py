@@ -11,7 +11,8 @@ partitions:
   accumulator (use_acc=False) and is promoted into the float32 total with one FMA by its scales (the row's
   per-token-group scale times the weight block's). Two K blocks a step: both issued, the first waited for alone
   (wait_group 1), its slot released and promoted while the second's wgmma runs, then the second. Three [64, 128]
-  float32 tiles live in registers: the total and the two products.
+  float32 tiles live in registers: the total and the two products. The tile leaves through shared memory and a
+  TMA store, which the consumer does not wait for before starting the next tile.
 The consumers never wait for each other, so one's promotions run beside the other's wgmmas. Gluon kernels do not
 run in Triton's interpreter: tested on a GPU only.
 """
