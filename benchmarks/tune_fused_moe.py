@@ -14,7 +14,9 @@ on its own, and the BLOCK_SIZE_M with the fastest w13 + w2 is kept. Routing is t
 on random logits. The default search takes hours; --quick (a small space, six token counts) about
 five minutes on an H100 for both models. Token counts up to --decode-max-tokens (default 64) search the
 decode space instead: BLOCK_SIZE_M near the pairs an expert gets and narrow, deep, many-staged tiles, the
-shapes that stream the routed experts' weights fastest when there are few rows to multiply. Every count
+shapes that stream the routed experts' weights fastest when there are few rows to multiply, and the w13 pass's
+fastest tiles again with K cut into 2, 4 or 8 runs (SPLIT_K), for batches whose blocks alone cannot fill the
+GPU. Every count
 also prints its fraction of the weight-read limit (the bytes of the distinct experts the batch routes to
 over the copy bandwidth measured at start). --update keeps the other token counts of an existing file.
 
@@ -31,7 +33,7 @@ import itertools
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -116,9 +118,21 @@ def time_ms(fn: Callable[[], None], quick: bool) -> float:
         return float("inf")
 
 
+def ranked(run: Callable[..., None], tiles: list[GemmConfig], quick: bool) -> list[tuple[float, GemmConfig]]:
+    """(milliseconds, tile) of each tile for the pass that run(config=tile) launches, fastest first."""
+    return sorted(((time_ms(functools.partial(run, config=tile), quick), tile) for tile in tiles), key=lambda c: c[0])
+
+
 def fastest(run: Callable[..., None], tiles: list[GemmConfig], quick: bool) -> tuple[float, GemmConfig]:
     """(milliseconds, tile) of the fastest tile for the pass that run(config=tile) launches."""
-    return min(((time_ms(functools.partial(run, config=tile), quick), tile) for tile in tiles), key=lambda c: c[0])
+    return ranked(run, tiles, quick)[0]
+
+
+# Decode: the w13 pass's K (the hidden size) cut into this many runs, tried on its fastest uncut tiles. At one pair
+# an M-block a batch of a few tokens has too few blocks to draw the bandwidth (V3 under TP 8, 1 token: 64 programs
+# on 132 SMs); w2's K, the intermediate size per rank, is short already.
+DECODE_SPLITS = (2, 4, 8)
+SPLIT_CANDIDATES = 3
 
 
 @dataclass(frozen=True)
@@ -159,7 +173,8 @@ def tune_batch(experts: Experts, num_tokens: int, block_ms: tuple[int, ...] | No
     x = torch.randn(num_tokens, h, device=device, dtype=spec.dtype)
     bias = torch.randn(e, device=device) * 0.1 if spec.router.topk_method == "noaux_tc" else None
     topk_weights, topk_ids = TritonMoE(spec, device).route(torch.randn(num_tokens, e, device=device), bias)
-    if block_ms is None or tiles is None:
+    decode = block_ms is None or tiles is None
+    if decode:
         block_ms, tiles = decode_space(fp8, spec.dtype, num_tokens * k / e)
     a, a_scale = kernels.per_token_group_quant(x, spec.block_shape[1]) if fp8 else (x, None)
     h_buf = torch.empty(num_tokens * k, n, device=device, dtype=torch.float32 if fp8 else spec.dtype)
@@ -177,7 +192,12 @@ def tune_batch(experts: Experts, num_tokens: int, block_ms: tuple[int, ...] | No
 
     def passes(block_m: int, w13_tiles: list[GemmConfig], w2_tiles: list[GemmConfig]) -> tuple[float, MoEConfig]:
         alignment = kernels.align_pairs(local_ids, spec.num_local_experts, block_m)
-        t13, tile13 = fastest(functools.partial(w13_pass, alignment=alignment), w13_tiles, quick)
+        run13 = functools.partial(w13_pass, alignment=alignment)
+        timed13 = ranked(run13, w13_tiles, quick)
+        if decode and len(w13_tiles) > 1:
+            cut = [replace(tile, split_k=split) for _, tile in timed13[:SPLIT_CANDIDATES] for split in DECODE_SPLITS]
+            timed13 = sorted(timed13 + ranked(run13, cut, quick), key=lambda c: c[0])
+        t13, tile13 = timed13[0]
         w13_pass(alignment=alignment, config=tile13)  # the w2 pass's input
         h_in, h_scale = kernels.per_token_group_quant(h_buf, spec.block_shape[1]) if fp8 else (h_buf, None)
         t2, tile2 = fastest(functools.partial(w2_pass, h_in, h_scale, alignment=alignment), w2_tiles, quick)

@@ -22,7 +22,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from plugserve.core.layers.quant import FP8_DTYPE, FP8_MAX, SCALE_EPS, ceil_div
 from plugserve.core.triton_pdl import launch_options, programmatic_prologue
-from plugserve.plugins.triton_support import tma_source
+from plugserve.plugins.triton_support import split_k_arrivals, tma_source
 
 # Groups one program of the quantization kernel handles (a [groups, group_size] tile).
 MAX_GROUPS_PER_PROGRAM = 8
@@ -244,22 +244,6 @@ def _w8a8_block_fp8_matmul_kernel(
             tl.store(arrivals_ptr + pid, 0)
 
 
-# Split-K arrival counts (int32, zero between launches) of each device and stream: GEMMs on two streams at once
-# (the shared experts' beside the routed ones) must not count into the same slots.
-_arrivals: dict[tuple[int | None, int], torch.Tensor] = {}
-
-
-def _split_k_arrivals(device: torch.device, tiles: int) -> torch.Tensor:
-    """At least `tiles` arrival counts for GEMMs on `device`'s current stream, zero at every kernel boundary
-    (each launch re-arms the counts it used). The warm-up before a capture allocates them on the capture's stream;
-    a capture that still grows them allocates in the graph's pool and zeroes them in the graph too."""
-    key = (device.index, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
-    arrivals = _arrivals.get(key)
-    if arrivals is None or arrivals.numel() < tiles:
-        arrivals = _arrivals[key] = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
-    return arrivals
-
-
 def w8a8_block_fp8_matmul(
     a: torch.Tensor,
     a_scales: torch.Tensor,
@@ -296,7 +280,7 @@ def w8a8_block_fp8_matmul(
         return c
     tiles = triton.cdiv(m, config["BLOCK_SIZE_M"]) * triton.cdiv(n, config["BLOCK_SIZE_N"])
     partial = c if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=a.device)
-    arrivals = partial if split_k == 1 else _split_k_arrivals(a.device, tiles)
+    arrivals = partial if split_k == 1 else split_k_arrivals(a.device, tiles)
     tma = bool(config.get("TMA", 0)) and tma_source(a) and tma_source(b)
     a_desc = TensorDescriptor.from_tensor(a, [config["BLOCK_SIZE_M"], bk]) if tma else None
     b_desc = TensorDescriptor.from_tensor(b, [config["BLOCK_SIZE_N"], bk]) if tma else None

@@ -40,7 +40,7 @@ from plugserve.core.interfaces import RouterConfig
 from plugserve.core.layers.quant import FP8_DTYPE, FP8_MAX, SCALE_EPS
 from plugserve.core.triton_pdl import launch_options, programmatic_prologue
 from plugserve.plugins.moe.configs import GemmConfig, MoEConfig
-from plugserve.plugins.triton_support import tma_source
+from plugserve.plugins.triton_support import split_k_arrivals, tma_source
 
 # Triton's interpreter (triton 3.9) computes tl.dot on bfloat16 operands wrongly and rounds
 # float32 -> float8 casts wrongly (no carry into the exponent): under it, bfloat16 tiles are widened
@@ -548,12 +548,12 @@ def _mma(acc, a, b, a_scale, b_scale, FP8: tl.constexpr, DOT_FP32: tl.constexpr)
 @triton.jit(do_not_specialize_on_alignment=["num_pairs"])
 def _fused_moe_gemm_kernel(
     a_ptr, b_ptr, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr,
-    sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, sum_ptr, arrived_ptr,
+    sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, sum_ptr, arrived_ptr, partial_ptr, split_arrivals_ptr,
     N, K, num_pairs, padded_rows, num_experts, b_rows, routed_scaling_factor,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
-    stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
+    stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_ps, stride_pm,
     PER_PAIR: tl.constexpr, A_ROW_DIV: tl.constexpr, SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-    SUM_PAIRS: tl.constexpr,
+    SUM_PAIRS: tl.constexpr, SPLIT_K: tl.constexpr,
     FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE_M: tl.constexpr,
     TMA: tl.constexpr,
@@ -569,6 +569,10 @@ def _fused_moe_gemm_kernel(
     SUM_PAIRS (PER_PAIR, one token): also sum[n] = sum over the used pairs p of C[p, n] in float32, in pair order,
     by the program of each column block that arrives last (an atomic count per column block in arrived_ptr, after
     every program's stores; set back to 0 for the next launch), so that no top-k sum kernel follows.
+    SPLIT_K > 1 (not with SUM_PAIRS): program (block, s) runs the s-th of SPLIT_K runs of K blocks and stores its
+    float32 accumulators (gate and up: 2 N columns) in slice s of a [SPLIT_K, P, N or 2N] workspace (stride_ps,
+    stride_pm), counting itself in split_arrivals[block] (int32, zero between launches); the block's last program
+    to arrive adds the slices in split order and runs the epilogue, so the result does not depend on arrival order.
     TMA: B tiles come as [BLOCK_N, BLOCK_K] boxes of b_desc, B viewed as [E * b_rows, K] (zero-filled past K and
     past the last expert; a box reaching past an expert's N rows reads the next rows, whose columns are not stored)."""
     programmatic_prologue(PDL)
@@ -615,7 +619,13 @@ def _fused_moe_gemm_kernel(
             up_scale_ptrs = b_scale_ptr + expert * stride_bse + ((offs_n + N) // GROUP_N) * stride_bsn
 
     b_row = (expert * b_rows + pid_n * BLOCK_N).to(tl.int32)  # TMA: the first weight row of this column block
-    for k0 in range(0, k_end, BLOCK_K):
+    k_per_split = tl.cdiv(tl.cdiv(k_end, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_first = tl.program_id(1) * k_per_split
+    a_ptrs += k_first * stride_ak
+    b_ptrs += k_first * stride_bk
+    if SILU_MUL:
+        up_ptrs += k_first * stride_bk
+    for k0 in range(k_first, tl.minimum(k_first + k_per_split, k_end), BLOCK_K):
         k_mask = offs_k < K - k0
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         if TMA:
@@ -641,6 +651,24 @@ def _fused_moe_gemm_kernel(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
+    if SPLIT_K > 1:
+        part_mask = row_mask[:, None] & n_mask[None, :]
+        part = partial_ptr + pair.to(tl.int64)[:, None] * stride_pm + offs_n[None, :]
+        tl.store(part + tl.program_id(1) * stride_ps, acc, mask=part_mask)
+        if SILU_MUL:
+            tl.store(part + tl.program_id(1) * stride_ps + N, acc_up, mask=part_mask)
+        tl.debug_barrier()  # every thread's slice stored before one thread's release makes them visible
+        if tl.atomic_add(split_arrivals_ptr + pid, 1, sem="acq_rel", scope="gpu") < SPLIT_K - 1:
+            return
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if SILU_MUL:
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            # .cg: from L2, where the other programs' slices are, never a stale line of this SM's L1.
+            acc += tl.load(part + s * stride_ps, mask=part_mask, other=0.0, cache_modifier=".cg")
+            if SILU_MUL:
+                acc_up += tl.load(part + s * stride_ps + N, mask=part_mask, other=0.0, cache_modifier=".cg")
+        tl.store(split_arrivals_ptr + pid, 0)
     if SILU_MUL:
         acc = acc * tl.sigmoid(acc) * acc_up
     if MUL_WEIGHT:
@@ -683,28 +711,38 @@ def grouped_gemm(
     [rows, ceil(K/bk)]; w [E, N or 2N (silu_mul), K] of a's dtype, or float8 with w_scale
     [E, ceil(w.shape[1]/bn), ceil(K/bk)]; topk_weights [P] float32 to multiply by (times
     routed_scaling_factor). pair_sum (a per-pair alignment only): (sum [N], arrived [>= ceil(N / BLOCK_N)] int32
-    zeros) to also write the sum of out's used rows into, by the same launch (SUM_PAIRS)."""
+    zeros) to also write the sum of out's used rows into, by the same launch (SUM_PAIRS). config.split_k > 1: K cut
+    into that many runs, summed in split order by each block's last program (a decode-sized batch's few blocks
+    then fill the GPU)."""
     fp8 = w_scale is not None
     if fp8 and block_shape[1] % config.block_k:
         raise ValueError(f"BLOCK_SIZE_K {config.block_k} must divide the FP8 block's K size {block_shape[1]}")
     n, k = out.shape[1], a.shape[1]
     if pair_sum is not None and (not alignment.per_pair or pair_sum[1].numel() < triton.cdiv(n, config.block_n)):
         raise ValueError("pair_sum needs a per-pair alignment and an arrival count per column block")
-    grid = (alignment.num_blocks * triton.cdiv(n, config.block_n),)
+    if pair_sum is not None and config.split_k > 1:
+        raise ValueError("pair_sum needs SPLIT_K 1: the pair sum's last program must see every pair's finished row")
+    blocks = alignment.num_blocks * triton.cdiv(n, config.block_n)
+    grid = (blocks, config.split_k)
+    # SPLIT_K: each split's float32 accumulators (gate and up side by side) for the last program of a block to add.
+    partial = (torch.empty(config.split_k, alignment.num_pairs, 2 * n if silu_mul else n, dtype=torch.float32,
+                           device=a.device) if config.split_k > 1 else None)
+    split_arrivals = split_k_arrivals(a.device, blocks) if config.split_k > 1 else None
     # TMA (a speed hint): over the experts as one [E * rows, K] matrix, which needs them contiguous.
     tma = config.tma and w.is_contiguous() and tma_source(w.view(-1, k))
     b_desc = TensorDescriptor.from_tensor(w.view(-1, k), [config.block_n, config.block_k]) if tma else None
     _fused_moe_gemm_kernel[grid](
         a, w, b_desc, out, a_scale, w_scale, topk_weights,
         alignment.sorted_ids, alignment.expert_ids, alignment.num_padded,
-        *(pair_sum if pair_sum is not None else (None, None)),
+        *(pair_sum if pair_sum is not None else (None, None)), partial, split_arrivals,
         n, k, alignment.num_pairs, alignment.num_blocks * alignment.block_m, w.shape[0], w.shape[1],
         routed_scaling_factor,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         a_scale.stride(0) if fp8 else 0, a_scale.stride(1) if fp8 else 0,
         w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0, w_scale.stride(2) if fp8 else 0,
+        *((partial.stride(0), partial.stride(1)) if partial is not None else (0, 0)),
         PER_PAIR=alignment.per_pair, A_ROW_DIV=a_row_div, SILU_MUL=silu_mul, MUL_WEIGHT=topk_weights is not None,
-        SUM_PAIRS=pair_sum is not None,
+        SUM_PAIRS=pair_sum is not None, SPLIT_K=config.split_k,
         FP8=fp8, GROUP_N=block_shape[0], GROUP_K=block_shape[1], DOT_FP32=INTERPRET and a.dtype == torch.bfloat16,
         BLOCK_M=alignment.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_SIZE_M=config.group_m,
         TMA=tma, **launch_options(a), num_warps=config.num_warps, num_stages=config.num_stages,
@@ -770,7 +808,8 @@ def fused_experts(
                  block_shape=block_shape)
     h, h_scale = per_token_group_quant(h, block_shape[1]) if fp8 else (h, None)
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    in_pass = alignment.per_pair and arrived is not None and arrived.numel() >= triton.cdiv(hidden, config.w2.block_n)
+    in_pass = (alignment.per_pair and arrived is not None and config.w2.split_k == 1
+               and arrived.numel() >= triton.cdiv(hidden, config.w2.block_n))
     grouped_gemm(h, h_scale, w2, w2_scale_inv, y, alignment, config.w2, a_row_div=1, silu_mul=False,
                  topk_weights=topk_weights.float().contiguous(), routed_scaling_factor=routed_scaling_factor,
                  block_shape=block_shape, pair_sum=(out.view(-1), arrived) if in_pass else None)

@@ -24,6 +24,7 @@ from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import GemmSpec
 from plugserve.core.layers.quant import per_token_group_quant_fp8, quantize_block_fp8
 from plugserve.core.models.deepseek import DeepseekForCausalLM
+from plugserve.plugins import triton_support
 from plugserve.plugins.gemm.torch_ref import block_fp8_matmul
 from plugserve.plugins.gemm.triton import (
     CONFIG_DIR,
@@ -201,7 +202,7 @@ def test_split_k_rearms_its_arrival_counts(kernels: ModuleType) -> None:
         x_q, x_s = kernels.per_token_group_quant_fp8(x, column_major_scales=True)
         out = kernels.w8a8_block_fp8_matmul(x_q, x_s, w_q, w_s, BLOCK, torch.float32, config)
         assert_close(out, block_fp8_matmul(x_q, x_s, w_q, w_s, BLOCK, torch.float32), torch.float32, f"launch {seed}")
-    (arrivals,) = kernels._arrivals.values()
+    (arrivals,) = triton_support._arrivals.values()
     assert not arrivals.any()
 
 

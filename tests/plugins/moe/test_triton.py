@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from plugserve.core.forward_batch import Phase
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import MoESpec, RouterConfig
 from plugserve.core.layers.quant import per_token_group_quant_fp8, quantize_block_fp8
+from plugserve.plugins import triton_support
 from plugserve.plugins.moe import configs
 from plugserve.plugins.moe.configs import GemmConfig, MoEConfig
 from plugserve.plugins.moe.torch_ref import fused_experts_reference, select_experts
@@ -252,10 +254,14 @@ SMALL_TILES = MoEConfig(32, GemmConfig(32, 32, 2, 4, 2), GemmConfig(64, 64, 1, 4
 # TMA weight boxes: w13's second 128-row block (I = 192) reaches into the up rows, w2's second 128-deep K step past
 # K = 192 (zero-filled).
 TMA_TILES = MoEConfig(32, GemmConfig(128, 64, 2, 4, 2, tma=True), GemmConfig(64, 128, 1, 4, 2, tma=True))
+# Split-K: w13's K = 256 in 8 steps of 32 as runs of 3, 3 and 2; w2's K = 192 in 3 steps of 64 as runs of 2 and 1.
+SPLIT_TILES = MoEConfig(16, GemmConfig(32, 32, 1, 4, 2, split_k=3), GemmConfig(64, 64, 1, 4, 2, split_k=2))
 
 
 def _config_id(p) -> str:
-    return ("tma_tiles" if p.w13.tma else "small_tiles") if isinstance(p, MoEConfig) else str(p).removeprefix("torch.")
+    if not isinstance(p, MoEConfig):
+        return str(p).removeprefix("torch.")
+    return "split_tiles" if p.w13.split_k > 1 else "tma_tiles" if p.w13.tma else "small_tiles"
 
 
 @pytest.mark.parametrize(
@@ -272,6 +278,9 @@ def _config_id(p) -> str:
         (37, torch.float16, False, TMA_TILES),
         (37, torch.float32, True, TMA_TILES),
         (1, torch.bfloat16, True, TMA_TILES),
+        (1, torch.float16, True, SPLIT_TILES),
+        (37, torch.float32, False, SPLIT_TILES),
+        (37, torch.float16, True, SPLIT_TILES),
     ],
     ids=_config_id,
 )
@@ -291,9 +300,31 @@ def test_fused_experts_match_reference(kernels, t: int, dtype: torch.dtype, fp8:
     assert out.dtype == dtype
     # Block-FP8: the kit's bound, since the e4m3 intermediate may round to the neighbouring value on either side.
     assert_close(out, expected, dtype, f"triton MoE t={t} {dtype} fp8={fp8}", W8A8_MOE_ATOL if fp8 else None)
+    assert not any(arrivals.any() for arrivals in triton_support._arrivals.values())  # re-armed for the next launch
 
 
-@pytest.mark.parametrize("config", [None, TMA_TILES], ids=["default", "tma_tiles"])
+def test_split_k_results_do_not_depend_on_arrival_order(kernels) -> None:
+    """The last program of a block adds the splits' slices in split order: two launches give the same bits."""
+    h, i = 256, 192
+    w13, w2, _, _ = _experts(16, h, i, torch.float32, False)
+    weights, ids = _routing(9, SMALL_V3)
+    x = torch.randn(9, h, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    runs = [kernels.fused_experts(x, w13.to(DEVICE), w2.to(DEVICE), None, None, ids, weights, RSF, SPLIT_TILES)
+            for _ in range(2)]
+    assert torch.equal(runs[0], runs[1])
+
+
+def test_split_k_refuses_the_in_pass_pair_sum(kernels) -> None:
+    ids = torch.tensor([[0, 1]], dtype=torch.int32, device=DEVICE)
+    a = torch.zeros(1, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="pair_sum needs SPLIT_K 1"):
+        kernels.grouped_gemm(a, None, torch.zeros(2, 32, 64, device=DEVICE), None, torch.empty(2, 32, device=DEVICE),
+                             kernels.pair_blocks(ids, 16), SPLIT_TILES.w2, a_row_div=1, silu_mul=False,
+                             pair_sum=(torch.empty(32, device=DEVICE), torch.zeros(4, dtype=torch.int32,
+                                                                                   device=DEVICE)))
+
+
+@pytest.mark.parametrize("config", [None, TMA_TILES, SPLIT_TILES], ids=["default", "tma_tiles", "split_tiles"])
 @pytest.mark.parametrize("t", [1, 6])  # one token: one M-block per pair (pair_blocks), no alignment kernel
 def test_dropped_ids_contribute_nothing(kernels, t: int, config) -> None:
     h, i = 128, 64
@@ -377,6 +408,10 @@ def test_config_files_round_trip_and_nearest_m(tmp_path: Path, monkeypatch: pyte
     assert large.to_json()["w13"]["TMA"] == 1 and "TMA" not in large.to_json()["w2"]
     with pytest.raises(ValueError, match="TMA must be 0 or 1, got 2"):
         GemmConfig.from_json(large.to_json()["w13"] | {"TMA": 2})
+    assert "SPLIT_K" not in large.to_json()["w13"] and SPLIT_TILES.to_json()["w13"]["SPLIT_K"] == 3
+    assert MoEConfig.from_json(SPLIT_TILES.to_json()) == SPLIT_TILES
+    with pytest.raises(ValueError, match="SPLIT_K must be a positive integer, got 0"):
+        GemmConfig.from_json(large.to_json()["w13"] | {"SPLIT_K": 0})
     monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
     configs.write_config_file(tmp_path / configs.config_file_name(16, 32, "dev", torch.float16, None),
                               {1: small, 512: large})
@@ -509,6 +544,24 @@ def test_tuner_times_the_files_config_beside_the_candidates(kernels, monkeypatch
     assert best == TMA_TILES and total == 2.0
     best, total, _, _ = tuner.tune_batch(experts, 9, (16,), [SMALL_TILES.w13], True)
     assert best == MoEConfig(16, SMALL_TILES.w13, SMALL_TILES.w13) and total == 4.0
+
+
+def test_tuner_cuts_the_w13_pass_at_decode(kernels, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At decode sizes the w13 pass's fastest uncut tiles are timed again with K cut into DECODE_SPLITS runs; the
+    w2 pass is never cut. The winner passes the reference check (tune_batch's check_config)."""
+    import benchmarks.tune_fused_moe as tuner
+
+    spec = MoESpec(256, 192, torch.float32, None, router=SMALL_V3)
+    experts = tuner.Experts.random(spec, DEVICE)
+    tiles = [SMALL_TILES.w13, replace(SMALL_TILES.w13, block_n=64)]
+    monkeypatch.setattr(tuner, "decode_space", lambda *args: ((16,), tiles))
+    timed: list[GemmConfig] = []
+    monkeypatch.setattr(tuner, "time_ms", lambda fn, quick: timed.append(fn.keywords["config"])
+                        or (1.0 if fn.keywords["config"].split_k == 4 else 2.0))
+    best, _, _, _ = tuner.tune_batch(experts, 1, None, None, True)
+    assert best.w13.split_k == 4 and best.w2.split_k == 1
+    assert {tile.split_k for tile in timed} == {1, *tuner.DECODE_SPLITS}
+    assert all(tile.block_n in (32, 64) for tile in timed if tile.split_k > 1)
 
 
 def test_tuner_checks_its_expert_parallel_size(capsys: pytest.CaptureFixture[str]) -> None:

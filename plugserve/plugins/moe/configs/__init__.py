@@ -14,7 +14,9 @@ A file maps token counts M (T, not T * k) to a configuration; a batch uses the e
   {"64": {"BLOCK_SIZE_M": 32,
           "w13": {"BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1, "num_warps": 4, "num_stages": 3},
           "w2": {...}}, ...}
-BLOCK_SIZE_M is shared by both passes (the pairs are padded to it once); each pass has its own tile.
+BLOCK_SIZE_M is shared by both passes (the pairs are padded to it once); each pass has its own tile, which may
+add "TMA": 1 (weight tiles as TMA boxes) and "SPLIT_K": n (K cut into n runs, for decode batches too small to
+fill the GPU with blocks alone).
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ CONFIG_DIR = Path(__file__).parent
 @dataclass(frozen=True)
 class GemmConfig:
     """Tile of one grouped-GEMM pass (w13 or w2): BLOCK_SIZE_N x BLOCK_SIZE_K per step, GROUP_SIZE_M
-    M-blocks per sweep over N, Triton's num_warps / num_stages, and `tma`: the expert weight tiles loaded as TMA
-    boxes (files say "TMA": 1; absent is off)."""
+    M-blocks per sweep over N, Triton's num_warps / num_stages, `tma`: the expert weight tiles loaded as TMA
+    boxes (files say "TMA": 1; absent is off), and `split_k`: K cut into that many runs, each its own program
+    (files say "SPLIT_K": n; absent is 1)."""
 
     block_n: int
     block_k: int
@@ -47,17 +50,21 @@ class GemmConfig:
     num_warps: int
     num_stages: int
     tma: bool = False
+    split_k: int = 1
 
     def to_json(self) -> dict[str, int]:
-        return {"BLOCK_SIZE_N": self.block_n, "BLOCK_SIZE_K": self.block_k, "GROUP_SIZE_M": self.group_m,
-                "num_warps": self.num_warps, "num_stages": self.num_stages} | ({"TMA": 1} if self.tma else {})
+        return ({"BLOCK_SIZE_N": self.block_n, "BLOCK_SIZE_K": self.block_k, "GROUP_SIZE_M": self.group_m,
+                 "num_warps": self.num_warps, "num_stages": self.num_stages} | ({"TMA": 1} if self.tma else {})
+                | ({"SPLIT_K": self.split_k} if self.split_k > 1 else {}))
 
     @classmethod
     def from_json(cls, entry: dict[str, int]) -> GemmConfig:
         if entry.get("TMA", 0) not in (0, 1):
             raise ValueError(f"TMA must be 0 or 1, got {entry['TMA']!r}")
+        if not isinstance(entry.get("SPLIT_K", 1), int) or entry.get("SPLIT_K", 1) < 1:
+            raise ValueError(f"SPLIT_K must be a positive integer, got {entry['SPLIT_K']!r}")
         return cls(entry["BLOCK_SIZE_N"], entry["BLOCK_SIZE_K"], entry["GROUP_SIZE_M"], entry["num_warps"],
-                   entry["num_stages"], bool(entry.get("TMA", 0)))
+                   entry["num_stages"], bool(entry.get("TMA", 0)), entry.get("SPLIT_K", 1))
 
 
 @dataclass(frozen=True)
