@@ -17,6 +17,7 @@ from plugserve.core.forward_batch import Phase
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import MoEBackend, MoESpec, RouterConfig
 from plugserve.core.layers.quant import quantize_block_fp8
+from plugserve.plugins.moe.configs import GemmConfig, MoEConfig
 from plugserve.plugins.moe.deepgemm import DeepGemmMoE
 from plugserve.plugins.moe.torch_ref import TorchRefMoE
 from plugserve.plugins.moe.triton import TritonMoE
@@ -29,6 +30,8 @@ KERNELS_HERE = ON_GPU or os.environ.get("TRITON_INTERPRET") == "1"
 ROUTER = RouterConfig(16, 4, "sigmoid", "noaux_tc", n_group=4, topk_group=2, norm_topk_prob=True)
 RSF = 2.5  # routed_scaling_factor
 needs_kernels = pytest.mark.skipif(not KERNELS_HERE, reason="the Triton kernels need a GPU or TRITON_INTERPRET=1")
+# The w13 pass's K cut into 4 runs (a decode config's SPLIT_K): a float32 workspace and the shared arrival counts.
+SPLIT_K_CONFIG = MoEConfig(16, GemmConfig(32, 128, 1, 4, 3, split_k=4), GemmConfig(64, 128, 1, 4, 3))
 
 
 def test_declarations() -> None:
@@ -66,12 +69,16 @@ def _route_and_forward(backend: MoEBackend, packed, x: torch.Tensor, logits: tor
 
 
 @needs_kernels
-@pytest.mark.parametrize(("dtype", "fp8", "shared", "t"),
-                         [(torch.float32, False, False, 5), (torch.float16, True, True, 3)])
-def test_triton_reads_no_tensor_contents_on_the_host(dtype: torch.dtype, fp8: bool, shared: bool, t: int) -> None:
+@pytest.mark.parametrize(("dtype", "fp8", "shared", "t", "split_k"),
+                         [(torch.float32, False, False, 5, False), (torch.float16, True, True, 3, False),
+                          (torch.float16, True, False, 1, True)])
+def test_triton_reads_no_tensor_contents_on_the_host(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, fp8: bool,
+                                                     shared: bool, t: int, split_k: bool) -> None:
     spec = MoESpec(128, 128, dtype, torch.float8_e4m3fn if fp8 else None, router=ROUTER,
                    num_shared_experts=1 if shared else 0)
     backend = TritonMoE(spec, DEVICE)
+    if split_k:
+        monkeypatch.setattr(backend, "config", lambda num_tokens: SPLIT_K_CONFIG)
     experts = _experts(spec)
     fused = {}
     if shared:
@@ -156,6 +163,19 @@ def test_route_and_forward_replay_in_a_cuda_graph(name: str, t: int) -> None:
     if not fits:
         pytest.skip(f"{name}: {fits.reason}")
     backend = cls(spec, DEVICE)
+    packed = backend.prepare(*_experts(spec))
+    x, logits, bias = _inputs(spec, t, seed=0)
+    new_x, new_logits, _ = _inputs(spec, t, seed=1)
+    assert_replays(lambda x, logits: _route_and_forward(backend, packed, x, logits, bias), [x, logits],
+                   [new_x, new_logits])
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("t", [1, 40])
+def test_triton_split_k_replays_in_a_cuda_graph(monkeypatch: pytest.MonkeyPatch, t: int) -> None:
+    spec = MoESpec(256, 128, torch.bfloat16, torch.float8_e4m3fn, router=ROUTER)
+    backend = TritonMoE(spec, DEVICE)
+    monkeypatch.setattr(backend, "config", lambda num_tokens: SPLIT_K_CONFIG)
     packed = backend.prepare(*_experts(spec))
     x, logits, bias = _inputs(spec, t, seed=0)
     new_x, new_logits, _ = _inputs(spec, t, seed=1)
