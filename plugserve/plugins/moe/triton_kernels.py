@@ -12,11 +12,14 @@ Pipeline of `fused_experts`:
      (`pair_blocks`, no kernel).
   2. block-FP8 only: `per_token_group_quant` of x [T, H] (1 x 128 groups).
   3. w13 pass of `_fused_moe_gemm_kernel`: h[p] = silu(x[t] @ W_gate^T) * (x[t] @ W_up^T), [P, I]
-     (SiLU-and-mul fused into the epilogue: each program holds the gate and the up tile).
+     (SiLU-and-mul fused into the epilogue: each program holds the gate and the up tile). A config's SPLIT_K
+     cuts K into runs, summed in split order by each block's last program before the epilogue: at one token
+     the few M-blocks alone do not fill the GPU.
   4. block-FP8 only: `per_token_group_quant` of h.
   5. w2 pass: y[p] = weight[p] * routed_scaling_factor * (h[p] @ W2^T), [P, H].
   6. `_topk_sum_kernel`: out[t] = sum_j y[t * k + j], [T, H]. For one token the w2 pass does this sum itself
-     (its SUM_PAIRS epilogue: the last program of each column block to finish adds that block's k rows).
+     (its SUM_PAIRS epilogue: the last program of each column block to finish adds that block's k rows), unless
+     its config cuts K.
 
 Arguments that change with every batch (pair, chunk and block counts) are `do_not_specialize_on_alignment`:
 Triton would otherwise compile a variant for each count divisible by 16 and one for the rest, the later inside a
