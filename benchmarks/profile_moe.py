@@ -15,7 +15,7 @@ import torch
 
 from benchmarks.gpu_timing import time_cold_graph_ms
 from benchmarks.profile_gemm import kernel_times_us
-from benchmarks.shootout import expert_weights, measure_ceilings
+from benchmarks.shootout import expert_weights, limit_seconds, measure_ceilings, moe_case
 from plugserve.core.config import preset_config
 from plugserve.plugins.moe.triton import TritonMoE
 
@@ -39,9 +39,7 @@ def main() -> None:
         for tokens in args.batch_sizes:
             x = torch.randn(tokens, h, device=device, dtype=torch.bfloat16)
             weights, ids = backend.route(torch.randn(tokens, e, device=device), torch.randn(e, device=device) * 0.1)
-            weight_bytes = int(ids.unique().numel()) * 3 * h * i
-            limit_us = max((weight_bytes + tokens * h * 4) / (ceilings["copy_gbps"] * 1e9),
-                           2 * ids.numel() * 3 * h * i / (ceilings["fp8_tflops"] * 1e12)) * 1e6
+            limit_us = limit_seconds(moe_case(spec, torch.bfloat16, ids), ceilings) * 1e6
             call = partial(backend.forward, x, packed, ids, weights, spec.router.routed_scaling_factor)
             total_us = time_cold_graph_ms(call, reps=args.reps) * 1e3
             kernels = kernel_times_us(call, args.reps)

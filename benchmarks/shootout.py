@@ -295,14 +295,32 @@ def expert_weights(spec: MoESpec, device: torch.device) -> tuple[torch.Tensor, .
     return torch.stack(q13), torch.stack(q2), torch.stack(s13), torch.stack(s2)
 
 
+def moe_case(spec: MoESpec, dtype: torch.dtype, topk_ids: torch.Tensor) -> Case:
+    """One MoE forward of topk_ids [T, k] global ids on this rank (`spec`'s local experts): bytes, the activated local
+    experts' weights (3 matrices each) and the activations in and out; flops, the pairs this rank computes."""
+    tokens, hidden, inter = topk_ids.shape[0], spec.hidden_size, spec.intermediate_size
+    router, local, first = spec.router, spec.num_local_experts, spec.first_expert
+    experts = f"e{router.num_experts}" if local == router.num_experts else f"e{local}of{router.num_experts}"
+    mine = topk_ids[(topk_ids >= first) & (topk_ids < first + local)]  # the pairs this rank computes
+    weight_bytes = int(mine.unique().numel()) * 3 * hidden * inter * (1 if spec.is_fp8 else dtype.itemsize)
+    return Case("moe", (Phase.DECODE if tokens <= 512 else Phase.PREFILL).value,
+                f"t{tokens} {experts}top{router.top_k} h{hidden} i{inter}"
+                + ("" if spec.is_fp8 else f" {str(dtype).removeprefix('torch.')}"), tokens,
+                weight_bytes + tokens * hidden * 4, 2 * int(mine.numel()) * 3 * hidden * inter,
+                "fp8" if spec.is_fp8 else "bf16")
+
+
+def limit_seconds(case: Case, ceilings: dict[str, float]) -> float:
+    """The case's limit: max(bytes / measured copy bandwidth, flops / measured dense rate of its flop dtype)."""
+    tflops_ceiling = ceilings["fp8_tflops" if case.flop_dtype == "fp8" else "bf16_tflops"]
+    return max(case.bytes / (ceilings["copy_gbps"] * 1e9), case.flops / (tflops_ceiling * 1e12))
+
+
 def run_moe(backends: list, device: torch.device, dtype: torch.dtype, args, emit) -> None:
     registry, hardware = get_registry(), Hardware.detect(device)
     for spec in moe_specs(dtype, args.tp_size, args.ep_size, args.quick):
-        router, hidden, inter = spec.router, spec.hidden_size, spec.intermediate_size
-        e, local, first = router.num_experts, spec.num_local_experts, spec.first_expert
+        router, hidden, e = spec.router, spec.hidden_size, spec.router.num_experts
         weights = expert_weights(spec, device)
-        weight_size = 1 if spec.is_fp8 else dtype.itemsize
-        experts = f"e{e}" if local == e else f"e{local}of{e}"  # expert parallel: this rank's of all
         for tokens in ([1, 8] if args.quick else [1, 8, 64, 512, 4096]):
             x = torch.randn(tokens, hidden, device=device, dtype=dtype)
             logits = torch.randn(tokens, e, device=device)
@@ -312,14 +330,7 @@ def run_moe(backends: list, device: torch.device, dtype: torch.dtype, args, emit
                     continue
                 backend = entry.cls(spec, device)
                 topk_weights, topk_ids = backend.route(logits, bias)
-                mine = topk_ids[(topk_ids >= first) & (topk_ids < first + local)]  # the pairs this rank computes
-                # Bytes: the activated local experts' weights (3 matrices each) and the activations in and out.
-                weight_bytes = int(mine.unique().numel()) * 3 * hidden * inter * weight_size
-                flops = 2 * int(mine.numel()) * 3 * hidden * inter
-                case = Case("moe", (Phase.DECODE if tokens <= 512 else Phase.PREFILL).value,
-                            f"t{tokens} {experts}top{router.top_k} h{hidden} i{inter}"
-                            + ("" if spec.is_fp8 else f" {str(dtype).removeprefix('torch.')}"), tokens,
-                            weight_bytes + tokens * hidden * 4, flops, "fp8" if spec.is_fp8 else "bf16")
+                case = moe_case(spec, dtype, topk_ids)
                 packed = backend.prepare(*weights)
                 run = partial(backend.forward, x, packed, topk_ids, topk_weights, router.routed_scaling_factor)
                 emit(case, entry.name, *timed(run, device, args.warmup, args.reps_for(entry.name)))
@@ -519,8 +530,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows: list[Row] = []
 
     def emit(case: Case, backend: str, seconds: float, timing: str, library: float | None = None) -> None:
-        tflops_ceiling = ceilings["fp8_tflops" if case.flop_dtype == "fp8" else "bf16_tflops"]
-        limit = max(case.bytes / (ceilings["copy_gbps"] * 1e9), case.flops / (tflops_ceiling * 1e12))
+        limit = limit_seconds(case, ceilings)
         row = Row(case.kind, case.phase, case.shape, backend, seconds * 1e6, case.bytes / seconds / 1e9,
                   case.flops / seconds / 1e12, limit / seconds, case.batch, timing,
                   None if library is None else library * 1e6)
