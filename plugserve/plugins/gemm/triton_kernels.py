@@ -233,15 +233,30 @@ def _w8a8_block_fp8_matmul_kernel(
         tl.store(c_ptr + tile, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
     else:
         tl.store(partial_ptr + split * stride_ps + tile, acc, mask=c_mask)
-        # Every thread's slice is stored before one thread's release makes them visible to the last program.
-        tl.debug_barrier()
-        if tl.atomic_add(arrivals_ptr + pid, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-            total = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):
-                # .cg: from L2, where the other programs' slices are, never a stale line of this SM's L1.
-                total += tl.load(partial_ptr + s * stride_ps + tile, mask=c_mask, other=0.0, cache_modifier=".cg")
+        if split_k_arrive(arrivals_ptr + pid) == SPLIT_K - 1:
+            total = split_k_sum(partial_ptr + tile, stride_ps, c_mask, SPLIT_K)
             tl.store(c_ptr + tile, total.to(c_ptr.dtype.element_ty), mask=c_mask)
             tl.store(arrivals_ptr + pid, 0)
+
+
+@triton.jit
+def split_k_arrive(count_ptr):
+    """Count this program in at count_ptr (int32) once every thread's slice of the split-K workspace is stored;
+    returns the count before it: SPLIT_K - 1 for the last program, which then adds the slices (`split_k_sum`) and
+    sets the count back to 0. Shared with the MoE grouped GEMM's split-K."""
+    tl.debug_barrier()  # every thread's stores before one thread's release makes them visible to the last program
+    return tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+
+
+@triton.jit
+def split_k_sum(ptrs, stride_split, mask, SPLIT_K: tl.constexpr):
+    """The float32 slices at ptrs + s * stride_split, s = 0 ... SPLIT_K - 1, added in split order (the result does
+    not depend on which program arrived last)."""
+    total = tl.zeros(ptrs.shape, dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        # .cg: from L2, where the other programs' slices are, never a stale line of this SM's L1.
+        total += tl.load(ptrs + s * stride_split, mask=mask, other=0.0, cache_modifier=".cg")
+    return total
 
 
 def w8a8_block_fp8_matmul(

@@ -42,6 +42,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from plugserve.core.interfaces import RouterConfig
 from plugserve.core.layers.quant import FP8_DTYPE, FP8_MAX, SCALE_EPS
 from plugserve.core.triton_pdl import launch_options, programmatic_prologue
+from plugserve.plugins.gemm.triton_kernels import split_k_arrive, split_k_sum
 from plugserve.plugins.moe.configs import GemmConfig, MoEConfig
 from plugserve.plugins.triton_support import split_k_arrivals, tma_source
 
@@ -660,17 +661,11 @@ def _fused_moe_gemm_kernel(
         tl.store(part + tl.program_id(1) * stride_ps, acc, mask=part_mask)
         if SILU_MUL:
             tl.store(part + tl.program_id(1) * stride_ps + N, acc_up, mask=part_mask)
-        tl.debug_barrier()  # every thread's slice stored before one thread's release makes them visible
-        if tl.atomic_add(split_arrivals_ptr + pid, 1, sem="acq_rel", scope="gpu") < SPLIT_K - 1:
+        if split_k_arrive(split_arrivals_ptr + pid) < SPLIT_K - 1:
             return
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc = split_k_sum(part, stride_ps, part_mask, SPLIT_K)
         if SILU_MUL:
-            acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for s in tl.static_range(SPLIT_K):
-            # .cg: from L2, where the other programs' slices are, never a stale line of this SM's L1.
-            acc += tl.load(part + s * stride_ps, mask=part_mask, other=0.0, cache_modifier=".cg")
-            if SILU_MUL:
-                acc_up += tl.load(part + s * stride_ps + N, mask=part_mask, other=0.0, cache_modifier=".cg")
+            acc_up = split_k_sum(part + N, stride_ps, part_mask, SPLIT_K)
         tl.store(split_arrivals_ptr + pid, 0)
     if SILU_MUL:
         acc = acc * tl.sigmoid(acc) * acc_up
