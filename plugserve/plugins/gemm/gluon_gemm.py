@@ -170,9 +170,9 @@ def _gluon_fp8_gemm_kernel(a_desc, b_desc, c_desc, a_s_ptr, b_s_ptr, M, N, K, st
 def gluon_gemm_fits(a: torch.Tensor, b: torch.Tensor, block_shape: tuple[int, int],
                     capability: tuple[int, int] | None) -> bool:
     """Should a [M, K] x b [N, K]^T run as the Gluon kernel: e4m3 operands that are TMA sources (K contiguous,
-    rows 16-byte aligned), an output whose 16-bit rows are too (N a multiple of 8), 128 x 128 weight scale blocks,
-    K a multiple of 128, M and K of at least GLUON_MIN_M and GLUON_MIN_K, on sm90 (wgmma; the interpreter, None,
-    runs no Gluon)."""
+    rows 16-byte aligned), an output whose rows are too (N a multiple of 8, for 16- and 32-bit outputs alike),
+    128 x 128 weight scale blocks, K a multiple of 128, M and K of at least GLUON_MIN_M and GLUON_MIN_K, on sm90
+    (wgmma; the interpreter, None, runs no Gluon)."""
     m, k = a.shape
     return (tuple(block_shape) == (BLOCK, BLOCK) and k % BLOCK == 0 and m >= GLUON_MIN_M and k >= GLUON_MIN_K
             and b.shape[0] % 8 == 0
