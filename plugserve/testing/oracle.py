@@ -22,7 +22,6 @@ are cut into query blocks so that full DeepSeek-V3 shapes fit a GPU's memory in 
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -322,6 +321,12 @@ def _fake_quant(x: torch.Tensor, group: int) -> torch.Tensor:
     return dequantize(x_q, scales, (1, group))
 
 
+# Hopper's FP8 tensor cores add a K block's products with about 14 mantissa bits before a backend adds the block into
+# float32 (DeepSeek-V3's report, 3.3.2), so its gate and up may differ from the float64 ones by up to about this
+# times the sum of the products' magnitudes (measured: `benchmarks/moe_rounding_flips.py`); h inherits the error.
+ACCUMULATION_REL = 2.0**-16
+
+
 def moe(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -339,32 +344,95 @@ def moe(
     out[t] = routed_scaling_factor * sum_j topk_weights[t, j] * W2_e (silu(Wgate_e x[t]) * (Wup_e x[t]))
     with e = topk_ids[t, j]. Block-FP8 experts quantize their inputs (x, then the intermediate) per
     1 x bk token group, as the block-FP8 GEMM contract does: they are w8a8."""
+    return moe_with_rounding_slack(x, w13, w2, topk_ids, topk_weights, routed_scaling_factor, w13_scale_inv,
+                                   w2_scale_inv, block_shape)[0]
+
+
+def moe_with_rounding_slack(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    routed_scaling_factor: float,
+    w13_scale_inv: torch.Tensor | None = None,
+    w2_scale_inv: torch.Tensor | None = None,
+    block_shape: tuple[int, int] = (128, 128),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`moe`'s output, its rounding slack), both [T, H] float64. The slack is 0 for unquantized experts. For
+    block-FP8 ones it is how far each output may move where a backend, whose h is off by its accumulation error
+    (`silu_mul_with_error`), rounds an element of h to the other e4m3 neighbour: the sum, over the token's pairs
+    and the elements of h that can flip (`rounding_flip_steps`), of routed_scaling_factor * |weight| * |W2_e[:, i]|
+    * one e4m3 step of h_i. Elsewhere the backend must round as the oracle does."""
     fp8 = w13.dtype == FP8
     if fp8 and (w13_scale_inv is None or w2_scale_inv is None):
         raise ValueError("float8_e4m3fn experts need their block scales")
-    intermediate, group = w2.shape[2], block_shape[1]
-
-    # Tokens share experts: keep the last few dequantized (16 of V3's are 0.7 GB of float64).
-    @functools.lru_cache(maxsize=16)
-    def expert(e: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W13 [2I, H], W2 [H, I]) of expert e in float64."""
-        if fp8:
-            return (dequantize(w13[e], w13_scale_inv[e], block_shape),  # type: ignore[index]
-                    dequantize(w2[e], w2_scale_inv[e], block_shape))  # type: ignore[index]
-        return w13[e].double(), w2[e].double()
+    group = block_shape[1]
 
     out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    slack = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
     # Quantization is per token (row), so all rows at once quantize each token as it would alone.
     inputs = _fake_quant(x, group) if fp8 else x.double()  # [T, H]
-    ids, weights = topk_ids.tolist(), topk_weights.double().tolist()
-    for t in range(x.shape[0]):
-        x_t = inputs[t]
-        for e, weight in zip(ids[t], weights[t], strict=True):
-            w13_e, w2_e = expert(e)
-            gate_up = w13_e @ x_t  # [2I]
-            gate, up = gate_up[:intermediate], gate_up[intermediate:]
-            h = gate * torch.sigmoid(gate) * up  # silu(gate) * up, [I]
-            if fp8:
-                h = _fake_quant(h.unsqueeze(0), group)[0]
-            out[t] += routed_scaling_factor * weight * (w2_e @ h)
-    return out
+    top_k = topk_ids.shape[1]
+    pair_ids = topk_ids.reshape(-1).long()  # pair p = t * top_k + j
+    pair_weights = routed_scaling_factor * topk_weights.double().reshape(-1, 1)  # [P, 1]
+    # One expert at a time, all its pairs at once: each expert is dequantized once.
+    for e in pair_ids.unique().tolist():
+        pairs = (pair_ids == e).nonzero().view(-1)
+        tokens, weight = pairs // top_k, pair_weights[pairs]
+        if fp8:
+            w13_e = dequantize(w13[e], w13_scale_inv[e], block_shape)  # type: ignore[index]
+            w2_e = dequantize(w2[e], w2_scale_inv[e], block_shape)  # type: ignore[index]
+        else:
+            w13_e, w2_e = w13[e].double(), w2[e].double()
+        h, h_error = silu_mul_with_error(inputs[tokens], w13_e, ACCUMULATION_REL if fp8 else 0.0)  # [P_e, I]
+        if fp8:
+            slack.index_add_(0, tokens, weight.abs() * (rounding_flip_steps(h, h_error, group) @ w2_e.abs().T))
+            h = _fake_quant(h, group)
+        out.index_add_(0, tokens, weight * (h @ w2_e.T))
+    return out, slack
+
+
+def silu_mul_with_error(x: torch.Tensor, w13: torch.Tensor,
+                        accumulation_rel: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, H], w13 [2I, H] (gate rows, then up rows), both float64 -> (h = silu(gate) * up, its error bound),
+    both [M, I] float64: what h may be off by where gate and up are each off by accumulation_rel times the sum of
+    their products' magnitudes, carried through silu(gate) * up to first order (no bound is computed for 0)."""
+    intermediate = w13.shape[0] // 2
+    gate_up = x @ w13.T
+    gate, up = gate_up[:, :intermediate], gate_up[:, intermediate:]
+    sigmoid = torch.sigmoid(gate)
+    h = gate * sigmoid * up
+    if accumulation_rel == 0:
+        return h, torch.zeros_like(h)
+    error = accumulation_rel * (x.abs() @ w13.abs().T)
+    silu_slope = sigmoid * (1 + gate * (1 - sigmoid))
+    return h, (silu_slope * up).abs() * error[:, :intermediate] + (gate * sigmoid).abs() * error[:, intermediate:]
+
+
+def rounding_flip_steps(h: torch.Tensor, h_error: torch.Tensor, group: int) -> torch.Tensor:
+    """h, h_error [M, K] float64 -> [M, K] float64: for each element whose per-1 x group e4m3 quantization may
+    round to the other neighbour when h moves by up to h_error, directly or through its group's scale (amax / 448,
+    which moves with the amax), the dequantized step to the neighbour across that rounding
+    boundary; 0 elsewhere."""
+    m, k = h.shape
+    x_q, scales = quantize_per_token_group(h, group)
+    scale = scales.double().repeat_interleave(group, dim=1)[:, :k]
+    v = h / scale  # what the quantizer rounds, |v| <= 448
+    # The scale moves as the group's amax may: to the largest |h| + h_error, or down to the largest |h| - h_error.
+    padding = (0, -k % group)
+    magnitude, error = (F.pad(t, padding).view(m, -1, group) for t in (h.abs(), h_error))  # [M, G, group]
+    amax = magnitude.amax(dim=-1)
+    scale_move = torch.maximum((magnitude + error).amax(dim=-1) - amax, amax - (magnitude - error).amax(dim=-1))
+    scale_rel = (scale_move / amax.clamp(min=SCALE_FLOOR)).repeat_interleave(group, dim=1)[:, :k]
+    # 2^-22: the float32 rounding of the scale and of h / scale, which may differ by an ulp between computations.
+    tolerance = h_error / scale + v.abs() * (scale_rel + 2.0**-22)
+    a, b = v.abs(), x_q.double().abs()  # b: the e4m3 value a rounds to
+    # e4m3 spacing above b: 2^(exponent - 3) for normals (>= 2^-6), 2^-9 below; half that below a power of two.
+    exponent = torch.floor(torch.log2(b.clamp(min=2.0**-6)))
+    above = torch.exp2(exponent - 3)
+    below = torch.where((b == torch.exp2(exponent)) & (b > 2.0**-6), above / 2, above)
+    # Either boundary around b may be the one within reach (just above a power of two, the one below is nearer).
+    up = ((b + above / 2 - a).abs() <= tolerance) & (b < FP8_MAX)
+    down = (a - (b - below / 2)).abs() <= tolerance  # from 0: across -below / 2, to the negative neighbour
+    return torch.where(up, above, torch.where(down, below, 0.0)) * scale

@@ -99,9 +99,11 @@ def test_forward(moe_target: Target, moe_case: MoECase, weight_format: str, plug
     routing = oracle.route(torch.randn(moe_case.num_tokens, e, device=device), spec.router, bias)
     ids, weights = routing.ids.to(torch.int32), routing.weights.float()
     out = backend.forward(x, backend.prepare(w13, w2, s13, s2), ids, weights, ROUTED_SCALING_FACTOR)
-    expected = oracle.moe(x, w13, w2, ids, weights, ROUTED_SCALING_FACTOR, s13, s2, spec.block_shape)
+    expected, slack = oracle.moe_with_rounding_slack(x, w13, w2, ids, weights, ROUTED_SCALING_FACTOR, s13, s2,
+                                                     spec.block_shape)
     assert out.dtype == spec.dtype
-    assert_close(out, expected, spec.dtype, f"MoE forward {moe_case} {weight_format}", W8A8_MOE_ATOL if fp8 else None)
+    assert_close(out, expected, spec.dtype, f"MoE forward {moe_case} {weight_format}", W8A8_MOE_ATOL if fp8 else None,
+                 slack)
 
 
 @pytest.mark.parametrize(("weight_format", "num_shared"), [("unquantized", 2), ("fp8_block", 1), ("fp8_block", 2)])
@@ -143,12 +145,14 @@ def test_forward_with_fused_shared_experts(moe_target: Target, moe_case: MoECase
                              shared_w2_scale_inv=None if shared_s2 is None else shared_s2[0])
     x = torch.randn(moe_case.num_tokens, h, device=device, dtype=spec.dtype)
     out = backend.forward(x, packed, ids, weights, ROUTED_SCALING_FACTOR)
-    routed = oracle.moe(x, w13, w2, ids[:, :k], weights[:, :k], ROUTED_SCALING_FACTOR, s13, s2, spec.block_shape)
+    routed, routed_slack = oracle.moe_with_rounding_slack(x, w13, w2, ids[:, :k], weights[:, :k],
+                                                          ROUTED_SCALING_FACTOR, s13, s2, spec.block_shape)
     one = torch.zeros(moe_case.num_tokens, 1, dtype=torch.int32, device=device)
-    shared = oracle.moe(x, shared_w13, shared_w2, one, torch.ones(one.shape, device=device), 1.0,
-                        shared_s13, shared_s2, spec.block_shape)
+    shared, shared_slack = oracle.moe_with_rounding_slack(x, shared_w13, shared_w2, one,
+                                                          torch.ones(one.shape, device=device), 1.0, shared_s13,
+                                                          shared_s2, spec.block_shape)
     assert_close(out, routed + shared, spec.dtype, f"MoE forward {moe_case} {weight_format} + {num_shared} shared",
-                 W8A8_MOE_ATOL if fp8 else None)
+                 W8A8_MOE_ATOL if fp8 else None, routed_slack + shared_slack)
 
 
 EP_SIZE, EP_RANK = 4, 2  # a middle rank: ids below and above its experts both occur
@@ -175,8 +179,8 @@ def test_forward_on_one_ranks_experts(moe_target: Target, moe_case: MoECase, wei
     ids, weights = routing.ids.to(torch.int32), routing.weights.float()
     out = backend.forward(x, packed, ids, weights, ROUTED_SCALING_FACTOR)
     mine = (ids >= local.start) & (ids < local.stop)
-    expected = oracle.moe(x, w13, w2, ids, weights.masked_fill(~mine, 0), ROUTED_SCALING_FACTOR, s13, s2,
-                          spec.block_shape)
+    expected, slack = oracle.moe_with_rounding_slack(x, w13, w2, ids, weights.masked_fill(~mine, 0),
+                                                     ROUTED_SCALING_FACTOR, s13, s2, spec.block_shape)
     assert out.dtype == spec.dtype
     assert_close(out, expected, spec.dtype, f"MoE forward {moe_case} {weight_format}, rank {EP_RANK} of {EP_SIZE}",
-                 W8A8_MOE_ATOL if fp8 else None)
+                 W8A8_MOE_ATOL if fp8 else None, slack)

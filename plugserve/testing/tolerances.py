@@ -38,9 +38,10 @@ W8A8_MOE_ATOL = 1e-2
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str,
-                 atol: float | None = None) -> None:
+                 atol: float | None = None, slack: torch.Tensor | None = None) -> None:
     """Raise AssertionError naming `what`, the worst element and the cosine when `actual` is off. `atol`:
-    at least this times max |reference| (W8A8_MOE_ATOL), where the dtype's own is tighter."""
+    at least this times max |reference| (W8A8_MOE_ATOL), where the dtype's own is tighter. `slack` (expected's
+    shape): more room per element, the oracle's own (oracle.moe_with_rounding_slack)."""
     tol = TOLERANCES[dtype]
     if atol is not None and atol > tol.atol:
         tol = Tolerance(atol, tol.rtol, tol.min_cosine, tol.lse_atol)
@@ -53,7 +54,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
         return
     scale = e.abs().max().item()
     err = (a - e).abs()
-    bound = tol.atol * scale + tol.rtol * e.abs()
+    bound = tol.atol * scale + tol.rtol * e.abs() + (0.0 if slack is None else slack.double())
     cosine = torch.nn.functional.cosine_similarity(a.flatten(), e.flatten(), dim=0).item() if scale > 0 else 1.0
     if bool((err > bound).any()) or cosine < tol.min_cosine:
         worst = int(torch.argmax(err - bound))
@@ -61,7 +62,9 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
         raise AssertionError(
             f"{what} ({dtype}): max error {err.max().item():.3e} at {index} "
             f"(got {a.flatten()[worst].item():.5g}, reference {e.flatten()[worst].item():.5g}; "
-            f"bound {tol.atol:g} x max|ref| {scale:.3g} + {tol.rtol:g} x |ref|), cosine {cosine:.6f} "
+            f"bound {tol.atol:g} x max|ref| {scale:.3g} + {tol.rtol:g} x |ref|"
+            + ("" if slack is None else f" + rounding slack {slack.flatten()[worst].item():.3g}")
+            + f"), cosine {cosine:.6f} "
             f"(floor {tol.min_cosine})"
         )
 

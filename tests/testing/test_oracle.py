@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode
 from plugserve.core.interfaces import RouterConfig
 from plugserve.core.kv_cache import MLAKVPool
+from plugserve.core.layers.quant import quantize_block_fp8
 from plugserve.testing import oracle
 
 TESTING = Path(oracle.__file__).parent
@@ -254,3 +255,85 @@ def test_fp8_moe_is_two_block_fp8_gemms_per_expert():
             hidden = F.silu(gate_up[:, :i]) * gate_up[:, i:]
             expected += weights[t, j].item() * oracle.fp8_gemm(hidden, w2_q[ex], s2[ex], (128, 128))[0]
         torch.testing.assert_close(out[t], 2.5 * expected)
+
+
+def test_rounding_flip_steps_mark_only_values_within_their_error_of_a_boundary():
+    """Group amax 448 makes the scale 1: 1.0625 lies on the boundary between e4m3's 1.0 and 1.125 (step 0.125),
+    100.0001 within its error 0.01 of the one between 96 and 104 (step 8); 1.03 and 99 are farther from any than
+    their error, and 448 itself is the largest value. The second row, twice the first, has its own scale 2 and
+    twice the steps. Without an error only the value exactly on a boundary is marked."""
+    h = torch.tensor([448.0, 1.0625, 100.0001, 1.03, 99.0], dtype=F64)
+    error = torch.tensor([0.0, 0.0, 0.01, 0.01, 0.01], dtype=F64)
+    steps = oracle.rounding_flip_steps(torch.stack([h, 2 * h]), torch.stack([error, 2 * error]), 128)
+    expected = torch.tensor([0.0, 0.125, 8.0, 0.0, 0.0], dtype=F64)
+    torch.testing.assert_close(steps, torch.stack([expected, 2 * expected]))
+    exact = oracle.rounding_flip_steps(h.unsqueeze(0), torch.zeros(1, 5, dtype=F64), 128)
+    torch.testing.assert_close(exact[0], torch.tensor([0.0, 0.125, 0.0, 0.0, 0.0], dtype=F64))
+
+
+def test_rounding_flip_steps_count_the_scale_moving_with_the_amax():
+    """An error on the amax element (448 -> 448 +- 4.48, 1 %) moves the scale and every value with it: 1.06 is
+    1.06 +- 0.0106 in units of the scale, which reaches the boundary at 1.0625; so does another element's error
+    that can make it the amax."""
+    h = torch.tensor([[448.0, 1.06]], dtype=F64)
+    steps = oracle.rounding_flip_steps(h, torch.tensor([[4.48, 0.0]], dtype=F64), 128)
+    torch.testing.assert_close(steps, torch.tensor([[0.0, 0.125]], dtype=F64))
+    assert not oracle.rounding_flip_steps(h, torch.tensor([[0.0, 0.001]], dtype=F64), 128).any()
+    # Another element may become the amax: 447 + 5.48 moves it by 1 % too.
+    h = torch.tensor([[448.0, 447.0, 1.06]], dtype=F64)
+    steps = oracle.rounding_flip_steps(h, torch.tensor([[0.0, 5.48, 0.0]], dtype=F64), 128)
+    assert steps[0, 2] == 0.125
+
+
+@pytest.mark.parametrize("absolute", [1e-1, 1e-2, 1e-3, 0.0])
+def test_every_code_that_moving_h_within_its_error_changes_is_marked(absolute: float):
+    """h moved anywhere within h_error (a relative and an absolute part, as an accumulation error has) changes the
+    e4m3 code only of elements rounding_flip_steps marks, by the step it gives, through the scale too; a power of
+    two's lower boundary, a quarter step away, included."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(512, 256, generator=g, dtype=F64) * torch.randn(512, 256, generator=g, dtype=F64)
+    h_error = 3e-4 * h.abs() + absolute * torch.rand(512, 256, generator=g, dtype=F64)
+    moved = h + h_error * (2 * torch.rand(512, 256, generator=g, dtype=F64) - 1)
+    steps = oracle.rounding_flip_steps(h, h_error, 128)
+    (before, scales), (after, _) = (oracle.quantize_per_token_group(t, 128) for t in (h, moved))
+    changed = before.double() != after.double()
+    assert changed.sum() > 100 and not (changed & (steps == 0)).any()
+    # Where the scale stays, a changed code moved by exactly the marked step.
+    code_step = (after.double() - before.double()).abs() * scales.double().repeat_interleave(128, dim=1)
+    same_scale = (scales == oracle.quantize_per_token_group(moved, 128)[1]).repeat_interleave(128, dim=1)
+    torch.testing.assert_close(code_step[changed & same_scale], steps[changed & same_scale])
+
+
+def test_silu_mul_error_bounds_h_when_gate_and_up_move_by_theirs():
+    """Gate and up moved by their bound (rel x |x| @ |W|^T) with any signs move h by at most its bound, to first
+    order; a tiny rel keeps second-order terms out."""
+    torch.manual_seed(0)
+    x, w13 = torch.randn(64, 32, dtype=F64), torch.randn(48, 32, dtype=F64)
+    rel = 1e-8
+    h, h_error = oracle.silu_mul_with_error(x, w13, rel)
+    gate_up = x @ w13.T + rel * (x.abs() @ w13.abs().T) * torch.randint(0, 2, (64, 48), dtype=F64).mul(2).sub(1)
+    moved = F.silu(gate_up[:, :24]) * gate_up[:, 24:]
+    torch.testing.assert_close(h, F.silu(x @ w13[:24].T) * (x @ w13[24:].T))
+    assert ((moved - h).abs() <= h_error * (1 + 1e-5) + 1e-15).all()
+    assert ((moved - h).abs() > 0.3 * h_error).float().mean() > 0.5  # a bound, not a loose one
+    assert not oracle.silu_mul_with_error(x, w13, 0.0)[1].any()
+
+
+def test_moe_rounding_slack_sums_each_pairs_flips_through_w2(monkeypatch: pytest.MonkeyPatch):
+    """0 for unquantized experts; for block-FP8 ones, per token, routed_scaling_factor * sum over its pairs of
+    |weight| * |W2_e| @ (the flip steps of the pair's h), here with every element of h given a step of 1."""
+    torch.manual_seed(0)
+    e, h, i = 3, 128, 128
+    w13, w2 = torch.randn(e, 2 * i, h) / h**0.5, torch.randn(e, h, i) / i**0.5
+    x = torch.randn(2, h)
+    ids, weights = torch.tensor([[0, 2], [1, 0]]), torch.tensor([[0.5, -0.25], [1.0, 0.125]])
+    assert not oracle.moe_with_rounding_slack(x, w13, w2, ids, weights, 2.5)[1].any()
+    w13_q, s13 = (torch.stack(t) for t in zip(*(quantize_block_fp8(w) for w in w13), strict=True))
+    w2_q, s2 = (torch.stack(t) for t in zip(*(quantize_block_fp8(w) for w in w2), strict=True))
+    monkeypatch.setattr(oracle, "rounding_flip_steps", lambda hidden, error, group: torch.ones_like(hidden))
+    _, slack = oracle.moe_with_rounding_slack(x, w13_q, w2_q, ids, weights, 2.5, s13, s2)
+    column_sums = oracle.dequantize(w2_q, s2, (128, 128)).abs().sum(dim=2)  # [E, H]
+    expected = 2.5 * torch.stack([0.5 * column_sums[0] + 0.25 * column_sums[2],
+                                  column_sums[1] + 0.125 * column_sums[0]])
+    torch.testing.assert_close(slack, expected)
+

@@ -18,3 +18,12 @@ def test_w8a8_moe_bound_admits_one_rounding_step_but_not_a_wrong_scale() -> None
 def test_a_looser_dtype_bound_is_kept() -> None:
     expected = torch.ones(8, dtype=torch.float64)
     assert_close(expected + 0.02, expected, torch.bfloat16, "bf16 bound", W8A8_MOE_ATOL)  # bf16's 2.5e-2 stays
+
+
+def test_assert_close_adds_the_slack_to_the_bound():
+    expected = torch.zeros(4, dtype=torch.float64)
+    actual = torch.tensor([0.0, 0.0, 0.5, 0.0])
+    slack = torch.tensor([0.0, 0.0, 0.4, 0.0], dtype=torch.float64)
+    with pytest.raises(AssertionError, match=r"rounding slack 0\.4"):
+        assert_close(actual, expected, torch.float32, "slack", slack=slack)
+    assert_close(actual, expected, torch.float32, "slack", slack=slack + 0.1)
