@@ -1,5 +1,5 @@
 """Block-FP8 GEMM for Hopper in Gluon, scheduled as DeepGEMM's sm90 kernel is: the Triton backend's GEMM where
-`gluon_gemm_fits` (sm90, at least `GLUON_MIN_M` rows and `GLUON_MIN_K` deep).
+`gluon_gemm_fits` (sm90, at least `GLUON_MIN_M` rows and `GLUON_MIN_K` deep, tiles that fill the SMs' waves).
 
 Persistent: one program an SM walks the [128, 128] output tiles (groups of GROUP_M row tiles sweep the column
 tiles together, so that the programs running at once share A and B tiles in L2). Three warp-specialized
@@ -46,6 +46,9 @@ GROUP_M = 8
 # was 1.0-1.6x faster at every depth measured (K = 512 ... 18432), except for n2112 at 1024 rows (0.86x).
 GLUON_MIN_M = 256
 GLUON_MIN_K = 512  # the shallowest measured
+# More tiles than SMs run in waves; where they fill under this share of the waves' slots (n2112 at 1024 rows: 136
+# tiles on 132 SMs, 0.52) the Triton kernel's smaller tiles were faster (Gluon 0.86x on the H100, session 16).
+GLUON_MIN_WAVE_FILL = 0.6
 CONSUMER_REGS = gl.constexpr(240)  # consumer 1's; Triton gives consumer 0 (the kernel's own warps) the same
 PRODUCER_REGS = gl.constexpr(24)
 
@@ -168,14 +171,17 @@ def _gluon_fp8_gemm_kernel(a_desc, b_desc, c_desc, a_s_ptr, b_s_ptr, M, N, K, st
 
 
 def gluon_gemm_fits(a: torch.Tensor, b: torch.Tensor, block_shape: tuple[int, int],
-                    capability: tuple[int, int] | None) -> bool:
+                    capability: tuple[int, int] | None, multiprocessors: int) -> bool:
     """Should a [M, K] x b [N, K]^T run as the Gluon kernel: e4m3 operands that are TMA sources (K contiguous,
     rows 16-byte aligned), an output whose rows are too (N a multiple of 8, for 16- and 32-bit outputs alike),
-    128 x 128 weight scale blocks, K a multiple of 128, M and K of at least GLUON_MIN_M and GLUON_MIN_K, on sm90
+    128 x 128 weight scale blocks, K a multiple of 128, M and K of at least GLUON_MIN_M and GLUON_MIN_K, its
+    [128, 128] tiles in one wave over the `multiprocessors` or filling GLUON_MIN_WAVE_FILL of their waves, on sm90
     (wgmma; the interpreter, None, runs no Gluon)."""
     m, k = a.shape
+    tiles = -(-m // BLOCK) * -(-b.shape[0] // BLOCK)
+    waves = -(-tiles // multiprocessors)
     return (tuple(block_shape) == (BLOCK, BLOCK) and k % BLOCK == 0 and m >= GLUON_MIN_M and k >= GLUON_MIN_K
-            and b.shape[0] % 8 == 0
+            and b.shape[0] % 8 == 0 and (waves == 1 or tiles >= GLUON_MIN_WAVE_FILL * waves * multiprocessors)
             and a.dtype == b.dtype == torch.float8_e4m3fn and tma_source(a) and tma_source(b)
             and capability is not None and capability[0] == 9)
 

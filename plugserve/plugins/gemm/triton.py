@@ -165,8 +165,9 @@ class TritonFp8Gemm(Fp8GemmBackend):
 
     def apply(self, x: torch.Tensor, packed: TritonFp8Weight) -> torch.Tensor:
         """x [M, K] of spec.dtype -> [M, N] of spec.dtype. Quantizes x with column-major scales (the
-        GEMM reads one K block's M scales at a time), then runs the GEMM: on sm90 from GLUON_MIN_M rows and GLUON_MIN_K
-        deep the Gluon kernel (`gluon_gemm`), else the Triton kernel with the config for M."""
+        GEMM reads one K block's M scales at a time), then runs the GEMM: the Gluon kernel where
+        `gluon_gemm_fits` (sm90, from GLUON_MIN_M rows and GLUON_MIN_K deep), else the Triton kernel with the
+        config for M."""
         from plugserve.plugins.gemm import triton_kernels
 
         k = packed.weight.shape[1]
@@ -178,7 +179,8 @@ class TritonFp8Gemm(Fp8GemmBackend):
         if self.hardware.device_type == "cuda":
             from plugserve.plugins.gemm import gluon_gemm
 
-            if gluon_gemm.gluon_gemm_fits(x_q, packed.weight, block, self.hardware.capability):
+            if gluon_gemm.gluon_gemm_fits(x_q, packed.weight, block, self.hardware.capability,
+                                          self.hardware.multiprocessors):
                 return gluon_gemm.gluon_block_fp8_matmul(x_q, x_scales, packed.weight, packed.weight_scale_inv,
                                                          self.spec.dtype, self.hardware.multiprocessors)
         n = packed.weight.shape[0]

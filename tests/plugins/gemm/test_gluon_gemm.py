@@ -20,17 +20,26 @@ SM90, E4M3 = (9, 0), torch.float8_e4m3fn
 def test_where_the_gluon_kernel_fits():
     a, b = torch.zeros(256, 4224).to(E4M3), torch.zeros(384, 4224).to(E4M3)
     fits = gluon_gemm.gluon_gemm_fits
-    assert fits(a, b, (128, 128), SM90)
-    assert not fits(a, b, (128, 128), None)  # the interpreter runs no Gluon
-    assert not fits(a, b, (128, 128), (10, 0))  # Blackwell has no wgmma
-    assert not fits(a[:255], b, (128, 128), SM90)  # fewer rows than GLUON_MIN_M: the Triton kernel's
-    assert not fits(a, b, (64, 128), SM90)
-    assert not fits(a[:, :4100], b[:, :4100], (128, 128), SM90)  # K not a multiple of 128
-    assert not fits(a[:, :384], b[:, :384], (128, 128), SM90)  # under GLUON_MIN_K deep: the Triton kernel's
-    assert not fits(a.to(torch.bfloat16), b.to(torch.bfloat16), (128, 128), SM90)
-    assert not fits(a.t().contiguous().t(), b, (128, 128), SM90)  # K must be contiguous (TMA rows)
-    assert fits(a[:, :4096], b[:, :4096], (128, 128), SM90)  # rows strided by 4224
-    assert not fits(a, b[:380], (128, 128), SM90)  # the output's 16-bit rows must be 16-byte aligned (TMA store)
+    assert fits(a, b, (128, 128), SM90, 132)
+    assert not fits(a, b, (128, 128), None, 132)  # the interpreter runs no Gluon
+    assert not fits(a, b, (128, 128), (10, 0), 132)  # Blackwell has no wgmma
+    assert not fits(a[:255], b, (128, 128), SM90, 132)  # fewer rows than GLUON_MIN_M: the Triton kernel's
+    assert not fits(a, b, (64, 128), SM90, 132)
+    assert not fits(a[:, :4100], b[:, :4100], (128, 128), SM90, 132)  # K not a multiple of 128
+    assert not fits(a[:, :384], b[:, :384], (128, 128), SM90, 132)  # under GLUON_MIN_K deep: the Triton kernel's
+    assert not fits(a.to(torch.bfloat16), b.to(torch.bfloat16), (128, 128), SM90, 132)
+    assert not fits(a.t().contiguous().t(), b, (128, 128), SM90, 132)  # K must be contiguous (TMA rows)
+    assert fits(a[:, :4096], b[:, :4096], (128, 128), SM90, 132)  # rows strided by 4224
+    assert not fits(a, b[:380], (128, 128), SM90, 132)  # the output's 16-bit rows must be 16-byte aligned (TMA store)
+
+
+def test_the_gluon_kernel_leaves_badly_filled_waves_to_triton():
+    """n2112 (17 tile columns) on 132 SMs: 512 rows are 68 tiles, one wave; 1024 rows 136 tiles, two waves filled
+    to 0.52; 2048 rows 272 tiles, three waves filled to 0.69; on 136 SMs 1024 rows are one wave again."""
+    a, b = torch.zeros(2048, 512).to(E4M3), torch.zeros(2112, 512).to(E4M3)
+    fits = gluon_gemm.gluon_gemm_fits
+    assert [fits(a[:rows], b, (128, 128), SM90, 132) for rows in (512, 1024, 2048)] == [True, False, True]
+    assert fits(a[:1024], b, (128, 128), SM90, 136)
 
 
 def _operands(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
