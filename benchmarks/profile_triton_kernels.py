@@ -5,11 +5,13 @@
         python benchmarks/profile_triton_kernels.py
 
 MLA decode at batch 64 x 8192 keys (128 heads), causal MHA prefill of 4096 tokens (128 heads, qk 192, v 128),
-block-FP8 GEMM at M=4096 on (N, K) = (7168, 16384), fused MoE
+block-FP8 GEMM at M=4096 on (N, K) = (7168, 16384) (or `--gemm M N K`), fused MoE
 (E=256 top-8, V3 experts as one GPU of TP8 holds them) at 1 token. Each runs twice (compile, then the profiled
 launch)."""
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 
@@ -25,6 +27,10 @@ from plugserve.testing.cases import V3_ROUTER
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gemm", type=int, nargs=3, default=[4096, 7168, 16384], metavar=("M", "N", "K"))
+    args = parser.parse_args()
+    gemm_m, gemm_n, gemm_k = args.gemm
     device, dtype = torch.device("cuda"), torch.bfloat16
     spec = AttentionSpec(dtype=dtype, page_size=64)
     batch = random_batch(ForwardMode.DECODE, [8192] * 64, [1] * 64, spec, device, num_layers=1)
@@ -37,8 +43,8 @@ def main() -> None:
     cu_seqlens = torch.tensor([0, 4096], dtype=torch.int32, device=device)
 
     gemm = TritonFp8Gemm(GemmSpec(dtype=dtype), device)
-    packed = gemm.prepare(*quantize_block_fp8(torch.randn(7168, 16384, device=device) / 128, (128, 128)))
-    x = torch.randn(4096, 16384, device=device, dtype=dtype)
+    packed = gemm.prepare(*quantize_block_fp8(torch.randn(gemm_n, gemm_k, device=device) / gemm_k**0.5, (128, 128)))
+    x = torch.randn(gemm_m, gemm_k, device=device, dtype=dtype)
 
     moe_spec = MoESpec(7168, 256, dtype, torch.float8_e4m3fn, router=V3_ROUTER)
     moe = TritonMoE(moe_spec, device)
