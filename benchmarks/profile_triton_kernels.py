@@ -5,9 +5,8 @@
         python benchmarks/profile_triton_kernels.py
 
 MLA decode at batch 64 x 8192 keys (128 heads), causal MHA prefill of 4096 tokens (128 heads, qk 192, v 128),
-block-FP8 GEMM at M=4096 on (N, K) = (7168, 16384) (or `--gemm M N K`), fused MoE
-(E=256 top-8, V3 experts as one GPU of TP8 holds them) at 1 token. Each runs twice (compile, then the profiled
-launch)."""
+block-FP8 GEMM at M=4096 on (N, K) = (7168, 16384) (or `--gemm M N K`), fused MoE (E=256 top-8, V3 experts as
+one GPU of TP8 holds them) at 1 token (or `--moe-tokens T`). Each runs twice (compile, then the profiled launch)."""
 
 from __future__ import annotations
 
@@ -29,6 +28,7 @@ from plugserve.testing.cases import V3_ROUTER
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gemm", type=int, nargs=3, default=[4096, 7168, 16384], metavar=("M", "N", "K"))
+    parser.add_argument("--moe-tokens", type=int, default=1)
     args = parser.parse_args()
     gemm_m, gemm_n, gemm_k = args.gemm
     device, dtype = torch.device("cuda"), torch.bfloat16
@@ -52,8 +52,9 @@ def main() -> None:
     w2 = [quantize_block_fp8(torch.randn(7168, 256, device=device) / 16) for _ in range(256)]
     weights = moe.prepare(torch.stack([w for w, _ in w13]), torch.stack([w for w, _ in w2]),
                           torch.stack([s for _, s in w13]), torch.stack([s for _, s in w2]))
-    tokens = torch.randn(1, 7168, device=device, dtype=dtype)
-    topk_weights, topk_ids = moe.route(torch.randn(1, 256, device=device), torch.zeros(256, device=device))
+    tokens = torch.randn(args.moe_tokens, 7168, device=device, dtype=dtype)
+    topk_weights, topk_ids = moe.route(torch.randn(args.moe_tokens, 256, device=device),
+                                       torch.zeros(256, device=device))
 
     for _ in range(2):
         attention.forward_mla(q_nope, q_rope, 0)
