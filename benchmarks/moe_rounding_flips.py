@@ -76,6 +76,13 @@ def main() -> None:
     marked = oracle.rounding_flip_steps(h_oracle, oracle.ACCUMULATION_REL * h_unit_error, 128) > 0
     print(f"e4m3 codes of h that differ: {int(flipped.sum())} of {h_oracle.numel()}; the oracle's rounding slack "
           f"marks {int(marked.sum())}, {int((flipped & ~marked).sum())} of those that differ not", flush=True)
+    scales_backend, scales_oracle = (oracle.quantize_per_token_group(t, 128)[1] for t in (h_backend, h_oracle))
+    for pair, column in (flipped & ~marked).nonzero()[:8].tolist():
+        group, bound = column // 128, oracle.ACCUMULATION_REL * h_unit_error[pair, column].item()
+        print(f"  unmarked: pair {pair} column {column}: h {h_oracle[pair, column].item():.9g} (backend "
+              f"{h_backend[pair, column].item():.9g}, bound {bound:.3g}), "
+              f"code {codes_oracle[pair, column].item():g} (backend {codes_backend[pair, column].item():g}), scale "
+              f"{scales_oracle[pair, group].item():.9g} (backend {scales_backend[pair, group].item():.9g})", flush=True)
     hq_backend = oracle._fake_quant(h_backend, 128)
 
     expected, slack = oracle.moe_with_rounding_slack(x, q13, q2, ids, weights, RSF, s13, s2)

@@ -429,9 +429,11 @@ def rounding_flip_steps(h: torch.Tensor, h_error: torch.Tensor, group: int) -> t
     tolerance = h_error / scale + v.abs() * (scale_rel + 2.0**-22)
     a, b = v.abs(), x_q.double().abs()  # b: the e4m3 value a rounds to
     # e4m3 spacing above b: 2^(exponent - 3) for normals (>= 2^-6), 2^-9 below; half that below a power of two.
-    exponent = torch.floor(torch.log2(b.clamp(min=2.0**-6)))
-    above = torch.exp2(exponent - 3)
-    below = torch.where((b == torch.exp2(exponent)) & (b > 2.0**-6), above / 2, above)
+    # frexp, not log2: CUDA's float64 log2 of a power of two may fall just short of the integer.
+    normal = b.clamp(min=2.0**-6)
+    mantissa, _ = torch.frexp(normal)  # normal = mantissa * 2^e, mantissa in [0.5, 1)
+    above = normal / mantissa / 16  # 2^(e - 4) exactly
+    below = torch.where((mantissa == 0.5) & (b > 2.0**-6), above / 2, above)
     # Either boundary around b may be the one within reach (just above a power of two, the one below is nearer).
     up = ((b + above / 2 - a).abs() <= tolerance) & (b < FP8_MAX)
     down = (a - (b - below / 2)).abs() <= tolerance  # from 0: across -below / 2, to the negative neighbour

@@ -285,15 +285,18 @@ def test_rounding_flip_steps_count_the_scale_moving_with_the_amax():
     assert steps[0, 2] == 0.125
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 @pytest.mark.parametrize("absolute", [1e-1, 1e-2, 1e-3, 0.0])
-def test_every_code_that_moving_h_within_its_error_changes_is_marked(absolute: float):
+def test_every_code_that_moving_h_within_its_error_changes_is_marked(absolute: float, device: str):
     """h moved anywhere within h_error (a relative and an absolute part, as an accumulation error has) changes the
     e4m3 code only of elements rounding_flip_steps marks, by the step it gives, through the scale too; a power of
-    two's lower boundary, a quarter step away, included."""
+    two's lower boundary, a quarter step away, included. On the GPU too: its float64 log2 of a power of two may
+    fall short of the integer, which once left such codes unmarked."""
     g = torch.Generator().manual_seed(0)
     h = torch.randn(512, 256, generator=g, dtype=F64) * torch.randn(512, 256, generator=g, dtype=F64)
     h_error = 3e-4 * h.abs() + absolute * torch.rand(512, 256, generator=g, dtype=F64)
     moved = h + h_error * (2 * torch.rand(512, 256, generator=g, dtype=F64) - 1)
+    h, h_error, moved = (t.to(device) for t in (h, h_error, moved))
     steps = oracle.rounding_flip_steps(h, h_error, 128)
     (before, scales), (after, _) = (oracle.quantize_per_token_group(t, 128) for t in (h, moved))
     changed = before.double() != after.double()
