@@ -16,7 +16,8 @@ five minutes on an H100 for both models. Token counts up to --decode-max-tokens 
 decode space instead: BLOCK_SIZE_M near the pairs an expert gets and narrow, deep, many-staged tiles, the
 shapes that stream the routed experts' weights fastest when there are few rows to multiply, and the w13 pass's
 fastest tiles again with K cut into 2, 4 or 8 runs (SPLIT_K), for batches whose blocks alone cannot fill the
-GPU. Every count
+GPU. Larger counts time the w2 pass's fastest tiles again with 4, 16 or 64 column blocks a program
+(COLUMN_BLOCKS), for its short K. Every count
 also prints its fraction of the weight-read limit (the bytes of the distinct experts the batch routes to
 over the copy bandwidth measured at start). --update keeps the other token counts of an existing file.
 
@@ -123,16 +124,15 @@ def ranked(run: Callable[..., None], tiles: list[GemmConfig], quick: bool) -> li
     return sorted(((time_ms(functools.partial(run, config=tile), quick), tile) for tile in tiles), key=lambda c: c[0])
 
 
-def fastest(run: Callable[..., None], tiles: list[GemmConfig], quick: bool) -> tuple[float, GemmConfig]:
-    """(milliseconds, tile) of the fastest tile for the pass that run(config=tile) launches."""
-    return ranked(run, tiles, quick)[0]
-
-
 # Decode: the w13 pass's K (the hidden size) cut into this many runs, tried on its fastest uncut tiles. At one pair
 # an M-block a batch of a few tokens has too few blocks to draw the bandwidth (V3 under TP 8, 1 token: 64 programs
 # on 132 SMs); w2's K, the intermediate size per rank, is short already.
 DECODE_SPLITS = (2, 4, 8)
 SPLIT_CANDIDATES = 3
+# Prefill: the w2 pass's fastest tiles again with this many column blocks a program (COLUMN_BLOCKS). Its K, the
+# intermediate size per rank (V3 under TP 8: 256), is two K steps at BLOCK_SIZE_K 128: one program a column block
+# fills and drains its pipeline for each (V3 TP 8 at 4096 tokens: 42784 programs of two steps, ncu, session 17).
+PREFILL_COLUMN_BLOCKS = (4, 16, 64)
 
 
 @dataclass(frozen=True)
@@ -200,7 +200,13 @@ def tune_batch(experts: Experts, num_tokens: int, block_ms: tuple[int, ...] | No
         t13, tile13 = timed13[0]
         w13_pass(alignment=alignment, config=tile13)  # the w2 pass's input
         h_in, h_scale = kernels.per_token_group_quant(h_buf, spec.block_shape[1]) if fp8 else (h_buf, None)
-        t2, tile2 = fastest(functools.partial(w2_pass, h_in, h_scale, alignment=alignment), w2_tiles, quick)
+        run2 = functools.partial(w2_pass, h_in, h_scale, alignment=alignment)
+        timed2 = ranked(run2, w2_tiles, quick)
+        if not decode and len(w2_tiles) > 1 and n <= kernels.COLUMN_MAX_K:
+            looped = [replace(tile, column_blocks=blocks) for _, tile in timed2[:SPLIT_CANDIDATES]
+                      for blocks in PREFILL_COLUMN_BLOCKS]
+            timed2 = sorted(timed2 + ranked(run2, looped, quick), key=lambda c: c[0])
+        t2, tile2 = timed2[0]
         return t13 + t2, MoEConfig(block_m, tile13, tile2)
 
     choices = []

@@ -16,7 +16,9 @@ Pipeline of `fused_experts`:
      cuts K into runs, summed in split order by each block's last program before the epilogue: at one token
      the few M-blocks alone do not fill the GPU.
   4. block-FP8 only: `per_token_group_quant` of h.
-  5. w2 pass: y[p] = weight[p] * routed_scaling_factor * (h[p] @ W2^T), [P, H].
+  5. w2 pass: y[p] = weight[p] * routed_scaling_factor * (h[p] @ W2^T), [P, H]. Its K (I, divided under tensor
+     parallelism) is short: a config's COLUMN_BLOCKS runs it as `_grouped_gemm_columns_kernel`, whose programs
+     take several column blocks each with K unrolled, so that the loop over them is what Triton pipelines.
   6. `_topk_sum_kernel`: out[t] = sum_j y[t * k + j], [T, H]. For one token the w2 pass does this sum itself
      (its SUM_PAIRS epilogue: the last program of each column block to finish adds that block's k rows), unless
      its config cuts K.
@@ -687,6 +689,70 @@ def _fused_moe_gemm_kernel(
             tl.atomic_xchg(arrived_ptr + pid_n, 0)
 
 
+# The column kernel unrolls K, and Triton's pipeline then buffers every step of a column block for each stage: V3's
+# I = 2048 (TP 1, 16 steps of 128) asked for 1.5 MB of shared memory, I = 512 (TP 4) 296 KB at 3 stages (H200 and
+# H100, session 17); 512 fits at 2 stages. Longer Ks loop in the general kernel.
+COLUMN_MAX_K = 512
+
+
+@triton.jit(do_not_specialize_on_alignment=["num_pairs"])
+def _grouped_gemm_columns_kernel(
+    a_ptr, b_ptr, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr,
+    sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    N, num_pairs, b_rows, routed_scaling_factor,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
+    K: tl.constexpr, COLUMN_BLOCKS: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """`_fused_moe_gemm_kernel`'s C = A[p] @ B[e]^T (times the pair's weight: MUL_WEIGHT) for a short K, the w2
+    pass's (I / tp): program (m, c) takes M-block m's pairs through column blocks c * COLUMN_BLOCKS, ... one after
+    another, with K unrolled in BLOCK_K steps, so that Triton pipelines the loop over column blocks: the next
+    block's weight tile loads while this one's product and stores run. With a program a column block, each would
+    fill and drain a pipeline of a few K steps alone. Sorted-pair alignment only (no SiLU-and-mul, split-K or pair
+    sum); the K steps add up in the same order as `_fused_moe_gemm_kernel`'s."""
+    programmatic_prologue(PDL)
+    pid_m = tl.program_id(0)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_mask = pair < num_pairs
+    rows = pair.to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    if MUL_WEIGHT:
+        weight = tl.load(topk_weights_ptr + pair, mask=row_mask, other=0.0) * routed_scaling_factor
+    first_n = tl.program_id(1) * COLUMN_BLOCKS
+    for pid_n in range(first_n, tl.minimum(first_n + COLUMN_BLOCKS, tl.cdiv(N, BLOCK_N))):
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in tl.static_range(0, K, BLOCK_K):
+            k_mask = offs_k < K - k0
+            a = tl.load(a_ptr + rows[:, None] * stride_am + (k0 + offs_k)[None, :] * stride_ak,
+                        mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            if TMA:
+                b = tl.trans(b_desc.load([(expert * b_rows + pid_n * BLOCK_N).to(tl.int32), k0]))
+            else:
+                b = tl.load(b_ptr + expert * stride_be + offs_n[None, :] * stride_bn
+                            + (k0 + offs_k)[:, None] * stride_bk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if FP8:
+                a_scale = tl.load(a_scale_ptr + rows * stride_asm + k0 // GROUP_K * stride_ask, mask=row_mask,
+                                  other=0.0)
+                b_scale = tl.load(b_scale_ptr + expert * stride_bse + (offs_n // GROUP_N) * stride_bsn
+                                  + k0 // GROUP_K * stride_bsk, mask=n_mask, other=0.0)
+            else:
+                a_scale = 1.0  # unused
+                b_scale = 1.0
+            acc = _mma(acc, a, b, a_scale, b_scale, FP8, DOT_FP32)
+        if MUL_WEIGHT:
+            acc = acc * weight[:, None]
+        tl.store(c_ptr + rows[:, None] * stride_cm + offs_n[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
+                 mask=row_mask[:, None] & n_mask[None, :])
+
+
 def grouped_gemm(
     a: torch.Tensor,
     a_scale: torch.Tensor | None,
@@ -711,11 +777,19 @@ def grouped_gemm(
     routed_scaling_factor). pair_sum (a per-pair alignment only): (sum [N], arrived [>= ceil(N / BLOCK_N)] int32
     zeros) to also write the sum of out's used rows into, by the same launch (SUM_PAIRS). config.split_k > 1: K cut
     into that many runs, summed in split order by each block's last program (a decode-sized batch's few blocks
-    then fill the GPU)."""
+    then fill the GPU). config.column_blocks > 1 (the w2 pass; sorted pairs, not one token's pair blocks):
+    `_grouped_gemm_columns_kernel`."""
     fp8 = w_scale is not None
     if fp8 and block_shape[1] % config.block_k:
         raise ValueError(f"BLOCK_SIZE_K {config.block_k} must divide the FP8 block's K size {block_shape[1]}")
     n, k = out.shape[1], a.shape[1]
+    # One token's pair blocks (a prefill config reached by the nearest-M lookup) run the general kernel.
+    if config.column_blocks > 1 and not alignment.per_pair:
+        if silu_mul or pair_sum is not None:
+            raise ValueError("COLUMN_BLOCKS is the w2 pass's: no SiLU-and-mul or pair sum")
+        _columns_gemm(a, a_scale, w, w_scale, out, alignment, config, a_row_div, topk_weights, routed_scaling_factor,
+                      block_shape)
+        return
     if pair_sum is not None and (not alignment.per_pair or pair_sum[1].numel() < triton.cdiv(n, config.block_n)):
         raise ValueError("pair_sum needs a per-pair alignment and an arrival count per column block")
     if pair_sum is not None and config.split_k > 1:
@@ -744,6 +818,34 @@ def grouped_gemm(
         FP8=fp8, GROUP_N=block_shape[0], GROUP_K=block_shape[1], DOT_FP32=INTERPRET and a.dtype == torch.bfloat16,
         BLOCK_M=alignment.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_SIZE_M=config.group_m,
         TMA=tma, **launch_options(a), num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+
+
+def _columns_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, w_scale: torch.Tensor | None,
+                  out: torch.Tensor, alignment: BlockAlignment, config: GemmConfig, a_row_div: int,
+                  topk_weights: torch.Tensor | None, routed_scaling_factor: float,
+                  block_shape: tuple[int, int]) -> None:
+    """`grouped_gemm` for config.column_blocks > 1: `_grouped_gemm_columns_kernel` (K a constexpr: one compile per
+    intermediate size)."""
+    fp8 = w_scale is not None
+    n, k = out.shape[1], a.shape[1]
+    if a_row_div != 1 or k > COLUMN_MAX_K:
+        raise ValueError(f"COLUMN_BLOCKS is for the w2 pass (A by pair, a_row_div 1) with K <= {COLUMN_MAX_K}, got "
+                         f"a_row_div {a_row_div} and K {k}")
+    tma = config.tma and w.is_contiguous() and tma_source(w.view(-1, k))
+    b_desc = TensorDescriptor.from_tensor(w.view(-1, k), [config.block_n, config.block_k]) if tma else None
+    grid = (alignment.num_blocks, triton.cdiv(triton.cdiv(n, config.block_n), config.column_blocks))
+    _grouped_gemm_columns_kernel[grid](
+        a, w, b_desc, out, a_scale, w_scale, topk_weights,
+        alignment.sorted_ids, alignment.expert_ids, alignment.num_padded,
+        n, alignment.num_pairs, w.shape[1], routed_scaling_factor,
+        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
+        a_scale.stride(0) if fp8 else 0, a_scale.stride(1) if fp8 else 0,
+        w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0, w_scale.stride(2) if fp8 else 0,
+        K=k, COLUMN_BLOCKS=config.column_blocks, MUL_WEIGHT=topk_weights is not None,
+        FP8=fp8, GROUP_N=block_shape[0], GROUP_K=block_shape[1], DOT_FP32=INTERPRET and a.dtype == torch.bfloat16,
+        BLOCK_M=alignment.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TMA=tma, **launch_options(a),
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 

@@ -256,11 +256,15 @@ SMALL_TILES = MoEConfig(32, GemmConfig(32, 32, 2, 4, 2), GemmConfig(64, 64, 1, 4
 TMA_TILES = MoEConfig(32, GemmConfig(128, 64, 2, 4, 2, tma=True), GemmConfig(64, 128, 1, 4, 2, tma=True))
 # Split-K: w13's K = 256 in 8 steps of 32 as runs of 3, 3 and 2; w2's K = 192 in 3 steps of 64 as runs of 2 and 1.
 SPLIT_TILES = MoEConfig(16, GemmConfig(32, 32, 1, 4, 2, split_k=3), GemmConfig(64, 64, 1, 4, 2, split_k=2))
+# The w2 pass's 8 column blocks of 32 (H = 256) as programs of 3, 3 and 2, K = 192 in 3 unrolled steps of 64.
+COLUMN_TILES = MoEConfig(16, GemmConfig(32, 64, 1, 4, 2), GemmConfig(32, 64, 1, 4, 2, column_blocks=3))
 
 
 def _config_id(p) -> str:
     if not isinstance(p, MoEConfig):
         return str(p).removeprefix("torch.")
+    if p.w2.column_blocks > 1:
+        return "column_tiles"
     return "split_tiles" if p.w13.split_k > 1 else "tma_tiles" if p.w13.tma else "small_tiles"
 
 
@@ -281,6 +285,10 @@ def _config_id(p) -> str:
         (1, torch.float16, True, SPLIT_TILES),
         (37, torch.float32, False, SPLIT_TILES),
         (37, torch.float16, True, SPLIT_TILES),
+        (1, torch.float16, True, COLUMN_TILES),  # one token's pair blocks: the general kernel
+        (37, torch.float32, False, COLUMN_TILES),
+        (37, torch.float16, True, COLUMN_TILES),
+        (37, torch.float32, True, replace(COLUMN_TILES, w2=replace(COLUMN_TILES.w2, tma=True))),
     ],
     ids=_config_id,
 )
@@ -324,7 +332,41 @@ def test_split_k_refuses_the_in_pass_pair_sum(kernels) -> None:
                                                                                    device=DEVICE)))
 
 
-@pytest.mark.parametrize("config", [None, TMA_TILES, SPLIT_TILES], ids=["default", "tma_tiles", "split_tiles"])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_column_blocks_give_the_general_kernels_bits(kernels, fp8: bool) -> None:
+    """A program running several column blocks adds each block's K steps in the order one program a block does:
+    the w2 pass gives the same bits either way (here with a last program of fewer blocks and a K not a multiple
+    of 128)."""
+    h, i, t = 256, 192, 37
+    _, w2, _, s2 = _experts(16, h, i, torch.float16, fp8)
+    weights, ids = _routing(t, SMALL_V3)
+    alignment = kernels.align_pairs(ids.to(torch.int32), 16, COLUMN_TILES.block_m)
+    g = torch.Generator().manual_seed(5)
+    hidden = (torch.randn(t * 4, i, generator=g) / 4).to(DEVICE, torch.float16)
+    a, a_scale = kernels.per_token_group_quant(hidden, 128) if fp8 else (hidden, None)
+    outs = []
+    for tile in (replace(COLUMN_TILES.w2, column_blocks=1), COLUMN_TILES.w2):
+        out = torch.full((t * 4, h), float("nan"), device=DEVICE, dtype=torch.float16)
+        kernels.grouped_gemm(a, a_scale, w2, s2, out, alignment, tile, a_row_div=1, silu_mul=False,
+                             topk_weights=weights.float().view(-1).contiguous(), routed_scaling_factor=RSF)
+        outs.append(out)
+    assert not outs[1].isnan().any() and torch.equal(outs[0], outs[1])
+
+
+def test_column_blocks_are_a_short_w2_option(kernels) -> None:
+    alignment = kernels.align_pairs(torch.tensor([[0, 1], [1, 0]], dtype=torch.int32, device=DEVICE), 2, 16)
+    with pytest.raises(ValueError, match="COLUMN_BLOCKS is the w2 pass's"):
+        kernels.grouped_gemm(torch.zeros(4, 64, device=DEVICE), None, torch.zeros(2, 64, 64, device=DEVICE), None,
+                             torch.empty(4, 32, device=DEVICE), alignment, COLUMN_TILES.w2, a_row_div=2, silu_mul=True)
+    k = kernels.COLUMN_MAX_K + 64
+    with pytest.raises(ValueError, match=f"K <= {kernels.COLUMN_MAX_K}, got a_row_div 1 and K {k}"):
+        kernels.grouped_gemm(torch.zeros(4, k, device=DEVICE), None, torch.zeros(2, 32, k, device=DEVICE), None,
+                             torch.empty(4, 32, device=DEVICE), alignment, COLUMN_TILES.w2, a_row_div=1,
+                             silu_mul=False)
+
+
+@pytest.mark.parametrize("config", [None, TMA_TILES, SPLIT_TILES, COLUMN_TILES],
+                         ids=["default", "tma_tiles", "split_tiles", "column_tiles"])
 @pytest.mark.parametrize("t", [1, 6])  # one token: one M-block per pair (pair_blocks), no alignment kernel
 def test_dropped_ids_contribute_nothing(kernels, t: int, config) -> None:
     h, i = 128, 64
@@ -412,6 +454,14 @@ def test_config_files_round_trip_and_nearest_m(tmp_path: Path, monkeypatch: pyte
     assert MoEConfig.from_json(SPLIT_TILES.to_json()) == SPLIT_TILES
     with pytest.raises(ValueError, match="SPLIT_K must be a positive integer, got 0"):
         GemmConfig.from_json(large.to_json()["w13"] | {"SPLIT_K": 0})
+    assert COLUMN_TILES.to_json()["w2"]["COLUMN_BLOCKS"] == 3 and "COLUMN_BLOCKS" not in large.to_json()["w2"]
+    assert MoEConfig.from_json(COLUMN_TILES.to_json()) == COLUMN_TILES
+    with pytest.raises(ValueError, match="COLUMN_BLOCKS must be a positive integer, got 0"):
+        GemmConfig.from_json(large.to_json()["w2"] | {"COLUMN_BLOCKS": 0})
+    with pytest.raises(ValueError, match="SPLIT_K and COLUMN_BLOCKS exclude each other"):
+        GemmConfig.from_json(large.to_json()["w2"] | {"COLUMN_BLOCKS": 4, "SPLIT_K": 2})
+    with pytest.raises(ValueError, match="COLUMN_BLOCKS is a w2 option"):
+        MoEConfig.from_json(large.to_json() | {"w13": large.to_json()["w13"] | {"COLUMN_BLOCKS": 4}})
     monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
     configs.write_config_file(tmp_path / configs.config_file_name(16, 32, "dev", torch.float16, None),
                               {1: small, 512: large})
@@ -562,6 +612,24 @@ def test_tuner_cuts_the_w13_pass_at_decode(kernels, monkeypatch: pytest.MonkeyPa
     assert best.w13.split_k == 4 and best.w2.split_k == 1
     assert {tile.split_k for tile in timed} == {1, *tuner.DECODE_SPLITS}
     assert all(tile.block_n in (32, 64) for tile in timed if tile.split_k > 1)
+
+
+def test_tuner_loops_the_w2_pass_over_column_blocks_at_prefill(kernels, monkeypatch: pytest.MonkeyPatch) -> None:
+    """From the prefill sizes on, the w2 pass's fastest tiles are timed again with PREFILL_COLUMN_BLOCKS column
+    blocks a program; the w13 pass never loops. The winner passes the reference check."""
+    import benchmarks.tune_fused_moe as tuner
+
+    spec = MoESpec(256, 192, torch.float32, None, router=SMALL_V3)
+    experts = tuner.Experts.random(spec, DEVICE)
+    tiles = [SMALL_TILES.w13, replace(SMALL_TILES.w13, block_n=64)]
+    timed: list[tuple[GemmConfig, bool]] = []
+    monkeypatch.setattr(tuner, "time_ms", lambda fn, quick: timed.append(
+        (fn.keywords["config"], fn.keywords.get("silu_mul", False))) or (
+        1.0 if fn.keywords["config"].column_blocks == 16 else 2.0))
+    best, _, _, _ = tuner.tune_batch(experts, 9, (16,), tiles, True)
+    assert best.w2.column_blocks == 16 and best.w13.column_blocks == 1
+    assert {tile.column_blocks for tile, _ in timed} == {1, *tuner.PREFILL_COLUMN_BLOCKS}
+    assert not any(silu and tile.column_blocks > 1 for tile, silu in timed)
 
 
 def test_tuner_checks_its_expert_parallel_size(capsys: pytest.CaptureFixture[str]) -> None:

@@ -15,8 +15,8 @@ A file maps token counts M (T, not T * k) to a configuration; a batch uses the e
           "w13": {"BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1, "num_warps": 4, "num_stages": 3},
           "w2": {...}}, ...}
 BLOCK_SIZE_M is shared by both passes (the pairs are padded to it once); each pass has its own tile, which may
-add "TMA": 1 (weight tiles as TMA boxes) and "SPLIT_K": n (K cut into n runs, for decode batches too small to
-fill the GPU with blocks alone).
+add "TMA": 1 (weight tiles as TMA boxes), "SPLIT_K": n (K cut into n runs, for decode batches too small to
+fill the GPU with blocks alone) and "COLUMN_BLOCKS": n (the w2 pass: n column blocks a program).
 """
 
 from __future__ import annotations
@@ -41,8 +41,10 @@ CONFIG_DIR = Path(__file__).parent
 class GemmConfig:
     """Tile of one grouped-GEMM pass (w13 or w2): BLOCK_SIZE_N x BLOCK_SIZE_K per step, GROUP_SIZE_M
     M-blocks per sweep over N, Triton's num_warps / num_stages, `tma`: the expert weight tiles loaded as TMA
-    boxes (files say "TMA": 1; absent is off), and `split_k`: K cut into that many runs, each its own program
-    (files say "SPLIT_K": n; absent is 1)."""
+    boxes (files say "TMA": 1; absent is off), `split_k`: K cut into that many runs, each its own program
+    (files say "SPLIT_K": n; absent is 1), and `column_blocks`: that many column blocks a program, one after another
+    (the w2 pass at prefill sizes, whose short K leaves each program few K steps to pipeline; files say
+    "COLUMN_BLOCKS": n; absent is 1)."""
 
     block_n: int
     block_k: int
@@ -51,20 +53,29 @@ class GemmConfig:
     num_stages: int
     tma: bool = False
     split_k: int = 1
+    column_blocks: int = 1
+
+    def __post_init__(self) -> None:
+        if self.split_k > 1 and self.column_blocks > 1:
+            raise ValueError("SPLIT_K and COLUMN_BLOCKS exclude each other: a program runs a run of K blocks of one "
+                             "column block, or whole K for several")
 
     def to_json(self) -> dict[str, int]:
         return ({"BLOCK_SIZE_N": self.block_n, "BLOCK_SIZE_K": self.block_k, "GROUP_SIZE_M": self.group_m,
                  "num_warps": self.num_warps, "num_stages": self.num_stages} | ({"TMA": 1} if self.tma else {})
-                | ({"SPLIT_K": self.split_k} if self.split_k > 1 else {}))
+                | ({"SPLIT_K": self.split_k} if self.split_k > 1 else {})
+                | ({"COLUMN_BLOCKS": self.column_blocks} if self.column_blocks > 1 else {}))
 
     @classmethod
     def from_json(cls, entry: dict[str, int]) -> GemmConfig:
         if entry.get("TMA", 0) not in (0, 1):
             raise ValueError(f"TMA must be 0 or 1, got {entry['TMA']!r}")
-        if not isinstance(entry.get("SPLIT_K", 1), int) or entry.get("SPLIT_K", 1) < 1:
-            raise ValueError(f"SPLIT_K must be a positive integer, got {entry['SPLIT_K']!r}")
+        for key in ("SPLIT_K", "COLUMN_BLOCKS"):
+            if not isinstance(entry.get(key, 1), int) or entry.get(key, 1) < 1:
+                raise ValueError(f"{key} must be a positive integer, got {entry[key]!r}")
         return cls(entry["BLOCK_SIZE_N"], entry["BLOCK_SIZE_K"], entry["GROUP_SIZE_M"], entry["num_warps"],
-                   entry["num_stages"], bool(entry.get("TMA", 0)), entry.get("SPLIT_K", 1))
+                   entry["num_stages"], bool(entry.get("TMA", 0)), entry.get("SPLIT_K", 1),
+                   entry.get("COLUMN_BLOCKS", 1))
 
 
 @dataclass(frozen=True)
@@ -80,6 +91,8 @@ class MoEConfig:
 
     @classmethod
     def from_json(cls, entry: dict) -> MoEConfig:
+        if "COLUMN_BLOCKS" in entry["w13"]:
+            raise ValueError("COLUMN_BLOCKS is a w2 option (the w13 pass's SiLU-and-mul holds gate and up tiles)")
         return cls(entry["BLOCK_SIZE_M"], GemmConfig.from_json(entry["w13"]), GemmConfig.from_json(entry["w2"]))
 
 
