@@ -1,10 +1,12 @@
 """Why a block-FP8 MoE output may sit just outside the kit's bound: the w8a8 intermediate h = silu(gate) * up is
 quantized to e4m3 by the backend from its float32 GEMM and by the oracle from float64, and where h lies on an
 e4m3 rounding boundary the two round to neighbouring values. For the `triton` backend on a kit case (DeepSeek-V3's
-experts at TP 8 widths, random experts and router logits as the kit draws them), this prints the relative
-difference of the backend's h from the oracle's, how many of its e4m3 values differ, and the output's worst error
-against the oracle, before and after the oracle takes the backend's quantized h (what the flips explain), and
-whether it lies within the kit's bound with and without the oracle's rounding slack (`moe_with_rounding_slack`).
+experts at TP 8 widths, random experts and router logits as the kit draws them), this prints the difference of
+the backend's h from the oracle's, relative to |h| and to the oracle's accumulation error bound at unit
+accumulation_rel (what `ACCUMULATION_REL` must cover), how many e4m3 codes of h differ and whether the oracle's
+rounding slack marks each (listing those it does not), the output's worst error against the oracle before and
+after the oracle takes the backend's quantized h (what the flips explain), and whether the output lies within the
+kit's bound with and without the slack (`moe_with_rounding_slack`).
 
     python -m benchmarks.moe_rounding_flips --tokens 512 --dtype float32
 """
@@ -32,7 +34,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hidden-size", type=int, default=7168)
-    parser.add_argument("--intermediate-size", type=int, default=256, help="per rank (V3's 2048 under TP 8)")
+    parser.add_argument("--intermediate-size", type=int, default=256, help="per rank (256: V3's 2048 under TP 8)")
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)

@@ -17,7 +17,7 @@ decode space instead: BLOCK_SIZE_M near the pairs an expert gets and narrow, dee
 shapes that stream the routed experts' weights fastest when there are few rows to multiply, and the w13 pass's
 fastest tiles again with K cut into 2, 4 or 8 runs (SPLIT_K), for batches whose blocks alone cannot fill the
 GPU. Larger counts time the w2 pass's fastest tiles again with 4, 16 or 64 column blocks a program
-(COLUMN_BLOCKS), for its short K. Every count
+(COLUMN_BLOCKS), where its K, the intermediate size per rank, is short (at most COLUMN_MAX_K, 512). Every count
 also prints its fraction of the weight-read limit (the bytes of the distinct experts the batch routes to
 over the copy bandwidth measured at start). --update keeps the other token counts of an existing file.
 

@@ -428,7 +428,7 @@ def rounding_flip_steps(h: torch.Tensor, h_error: torch.Tensor, group: int) -> t
     # 2^-22: the float32 rounding of the scale and of h / scale, which may differ by an ulp between computations.
     tolerance = h_error / scale + v.abs() * (scale_rel + 2.0**-22)
     a, b = v.abs(), x_q.double().abs()  # b: the e4m3 value a rounds to
-    # e4m3 spacing above b: 2^(exponent - 3) for normals (>= 2^-6), 2^-9 below; half that below a power of two.
+    # e4m3 spacing above b: 2^(floor(log2 b) - 3) for normals (>= 2^-6), 2^-9 below; half that below a power of two.
     # frexp, not log2: CUDA's float64 log2 of a power of two may fall just short of the integer.
     normal = b.clamp(min=2.0**-6)
     mantissa, _ = torch.frexp(normal)  # normal = mantissa * 2^e, mantissa in [0.5, 1)

@@ -711,8 +711,9 @@ def _grouped_gemm_columns_kernel(
     pass's (I / tp): program (m, c) takes M-block m's pairs through column blocks c * COLUMN_BLOCKS, ... one after
     another, with K unrolled in BLOCK_K steps, so that Triton pipelines the loop over column blocks: the next
     block's weight tile loads while this one's product and stores run. With a program a column block, each would
-    fill and drain a pipeline of a few K steps alone. Sorted-pair alignment only (no SiLU-and-mul, split-K or pair
-    sum); the K steps add up in the same order as `_fused_moe_gemm_kernel`'s."""
+    fill and drain a pipeline of a few K steps alone. Programs walk the M-blocks first (grid axis 0), so the ones
+    running together share an expert's weight tiles in L2 (no GROUP_SIZE_M). Sorted-pair alignment only (no
+    SiLU-and-mul, split-K or pair sum); the K steps add up in the same order as `_fused_moe_gemm_kernel`'s."""
     programmatic_prologue(PDL)
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):

@@ -44,7 +44,7 @@ class GemmConfig:
     boxes (files say "TMA": 1; absent is off), `split_k`: K cut into that many runs, each its own program
     (files say "SPLIT_K": n; absent is 1), and `column_blocks`: that many column blocks a program, one after another
     (the w2 pass at prefill sizes, whose short K leaves each program few K steps to pipeline; files say
-    "COLUMN_BLOCKS": n; absent is 1)."""
+    "COLUMN_BLOCKS": n; absent is 1; its programs walk the M-blocks first, so group_m does not apply)."""
 
     block_n: int
     block_k: int
