@@ -34,8 +34,8 @@ TEST_WORKERS ?= 2
 TRITON_BACKENDS := --plugserve-backend attention:triton --plugserve-backend gemm:triton --plugserve-backend moe:triton
 test: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
-	TRITON_INTERPRET=0 $(PY) -m pytest -q -p no:cacheprovider --pyargs plugserve.testing
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider --pyargs plugserve.testing $(TRITON_BACKENDS) \
+	TRITON_INTERPRET=0 $(PY) -m pytest -q -p no:cacheprovider --pyargs plugserve.conformance
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider --pyargs plugserve.conformance $(TRITON_BACKENDS) \
 		--plugserve-device cpu --plugserve-dtypes float16,float32
 
 lint: install

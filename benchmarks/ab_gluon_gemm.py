@@ -15,12 +15,12 @@ import torch
 from benchmarks.gpu_timing import time_cold_graph_ms
 from benchmarks.shootout import measure_ceilings
 from benchmarks.tune_fp8_gemm import V3_SHAPES
+from plugserve.conformance.tolerances import assert_close
 from plugserve.core.interfaces import GemmSpec
 from plugserve.core.layers.quant import quantize_block_fp8
 from plugserve.plugins.gemm import gluon_gemm, triton_kernels
 from plugserve.plugins.gemm.torch_ref import block_fp8_matmul
 from plugserve.plugins.gemm.triton import TritonFp8Gemm, pick_config
-from plugserve.testing.tolerances import assert_close
 
 
 def main() -> None:

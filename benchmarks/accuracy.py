@@ -36,15 +36,14 @@ from pathlib import Path
 
 import torch
 
-from plugserve.core.dispatch import AttnForwardMethod
-from plugserve.core.engine import Engine
-from plugserve.core.forward_batch import ForwardBatch, ForwardMode
+from plugserve.core.forward_batch import AttnForwardMethod, ForwardBatch, ForwardMode
 from plugserve.core.kv_cache import pages_needed
-from plugserve.core.model_runner import ModelRunner
-from plugserve.core.sampling import SamplingParams
-from plugserve.core.server_args import ServerArgs
 from plugserve.core.tokenizer import EMBEDDED_MODEL_DIR, load_tokenizer
 from plugserve.registry import SelectionError, get_registry
+from plugserve.runtime.engine import Engine
+from plugserve.runtime.model_runner import ModelRunner
+from plugserve.runtime.sampling import SamplingParams
+from plugserve.runtime.server_args import ServerArgs
 from plugserve.server.launch import add_server_args, server_args_from
 
 DEFAULT_TEXT = Path(__file__).resolve().parent / "data" / "heldout_docs.txt"

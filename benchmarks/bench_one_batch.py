@@ -11,7 +11,7 @@ two compare (benchmarks/run_fast_path_on_device.sh's `specvs` step). The runner'
 and stored too.
 Prints SGLang's bench_one_batch format; --result-filename appends one JSON line per run (with the server flags
 it ran under). Every server flag is taken, the parallel ones included: with --tp-size N (and --ep-size) this
-process is rank 0 and starts the node's other ranks as workers, as the Engine does (core/ranks.py); other nodes
+process is rank 0 and starts the node's other ranks as workers, as the Engine does (runtime/ranks.py); other nodes
 of --nnodes run `plugserve serve --node-rank n`.
 
     python benchmarks/bench_one_batch.py --model-preset deepseek-v3 --num-layers 4 --load-format dummy \\
@@ -33,15 +33,15 @@ from pathlib import Path
 import torch
 
 from plugserve.core.distributed import SINGLE
-from plugserve.core.model_runner import ModelRunner
-from plugserve.core.radix_cache import RadixCache
-from plugserve.core.ranks import Ranks
-from plugserve.core.request import Request
-from plugserve.core.sampling import SamplingParams
-from plugserve.core.scheduler import Scheduler
-from plugserve.core.server_args import ServerArgs
 from plugserve.core.tokenizer import EMBEDDED_MODEL_DIR, load_tokenizer
 from plugserve.plugins.attention.cutlass_mla import PAGE_SIZE as LARGEST_PAGE  # the largest a built-in backend asks
+from plugserve.runtime.model_runner import ModelRunner
+from plugserve.runtime.radix_cache import RadixCache
+from plugserve.runtime.ranks import Ranks
+from plugserve.runtime.request import Request
+from plugserve.runtime.sampling import SamplingParams
+from plugserve.runtime.scheduler import Scheduler
+from plugserve.runtime.server_args import ServerArgs
 from plugserve.server.launch import add_server_args, server_args_from
 
 

@@ -17,13 +17,13 @@ import argparse
 
 import torch
 
+from plugserve.conformance import oracle
+from plugserve.conformance.cases import V3_ROUTER
+from plugserve.conformance.tolerances import W8A8_MOE_ATOL, assert_close
 from plugserve.core.interfaces import MoESpec
 from plugserve.core.layers.quant import quantize_block_fp8
 from plugserve.plugins.moe import triton_kernels
 from plugserve.plugins.moe.triton import TritonMoE
-from plugserve.testing import oracle
-from plugserve.testing.cases import V3_ROUTER
-from plugserve.testing.tolerances import W8A8_MOE_ATOL, assert_close
 
 RSF = 2.5
 

@@ -20,11 +20,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks import bench_one_batch
-from plugserve.core.model_runner import ModelRunner
-from plugserve.core.radix_cache import RadixCache
-from plugserve.core.request import Request
-from plugserve.core.sampling import SamplingParams
-from plugserve.core.scheduler import Scheduler
+from plugserve.runtime.model_runner import ModelRunner
+from plugserve.runtime.radix_cache import RadixCache
+from plugserve.runtime.request import Request
+from plugserve.runtime.sampling import SamplingParams
+from plugserve.runtime.scheduler import Scheduler
 
 
 def main(argv: Sequence[str] | None = None) -> None:

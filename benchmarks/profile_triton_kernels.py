@@ -14,6 +14,8 @@ import argparse
 
 import torch
 
+from plugserve.conformance.batches import random_batch
+from plugserve.conformance.cases import V3_ROUTER
 from plugserve.core.forward_batch import ForwardMode
 from plugserve.core.interfaces import AttentionSpec, GemmSpec, MoESpec
 from plugserve.core.layers.quant import quantize_block_fp8
@@ -21,8 +23,6 @@ from plugserve.plugins.attention.triton import TritonAttention
 from plugserve.plugins.attention.triton_kernels import mha_varlen
 from plugserve.plugins.gemm.triton import TritonFp8Gemm
 from plugserve.plugins.moe.triton import TritonMoE
-from plugserve.testing.batches import random_batch
-from plugserve.testing.cases import V3_ROUTER
 
 
 def main() -> None:

@@ -46,7 +46,7 @@ for step in "$@"; do
     kit:*)
       IFS=: read -r _ kind name dtypes <<< "$step"
       tag=kit-$kind-$name
-      (cd /tmp && timeout ${STEP_TIMEOUT:-240} python3 -m pytest -q -p plugserve.testing.plugin -p no:cacheprovider --pyargs plugserve.testing \
+      (cd /tmp && timeout ${STEP_TIMEOUT:-240} python3 -m pytest -q -p plugserve.conformance.plugin -p no:cacheprovider --pyargs plugserve.conformance \
         --plugserve-backend $kind:$name --plugserve-shapes full --plugserve-dtypes ${dtypes:-bfloat16} \
         --plugserve-report $res/$tag.json > $res/$tag.txt 2>&1)
       echo "$tag: $(tail -n 1 $res/$tag.txt)" ;;

@@ -13,5 +13,5 @@ cd /tmp  # import the installed copy, not the checkout
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/gpu.txt
 python3 -m plugserve backends --json --explain > $OUT/backends.json
 python3 -m plugserve backends --explain > $OUT/backends.txt
-python3 -m pytest -q -p no:cacheprovider --pyargs plugserve.testing --plugserve-shapes full \
+python3 -m pytest -q -p no:cacheprovider --pyargs plugserve.conformance --plugserve-shapes full \
   --plugserve-report $OUT/conformance-full.json 2>&1 | tail -15 | tee $OUT/conformance-full.txt

@@ -6,7 +6,7 @@
 # benchmarks import). Steps run in the order given; results in $OUT/r, returned as $OUT/results.tgz.
 #   setup                 the carried wheels and FlashInfer into /tmp/site
 #   kit:NAME              the kit's CUDA-graph tests for attention backend NAME, full shapes, bf16
-#   conf:TAG:ARGS         the kit (plugserve.testing, against its float64 oracle) with pytest ARGS, e.g.
+#   conf:TAG:ARGS         the kit (plugserve.conformance, against its float64 oracle) with pytest ARGS, e.g.
 #                         --plugserve-backend,moe:triton,--plugserve-dtypes,bfloat16 -> conf-TAG.{txt,json}
 #   decode:TAG:ARGS       benchmarks/bench_decode_vs_hf.py with ARGS (commas for spaces) -> decode-TAG.{json,txt}
 #   profile:TAG:ARGS      benchmarks/profile_decode.py with ARGS -> profile-TAG.txt (kernel time per decode step)
@@ -56,13 +56,13 @@ for step in "$@"; do
       [ -f .carry/fi/flashinfer.tar.xz ] && [ ! -d $site/flashinfer ] && tar -xJf .carry/fi/flashinfer.tar.xz -C $site
       nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $res/gpu.txt ;;
     kit)
-      (cd /tmp && timeout $limit python3 -m pytest -q -p plugserve.testing.plugin -p no:cacheprovider --pyargs \
-        plugserve.testing --plugserve-backend attention:$tag --plugserve-shapes full --plugserve-dtypes bfloat16 \
+      (cd /tmp && timeout $limit python3 -m pytest -q -p plugserve.conformance.plugin -p no:cacheprovider --pyargs \
+        plugserve.conformance --plugserve-backend attention:$tag --plugserve-shapes full --plugserve-dtypes bfloat16 \
         -k graph --plugserve-report $res/kit-graph-$tag.json > $res/kit-graph-$tag.txt 2>&1)
       echo "kit $tag: $(tail -n 1 $res/kit-graph-$tag.txt)" ;;
     conf)
-      (cd /tmp && timeout $limit python3 -m pytest -q -p plugserve.testing.plugin -p no:cacheprovider --pyargs \
-        plugserve.testing $args --plugserve-report $res/conf-$tag.json > $res/conf-$tag.txt 2>&1)
+      (cd /tmp && timeout $limit python3 -m pytest -q -p plugserve.conformance.plugin -p no:cacheprovider --pyargs \
+        plugserve.conformance $args --plugserve-report $res/conf-$tag.json > $res/conf-$tag.txt 2>&1)
       echo "conf $tag: $(tail -n 1 $res/conf-$tag.txt)" ;;
     decode)
       timeout $limit python3 -m benchmarks.bench_decode_vs_hf $args --result-filename $res/decode-$tag.json \

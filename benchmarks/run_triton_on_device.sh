@@ -13,7 +13,7 @@ for stage in "$@"; do
   case $stage in
     kit)
       for kind in attention gemm moe; do
-        timeout 200 python3 -m pytest -q -p plugserve.testing.plugin -p no:cacheprovider --pyargs plugserve.testing \
+        timeout 200 python3 -m pytest -q -p plugserve.conformance.plugin -p no:cacheprovider --pyargs plugserve.conformance \
           --plugserve-backend $kind:triton --plugserve-shapes full --plugserve-report $OUT/conformance-triton-$kind.json \
           2>&1 | tail -25 | tee $OUT/conformance-triton-$kind.txt
       done ;;

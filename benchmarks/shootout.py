@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from plugserve.conformance.batches import random_batch
 from plugserve.core.config import ModelConfig, ModelConfigError, preset_config
 from plugserve.core.dispatch import prepare_attention
 from plugserve.core.forward_batch import ForwardMode, Phase
@@ -43,7 +44,6 @@ from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import AttentionSpec, GemmSpec, MoESpec
 from plugserve.core.layers.quant import quantize_block_fp8
 from plugserve.registry import BATCH_BUCKETS, get_registry
-from plugserve.testing.batches import random_batch
 
 # The models whose shapes the shootout measures: GEMMs of the first, MoE layers of each (--quick: "tiny").
 GEMM_MODEL = "deepseek-v3"

@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 
 from benchmarks.shootout import measure_ceilings, timed
+from plugserve.conformance.batches import random_batch
 from plugserve.core.forward_batch import ForwardMode
 from plugserve.core.interfaces import AttentionSpec
 from plugserve.plugins.attention import triton_kernels as kernels
 from plugserve.plugins.attention.triton import TritonAttention
-from plugserve.testing.batches import random_batch
 
 SHAPES = [(1, 32768), (32, 8192), (128, 8192), (1, 256), (64, 512)]
 MlaConfig = kernels.MlaConfig

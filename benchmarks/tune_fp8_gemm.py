@@ -140,9 +140,9 @@ def tune_shape(
     """The fastest config per M for an [N, K] weight, each checked against the torch reference. `kept`: the
     configs a file already holds (--update), timed beside the space's, so that re-tuning never writes a slower one."""
     from benchmarks.gpu_timing import time_cold_graph_ms
+    from plugserve.conformance.tolerances import assert_close
     from plugserve.plugins.gemm import triton_kernels
     from plugserve.plugins.gemm.torch_ref import block_fp8_matmul
-    from plugserve.testing.tolerances import assert_close
 
     properties = torch.cuda.get_device_properties(device)
     smem, num_sms = properties.shared_memory_per_block_optin, properties.multi_processor_count

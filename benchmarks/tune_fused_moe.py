@@ -39,12 +39,12 @@ from pathlib import Path
 
 import torch
 
+from plugserve.conformance.cases import V2_LITE_ROUTER, V2_ROUTER, V3_ROUTER
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import MoESpec, RouterConfig
 from plugserve.core.layers.quant import FP8_DTYPE
 from plugserve.plugins.moe import configs
 from plugserve.plugins.moe.configs import GemmConfig, MoEConfig
-from plugserve.testing.cases import V2_LITE_ROUTER, V2_ROUTER, V3_ROUTER
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096)
 QUICK_BATCH_SIZES = (1, 16, 64, 256, 1024, 4096)
@@ -226,9 +226,9 @@ def check_config(experts: Experts, config: MoEConfig, x: torch.Tensor, topk_ids:
     """The routed experts' forward with `config` (x [T, H], topk_ids [T, k] of all experts, topk_weights [T, k])
     against the torch reference; AssertionError naming the config when it is off (the kit's bound for
     block-FP8), so that no tuned file holds a configuration that computes something else."""
+    from plugserve.conformance.tolerances import W8A8_MOE_ATOL, assert_close
     from plugserve.plugins.moe import triton_kernels as kernels
     from plugserve.plugins.moe.torch_ref import fused_experts_reference
-    from plugserve.testing.tolerances import W8A8_MOE_ATOL, assert_close
 
     spec = experts.spec
     out = kernels.fused_experts(x, experts.w13, experts.w2, experts.w13_scale_inv, experts.w2_scale_inv,

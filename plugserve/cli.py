@@ -15,10 +15,9 @@ from rich.table import Table
 from plugserve.core.dispatch import (
     DEFAULT_CHUNKED_PREFIX_CACHE_THRESHOLD,
     DEFAULT_PREFIX_CHUNK_CAPACITY,
-    AttnForwardMethod,
     choose_attn_forward_method,
 )
-from plugserve.core.forward_batch import ForwardMode, Phase
+from plugserve.core.forward_batch import AttnForwardMethod, ForwardMode, Phase
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import KINDS, Kind
 from plugserve.registry import (

@@ -356,13 +356,13 @@ class Registry:
         fit_spec: Callable[[type[Backend], Any], Any] | None = None,
         built: Mapping[str, Backend] | None = None,
     ) -> tuple[Backend, Selection]:
-        """Construct the first candidate whose start-up self-check passes (plugserve.testing.self_check),
+        """Construct the first candidate whose start-up self-check passes (plugserve.conformance.self_check),
         and return it with its selection; the reason names every candidate that failed before it, and
         why. Each candidate is built with `fit_spec(cls, spec)` (a decode backend may force the page
         size). A candidate named in `built` (instances passed before, e.g. for another batch size) is
         returned as it is. A requested backend that fails raises SelectionError: there is nothing to fall
         back to."""
-        from plugserve.testing.self_check import self_check
+        from plugserve.conformance.self_check import self_check
 
         hardware = Hardware.detect(device)
         failures: list[str] = []

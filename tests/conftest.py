@@ -7,7 +7,7 @@ import os
 import torch
 
 # Triton fixes, when first imported, whether its kernels are interpreted: the CPU suite runs them interpreted.
-# pytest also loads this file for kit runs from the repo root (`--pyargs plugserve.testing`): on a GPU
+# pytest also loads this file for kit runs from the repo root (`--pyargs plugserve.conformance`): on a GPU
 # machine the kernels must compile, so the default applies only where no GPU is visible.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from plugserve.core.server_args import ServerArgs
+from plugserve.runtime.server_args import ServerArgs
 from tests.live_server import API_KEY, SERVED_MODEL, RunningServer, start_server
 
 MakePlugin = Callable[[str, str, str], Path]

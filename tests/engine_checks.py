@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from plugserve.core.engine import Engine
+from plugserve.runtime.engine import Engine
 
 
 def assert_every_page_is_back(engine: Engine) -> None:

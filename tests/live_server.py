@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import httpx
 import uvicorn
 
-from plugserve.core.engine import Engine
-from plugserve.core.server_args import ServerArgs
+from plugserve.runtime.engine import Engine
+from plugserve.runtime.server_args import ServerArgs
 from plugserve.server.app import create_app
 
 API_KEY = "sk-plugserve-test"

@@ -4,8 +4,7 @@ import json
 import pytest
 import torch
 
-from plugserve.core.dispatch import AttnForwardMethod
-from plugserve.core.forward_batch import Phase
+from plugserve.core.forward_batch import AttnForwardMethod, Phase
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import OK, AttentionCapabilities, AttentionSpec, Availability
 from plugserve.plugins.attention.torch_ref import TorchRefAttention

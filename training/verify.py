@@ -76,7 +76,7 @@ def plugserve_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: 
     """Greedy continuations [len(prompts)][max_new_tokens] from plugserve's engine (EOS ignored): as served
     (auto backends and dtype), or with `reference` the torch reference backends in float32."""
     from benchmarks.accuracy import FLAGS, REFERENCE, greedy_continuations
-    from plugserve.core.server_args import ServerArgs
+    from plugserve.runtime.server_args import ServerArgs
 
     flags = {FLAGS[kind]: value for kind, value in REFERENCE.items()} if reference else {}
     return greedy_continuations(ServerArgs(model_path=str(model_dir), device=device, log_level="warning", **flags),

@@ -9,24 +9,18 @@ over the paged latent cache wins. Every mode over the paged cache but EXTEND is 
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
+from plugserve.core import forward_batch as fb
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode
 from plugserve.core.kv_cache import sequence_slots, token_slots
+from plugserve.core.moved import moved_names
 
 DEFAULT_CHUNKED_PREFIX_CACHE_THRESHOLD = 8192
 # Tokens of de-compressed prefix K/V held at once: 16384 x 128 heads x (192 + 128) x 2 bytes = 1.3 GB.
 DEFAULT_PREFIX_CHUNK_CAPACITY = 16384
-
-
-class AttnForwardMethod(enum.Enum):
-    MHA = "mha"  # causal MHA over the new tokens (and the whole de-compressed prefix, when there is one)
-    MHA_CHUNKED_KV = "mha_chunked_kv"  # causal MHA over the new tokens + prefix chunks, merged by lse
-    MLA = "mla"  # absorbed MQA over the paged latent cache
 
 
 def choose_attn_forward_method(
@@ -37,17 +31,17 @@ def choose_attn_forward_method(
     chunked_prefix_cache_threshold: int = DEFAULT_CHUNKED_PREFIX_CACHE_THRESHOLD,
     prefix_chunk_capacity: int = DEFAULT_PREFIX_CHUNK_CAPACITY,
     prefill_supports_mla: bool = True,
-) -> tuple[AttnForwardMethod, str]:
+) -> tuple[fb.AttnForwardMethod, str]:
     """The method for one batch and why. `prefill_supports_mla=False` (an MHA-only prefill backend)
     sends short-prefix batches through MHA as well."""
     if mode is not ForwardMode.EXTEND:
-        return AttnForwardMethod.MLA, f"{mode.name} always runs absorbed MLA over the paged cache"
+        return fb.AttnForwardMethod.MLA, f"{mode.name} always runs absorbed MLA over the paged cache"
     prefix_sum = sum(prefix_lens)
     if prefix_sum == 0:
-        return AttnForwardMethod.MHA, "no cached prefix"
+        return fb.AttnForwardMethod.MHA, "no cached prefix"
     if prefix_sum < chunked_prefix_cache_threshold and prefill_supports_mla:
         return (
-            AttnForwardMethod.MLA,
+            fb.AttnForwardMethod.MLA,
             f"cached prefix {prefix_sum} < --chunked-prefix-cache-threshold {chunked_prefix_cache_threshold}",
         )
     why = (
@@ -56,26 +50,12 @@ def choose_attn_forward_method(
         else "the prefill backend has no absorbed MLA"
     )
     if sum(seq_lens) <= prefix_chunk_capacity:
-        return AttnForwardMethod.MHA, f"{why}; all {sum(seq_lens)} tokens fit one chunk"
-    return AttnForwardMethod.MHA_CHUNKED_KV, f"{why}; {sum(seq_lens)} tokens > chunk capacity {prefix_chunk_capacity}"
+        return fb.AttnForwardMethod.MHA, f"{why}; all {sum(seq_lens)} tokens fit one chunk"
+    chunked = fb.AttnForwardMethod.MHA_CHUNKED_KV
+    return chunked, f"{why}; {sum(seq_lens)} tokens > chunk capacity {prefix_chunk_capacity}"
 
 
-@dataclass(frozen=True)
-class PrefixChunk:
-    """One chunk of the cached prefixes, attended (non-causally) by every new token of its request.
-
-    starts_cpu / lens_cpu: per request, the first prefix position in this chunk and how many follow.
-    cu_lens [B+1] int32: exclusive prefix sum of lens, on the device.
-    slots [sum(lens)] int64: pool slots of the chunk's tokens, request-major.
-    """
-
-    starts_cpu: list[int]
-    lens_cpu: list[int]
-    cu_lens: torch.Tensor
-    slots: torch.Tensor
-
-
-def plan_prefix_chunks(batch: ForwardBatch, prefix_chunk_capacity: int) -> list[PrefixChunk]:
+def plan_prefix_chunks(batch: ForwardBatch, prefix_chunk_capacity: int) -> list[fb.PrefixChunk]:
     """Split every request's cached prefix into position windows holding at most
     `prefix_chunk_capacity` tokens in all (each request gets an equal share of a chunk)."""
     prefix_lens = batch.prefix_lens_cpu
@@ -93,7 +73,7 @@ def plan_prefix_chunks(batch: ForwardBatch, prefix_chunk_capacity: int) -> list[
         cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
         slots = token_slots(batch.block_table, req, pos, batch.kv_pool.page_size)
-        chunks.append(PrefixChunk(starts, lens, cu.to(device), slots))
+        chunks.append(fb.PrefixChunk(starts, lens, cu.to(device), slots))
     return chunks
 
 
@@ -115,12 +95,14 @@ def prepare_attention(
     )
     batch.attn_method = method
     batch.prefix_chunks = (
-        plan_prefix_chunks(batch, prefix_chunk_capacity) if method is AttnForwardMethod.MHA_CHUNKED_KV else []
+        plan_prefix_chunks(batch, prefix_chunk_capacity) if method is fb.AttnForwardMethod.MHA_CHUNKED_KV else []
     )
     has_prefix = any(batch.prefix_lens_cpu)
     batch.sequence_slots = (
         sequence_slots(batch.block_table, batch.seq_lens_cpu, batch.kv_pool.page_size)
-        if method is AttnForwardMethod.MHA and has_prefix
+        if method is fb.AttnForwardMethod.MHA and has_prefix
         else None
     )
     return batch
+
+__getattr__ = moved_names(__name__)

@@ -7,15 +7,11 @@ import enum
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from plugserve.core.block_table import to_device
 from plugserve.core.kv_cache import MLAKVPool, token_slots
-
-if TYPE_CHECKING:
-    from plugserve.core.dispatch import AttnForwardMethod, PrefixChunk
 
 # int32 lengths per 16 bytes: `ForwardBatch.build` starts each of its length tensors at a multiple of it.
 LENS_ALIGN = 4
@@ -32,6 +28,27 @@ class ForwardMode(enum.Enum):
     def phase(self) -> Phase:
         """EXTEND runs on the prefill backends; every mode over the paged cache on the decode ones."""
         return Phase.PREFILL if self is ForwardMode.EXTEND else Phase.DECODE
+
+
+class AttnForwardMethod(enum.Enum):
+    MHA = "mha"  # causal MHA over the new tokens (and the whole de-compressed prefix, when there is one)
+    MHA_CHUNKED_KV = "mha_chunked_kv"  # causal MHA over the new tokens + prefix chunks, merged by lse
+    MLA = "mla"  # absorbed MQA over the paged latent cache
+
+
+@dataclass(frozen=True)
+class PrefixChunk:
+    """One chunk of the cached prefixes, attended (non-causally) by every new token of its request.
+
+    starts_cpu / lens_cpu: per request, the first prefix position in this chunk and how many follow.
+    cu_lens [B+1] int32: exclusive prefix sum of lens, on the device.
+    slots [sum(lens)] int64: pool slots of the chunk's tokens, request-major.
+    """
+
+    starts_cpu: list[int]
+    lens_cpu: list[int]
+    cu_lens: torch.Tensor
+    slots: torch.Tensor
 
 
 class Phase(enum.Enum):

@@ -16,8 +16,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from plugserve.core.dispatch import AttnForwardMethod
-from plugserve.core.forward_batch import ForwardBatch, ForwardMode, Phase
+from plugserve.core.forward_batch import AttnForwardMethod, ForwardBatch, ForwardMode, Phase
 from plugserve.core.hardware import Hardware
 
 Kind = Literal["attention", "gemm", "moe"]

@@ -17,10 +17,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from plugserve.core.engine import Engine, EngineStopped, GenerateResult
-from plugserve.core.request import FinishReason, RequestOutput, TokenLogprob
-from plugserve.core.sampling import SamplingParams
 from plugserve.registry import get_registry
+from plugserve.runtime.engine import Engine, EngineStopped, GenerateResult
+from plugserve.runtime.request import FinishReason, RequestOutput, TokenLogprob
+from plugserve.runtime.sampling import SamplingParams
 from plugserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

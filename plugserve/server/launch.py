@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING
 import uvicorn
 from pydantic import ValidationError
 
-from plugserve.core.server_args import ServerArgs, describe_validation_error, flag
+from plugserve.runtime.server_args import ServerArgs, describe_validation_error, flag
 
 if TYPE_CHECKING:
-    from plugserve.core.engine import Engine
+    from plugserve.runtime.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -130,13 +130,13 @@ def server_args_from(namespace: argparse.Namespace, parser: argparse.ArgumentPar
 def serve(args: ServerArgs) -> None:
     """Serve until SIGTERM / SIGINT (exit 0 after the graceful shutdown) or until the scheduler loop dies
     (exit 1, so that a supervisor restarts the server). Ends the process."""
-    from plugserve.core.engine import Engine
     from plugserve.registry import SelectionError
+    from plugserve.runtime.engine import Engine
     from plugserve.server.app import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.node_rank:
-        from plugserve.core.ranks import run_node
+        from plugserve.runtime.ranks import run_node
 
         error = run_node(args)
         if error is not None:

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from plugserve.core.sampling import SamplingParams
+from plugserve.runtime.sampling import SamplingParams
 
 SEED_LIMIT = 2**63  # int64, as OpenAI's; n samples take seed + i, which stays below a torch generator's 2^64
 MAX_N = 64

@@ -11,10 +11,10 @@ import torch
 from safetensors import safe_open
 
 from benchmarks.accuracy import DEFAULT_TEXT, run
-from plugserve.core.engine import Engine
-from plugserve.core.sampling import SamplingParams
-from plugserve.core.server_args import ServerArgs
 from plugserve.core.tokenizer import EMBEDDED_MODEL_DIR
+from plugserve.runtime.engine import Engine
+from plugserve.runtime.sampling import SamplingParams
+from plugserve.runtime.server_args import ServerArgs
 from training.verify import verify
 
 MAX_BYTES = 25 * 10**6  # the size budget for a model that lives in the package

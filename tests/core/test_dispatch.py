@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from plugserve.core.dispatch import AttnForwardMethod, choose_attn_forward_method, prepare_attention
-from plugserve.core.forward_batch import ForwardBatch, ForwardMode
+from plugserve.core.dispatch import choose_attn_forward_method, prepare_attention
+from plugserve.core.forward_batch import AttnForwardMethod, ForwardBatch, ForwardMode
 from plugserve.core.kv_cache import MLAKVPool
 
 MHA, CHUNKED, MLA = AttnForwardMethod.MHA, AttnForwardMethod.MHA_CHUNKED_KV, AttnForwardMethod.MLA

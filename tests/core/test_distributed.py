@@ -18,8 +18,8 @@ from plugserve.core.distributed import (
 )
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode
 from plugserve.core.kv_cache import pages_needed
-from plugserve.core.model_runner import ModelRunner
-from plugserve.core.server_args import ServerArgs
+from plugserve.runtime.model_runner import ModelRunner
+from plugserve.runtime.server_args import ServerArgs
 from tests.multiprocess import COLLECTIVE_TIMEOUT_S, run_ranks
 
 

@@ -19,10 +19,10 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from plugserve.core.engine import Engine, EngineStopped
-from plugserve.core.request import FinishReason
-from plugserve.core.sampling import SamplingParams
-from plugserve.core.server_args import ServerArgs
+from plugserve.runtime.engine import Engine, EngineStopped
+from plugserve.runtime.request import FinishReason
+from plugserve.runtime.sampling import SamplingParams
+from plugserve.runtime.server_args import ServerArgs
 from plugserve.server.app import create_app
 from tests.live_server import _free_port
 
@@ -78,8 +78,9 @@ def test_a_dead_scheduler_loop_fails_every_caller_at_once_and_health_says_why(mo
 
 SERVE = "import sys; from plugserve.server.launch import main; main(sys.argv[1:])"
 # The same, with a scheduler whose steps and whose guard both raise: the loop dies on the first request.
-SERVE_DOOMED = ("import sys; from plugserve.core.scheduler import Scheduler; from tests.server.test_lifecycle import "
-                "_fail; Scheduler.step = Scheduler.fail_all = _fail; " + SERVE.split("; ", 1)[1])
+SERVE_DOOMED = ("import sys; from plugserve.runtime.scheduler import Scheduler; "
+                "from tests.server.test_lifecycle import _fail; Scheduler.step = Scheduler.fail_all = _fail; "
+                + SERVE.split("; ", 1)[1])
 
 
 @contextlib.contextmanager

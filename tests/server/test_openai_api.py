@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from plugserve.core.sampling import SamplingParams
+from plugserve.runtime.sampling import SamplingParams
 from tests.live_server import API_KEY, SERVED_MODEL, RunningServer
 
 PROMPT = "The quick brown fox"
@@ -127,8 +127,8 @@ def test_shared_prefix_hits_the_radix_cache_and_matches_a_cold_run(client, serve
     assert server.metric("plugserve_cached_prompt_tokens_total") - before >= cached
     assert server.metric("plugserve_cache_hit_rate") > 0
     # The cold run: the same request on an engine without a prefix cache.
-    from plugserve.core.engine import Engine
-    from plugserve.core.server_args import ServerArgs
+    from plugserve.runtime.engine import Engine
+    from plugserve.runtime.server_args import ServerArgs
 
     cold_engine = Engine(ServerArgs(model_preset="tiny", disable_radix_cache=True))
     try:

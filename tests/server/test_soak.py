@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from plugserve.core.sampling import SamplingParams
-from plugserve.core.server_args import ServerArgs
+from plugserve.runtime.sampling import SamplingParams
+from plugserve.runtime.server_args import ServerArgs
 from tests.live_server import API_KEY, SERVED_MODEL, RunningServer, start_server
 
 REQUESTS = 300

@@ -8,9 +8,9 @@ import threading
 import pytest
 from fastapi.testclient import TestClient
 
-from plugserve.core.engine import Engine
-from plugserve.core.model_runner import ModelRunner
-from plugserve.core.server_args import ServerArgs
+from plugserve.runtime.engine import Engine
+from plugserve.runtime.model_runner import ModelRunner
+from plugserve.runtime.server_args import ServerArgs
 from plugserve.server.app import create_app
 
 

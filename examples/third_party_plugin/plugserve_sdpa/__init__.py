@@ -4,7 +4,7 @@ short-prefix extend, computed by `torch.nn.functional.scaled_dot_product_attenti
 It runs only the absorbed-MLA method, like FlashMLA: `plugserve` pairs it, as the decode backend,
 with another backend for MHA prefill. Check it with the conformance kit:
 
-    pytest --pyargs plugserve.testing --plugserve-backend attention:sdpa
+    pytest --pyargs plugserve.conformance --plugserve-backend attention:sdpa
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from plugserve.core.dispatch import AttnForwardMethod
-from plugserve.core.forward_batch import ForwardBatch
+from plugserve.core.forward_batch import AttnForwardMethod, ForwardBatch
 from plugserve.core.interfaces import AttentionBackend, AttentionCapabilities
 from plugserve.core.kv_cache import sequence_slots
 from plugserve.registry import hookimpl

@@ -36,9 +36,8 @@ import torch
 from torch import nn
 
 from plugserve.core.config import ModelConfig
-from plugserve.core.dispatch import AttnForwardMethod
 from plugserve.core.distributed import SINGLE, ParallelGroup, unpad_rows
-from plugserve.core.forward_batch import ForwardBatch, ForwardMode
+from plugserve.core.forward_batch import AttnForwardMethod, ForwardBatch, ForwardMode
 from plugserve.core.interfaces import AttentionBackend, Fp8GemmBackend, MoEBackend
 from plugserve.core.layers.linear import Linear, WeightLoadError
 from plugserve.core.layers.norm import RMSNorm

@@ -41,8 +41,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
-from plugserve.core.dispatch import AttnForwardMethod
-from plugserve.core.forward_batch import ForwardBatch, ForwardMode, Phase
+from plugserve.core.forward_batch import AttnForwardMethod, ForwardBatch, ForwardMode, Phase
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import OK, AttentionBackend, AttentionCapabilities, AttentionSpec, Availability
 from plugserve.core.kv_cache import pages_needed

@@ -74,8 +74,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from plugserve.core.dispatch import AttnForwardMethod
-from plugserve.core.forward_batch import ForwardBatch, ForwardMode
+from plugserve.core.forward_batch import AttnForwardMethod, ForwardBatch, ForwardMode
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import OK, AttentionBackend, AttentionCapabilities, AttentionSpec, Availability
 from plugserve.core.kv_cache import MLAKVPool

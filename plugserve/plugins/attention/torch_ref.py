@@ -1,5 +1,5 @@
 """The torch reference attention backend: plain torch for every method,
-itself checked against the kit's float64 oracle (plugserve/testing/oracle.py).
+itself checked against the kit's float64 oracle (plugserve/conformance/oracle.py).
 
 Plain eager PyTorch, one request at a time, all math in float32. It is slow on purpose: each step is
 the textbook formula, so that a mismatch with a fast kernel points at the kernel. The math lives in
@@ -21,8 +21,7 @@ from typing import ClassVar
 
 import torch
 
-from plugserve.core.dispatch import AttnForwardMethod
-from plugserve.core.forward_batch import ForwardBatch
+from plugserve.core.forward_batch import AttnForwardMethod, ForwardBatch
 from plugserve.core.interfaces import AttentionBackend, AttentionCapabilities
 from plugserve.core.kv_cache import sequence_slots
 from plugserve.registry import hookimpl

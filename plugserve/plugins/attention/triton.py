@@ -22,8 +22,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from plugserve.core.dispatch import AttnForwardMethod
-from plugserve.core.forward_batch import ForwardBatch, ForwardMode
+from plugserve.core.forward_batch import AttnForwardMethod, ForwardBatch, ForwardMode
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import AttentionBackend, AttentionCapabilities, AttentionSpec, Availability
 from plugserve.plugins.triton_support import triton_availability

@@ -1,5 +1,5 @@
 """The torch reference block-FP8 GEMM: plain and obviously correct, itself checked against the kit's
-float64 oracle (plugserve/testing/oracle.py). Runs on the CPU and on CUDA.
+float64 oracle (plugserve/conformance/oracle.py). Runs on the CPU and on CUDA.
 
 Weights are e4m3 in `block_shape` (bn, bk) blocks with one float32 scale each; activations are
 quantized per 1 x bk token group. e4m3 matmuls do not exist on the CPU, so the reference

@@ -1,5 +1,5 @@
 """The torch reference MoE: DeepSeek's router and a per-expert loop over the routed experts, itself
-checked against the kit's float64 oracle (plugserve/testing/oracle.py). Runs on the CPU and on CUDA.
+checked against the kit's float64 oracle (plugserve/conformance/oracle.py). Runs on the CPU and on CUDA.
 
 The router follows HF transformers' DeepseekV2TopkRouter / DeepseekV3TopkRouter except that it
 leaves routed_scaling_factor out of the weights (the MoEBackend contract applies it in `forward`).

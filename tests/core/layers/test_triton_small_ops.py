@@ -17,8 +17,7 @@ import pytest
 import torch
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
 
-from plugserve.core.dispatch import AttnForwardMethod
-from plugserve.core.forward_batch import ForwardMode
+from plugserve.core.forward_batch import AttnForwardMethod, ForwardMode
 from plugserve.core.layers import small_ops
 from plugserve.core.layers.small_ops import EAGER, SmallOps
 from plugserve.core.models.deepseek import DeepseekForCausalLM

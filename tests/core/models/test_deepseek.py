@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from plugserve.core.dispatch import AttnForwardMethod
-from plugserve.core.forward_batch import ForwardMode
+from plugserve.core.forward_batch import AttnForwardMethod, ForwardMode
 from tests.checkpoints import (
     random_hf_model,
     save_hf_model,

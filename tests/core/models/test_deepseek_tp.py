@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from plugserve.core.dispatch import AttnForwardMethod
 from plugserve.core.distributed import ParallelGroup
-from plugserve.core.forward_batch import ForwardMode
+from plugserve.core.forward_batch import AttnForwardMethod, ForwardMode
 from plugserve.core.layers.parallel import LazySlice
 from plugserve.core.layers.quant import FP8_DTYPE
 from plugserve.core.loader import SafetensorsCheckpoint, load_checkpoint, read_config

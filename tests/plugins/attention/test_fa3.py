@@ -11,9 +11,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from plugserve.core.cuda_graph_runner import GraphInputs
-from plugserve.core.dispatch import AttnForwardMethod, prepare_attention
-from plugserve.core.forward_batch import ForwardBatch, ForwardMode, Phase
+from plugserve.conformance.batches import random_batch
+from plugserve.conformance.tolerances import assert_close, assert_lse_close
+from plugserve.core.dispatch import prepare_attention
+from plugserve.core.forward_batch import AttnForwardMethod, ForwardBatch, ForwardMode, Phase
+from plugserve.core.graph_inputs import GraphInputs
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import AttentionSpec
 from plugserve.core.kv_cache import MLAKVPool, pages_needed
@@ -30,8 +32,6 @@ from plugserve.plugins.attention.fa3 import (
 )
 from plugserve.plugins.attention.torch_ref import TorchRefAttention, causal_mask, ragged_attention
 from plugserve.registry import Registry
-from plugserve.testing.batches import random_batch
-from plugserve.testing.tolerances import assert_close, assert_lse_close
 
 CPU = torch.device("cpu")
 H100 = Hardware("cuda", "NVIDIA H100 80GB HBM3", (9, 0), 80 << 30, 132)

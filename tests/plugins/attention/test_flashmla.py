@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from plugserve.core.cuda_graph_runner import GraphInputs
-from plugserve.core.dispatch import AttnForwardMethod
-from plugserve.core.forward_batch import ForwardBatch, ForwardMode, Phase
+from plugserve.conformance.batches import random_batch
+from plugserve.conformance.tolerances import assert_close
+from plugserve.core.forward_batch import AttnForwardMethod, ForwardBatch, ForwardMode, Phase
+from plugserve.core.graph_inputs import GraphInputs
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import AttentionSpec
 from plugserve.core.kv_cache import MLAKVPool, pages_needed, token_slots
@@ -30,8 +31,6 @@ from plugserve.plugins.attention.flashmla import (
     padded_query_rows,
 )
 from plugserve.plugins.attention.torch_ref import TorchRefAttention
-from plugserve.testing.batches import random_batch
-from plugserve.testing.tolerances import assert_close
 
 CPU = torch.device("cpu")
 LAYER = 1  # not 0: a backend ignoring layer_id reads the wrong buffer

@@ -8,9 +8,9 @@ import itertools
 import pytest
 import torch
 
+from plugserve.conformance.tolerances import assert_close, assert_lse_close
 from plugserve.plugins.attention import triton_kernels as kernels
 from plugserve.plugins.attention.torch_ref import ragged_attention
-from plugserve.testing.tolerances import assert_close, assert_lse_close
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 SM90, BF16 = (9, 0), torch.bfloat16

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from plugserve.conformance.tolerances import assert_close
 from plugserve.plugins.attention import triton_kernels as kernels
 from plugserve.plugins.attention.torch_ref import mla_attention_reference
-from plugserve.testing.tolerances import assert_close
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 PAGE = 64

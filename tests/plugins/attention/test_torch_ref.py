@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from plugserve.core.dispatch import AttnForwardMethod, prepare_attention
-from plugserve.core.forward_batch import ForwardBatch, ForwardMode
+from plugserve.core.dispatch import prepare_attention
+from plugserve.core.forward_batch import AttnForwardMethod, ForwardBatch, ForwardMode
 from plugserve.core.interfaces import AttentionSpec
 from plugserve.core.kv_cache import MLAKVPool
 from plugserve.plugins.attention.torch_ref import TorchRefAttention, merge_attn_states, ragged_attention

@@ -22,15 +22,15 @@ from types import ModuleType
 import pytest
 import torch
 
-from plugserve.core.dispatch import AttnForwardMethod, prepare_attention
-from plugserve.core.forward_batch import DraftTree, ForwardBatch, ForwardMode
+from plugserve.conformance import oracle
+from plugserve.conformance.batches import random_batch
+from plugserve.conformance.tolerances import assert_close, assert_lse_close
+from plugserve.core.dispatch import prepare_attention
+from plugserve.core.forward_batch import AttnForwardMethod, DraftTree, ForwardBatch, ForwardMode
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import AttentionSpec
 from plugserve.plugins.attention.torch_ref import TorchRefAttention, merge_attn_states, ragged_attention
 from plugserve.plugins.attention.triton import TritonAttention
-from plugserve.testing import oracle
-from plugserve.testing.batches import random_batch
-from plugserve.testing.tolerances import assert_close, assert_lse_close
 
 CHILD = "PLUGSERVE_TRITON_INTERPRETER_CHILD"
 IN_CHILD = os.environ.get(CHILD) == "1"

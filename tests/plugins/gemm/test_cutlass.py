@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from plugserve.conformance.tolerances import assert_close
 from plugserve.core.forward_batch import Phase
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import Fp8GemmBackend, GemmSpec
@@ -32,7 +33,6 @@ from plugserve.plugins.gemm.cutlass import (
 )
 from plugserve.plugins.gemm.torch_ref import block_fp8_matmul
 from plugserve.registry import Registry
-from plugserve.testing.tolerances import assert_close
 
 CPU = torch.device("cpu")
 BLOCK = (128, 128)

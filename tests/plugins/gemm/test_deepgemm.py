@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from plugserve.conformance.tolerances import assert_close
 from plugserve.core.forward_batch import Phase
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import GemmSpec
@@ -29,7 +30,6 @@ from plugserve.plugins.deepgemm_support import (
 from plugserve.plugins.gemm.deepgemm import DeepGemmFp8Gemm, padded_weight
 from plugserve.plugins.gemm.torch_ref import TorchRefFp8Gemm
 from plugserve.registry import Registry
-from plugserve.testing.tolerances import assert_close
 from tests.interpreter import KERNELS_HERE, interpreter_child
 from tests.plugins import fake_deep_gemm
 

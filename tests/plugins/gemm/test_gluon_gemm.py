@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from plugserve.conformance.tolerances import assert_close
 from plugserve.core.interfaces import GemmSpec
 from plugserve.core.layers.quant import per_token_group_quant_fp8, quantize_block_fp8
 from plugserve.plugins.gemm import gluon_gemm
 from plugserve.plugins.gemm.torch_ref import block_fp8_matmul
 from plugserve.plugins.gemm.triton import TritonFp8Gemm
-from plugserve.testing.tolerances import assert_close
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 SM90, E4M3 = (9, 0), torch.float8_e4m3fn

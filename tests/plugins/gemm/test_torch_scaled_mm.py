@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from plugserve.conformance.tolerances import assert_close
 from plugserve.core.forward_batch import Phase
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import GemmSpec
@@ -25,7 +26,6 @@ from plugserve.plugins.gemm.torch_scaled_mm import (
     weight_scale_operand,
 )
 from plugserve.registry import Registry
-from plugserve.testing.tolerances import assert_close
 
 CPU = torch.device("cpu")
 BLOCK = (128, 128)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from benchmarks import tune_fp8_gemm
+from plugserve.conformance.tolerances import assert_close
 from plugserve.core.config import preset_config
 from plugserve.core.distributed import ParallelGroup
 from plugserve.core.forward_batch import Phase
@@ -38,7 +39,6 @@ from plugserve.plugins.gemm.triton import (
 )
 from plugserve.plugins.triton_support import tma_source
 from plugserve.registry import Registry
-from plugserve.testing.tolerances import assert_close
 
 CPU = torch.device("cpu")
 BLOCK = (128, 128)

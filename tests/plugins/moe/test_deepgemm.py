@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from plugserve.conformance.tolerances import assert_close
 from plugserve.core.forward_batch import Phase
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import MoESpec, RouterConfig
@@ -22,7 +23,6 @@ from plugserve.plugins import deepgemm_support
 from plugserve.plugins.moe.deepgemm import MASKED_MAX_TOKENS, DeepGemmMoE
 from plugserve.plugins.moe.torch_ref import fused_experts_reference, select_experts
 from plugserve.registry import Registry
-from plugserve.testing.tolerances import assert_close
 from tests.interpreter import interpreter_child, kernels_fixture
 from tests.plugins import fake_deep_gemm
 

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from plugserve.conformance.cases import V2_LITE_ROUTER, V2_ROUTER, V3_ROUTER
+from plugserve.conformance.tolerances import W8A8_MOE_ATOL, assert_close
 from plugserve.core.config import preset_config
 from plugserve.core.forward_batch import Phase
 from plugserve.core.hardware import Hardware
@@ -28,8 +30,6 @@ from plugserve.plugins.moe import configs
 from plugserve.plugins.moe.configs import GemmConfig, MoEConfig
 from plugserve.plugins.moe.torch_ref import fused_experts_reference, select_experts
 from plugserve.plugins.moe.triton import TritonMoE
-from plugserve.testing.cases import V2_LITE_ROUTER, V2_ROUTER, V3_ROUTER
-from plugserve.testing.tolerances import W8A8_MOE_ATOL, assert_close
 from tests.interpreter import interpreter_child, kernels_fixture
 
 ON_GPU = torch.cuda.is_available()

@@ -1,0 +1,165 @@
+"""DP attention's scheduling on rank 0: a `Scheduler` per DP group, one forward per step for all of them.
+
+Each DP group (one rank: --dp-size is --tp-size) caches its own requests' KV in its own pool, so each has its
+own scheduler here: its page allocator, prefix cache and block table (group 0's are the runner's; the others'
+pages live on their rank's device, rank 0 only accounts for them). A new request goes to the group with the
+fewest requests, running and waiting, and stays there: its KV is on that rank.
+
+A step plans every group's batch, then runs them in one `ModelRunner.forward_groups` (each rank its group's,
+an idle group an IDLE batch, since the MLP layers' collectives need every rank), samples each group's rows on
+rank 0 and lets each group's scheduler process its tokens. With overlap, the forward runs on a worker thread
+while the groups process the previous step's tokens and plan the next, as `Scheduler.step` does for one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from plugserve.core.block_table import DeviceBlockTable
+from plugserve.core.kv_cache import PageAllocator
+from plugserve.runtime.metrics import Metrics
+from plugserve.runtime.model_runner import ModelRunner, Part
+from plugserve.runtime.radix_cache import RadixCache
+from plugserve.runtime.request import Request
+from plugserve.runtime.scheduler import BatchResult, ScheduledBatch, Scheduler
+
+Batches = list[ScheduledBatch | None]  # one step's batch of each group (None: it idles)
+Results = list[Future[BatchResult] | None]  # their sampled tokens
+
+
+class DPScheduler:
+    """The Engine's scheduler under DP attention: the same interface as `Scheduler`, over `runner.dp_size`
+    groups."""
+
+    def __init__(self, runner: ModelRunner, tokenizer, metrics: Metrics | None, radix_cache: bool) -> None:
+        self.runner = runner
+        self.groups: list[Scheduler] = []
+        for group in range(runner.dp_size):
+            allocator = runner.allocator if group == 0 else PageAllocator(runner.allocator.num_pages)
+            table = runner.block_table
+            if group:
+                table = DeviceBlockTable(table.num_rows, table.max_pages, runner.device)
+            scheduler = Scheduler(runner, RadixCache(allocator, runner.page_size, enabled=radix_cache), tokenizer,
+                                  metrics, table)
+            scheduler.gauges = self
+            self.groups.append(scheduler)
+        self.spec = None  # refused with DP attention (ServerArgs)
+        self.overlap = self.groups[0].overlap
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="plugserve-forward") if self.overlap else None
+        self._in_flight: tuple[Batches, Results] | None = None
+
+    # -- requests ------------------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        min(self.groups, key=lambda g: g.num_running + g.num_waiting).add(request)
+
+    def abort(self, rid: str) -> None:
+        for group in self.groups:
+            group.abort(rid)
+
+    @property
+    def has_work(self) -> bool:
+        return self._in_flight is not None or any(g.has_work for g in self.groups)
+
+    @property
+    def num_running(self) -> int:
+        return sum(g.num_running for g in self.groups)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(g.num_waiting for g in self.groups)
+
+    @property
+    def kv_usage(self) -> float:
+        """The groups' pools together (they are the same size)."""
+        return sum(g.kv_usage for g in self.groups) / len(self.groups)
+
+    @property
+    def cache_hit_rate(self) -> float:
+        queried = sum(g.radix.queried_tokens for g in self.groups)
+        return sum(g.radix.hit_tokens for g in self.groups) / queried if queried else 0.0
+
+    @property
+    def overlap_status(self) -> str:
+        return self.groups[0].overlap_status
+
+    # -- the loop ------------------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """Plan every group's batch, run them in one forward and process what came out (with overlap: launch
+        this step's, process the previous one's)."""
+        previous = self._in_flight
+        # Planned before the step in flight is processed: its tokens are PENDING inputs here.
+        batches: Batches = [g._schedule() for g in self.groups]
+        launched = None
+        if any(b is not None for b in batches):
+            priors = previous[1] if previous is not None else [None] * len(self.groups)
+            launched = (batches, self._launch(batches, priors))
+        if not self.overlap:  # the step's own batches are processed at once
+            previous, launched = launched, None
+        self._in_flight = launched
+        if previous is not None:
+            self._finish(*previous)
+
+    def _launch(self, batches: Batches, priors: Results) -> Results:
+        """Run the step's forward (on the worker thread with overlap): each group's future gets its sampled
+        tokens, or the forward's exception (every group's batch fails with it)."""
+        futures: Results = [None if b is None else Future() for b in batches]
+
+        def run() -> None:
+            try:
+                results = self._run(batches, priors)
+            except Exception as exc:
+                for future in futures:
+                    if future is not None:
+                        future.set_exception(exc)
+                return
+            for future, result in zip(futures, results, strict=True):
+                if future is not None:
+                    future.set_result(result)  # type: ignore[arg-type]
+
+        if self._executor is None:
+            run()
+        else:
+            self._executor.submit(run)
+        return futures
+
+    def _run(self, batches: Batches, priors: Results) -> list[BatchResult | None]:
+        parts = [None if b is None else Part(g._resolve(b, prior), b.forward_batch, b.sample_rows)
+                 for g, b, prior in zip(self.groups, batches, priors, strict=True)]
+        logits = self.runner.forward_groups(parts)
+        return [None if b is None else BatchResult.of(g._sample(rows, b.sampled_requests))
+                for g, b, rows in zip(self.groups, batches, logits, strict=True)]
+
+    def _finish(self, batches: Batches, futures: Results) -> None:
+        for group, batch, future in zip(self.groups, batches, futures, strict=True):
+            if batch is not None:
+                group._finish_batch(batch, future)  # type: ignore[arg-type]
+
+    def shutdown(self) -> None:
+        if self._in_flight is not None:
+            self._finish(*self._in_flight)
+            self._in_flight = None
+        if self._executor is not None:
+            self._executor.shutdown()
+        for group in self.groups:
+            group.shutdown()
+
+    def fail_all(self, error: str) -> None:
+        """End every request of every group with `error`."""
+        if self._in_flight is not None:  # let its forward end first: it writes KV pages about to be freed
+            batches, futures = self._in_flight
+            self._in_flight = None
+            for group, batch, future in zip(self.groups, batches, futures, strict=True):
+                if batch is not None:
+                    with contextlib.suppress(Exception):
+                        future.result()  # type: ignore[union-attr]
+                    group.fail_batch(batch.requests, error)
+        for group in self.groups:
+            group.fail_all(error)
+
+    def check_pool_accounting(self) -> None:
+        """`Scheduler.check_pool_accounting` of every group (each owns its pages and block-table rows)."""
+        for group in self.groups:
+            group.check_pool_accounting()

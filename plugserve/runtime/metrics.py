@@ -1,0 +1,104 @@
+"""Prometheus metrics of one engine (its own registry, so that several engines in one process, as in
+the tests, do not collide): request counts, token throughput, TTFT / ITL / end-to-end latency, queue
+sizes, KV usage, the prefix-cache hit rate, speculative decoding's accept length, and the Triton kernels compiled
+after the warm-up."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from plugserve.core.forward_batch import ForwardMode
+
+if TYPE_CHECKING:
+    from plugserve.runtime.request import Request
+
+
+class SchedulerGauges(Protocol):
+    """What the metrics' gauges read after each batch."""
+
+    @property
+    def num_running(self) -> int: ...
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    @property
+    def kv_usage(self) -> float: ...
+
+    @property
+    def cache_hit_rate(self) -> float: ...
+
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("plugserve_requests", "Finished requests", ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("plugserve_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.generation_tokens = Counter("plugserve_generation_tokens", "Tokens generated", registry=r)
+        self.cached_prompt_tokens = Counter("plugserve_cached_prompt_tokens",
+                                            "Prompt tokens served from the prefix cache", registry=r)
+        self.retractions = Counter("plugserve_retractions", "Requests retracted when the KV pool ran out", registry=r)
+        self.running = Gauge("plugserve_num_running_requests", "Requests running", registry=r)
+        self.waiting = Gauge("plugserve_num_waiting_requests", "Requests waiting", registry=r)
+        self.kv_usage = Gauge("plugserve_kv_cache_usage", "Fraction of KV pages in use or cached", registry=r)
+        self.cache_hit_rate = Gauge("plugserve_cache_hit_rate", "Prefix-cache hit rate over prompt tokens",
+                                    registry=r)
+        self.throughput = Gauge("plugserve_gen_throughput", "Generated tokens per second (last batches)", registry=r)
+        self.ttft = Histogram("plugserve_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
+                              registry=r)
+        self.itl = Histogram("plugserve_inter_token_latency_seconds", "Inter-token latency", buckets=LATENCY_BUCKETS,
+                             registry=r)
+        self.e2e = Histogram("plugserve_e2e_request_latency_seconds", "End-to-end request latency",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.spec_verified = Counter("plugserve_spec_verified_requests",
+                                     "Speculative verifies, one per request and round", registry=r)
+        self.spec_accepted = Counter("plugserve_spec_accepted_tokens",
+                                     "Tokens speculative verifies produced (accepted drafts and the target's own)",
+                                     registry=r)
+        self.spec_accept_length = Gauge("plugserve_spec_accept_length",
+                                        "Mean tokens a request gets from one speculative verify", registry=r)
+        self.late_triton_compiles = Counter(
+            "plugserve_late_triton_compiles",
+            "Triton kernels compiled after the warm-up, each a stall of the batch in flight (the log names them)",
+            registry=r)
+        self._window_start = time.perf_counter()
+        self._window_tokens = 0
+        self._spec_requests = self._spec_tokens = 0
+
+    def observe_batch(self, mode: ForwardMode, num_tokens: int, scheduler: SchedulerGauges) -> None:
+        if mode is ForwardMode.EXTEND:
+            self.prompt_tokens.inc(num_tokens)
+        else:
+            self.generation_tokens.inc(num_tokens)
+            self._window_tokens += num_tokens
+        now = time.perf_counter()
+        if now - self._window_start >= 1.0:
+            self.throughput.set(self._window_tokens / (now - self._window_start))
+            self._window_start, self._window_tokens = now, 0
+        self.running.set(scheduler.num_running)
+        self.waiting.set(scheduler.num_waiting)
+        self.kv_usage.set(scheduler.kv_usage)
+        self.cache_hit_rate.set(scheduler.cache_hit_rate)
+
+    def observe_verify(self, tokens_per_request: list[int]) -> None:
+        """One speculative verify: the tokens each of its requests got from it (drafts accepted + 1)."""
+        self.spec_verified.inc(len(tokens_per_request))
+        self.spec_accepted.inc(sum(tokens_per_request))
+        self._spec_requests += len(tokens_per_request)
+        self._spec_tokens += sum(tokens_per_request)
+        self.spec_accept_length.set(self._spec_tokens / self._spec_requests)
+
+    def observe_finish(self, request: Request) -> None:
+        self.requests.labels(str(request.finish_reason)).inc()
+        self.cached_prompt_tokens.inc(request.cached_tokens)
+        self.e2e.observe(time.perf_counter() - request.arrival_time)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

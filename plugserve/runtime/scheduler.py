@@ -1,0 +1,666 @@
+"""Continuous batching: prefill (EXTEND) batches with chunked prefill and prefix reuse, DECODE batches
+of every running request, retraction when the KV pool runs dry, and overlap of the CPU's scheduling
+with the device's forward.
+
+One thread owns a Scheduler. `step()` plans one batch, runs it and processes what came out. With
+overlap on, the forward of batch i runs on a worker thread while this thread processes batch i-1's
+tokens and plans batch i+1, whose decode inputs are batch i's sampled tokens still on the device.
+Requests batch i finishes ride along in batch i+1 once more; that extra token is dropped, so the
+outputs are the same with and without overlap.
+
+With speculative decoding (`runtime/speculative.py`) a decode step is a TARGET_VERIFY batch that drafts, verifies
+and accepts one to k + 1 tokens per request; it runs the non-overlap loop, as the next step's layout depends
+on how many each request accepted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
+
+import torch
+
+from plugserve.core.block_table import DeviceBlockTable, to_device
+from plugserve.core.forward_batch import ForwardBatch, ForwardMode
+from plugserve.core.kv_cache import PoolAccountingError, pages_needed
+from plugserve.core.moved import moved_names
+from plugserve.runtime.metrics import Metrics
+from plugserve.runtime.model_runner import ModelRunner
+from plugserve.runtime.radix_cache import RadixCache
+from plugserve.runtime.request import PENDING, FinishReason, Request, RequestOutput, TokenLogprob
+from plugserve.runtime.sampling import SampleOutput, sample
+from plugserve.runtime.speculative import SpeculativeWorker
+
+if TYPE_CHECKING:
+    from plugserve.runtime.metrics import SchedulerGauges
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledBatch:
+    mode: ForwardMode
+    requests: list[Request]
+    extend_lens: list[int]  # new tokens per request
+    sampled: list[bool]  # whether each request gets a token from this forward (False mid chunked prefill)
+    forward_batch: ForwardBatch
+    input_ids: torch.Tensor  # [T] int64 on the device (TARGET_VERIFY: each request's last token, then k zeros)
+    sample_rows: torch.Tensor  # [sum(sampled)] rows of the new tokens whose logits are sampled
+    ends: list[int]  # each request's cached_len once this batch has run
+    # Overlap: (input row, sampled row of the batch in flight) for inputs that batch is still producing
+    resolve: list[tuple[int, int]]
+    # Speculative prefill: [T] int64 on the device, the token after each new one (0 where it is being sampled)
+    next_ids: torch.Tensor | None = None
+
+    @property
+    def sampled_requests(self) -> list[Request]:
+        """The requests this batch samples a token for, in the order of `sample_rows`."""
+        return [r for r, s in zip(self.requests, self.sampled, strict=True) if s]
+
+
+@dataclass
+class BatchResult:
+    """A batch's sampled tokens: `token_ids` [sum(sampled)] int64 on the device (the next batch's inputs
+    under overlap), and the whole SampleOutput copied to (pinned) host memory, valid once `ready` fired."""
+
+    token_ids: torch.Tensor
+    host: SampleOutput
+    ready: torch.cuda.Event | None
+
+    @classmethod
+    def of(cls, sampled: SampleOutput) -> BatchResult:
+        """Start the copy to the host without waiting for it."""
+        if sampled.token_ids.device.type != "cuda":
+            return cls(sampled.token_ids, sampled, None)
+        tensors = (getattr(sampled, f.name) for f in fields(SampleOutput))
+        host = SampleOutput(*(None if t is None else t.to("cpu", non_blocking=True) for t in tensors))
+        ready = torch.cuda.Event()
+        ready.record()
+        return cls(sampled.token_ids, host, ready)
+
+    def wait(self) -> SampleOutput:
+        """The host copy, once the batch has run. Waiting on the event releases the GIL; Tensor.tolist on a
+        GPU tensor waits holding it, which stalled the overlap thread's planning and the HTTP loop for
+        the whole forward."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host
+
+
+class Scheduler:
+    """One KV space's requests: its pages (`radix.allocator`, the prefix cache `radix`) and `block_table` (the
+    runner's, when None). Under DP attention each DP group has one (`runtime/dp_scheduler.py`)."""
+
+    def __init__(self, runner: ModelRunner, radix: RadixCache, tokenizer, metrics: Metrics | None = None,
+                 block_table: DeviceBlockTable | None = None) -> None:
+        args = runner.args
+        self.runner, self.radix, self.tokenizer, self.metrics = runner, radix, tokenizer, metrics
+        self.allocator = radix.allocator
+        self.block_table = block_table or runner.block_table
+        # Whose totals the metrics' gauges report: this scheduler's, or the DP scheduler's over every group.
+        self.gauges: SchedulerGauges = self
+        self.page_size = runner.page_size
+        self.max_running = runner.max_running_requests
+        self.chunk_size = args.chunked_prefill_size if args.chunked_prefill_size > 0 else None
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.chunked: Request | None = None  # mid chunked prefill: first in the next prefill batch
+        spec = args.speculative
+        self.spec = SpeculativeWorker(runner, spec) if spec is not None else None
+        # Tokens a request's speculative decode step verifies (its last and its drafts), and the positions past its
+        # length that step writes KV at (the drafts, and a tree's draft steps).
+        self.verify_width = spec.num_draft_tokens if spec is not None else 1
+        self.lookahead = spec.lookahead if spec is not None else 0
+        self.overlap = not args.disable_overlap_schedule and self.spec is None
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="plugserve-forward") if self.overlap else None
+        self._in_flight: tuple[ScheduledBatch, Future[BatchResult]] | None = None
+
+    # -- requests ------------------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def abort(self, rid: str) -> None:
+        for request in [*self.waiting, *self.running, *([self.chunked] if self.chunked else [])]:
+            if request.rid == rid and not request.finished:
+                self._finish(request, FinishReason.ABORT)
+        self._drop_finished()
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked or self._in_flight)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running) + (self.chunked is not None)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        """Share of the KV pages that are not free (held by requests or the prefix cache)."""
+        return 1 - self.allocator.num_free / self.allocator.num_pages
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.radix.hit_rate
+
+    @property
+    def overlap_status(self) -> str:
+        """Whether scheduling overlaps the forward, and why not (for /server_info)."""
+        if self.overlap:
+            return "on"
+        if self.spec is not None:
+            return "off: speculative decoding runs the non-overlap loop"
+        return "off: --disable-overlap-schedule"
+
+    # -- the loop ------------------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """Plan, run and process one batch (with overlap: launch one, process the previous one)."""
+        if not self.overlap:
+            batch = self._schedule()
+            if batch is not None:
+                future: Future[BatchResult] = Future()
+                try:
+                    future.set_result(self._run(batch, None))
+                except Exception as exc:  # one failing batch must not stop the server
+                    future.set_exception(exc)
+                self._finish_batch(batch, future)
+            return
+        previous = self._in_flight
+        # Planned before the batch in flight is processed: its tokens are PENDING inputs here.
+        batch = self._schedule()
+        if batch is not None:
+            prior = previous[1] if previous is not None else None
+            self._in_flight = (batch, self._executor.submit(self._run, batch, prior))  # type: ignore[union-attr]
+        else:
+            self._in_flight = None
+        if previous is not None:
+            self._finish_batch(*previous)
+
+    def _finish_batch(self, batch: ScheduledBatch, future: Future[BatchResult]) -> None:
+        try:
+            result = future.result()
+        except Exception as exc:
+            logger.exception("a %s batch of %d requests failed", batch.mode.name, len(batch.requests))
+            self.fail_batch(batch.requests, f"{type(exc).__name__}: {exc}")
+            return
+        self._process(batch, result)
+
+    def shutdown(self) -> None:
+        if self._in_flight is not None:
+            self._finish_batch(*self._in_flight)
+            self._in_flight = None
+        if self._executor is not None:
+            self._executor.shutdown()
+
+    # -- planning ------------------------------------------------------------------------------------
+
+    def _schedule(self) -> ScheduledBatch | None:
+        self._drop_finished()
+        return self._schedule_extend() or self._schedule_decode()
+
+    def _pages_available(self) -> int:
+        return self.allocator.num_free + self.radix.evictable_pages
+
+    def _schedule_extend(self) -> ScheduledBatch | None:
+        budget = self.chunk_size if self.chunk_size is not None else 1 << 62
+        candidates = ([self.chunked] if self.chunked else []) + list(self.waiting)
+        requests: list[Request] = []
+        lens: list[int] = []
+        for request in candidates:
+            if request is not self.chunked and len(self.running) + len(requests) >= self.max_running:
+                break
+            try:
+                n = self._take_pages(request, budget, len(requests))
+            except Exception as exc:
+                self._fail(request, "being scheduled", exc)
+                continue
+            if n <= 0:
+                break
+            requests.append(request)
+            lens.append(n)
+            budget -= n
+            if budget <= 0:
+                break
+        if not requests:
+            self._drop_finished()
+            return None
+        self.chunked = None
+        sampled = []
+        for request, n in zip(requests, lens, strict=True):
+            if request in self.waiting:
+                self.waiting.remove(request)
+            done = request.cached_len + n == request.seq_len
+            sampled.append(done)
+            if done:
+                self.running.append(request)
+            else:
+                self.chunked = request
+        ids = [t for r, n in zip(requests, lens, strict=True) for t in r.all_ids[r.cached_len : r.cached_len + n]]
+        next_ids = None
+        if self.spec is not None:  # the next prompt token, or 0 where the token after the prompt is sampled
+            next_ids = torch.tensor([t for r, n in zip(requests, lens, strict=True)
+                                     for t in [*r.all_ids[r.cached_len + 1 : r.cached_len + n + 1], 0][:n]])
+        return self._build(ForwardMode.EXTEND, requests, lens, sampled, torch.tensor(ids, dtype=torch.int64),
+                           next_ids)
+
+    def _take_pages(self, request: Request, budget: int, batched: int) -> int:
+        """How many of a waiting (or chunked) request's uncached tokens this prefill computes, at most `budget`,
+        beside `batched` requests already in it; their pages are allocated. <= 0: it does not fit (a request that
+        holds no KV yet is left holding none)."""
+        fresh = request.cached_len == 0 and not request.pages
+        if fresh:
+            self._reuse_prefix(request)
+        # Pages it may take: free and evictable ones, less what each running request's next step may need.
+        spare = self._pages_available() - (len(self.running) + batched) * pages_needed(self.lookahead + 1,
+                                                                                       self.page_size)
+        room = (len(request.pages) + spare) * self.page_size - request.cached_len
+        n = min(request.seq_len - request.cached_len, budget, room)
+        if n <= 0:
+            if fresh:  # a waiting request holds no KV: give the matched prefix back
+                self._release(request)
+                request.cached_len = 0
+            return n
+        request.pages += self.radix.alloc(pages_needed(request.cached_len + n, self.page_size) - len(request.pages))
+        return n
+
+    def _reuse_prefix(self, request: Request) -> None:
+        # At least one token is left to compute: its logits give the next token.
+        match = self.radix.match_prefix(request.all_ids[: request.seq_len - 1])
+        if match.num_tokens:
+            self.radix.lock(match.node)
+            request.prefix_node = match.node
+            request.pages = list(match.pages)
+            request.cached_len = request.computed_len = match.num_tokens
+        if not request.output_ids:
+            request.cached_tokens = match.num_tokens
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        # With overlap, a request whose last token the batch in flight samples needs no further step.
+        active = [r for r in self.running if not self._last_token_planned(r)]
+        if not active:
+            return None
+        # Every running request needs a slot for its last token (and its drafts); retract the newest until they
+        # all fit.
+        while True:
+            need = sum(self._missing_pages(r) for r in active)
+            if need <= self._pages_available() or len(self.running) == 1:
+                break
+            newest = max(self.running, key=lambda r: r.arrival_time)
+            self._retract(newest)
+            if newest in active:
+                active.remove(newest)
+        for request in active:
+            try:
+                missing = self._missing_pages(request)
+                if missing > self._pages_available():  # alone and still too long for the whole pool
+                    logger.warning("request %s needs more KV than the pool holds: stopping it", request.rid)
+                    self._finish(request, FinishReason.LENGTH)
+                    continue
+                request.pages += self.radix.alloc(missing)
+            except Exception as exc:
+                self._fail(request, "being scheduled", exc)
+        self._drop_finished()
+        requests = [r for r in active if not r.finished]
+        if not requests:
+            return None
+        last = torch.tensor([r.last_id for r in requests], dtype=torch.int64)
+        sampled = [True] * len(requests)
+        if self.spec is None:
+            return self._build(ForwardMode.DECODE, requests, [1] * len(requests), sampled, last)
+        n = self.verify_width
+        ids = torch.zeros(len(requests), n, dtype=torch.int64)
+        ids[:, 0] = last
+        return self._build(ForwardMode.TARGET_VERIFY, requests, [n] * len(requests), sampled, ids.view(-1))
+
+    def _missing_pages(self, request: Request) -> int:
+        """Pages a running request lacks for its next decode step (its last token and its drafts)."""
+        return pages_needed(request.seq_len + self.lookahead, self.page_size) - len(request.pages)
+
+    def _last_token_planned(self, request: Request) -> bool:
+        """Its planned tokens (PENDING included) reach max_new_tokens or the context length."""
+        return (len(request.output_ids) >= request.params.max_new_tokens
+                or request.seq_len >= self.runner.context_length)
+
+    def _retract(self, request: Request) -> None:
+        """Give a running request's KV back (its full pages stay in the prefix cache) and queue it first:
+        it resumes later by prefilling prompt + output so far."""
+        logger.info("KV pool full: retracting request %s (%d tokens)", request.rid, request.seq_len)
+        self.running.remove(request)
+        self._release(request)
+        request.cached_len = 0
+        self.waiting.appendleft(request)
+        if self.metrics:
+            self.metrics.retractions.inc()
+
+    def _build(self, mode: ForwardMode, requests: list[Request], lens: list[int], sampled: list[bool],
+               input_ids: torch.Tensor, next_ids: torch.Tensor | None = None) -> ScheduledBatch | None:
+        """The batch of `requests`, `lens` new tokens each (`input_ids`, `next_ids` [sum(lens)] int64 on the host),
+        ready to run; None if it could not be built: its requests end with the error, and no other request does."""
+        try:
+            return self._assemble(mode, requests, lens, sampled, input_ids, next_ids)
+        except Exception as exc:
+            logger.exception("a %s batch of %d requests could not be built", mode.name, len(requests))
+            self.fail_batch(requests, f"{type(exc).__name__}: {exc}")
+            return None
+
+    def _assemble(self, mode: ForwardMode, requests: list[Request], lens: list[int], sampled: list[bool],
+                  input_ids: torch.Tensor, next_ids: torch.Tensor | None) -> ScheduledBatch:
+        device, table = self.runner.device, self.block_table
+        for request in requests:
+            if request.table_row < 0:
+                request.table_row = table.acquire()
+            table.update(request.table_row, request.pages)
+        block_table = table.gather([r.table_row for r in requests], max(len(r.pages) for r in requests))
+        seq_lens = [r.cached_len + n for r, n in zip(requests, lens, strict=True)]
+        batch = ForwardBatch.build(mode, seq_lens, lens, block_table, self.runner.pool)
+        self.runner.prepare(batch)
+        ends, end = [], -1
+        for n in lens:
+            end += n
+            ends.append(end)
+        rows = [row for row, is_sampled in zip(ends, sampled, strict=True) if is_sampled]
+        # Inputs still being sampled by the batch in flight: the last token of a decoding request.
+        resolve = [(ends[i], r.pending_row) for i, r in enumerate(requests) if r.last_id == PENDING]
+        sample_row = 0
+        for request, n, is_sampled in zip(requests, lens, sampled, strict=True):
+            request.cached_len += n  # the KV of these tokens exists once the forward has run
+            if is_sampled:
+                request.output_ids.append(PENDING)
+                request.pending_row = sample_row
+                sample_row += 1
+        return ScheduledBatch(mode, requests, lens, sampled, batch, to_device(input_ids, device),
+                              to_device(torch.tensor(rows, dtype=torch.int64), device),
+                              [r.cached_len for r in requests], resolve,
+                              None if next_ids is None else to_device(next_ids, device))
+
+    # -- running -------------------------------------------------------------------------------------
+
+    def _run(self, batch: ScheduledBatch, prior: Future[BatchResult] | None) -> BatchResult:
+        input_ids = self._resolve(batch, prior)
+        requests = batch.sampled_requests
+        if self.spec is not None:
+            if batch.mode is ForwardMode.TARGET_VERIFY:
+                return BatchResult.of(self.spec.verify(batch.forward_batch, input_ids, requests,
+                                                       self.runner.sampling_generator))
+            assert batch.next_ids is not None
+            return BatchResult.of(self.spec.extend(batch.forward_batch, input_ids, batch.next_ids, batch.sample_rows,
+                                                   [r.table_row for r in requests],
+                                                   lambda logits: self._sample(logits, requests)))
+        return BatchResult.of(self._sample(self.runner.forward(input_ids, batch.forward_batch, batch.sample_rows),
+                                           requests))
+
+    def _resolve(self, batch: ScheduledBatch, prior: Future[BatchResult] | None) -> torch.Tensor:
+        """The batch's input ids [T] int64 on the device, those the batch in flight (`prior`) samples filled in."""
+        if not batch.resolve:
+            return batch.input_ids
+        assert prior is not None, "PENDING inputs without a batch in flight"
+        rows, sources = zip(*batch.resolve, strict=True)
+        input_ids = batch.input_ids.clone()
+        # Stream-ordered index uploads: a blocking one would wait for the batch in flight.
+        input_ids[to_device(torch.tensor(rows), input_ids.device)] = prior.result().token_ids[
+            to_device(torch.tensor(sources), input_ids.device)]
+        return input_ids
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> SampleOutput:
+        """Tokens of the sampled `requests` from their logits [len(requests), vocab] float32."""
+        if not requests:  # a prefill chunk in the middle of a prompt: nothing to sample
+            return SampleOutput(torch.zeros(0, dtype=torch.int64, device=logits.device), None, None, None)
+        # Penalties see the tokens known when the batch was planned (with overlap, not the one in flight).
+        return sample(
+            logits,
+            [r.params for r in requests],
+            [r.prompt_ids for r in requests],
+            [r.output_ids[: r.num_resolved] for r in requests],
+            [r.generator for r in requests],
+            self.runner.sampling_generator,
+        )
+
+    # -- results -------------------------------------------------------------------------------------
+
+    def _process(self, batch: ScheduledBatch, result: BatchResult) -> None:
+        sample = result.wait()
+        tokens, logprobs, top_ids, top_values = (
+            None if t is None else t.tolist()
+            for t in (sample.token_ids, sample.logprobs, sample.top_logprob_ids, sample.top_logprob_values))
+        assert tokens is not None
+        verified = sample.accept_lens is not None
+        if verified:  # each request's run of accepted tokens and the target's after them
+            counts = [a + 1 for a in sample.accept_lens.tolist()]  # type: ignore[union-attr]
+        else:  # one token per sampled request: runs of one
+            tokens, logprobs, top_ids, top_values = (
+                None if v is None else [[x] for x in v] for v in (tokens, logprobs, top_ids, top_values))
+            counts = [1] * len(tokens)  # type: ignore[arg-type]
+        row = appended = 0
+        for request, was_sampled, end in zip(batch.requests, batch.sampled, batch.ends, strict=True):
+            if not request.finished:  # its KV is written now (none if it was retracted since: pages given back)
+                if verified:  # the KV past the accepted tokens is stale
+                    request.cached_len -= self.verify_width - counts[row]
+                request.computed_len = max(request.computed_len, min(end, request.cached_len))
+            try:
+                if was_sampled and not request.finished:  # finished by an earlier batch: the extra token is dropped
+                    for i in range(counts[row]):  # the tokens after a stop are dropped
+                        top = (tuple(zip(top_ids[row][i], top_values[row][i], strict=True))  # type: ignore[index]
+                               if top_ids is not None else ())
+                        self._append(request, tokens[row][i], None if logprobs is None else logprobs[row][i], top)
+                        appended += 1
+                        if request.finished:
+                            break
+                    self._emit(request)
+                    if verified and not request.finished:
+                        self._trim_pages(request)
+                # Prompt pages are shared at once (concurrent requests with the prompt reuse them); pages filled
+                # by decoding are cached when the request releases them: inserting a running sequence's path
+                # at every decode step cost more host time than the step's GPU work at batch 64.
+                if not request.finished and batch.mode is ForwardMode.EXTEND:
+                    self._cache_prefix(request)
+            except Exception as exc:
+                self._fail(request, "its output was processed", exc)
+            row += was_sampled
+        if self.metrics:
+            self.metrics.observe_batch(batch.mode, appended if verified else sum(batch.extend_lens), self.gauges)
+            if verified:
+                self.metrics.observe_verify(counts)
+        self._drop_finished()
+
+    def _append(self, request: Request, token: int, logprob: float | None, top: tuple[tuple[int, float], ...]
+                ) -> None:
+        """Put a sampled token in place of the request's first PENDING one (after its last resolved one: the rest of
+        a verified run) and check the stop rules. `top`: the top logprobs (id, logprob) of the batch's widest ask."""
+        params = request.params
+        index = request.num_resolved
+        if index < len(request.output_ids):
+            request.output_ids[index] = token
+        else:
+            request.output_ids.append(token)
+        if params.logprobs and logprob is not None:
+            request.logprobs.append(TokenLogprob(token, logprob, top[: params.top_logprobs]))
+        if (not params.ignore_eos and token in request.eos_token_ids) or token in params.stop_token_ids:
+            request.finish_reason, request.matched_stop = FinishReason.STOP, token
+        elif index + 1 >= params.max_new_tokens or request.known_len >= self.runner.context_length:
+            request.finish_reason = FinishReason.LENGTH
+        self._decode(request)
+
+    def _decode(self, request: Request) -> None:
+        """Decode the output into `request.text`, cut before a stop string (which finishes the request)."""
+        params = request.params
+        ids = request.output_ids[: request.num_resolved]
+        if request.finish_reason is FinishReason.STOP and isinstance(request.matched_stop, int):
+            ids = ids[:-1]  # the stop token itself is not text
+        text = self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+        for stop in params.stop:
+            at = text.find(stop, max(0, request.sent_text_len - len(stop)))
+            if at != -1 and not request.finished:
+                text, request.finish_reason, request.matched_stop = text[:at], FinishReason.STOP, stop
+        request.text = text
+
+    def _emit(self, request: Request) -> None:
+        """Report new text: decoded output minus a trailing partial character or partial stop string."""
+        params, text = request.params, request.text
+        safe = len(text)
+        if not request.finished:
+            if text.endswith("\ufffd"):
+                safe = len(text.rstrip("\ufffd"))
+            for stop in params.stop:  # hold back what may become a stop string
+                for keep in range(min(len(stop) - 1, safe), 0, -1):
+                    if stop.startswith(text[safe - keep : safe]):
+                        safe -= keep
+                        break
+        now = time.perf_counter()
+        if request.first_token_time is None:
+            request.first_token_time = now
+            if self.metrics:
+                self.metrics.ttft.observe(now - request.arrival_time)
+        elif self.metrics and request.last_token_time is not None:
+            self.metrics.itl.observe(now - request.last_token_time)
+        request.last_token_time = now
+        new_text = text[request.sent_text_len : safe]
+        request.sent_text_len = max(request.sent_text_len, safe)
+        new_tokens = request.output_ids[request.sent_tokens : request.num_resolved]
+        new_logprobs = request.logprobs[request.sent_tokens :]
+        request.sent_tokens = request.num_resolved
+        if request.finished:
+            del request.output_ids[request.num_resolved :]  # tokens a later batch in flight is sampling
+            self._release(request)
+            if self.metrics:
+                self.metrics.observe_finish(request)
+        request.on_output(self._output(request, new_text, new_tokens, new_logprobs))
+
+    def _output(self, request: Request, text: str, token_ids: list[int], logprobs: list[TokenLogprob],
+                error: str | None = None) -> RequestOutput:
+        return RequestOutput(
+            rid=request.rid, text=text, token_ids=token_ids, logprobs=logprobs, finished=request.finished,
+            finish_reason=request.finish_reason, matched_stop=request.matched_stop,
+            prompt_tokens=len(request.prompt_ids), completion_tokens=request.num_resolved,
+            cached_tokens=request.cached_tokens, error=error,
+        )
+
+    def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
+        """End a request outside normal sampling (abort, error, no room) and tell its owner."""
+        request.finish_reason = reason
+        self._release(request)
+        if self.metrics:
+            self.metrics.observe_finish(request)
+        request.on_output(self._output(request, "", [], [], error))
+
+    def _fail(self, request: Request, stage: str, exc: Exception) -> None:
+        """End one request whose own handling raised (planning it, its stop rules, its callback): it alone gets
+        the error, and the loop goes on."""
+        logger.exception("request %s failed while %s", request.rid, stage)
+        if not request.finished:
+            self._end_with_error(request, f"{type(exc).__name__}: {exc}")
+
+    def _end_with_error(self, request: Request, error: str) -> None:
+        try:
+            self._finish(request, FinishReason.ERROR, error)
+        except Exception:  # its callback failed too: it is ended all the same
+            logger.exception("could not report the failure of request %s", request.rid)
+            request.finish_reason = FinishReason.ERROR
+
+    def fail_batch(self, batch_requests: Sequence[Request], error: str) -> None:
+        for request in batch_requests:
+            if not request.finished:
+                self._end_with_error(request, error)
+        self._drop_finished()
+
+    def fail_all(self, error: str) -> None:
+        """End every request the scheduler holds with `error` (after a failure the loop cannot pin on one)."""
+        in_flight: list[Request] = []
+        if self._in_flight is not None:  # let its forward end first: it writes KV pages about to be freed
+            batch, future = self._in_flight
+            self._in_flight, in_flight = None, batch.requests
+            with contextlib.suppress(Exception):
+                future.result()
+        self.fail_batch([*self.waiting, *self.running, *([self.chunked] if self.chunked else []), *in_flight], error)
+
+    # -- KV ownership --------------------------------------------------------------------------------
+
+    def check_pool_accounting(self) -> None:
+        """Check that every KV page has exactly one owner: the allocator's free list, one prefix-cache node, or
+        one request (its pages past its cached prefix, whose pages must lead its list), that the cache's
+        locks are the requests' own, and that each taken block-table row is one request's. Raises
+        PoolAccountingError naming the pages that leaked or are owned twice. Call it between two steps
+        (`Engine.check_pool_accounting` does)."""
+        requests = [*self.waiting, *self.running, *([self.chunked] if self.chunked else [])]
+        owners = dict.fromkeys(self.radix.check_accounting([r.prefix_node for r in requests if r.prefix_node]),
+                               "the prefix cache")
+        problems = []
+        for request in requests:
+            shared = self.radix.path_pages(request.prefix_node) if request.prefix_node else []  # type: ignore[arg-type]
+            if request.pages[: len(shared)] != shared:
+                problems.append(f"request {request.rid} does not lead with its cached prefix's pages")
+            for page in request.pages[len(shared) :]:
+                if page in owners:
+                    problems.append(f"page {page} is held by request {request.rid} and by {owners[page]}")
+                owners[page] = f"request {request.rid}"
+        free = self.allocator.check()
+        if owned_free := free & owners.keys():
+            problems.append(f"free pages are also owned: {sorted(owned_free)[:16]}")
+        if leaked := set(range(self.allocator.num_pages)) - free - owners.keys():
+            problems.append(f"{len(leaked)} pages leaked (allocated, owned by no request nor the cache): "
+                            f"{sorted(leaked)[:16]}")
+        rows = [r.table_row for r in requests if r.table_row >= 0]
+        if len(set(rows)) != len(rows):
+            problems.append("two requests share a block-table row")
+        if stray := self.block_table.taken_rows - set(rows):
+            problems.append(f"block-table rows taken by no request: {sorted(stray)[:16]}")
+        if problems:
+            raise PoolAccountingError("KV pool accounting: " + "; ".join(problems))
+
+    def _cache_prefix(self, request: Request) -> int:
+        """Hand the request's computed full pages to the prefix cache (so concurrent requests share them)
+        and hold the cached path locked while the request still runs. Returns the pages now cached."""
+        if not self.radix.enabled:
+            return 0
+        # Only tokens known here (a PENDING one has no id to key the cache with yet) whose KV a batch has
+        # written: with overlap, a batch in flight may still fail, and pages it was to fill must not be reused.
+        full_pages = min(request.computed_len, request.known_len) // self.page_size
+        if full_pages == 0:
+            return 0
+        match = self.radix.insert(request.all_ids[: full_pages * self.page_size], request.pages[:full_pages])
+        request.pages[:full_pages] = match.pages
+        self.radix.lock(match.node)
+        if request.prefix_node is not None:
+            self.radix.unlock(request.prefix_node)
+        request.prefix_node = match.node
+        return full_pages
+
+    def _trim_pages(self, request: Request) -> None:
+        """Free the pages past a running request's length (they held drafts it rejected)."""
+        keep = pages_needed(request.seq_len, self.page_size)
+        self.allocator.free(request.pages[keep:])
+        del request.pages[keep:]
+
+    def _release(self, request: Request) -> None:
+        """Give back a request's KV: full pages to the prefix cache, the rest to the allocator."""
+        if request.table_row >= 0:
+            self.block_table.release(request.table_row)
+            request.table_row = -1
+        if not request.pages:
+            return
+        cached = self._cache_prefix(request)
+        self.allocator.free(request.pages[cached:])
+        if request.prefix_node is not None:
+            self.radix.unlock(request.prefix_node)
+            request.prefix_node = None
+        request.pages = []
+        request.computed_len = 0
+
+    def _drop_finished(self) -> None:
+        self.running = [r for r in self.running if not r.finished]
+        self.waiting = deque(r for r in self.waiting if not r.finished)
+        if self.chunked is not None and self.chunked.finished:
+            self.chunked = None
+
+
+__getattr__ = moved_names(__name__)

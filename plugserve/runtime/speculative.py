@@ -1,0 +1,575 @@
+"""Speculative decoding with the target's own NextN (MTP) layer as the draft: chains (EAGLE with topk 1) and
+EAGLE-2 trees (topk > 1).
+
+A running request's tokens are x_0 .. x_{L-1}. The target's KV holds positions 0 .. L - 2 (as without
+speculation), and so does the NextN layer's (position i read x_{i+1} and the target's final normed hidden state
+at i, as the checkpoints' MTP layer was trained); `SpeculativeWorker.hidden` keeps the NextN layer's output h' at
+L - 2, which predicts x_L. One round of k steps:
+
+  draft         d_1 from the logits of h' (a greedy request's: their argmax, kept where h' was computed, in
+                `first_draft`); then k - 1 DECODE forwards of the NextN layer, step j at position
+                L - 3 + j reading d_{j-1} and its own previous output (the NextN output at position i stands for
+                the target's hidden state at i + 1, as both predict token i + 2) -> d_j.
+  verify        one TARGET_VERIFY forward of x_{L-1}, d_1 .. d_k at positions L - 1 .. L - 1 + k.
+  accept        `verify_drafts`: d_1 .. d_a and the target's token after them, a + 1 tokens (1 .. k + 1).
+  draft extend  one DRAFT_EXTEND forward of the NextN layer at positions L - 1 .. L - 1 + a, reading the accepted
+                tokens and the target's hidden states of the verify: its KV there (the draft steps' was
+                provisional), and the next round's h' (its output at L - 1 + a). The forward is padded to the
+                verify's layout, k + 1 tokens at positions L - 1 .. L - 1 + k whatever a is, so that its shape is
+                fixed (one CUDA graph per batch size) and its layout needs no accepted length on the host; the
+                padding rows (the verify's tokens and hidden states after the accepted ones) sit after the
+                accepted rows, which attention (causal) and every other op (per token) keep exact, and they
+                write only NextN KV past the accepted tokens, stale as below.
+
+With topk > 1 a round drafts a tree of n = num_draft_tokens nodes, node 0 being x_{L-1} (`_draft_tree`):
+
+  draft         the root's topk children from the logits of h', scored by log-probability. Then num_steps - 1
+                expansions: the topk best nodes of the previous step's children (by cumulative log-probability)
+                each get their topk children from one forward of the NextN layer. That forward runs in tree
+                form over every node expanded so far (a forest of depth-1 roots, node of depth d at position
+                L - 2 + d, seeing the prefix and its ancestors), so earlier depths are recomputed rather than kept:
+                at most (num_steps - 1) * topk nodes, and no mask over KV the batch does not write. The n - 1
+                best of all children (a child never scores above its parent, and a stable sort puts a parent
+                first on ties, so every kept node's parent is kept) become the tree, in creation order.
+  verify        one TARGET_VERIFY forward of the n nodes with the tree mask (`DraftTree`), node i in the slot of
+                position L - 1 + i at position L - 1 + depth.
+  accept        `verify_tree`: from the root, the child holding the target's argmax, as long as there is one;
+                sampled requests try the children as candidates in turn, each kept with its share of the
+                target's probability the rejected siblings leave (lossless: `_sample_tree_walks`).
+  keep          the accepted nodes' target KV moves to the slots of positions L .. L - 1 + a, so the request's KV
+                is in position order again; then draft extend as for chains, over the accepted nodes (padded
+                with the last one).
+
+KV a round writes past the accepted tokens is stale, never read: attention stops at a request's length and the next
+round writes those positions again. A prefill (EXTEND) forward is followed by the NextN layer over the same
+positions, each reading the token after it (after the prompt's last, the one just sampled). A prefix-cache hit
+reuses the NextN layer's KV too; at a shared page's last position that KV read the token that followed in the
+sequence that computed it. That costs acceptance at most: verification alone decides the output.
+
+On a GPU the chains' draft DECODE steps, TARGET_VERIFY and DRAFT_EXTEND replay CUDA graphs (`ModelRunner.
+target_graphs` / `nextn_graphs`, captured at start-up for the decode batch sizes) when the decode attention
+backends declare those modes; a tree's verify and draft forwards carry a per-round tree mask and run eagerly.
+A round of greedy chains (every request greedy, without penalties) is one graph replay (`ModelRunner.round_graph`,
+`greedy_round_forward`) when the decode attention backends also plan on the device: draft steps, verify, greedy
+acceptance and draft extend, with one input load, so that the host's time per round stays close to a decode
+step's. A batch past the largest graph runs eagerly, with the same outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from plugserve.core.block_table import to_device
+from plugserve.core.forward_batch import DraftTree, ForwardBatch, ForwardMode
+from plugserve.core.interfaces import AttentionBackend
+from plugserve.runtime.sampling import SampleOutput, SamplingParams, apply_penalties, draw, filtered_probs, row_noise
+from plugserve.runtime.server_args import SpeculativeConfig, flag
+
+if TYPE_CHECKING:
+    from plugserve.core.models.deepseek import DeepseekForCausalLM
+    from plugserve.runtime.cuda_graph_runner import CudaGraphRunner, GraphForward
+    from plugserve.runtime.model_runner import ModelRunner
+    from plugserve.runtime.request import Request
+
+
+class SpeculativeWorker:
+    """Drafts with the NextN layer, verifies with the target, and keeps the draft's state per request (its KV in
+    the pool's NextN layer, h' by block-table row)."""
+
+    def __init__(self, runner: ModelRunner, config: SpeculativeConfig) -> None:
+        if runner.model.nextn is None:
+            raise ValueError(f"{flag('speculative_algorithm')} {config.algorithm}: the model has no NextN layer to "
+                             f"draft with (the checkpoint lacks model.layers.{runner.config.num_hidden_layers}"
+                             f".eh_proj): give one with {flag('speculative_draft_model_path')}")
+        if config.topk > 1:
+            for bucket in runner.decode_buckets:
+                if not bucket.backend.capabilities.tree_verify:
+                    raise ValueError(f"{flag('speculative_eagle_topk')} {config.topk}: draft trees need a decode "
+                                     f"attention backend that declares tree_verify, and {bucket.backend.name} does "
+                                     f"not (choose one that does with {flag('decode_attention_backend')}, e.g. "
+                                     "torch_ref, or draft chains with topk 1)")
+        self.runner, self.model, self.num_steps = runner, runner.model, config.num_steps
+        self.topk, self.num_draft_tokens = config.topk, config.num_draft_tokens
+        # h' [rows, hidden] in the model dtype: one row per block-table row, i.e. per request holding KV.
+        self.hidden = torch.zeros(runner.block_table.num_rows, runner.config.hidden_size, dtype=runner.dtype,
+                                  device=runner.device)
+        # The greedy token of h' [rows] int64 (argmax of its logits): a greedy request's first draft of the next
+        # round, computed where h' is (in the DRAFT_EXTEND graph), so that the round needs no lm head before it.
+        self.first_draft = torch.zeros(runner.block_table.num_rows, dtype=torch.int64, device=runner.device)
+        # Since start: requests verified (one per request and round), and the tokens those rounds produced.
+        self.verify_steps = self.accepted_tokens = 0
+
+    @property
+    def accept_length(self) -> float | None:
+        """Mean tokens a request gets from one verify (its accepted drafts and the target's token after them); None
+        before the first."""
+        return self.accepted_tokens / self.verify_steps if self.verify_steps else None
+
+    @torch.inference_mode()
+    def extend(self, batch: ForwardBatch, input_ids: torch.Tensor, next_ids: torch.Tensor, sample_rows: torch.Tensor,
+               table_rows: Sequence[int], sample: Callable[[torch.Tensor], SampleOutput]) -> SampleOutput:
+        """A prefill forward, then the NextN layer over its positions.
+
+        input_ids [T] int64; next_ids [T] int64, the token after each (rows `sample_rows` [S] int64 are overwritten
+        with the tokens sampled there); table_rows: the block-table rows of the S requests sampled; `sample` turns
+        their logits [S, vocab] float32 into tokens."""
+        hidden, attention = self._target(input_ids, batch)
+        sampled = sample(self._logits(hidden[sample_rows]))
+        next_ids = next_ids.index_copy(0, sample_rows, sampled.token_ids)
+        self._keep(self._rows(table_rows), self.model.forward_nextn(next_ids, hidden, batch, attention)[sample_rows])
+        return sampled
+
+    @torch.inference_mode()
+    def verify(self, batch: ForwardBatch, input_ids: torch.Tensor, requests: Sequence[Request],
+               default_generator: torch.Generator | None) -> SampleOutput:
+        """One round for the requests of a TARGET_VERIFY `batch` (n = num_draft_tokens tokens each): draft, verify,
+        accept, draft extend. input_ids [B * n] int64 hold each request's last token at its first row (the drafts
+        go in the others). Returns `verify_drafts`' output (`verify_tree`'s with topk > 1)."""
+        b, n = batch.batch_size, self.num_draft_tokens
+        rows = self._rows([r.table_row for r in requests])
+        if self.topk > 1:
+            return self._verify_tree(batch, input_ids.view(b, n)[:, :1], requests, rows, default_generator)
+        round_graph = self.runner.round_graph
+        if round_graph is not None and round_graph.can_run(batch) and all(_plain_greedy(r.params) for r in requests):
+            return self._greedy_round(round_graph, batch, input_ids, requests, rows)
+        drafts, draft_probs = self._draft(batch, requests, rows, default_generator)
+        ids = torch.cat([input_ids.view(b, n)[:, :1], drafts], dim=1)
+        hidden, logits = self._verify_chains(ids.view(-1), batch)
+        out = verify_drafts(logits.view(b, n, -1), drafts, draft_probs, [r.params for r in requests],
+                            [r.prompt_ids for r in requests], [r.output_ids[: r.num_resolved] for r in requests],
+                            [r.generator for r in requests], default_generator)
+        self._draft_extend(batch, hidden, out, rows)
+        return out
+
+    def _greedy_round(self, graph: CudaGraphRunner, batch: ForwardBatch, input_ids: torch.Tensor,
+                      requests: Sequence[Request], rows: torch.Tensor) -> SampleOutput:
+        """`verify` of greedy chains in one replay of the round graph (`greedy_round_forward`)."""
+        b, n = batch.batch_size, self.num_draft_tokens
+        ids = input_ids.view(b, n).clone()
+        ids[:, 1] = self.first_draft[rows]
+        tokens, accept_lens, logits, drafted, greedy = graph.replay(ids.view(-1), batch, self.hidden[rows])
+        self.hidden[rows] = drafted
+        self.first_draft[rows] = greedy
+        # The graph's outputs are rewritten by its next replay, which may come before the scheduler reads these.
+        out = _with_logprobs(logits.view(b, n, -1), tokens.view(b, n).clone(), accept_lens.clone(),
+                             [r.params for r in requests])
+        self.verify_steps += b
+        self.accepted_tokens += b + int(accept_lens.sum())  # after the launch: this waits for the round
+        return out
+
+    def _verify_chains(self, input_ids: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's TARGET_VERIFY forward of chains (input_ids [B * n] int64): hidden states [B * n, H] and
+        logits [B * n, sample_vocab] float32, from its CUDA graph when one holds the batch."""
+        graph = _graph(self.runner.target_graphs, batch)
+        if graph is not None:
+            logits, hidden = graph.replay(input_ids, batch)
+            return hidden, logits[:, : self.runner.sample_vocab]
+        hidden, _ = self._target(input_ids, batch)
+        return hidden, self._logits(hidden)
+
+    def _verify_tree(self, batch: ForwardBatch, roots: torch.Tensor, requests: Sequence[Request], rows: torch.Tensor,
+                     default_generator: torch.Generator | None) -> SampleOutput:
+        """`verify` with draft trees; roots [B, 1] int64: each request's last token."""
+        drafts, parents = self._draft_tree(batch, rows)
+        tree = batch.with_tree(DraftTree.of(parents))
+        tokens = torch.cat([roots, drafts], dim=1)
+        hidden, _ = self._target(tokens.view(-1), tree)
+        out, path = verify_tree(self._logits(hidden).view(*tokens.shape, -1), tokens, parents,
+                                [r.params for r in requests], [r.prompt_ids for r in requests],
+                                [r.output_ids[: r.num_resolved] for r in requests], [r.generator for r in requests],
+                                default_generator)
+        slots = batch.out_cache_loc.view(tokens.shape)
+        batch.kv_pool.copy_slots(slots.gather(1, path[:, 1:]).view(-1), slots[:, 1:].reshape(-1),
+                                 range(len(self.model.layers)))
+        picked = hidden.view(*tokens.shape, -1).gather(1, path[:, :, None].expand(*tokens.shape, hidden.shape[-1]))
+        self._draft_extend(batch, picked.view(hidden.shape), out, rows)
+        return out
+
+    def _draft_tree(self, verify: ForwardBatch, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft trees of the requests of `verify` (`rows` [B] int64: their block-table rows), EAGLE-2 style
+        (see the module docstring): drafts [B, n - 1] int64, the tokens of nodes 1 .. n - 1, and parents [B, n]
+        int64 as `DraftTree` takes them."""
+        b, k, n = verify.batch_size, self.topk, self.num_draft_tokens
+        device = rows.device
+        hidden = self.hidden[rows]
+        # Every child drafted (candidate), in creation order: score (cumulative log-probability), token, and the
+        # candidate index of its parent (-1: the root).
+        scores, tokens = torch.log_softmax(self._logits(hidden), dim=-1).topk(k, dim=-1)
+        cand_scores, cand_tokens = [scores], [tokens]
+        cand_parents = [torch.full((b, k), -1, dtype=torch.int64, device=device)]
+        # The nodes the next step expands: candidate index, score, token, the hidden state it reads (its parent's
+        # NextN output) and its parent's index in the NextN layer's forest (-1: a root).
+        frontier = torch.arange(k, device=device).expand(b, k)
+        front_scores, front_tokens, front_hidden = scores, tokens, hidden[:, None].expand(b, k, hidden.shape[-1])
+        front_parents = torch.full((b, k), -1, dtype=torch.int64, device=device)
+        forest_tokens: list[torch.Tensor] = []
+        forest_hidden: list[torch.Tensor] = []
+        forest_parents: list[torch.Tensor] = []
+        for step in range(1, self.num_steps):
+            forest_tokens.append(front_tokens)
+            forest_hidden.append(front_hidden)
+            forest_parents.append(front_parents)
+            m = step * k
+            batch = ForwardBatch.build(ForwardMode.TARGET_VERIFY, [p + m for p in verify.prefix_lens_cpu], [m] * b,
+                                       verify.block_table, verify.kv_pool)
+            batch = batch.with_tree(DraftTree.of(torch.cat(forest_parents, dim=1)))
+            out = self._nextn(torch.cat(forest_tokens, dim=1).view(-1),
+                              torch.cat(forest_hidden, dim=1).view(b * m, -1), batch).view(b, m, -1)[:, -k:]
+            logprobs = torch.log_softmax(self._logits(out.reshape(b * k, -1)), dim=-1).view(b, k, -1)
+            child_scores, child_tokens = logprobs.topk(k, dim=-1)  # [B, k (parent), k]
+            child_scores = (front_scores[:, :, None] + child_scores).view(b, k * k)
+            child_tokens = child_tokens.view(b, k * k)
+            offset = k + (step - 1) * k * k
+            cand_scores.append(child_scores)
+            cand_tokens.append(child_tokens)
+            cand_parents.append(frontier[:, :, None].expand(b, k, k).reshape(b, k * k))
+            front_scores, best = child_scores.topk(k, dim=-1)
+            parent = best // k  # the expanded node (of this step's k) each new frontier node hangs from
+            frontier, front_tokens = offset + best, child_tokens.gather(1, best)
+            front_hidden = out.gather(1, parent[:, :, None].expand(b, k, out.shape[-1]))
+            front_parents = (step - 1) * k + parent
+        all_scores, all_parents = torch.cat(cand_scores, dim=1), torch.cat(cand_parents, dim=1)
+        kept = all_scores.sort(dim=1, descending=True, stable=True).indices[:, : n - 1].sort(dim=1).values
+        node_of = torch.zeros_like(all_parents).scatter_(1, kept, torch.arange(1, n, device=device).expand(b, n - 1))
+        kept_parents = all_parents.gather(1, kept)
+        parents = torch.where(kept_parents < 0, 0, node_of.gather(1, kept_parents.clamp_min(0)))
+        root = torch.full((b, 1), -1, dtype=torch.int64, device=device)
+        return torch.cat(cand_tokens, dim=1).gather(1, kept), torch.cat([root, parents], dim=1)
+
+    def _draft(self, verify: ForwardBatch, requests: Sequence[Request], rows: torch.Tensor,
+               default_generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The k drafts of each request of `verify` (`rows` [B] int64: their block-table rows): [B, k] int64, and
+        the distributions they were drawn from, [B, k, vocab] float32 (None when every request is greedy)."""
+        k = self.num_steps
+        params, generators = [r.params for r in requests], [r.generator for r in requests]
+        hidden = self.hidden[rows]
+        tokens: list[torch.Tensor] = []
+        probs: list[torch.Tensor] = []
+        for step in range(k):
+            if step:
+                # Step j = step + 1 sits at position L - 3 + j, the verify's token j - 2 (it starts at L - 1).
+                hidden, logits = self._draft_step(tokens[-1], hidden, verify.token_as_decode(step - 1))
+            elif all(p.is_greedy for p in params):
+                tokens.append(self.first_draft[rows])
+                continue
+            else:
+                logits = self._logits(hidden)
+            token, q = _draft_tokens(logits, params, generators, default_generator)
+            tokens.append(token)
+            if q is not None:
+                probs.append(q)
+        return torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None
+
+    def _draft_extend(self, verify: ForwardBatch, hidden: torch.Tensor, out: SampleOutput, rows: torch.Tensor
+                      ) -> None:
+        """The NextN layer over each request's accepted tokens, padded to the verify's n per request (module
+        docstring): out.token_ids [B, n] int64, hidden [B * n, H] the target's at them (its hidden states of the
+        verify, along the accepted path for trees), `verify` the chain-shaped TARGET_VERIFY batch. Keeps h'."""
+        b, n = verify.batch_size, self.num_draft_tokens
+        assert out.accept_lens is not None
+        batch = dataclasses.replace(verify, mode=ForwardMode.DRAFT_EXTEND)
+        # Row of each request's h': its last accepted token's.
+        last = torch.arange(0, b * n, n, device=hidden.device) + out.accept_lens
+        graph = _graph(self.runner.nextn_graphs, batch)
+        if graph is not None:
+            greedy, drafted = graph.replay(out.token_ids.view(-1), batch, hidden)
+            self._keep(rows, drafted[last], greedy[last])
+        else:
+            self._keep(rows, self._nextn(out.token_ids.view(-1), hidden, batch)[last])
+        self.verify_steps += b
+        self.accepted_tokens += b + int(out.accept_lens.sum())  # after the launch: this waits for the round
+
+    def _keep(self, rows: torch.Tensor, drafted: torch.Tensor, greedy: torch.Tensor | None = None) -> None:
+        """h' [B, H] of the requests at block-table rows [B] int64, and its greedy token [B] int64 (the argmax of its
+        logits, computed here unless given)."""
+        self.hidden[rows] = drafted
+        self.first_draft[rows] = self._logits(drafted).argmax(dim=-1) if greedy is None else greedy
+
+    def _target(self, input_ids: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, AttentionBackend]:
+        """The target's final hidden states [T, hidden] (normed, what the NextN layer reads), and the backend
+        planned for `batch`."""
+        attention = self.runner.attention_for(batch)
+        attention.plan(batch)
+        return self.model(input_ids, batch, attention), attention
+
+    def _draft_step(self, tokens: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft DECODE step of the NextN layer: tokens [B] int64 and hidden [B, H] -> its output [B, H] and
+        logits [B, sample_vocab] float32, from its CUDA graph when one holds the batch."""
+        graph = _graph(self.runner.nextn_graphs, batch)
+        if graph is not None:
+            logits, out = graph.replay(tokens, batch, hidden)
+            return out, logits[:, : self.runner.sample_vocab]
+        out = self._nextn(tokens, hidden, batch)
+        return out, self._logits(out)
+
+    def _nextn(self, next_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The NextN layer: next_ids [T] int64 and hidden [T, H] -> [T, H], from its CUDA graph when one holds
+        the batch (the graph's last output is its hidden states)."""
+        graph = _graph(self.runner.nextn_graphs, batch)
+        if graph is not None:
+            return graph.replay(next_ids, batch, hidden)[-1]
+        self.runner.prepare(batch)
+        attention = self.runner.attention_for(batch)
+        attention.plan(batch)
+        return self.model.forward_nextn(next_ids, hidden, batch, attention)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, H] -> logits [n, sample_vocab] float32."""
+        return self.model.compute_logits(hidden)[:, : self.runner.sample_vocab]
+
+    def _rows(self, table_rows: Sequence[int]) -> torch.Tensor:
+        return to_device(torch.tensor(table_rows, dtype=torch.int64), self.hidden.device)
+
+
+def greedy_round_forward(model: DeepseekForCausalLM, num_steps: int, sample_vocab: int,
+                         plan: Callable[[AttentionBackend, ForwardBatch], None]) -> GraphForward:
+    """A round of greedy chains as one forward, for the round graph: the k - 1 draft DECODE steps, the
+    TARGET_VERIFY, greedy acceptance and the padded DRAFT_EXTEND of `SpeculativeWorker.verify`, planning attention
+    for each sub-batch with `plan` (plan_capture in a graph: the backend must plan on the device). It takes the
+    TARGET_VERIFY batch of B requests of n = num_steps + 1 tokens, input_ids [B * n] int64 (each request's last
+    token, then its first draft d_1; the rest is unread) and hidden [>= B, H], h' of each request in its first B
+    rows. Outputs: the target's greedy tokens [B * n] int64 (request b's first accept_lens[b] + 1 are its round's),
+    accept_lens [B] int64, the verify's logits [B * n, sample_vocab] float32, and the next round's h' [B, H] and its
+    greedy token [B] int64."""
+
+    def forward(input_ids: torch.Tensor, hidden: torch.Tensor | None, batch: ForwardBatch,
+                attention: AttentionBackend) -> tuple[torch.Tensor, ...]:
+        assert hidden is not None
+        b = batch.batch_size
+        n = num_steps + 1
+        first = input_ids.view(b, n)
+        drafts, state = [first[:, 1]], hidden[:b]
+        for step in range(1, num_steps):
+            decode = batch.token_as_decode(step - 1)  # step j = step + 1 at the verify's token j - 2
+            plan(attention, decode)
+            state = model.forward_nextn(drafts[-1], state, decode, attention)
+            drafts.append(model.compute_logits(state)[:, :sample_vocab].argmax(dim=-1))
+        drafted = torch.stack(drafts, dim=1)
+        plan(attention, batch)
+        target_hidden = model(torch.cat([first[:, :1], drafted], dim=1).view(-1), batch, attention)
+        logits = model.compute_logits(target_hidden)[:, :sample_vocab]
+        target = logits.argmax(dim=-1).view(b, n)
+        accept_lens = (drafted == target[:, :num_steps]).long().cumprod(dim=1).sum(dim=1)
+        extend = dataclasses.replace(batch, mode=ForwardMode.DRAFT_EXTEND)
+        plan(attention, extend)
+        out = model.forward_nextn(target.view(-1), target_hidden, extend, attention)
+        kept = out[torch.arange(0, b * n, n, device=out.device) + accept_lens]
+        return (target.view(-1), accept_lens, logits, kept,
+                model.compute_logits(kept)[:, :sample_vocab].argmax(dim=-1))
+
+    return forward
+
+
+def _plain_greedy(params: SamplingParams) -> bool:
+    """Whether a request's tokens are the target's argmax as `verify_drafts` picks them with no host input."""
+    return params.is_greedy and params.repetition_penalty == 1 and not params.frequency_penalty \
+        and not params.presence_penalty
+
+
+def _graph(graphs: dict[ForwardMode, CudaGraphRunner], batch: ForwardBatch) -> CudaGraphRunner | None:
+    """The captured graph of `batch`'s mode among `graphs` when it holds the batch (never a tree's: its mask
+    changes every round)."""
+    graph = graphs.get(batch.mode)
+    return graph if graph is not None and batch.tree is None and graph.can_run(batch) else None
+
+
+def _draft_tokens(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+                  default_generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One draft token per request from the draft's logits [B, V] float32: greedy requests its argmax, sampled
+    ones a draw from q, its distribution under their temperature and filters. Returns [B] int64 and q [B, V]
+    float32 normalized (None when every request is greedy; greedy rows of it are unused)."""
+    tokens = logits.argmax(dim=-1)
+    if all(p.is_greedy for p in params):
+        return tokens, None
+    q = filtered_probs(logits, params)
+    q = q / q.sum(dim=-1, keepdim=True)
+    rows = [i for i, p in enumerate(params) if not p.is_greedy]
+    index = to_device(torch.tensor(rows), logits.device)
+    drawn = draw(q[index], [generators[i] for i in rows], default_generator)
+    return tokens.index_copy(0, index, drawn), q
+
+
+def verify_drafts(logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor | None,
+                  params: list[SamplingParams], prompt_ids: list[list[int]], output_ids: list[list[int]],
+                  generators: list[torch.Generator | None], default_generator: torch.Generator | None
+                  ) -> SampleOutput:
+    """Which drafts the target accepts, and its token after them.
+
+    logits [B, k + 1, V] float32: the target's at x_{L-1}, d_1 .. d_k; drafts [B, k] int64; draft_probs
+    [B, k, V] float32, the normalized distributions the sampled requests' drafts were drawn from (None when all
+    are greedy). prompt_ids / output_ids / generators as `sample` takes them.
+
+    Greedy requests accept the longest run of drafts equal to the target's argmax, then take its argmax after
+    them. Sampled ones accept d_j with probability min(1, p(d_j) / q(d_j)) in turn (p: the target's distribution
+    before d_j under the request's temperature and filters, q the draft's); the first rejected one is replaced
+    by a draw from max(p - q, 0) renormalized, and when all are accepted a bonus token is drawn from p after
+    d_k: each token is distributed as the target's own sampling would draw it. Penalties count the drafts
+    before a position as generated tokens.
+
+    Returns token_ids [B, k + 1] (request b's tokens are its first accept_lens[b] + 1), accept_lens [B], and the
+    logprobs `sample` would report at each position.
+    """
+    b, n, vocab = logits.shape
+    k, device = n - 1, logits.device
+    if any(p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty for p in params):
+        host = drafts.tolist()
+        logits = apply_penalties(logits.reshape(b * n, vocab), [p for p in params for _ in range(n)],
+                                 [ids for ids in prompt_ids for _ in range(n)],
+                                 [out + host[i][:j] for i, out in enumerate(output_ids) for j in range(n)]
+                                 ).view(b, n, vocab)
+    target = logits.argmax(dim=-1)  # [B, k + 1]
+    accept_lens = (drafts == target[:, :k]).long().cumprod(dim=1).sum(dim=1)
+    rows = [i for i, p in enumerate(params) if not p.is_greedy]
+    if not rows:  # the accepted drafts are the target's argmax, and so is the token after them
+        return _with_logprobs(logits, target, accept_lens, params)
+    bonus = target.gather(1, accept_lens[:, None]).squeeze(1)
+    assert draft_probs is not None, "sampled requests need the distributions their drafts were drawn from"
+    index = to_device(torch.tensor(rows), device)
+    picked = [params[i] for i in rows]
+    row_generators = [generators[i] for i in rows]
+    p = filtered_probs(logits[index].reshape(-1, vocab), [x for x in picked for _ in range(n)]).view(-1, n, vocab)
+    p = p / p.sum(dim=-1, keepdim=True)
+    q = torch.cat([draft_probs[index], torch.zeros_like(p[:, :1])], dim=1)  # no draft after d_k: [R, k + 1, V]
+    d = drafts[index][:, :, None]
+    u = row_noise((len(rows), k), row_generators, default_generator, device, exponential=False)
+    accepted = u * q[:, :k].gather(2, d).squeeze(2) < p[:, :k].gather(2, d).squeeze(2)
+    lens = accepted.long().cumprod(dim=1).sum(dim=1)
+    at = lens[:, None, None].expand(-1, 1, vocab)
+    p_at, q_at = p.gather(1, at).squeeze(1), q.gather(1, at).squeeze(1)
+    residual = (p_at - q_at).clamp_min(0)
+    # All zero only when p <= q everywhere, i.e. p = q, where nothing is rejected: rounding's corner.
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p_at)
+    accept_lens = accept_lens.index_copy(0, index, lens)
+    bonus = bonus.index_copy(0, index, draw(residual, row_generators, default_generator))
+    tokens = torch.cat([drafts, bonus[:, None]], dim=1).scatter(1, accept_lens[:, None], bonus[:, None])
+    return _with_logprobs(logits, tokens, accept_lens, params)
+
+
+def verify_tree(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, params: list[SamplingParams],
+                prompt_ids: list[list[int]], output_ids: list[list[int]],
+                generators: list[torch.Generator | None] | None = None,
+                default_generator: torch.Generator | None = None) -> tuple[SampleOutput, torch.Tensor]:
+    """Which path of each request's draft tree the target accepts, and its token after it.
+
+    logits [B, n, V] float32: the target's at every node; tokens [B, n] int64, node 0 the request's last token;
+    parents [B, n] int64 as `DraftTree` takes them (siblings hold different tokens). prompt_ids / output_ids /
+    generators as `sample` takes them (generators None: every request's is None); penalties count a node's
+    ancestors (the root excepted) as generated tokens.
+
+    Greedy requests: from the root, the walk moves to the child holding the target's argmax at the current node
+    while there is one; the target's argmax at the last node follows. Sampled requests (`_sample_tree_walks`):
+    the children are candidates tried in turn, each kept with its probability under what the target's
+    distribution at the node leaves after the rejected ones, so that every token is distributed as the target's
+    own sampling would draw it. Returns the SampleOutput of `verify_drafts` (token_ids [B, n]) and path [B, n]
+    int64: the nodes the tokens were taken at, the root first, the last repeated past the accepted ones.
+    """
+    b, n, vocab = logits.shape
+    if any(p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty for p in params):
+        host_tokens, host_parents = tokens.tolist(), parents.tolist()
+
+        def before(row: int, node: int) -> list[int]:
+            """The tokens of node's ancestors below the root, and its own, in order."""
+            path = []
+            while node > 0:
+                path.append(host_tokens[row][node])
+                node = host_parents[row][node]
+            return path[::-1]
+
+        logits = apply_penalties(logits.reshape(b * n, vocab), [p for p in params for _ in range(n)],
+                                 [ids for ids in prompt_ids for _ in range(n)],
+                                 [out + before(i, j) for i, out in enumerate(output_ids) for j in range(n)]
+                                 ).view(b, n, vocab)
+    target = logits.argmax(dim=-1)  # [B, n]
+    nodes = torch.arange(n, device=logits.device)
+    # next_node[b, i]: the child of node i holding the target's token there, -1 when none does.
+    hit = (parents[:, None, :] == nodes[None, :, None]) & (tokens[:, None, :] == target[:, :, None])
+    next_node = torch.where(hit.any(dim=-1), hit.long().argmax(dim=-1), -1)
+    steps = [torch.zeros(b, dtype=torch.int64, device=logits.device)]
+    for _ in range(n - 1):  # no path is longer than the tree's n - 1 drafts
+        child = next_node.gather(1, steps[-1][:, None]).squeeze(1)
+        steps.append(torch.where(child >= 0, child, steps[-1]))
+    path = torch.stack(steps, dim=1)
+    accept_lens = (path[:, 1:] != path[:, :-1]).sum(dim=1)
+    bonus = target.gather(1, path.gather(1, accept_lens[:, None])).squeeze(1)
+    rows = [i for i, p in enumerate(params) if not p.is_greedy]
+    if rows:
+        index = to_device(torch.tensor(rows), logits.device)
+        walks = _sample_tree_walks(logits[index], tokens[index], parents[index], [params[i] for i in rows],
+                                   [generators[i] if generators else None for i in rows], default_generator)
+        path, accept_lens, bonus = (x.index_copy(0, index, y) for x, y in zip((path, accept_lens, bonus), walks,
+                                                                              strict=True))
+    out = torch.cat([tokens.gather(1, path[:, 1:]), bonus[:, None]], dim=1).scatter(1, accept_lens[:, None],
+                                                                                     bonus[:, None])
+    path_logits = logits.gather(1, path[:, :, None].expand(b, n, vocab))
+    return _with_logprobs(path_logits, out, accept_lens, params), path
+
+
+def _sample_tree_walks(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, params: list[SamplingParams],
+                       generators: list[torch.Generator | None], default_generator: torch.Generator | None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`verify_tree` for sampled requests: logits [R, n, V] float32 (penalties applied), tokens / parents [R, n]
+    int64 -> (path [R, n], accept_lens [R], bonus [R]) as `verify_tree` returns them.
+
+    At node v, with p the target's distribution there (the request's temperature and filters, normalized), the
+    children c_1, c_2 ... (deterministic candidates, such as EAGLE-2's top-k) are tried in node order: c_j is
+    kept with probability p(c_j) / (1 - p(c_1) - ... - p(c_{j-1})), i.e. with its share of what the rejected
+    siblings leave, and the walk moves to it; when none is kept (or v is a leaf) the bonus token is drawn from p
+    without the rejected candidates. So token t is kept at c_j with probability p(t) and drawn as the bonus with
+    probability p(t) too, the chain of those terms being sampling without replacement from p. One uniform per
+    node (each node is tried at most once); the walk itself runs on the host over the candidates' probabilities."""
+    (r, n, vocab), device = logits.shape, logits.device
+    probs = filtered_probs(logits.reshape(r * n, vocab), [x for x in params for _ in range(n)]).view(r, n, vocab)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    rows = torch.arange(r, device=device)
+    candidate_probs = probs[rows[:, None], parents.clamp_min(0), tokens].tolist()  # p of node c's token at its parent
+    uniforms = row_noise((r, n), generators, default_generator, device, exponential=False).tolist()
+    host_parents, host_tokens = parents.tolist(), tokens.tolist()
+    walks, lens, ends, rejected = [], [], [], []  # per request: path, drafts kept, last node, tokens rejected there
+    for row in range(r):
+        walk = [0]
+        while True:
+            left, kept, tried = 1.0, None, []
+            for child in (c for c in range(1, n) if host_parents[row][c] == walk[-1]):
+                p = candidate_probs[row][child]
+                if p > 0 and uniforms[row][child] * left < p:
+                    kept = child
+                    break
+                left -= p
+                tried.append(host_tokens[row][child])
+            if kept is None:
+                break
+            walk.append(kept)
+        walks.append(walk + [walk[-1]] * (n - len(walk)))
+        lens.append(len(walk) - 1)
+        ends.append(walk[-1])
+        rejected.append(tried)
+    at_end = probs[rows, to_device(torch.tensor(ends), device)]
+    residual = at_end
+    cells = [(row, token) for row, tokens_there in enumerate(rejected) for token in tokens_there]
+    if cells:
+        at = to_device(torch.tensor(cells), device)
+        residual = residual.index_put((at[:, 0], at[:, 1]), torch.zeros((), device=device))
+    # All zero only through rounding (the last candidate holding all that was left is kept for certain).
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, at_end)
+    path, accept_lens = to_device(torch.tensor(walks), device), to_device(torch.tensor(lens), device)
+    return path, accept_lens, draw(residual, generators, default_generator)
+
+
+def _with_logprobs(logits: torch.Tensor, tokens: torch.Tensor, accept_lens: torch.Tensor,
+                   params: list[SamplingParams]) -> SampleOutput:
+    """The SampleOutput of tokens [B, n] int64 drawn from logits [B, n, V] float32, with the logprobs `sample`
+    would report."""
+    want_logprobs, top = any(x.logprobs for x in params), max(x.top_logprobs for x in params)
+    logprobs = top_values = top_ids = None
+    if want_logprobs or top:
+        all_logprobs = torch.log_softmax(logits, dim=-1)
+        if want_logprobs:
+            logprobs = all_logprobs.gather(2, tokens[:, :, None]).squeeze(2)
+        if top:
+            top_values, top_ids = all_logprobs.topk(top, dim=-1)
+    return SampleOutput(tokens, logprobs, top_ids, top_values, accept_lens)

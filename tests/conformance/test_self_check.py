@@ -1,0 +1,38 @@
+"""The start-up self-check passes the Triton kernels (interpreted) and fails a subtly wrong backend."""
+
+import pytest
+import torch
+
+from plugserve.conformance.self_check import self_check
+from plugserve.core.forward_batch import Phase
+from plugserve.core.interfaces import AttentionSpec, GemmSpec, MoESpec, RouterConfig
+from plugserve.plugins.attention.triton import TritonAttention
+from plugserve.plugins.gemm.torch_ref import TorchRefFp8Gemm
+from plugserve.plugins.gemm.triton import TritonFp8Gemm
+from plugserve.plugins.moe.triton import TritonMoE
+
+CPU = torch.device("cpu")
+SMALL_ATTENTION = AttentionSpec(num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
+                                v_head_dim=16, dtype=torch.float32, page_size=16)
+
+
+@pytest.mark.parametrize("phase", [Phase.DECODE, Phase.PREFILL])
+def test_triton_attention_passes(phase):
+    self_check(TritonAttention(SMALL_ATTENTION, CPU), phase)
+
+
+def test_triton_gemm_and_moe_pass():
+    self_check(TritonFp8Gemm(GemmSpec(dtype=torch.float16), CPU), Phase.DECODE)
+    router = RouterConfig(16, 4, "sigmoid", "noaux_tc", 4, 2, True)
+    self_check(TritonMoE(MoESpec(dtype=torch.float16, router=router), CPU), Phase.DECODE)
+
+
+def test_a_gemm_dropping_the_weight_scales_fails():
+    class NoScales(TorchRefFp8Gemm):
+        name = "no_scales"
+
+        def prepare(self, weight, weight_scale_inv):
+            return super().prepare(weight, torch.ones_like(weight_scale_inv))
+
+    with pytest.raises(AssertionError, match="no_scales self-check: block-FP8 GEMM"):
+        self_check(NoScales(GemmSpec(dtype=torch.float32), CPU), Phase.DECODE)

@@ -1,0 +1,92 @@
+"""The engine with --tp-size 2 (and --ep-size 2, and DP attention) on the CPU (rank 1 a worker process, gloo)
+against --tp-size 1 on the same checkpoint: the same greedy tokens; a killed rank ends the engine with an error
+naming it."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from plugserve.core.tokenizer import EMBEDDED_MODEL_DIR
+from plugserve.runtime.dp_scheduler import DPScheduler
+from plugserve.runtime.engine import Engine, EngineStopped
+from plugserve.runtime.sampling import SamplingParams
+from plugserve.runtime.server_args import ServerArgs
+from tests.checkpoints import random_hf_model, save_hf_model, tiny_v3_config
+
+GREEDY = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+PROMPTS = [[5, 17, 250, 3, 99, 42, 7], [300, 1, 64], list(range(40, 80))]  # ids of the tiny model's vocabulary
+DEATH_TIMEOUT_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_hf_model(random_hf_model(tiny_v3_config()), tmp_path_factory.mktemp("v3"))
+
+
+def _args(model_dir: Path, tp_size: int, ep_size: int = 1, **flags: object) -> ServerArgs:
+    # A small pool: each rank holds a whole one.
+    return ServerArgs(model_path=str(model_dir), tokenizer_path=str(EMBEDDED_MODEL_DIR), device="cpu",
+                      max_total_tokens=2048, tp_size=tp_size, ep_size=ep_size, **flags)
+
+
+def _tokens(engine: Engine, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
+    return [r.token_ids for r in engine.generate(prompts, GREEDY)]
+
+
+@pytest.mark.parametrize("ep_size", [1, 2], ids=["tp2", "tp2-ep2"])
+def test_tp2_greedy_tokens_equal_tp1(model_dir: Path, ep_size: int) -> None:
+    single = Engine(_args(model_dir, 1))
+    try:
+        expected = _tokens(single)
+    finally:
+        single.shutdown()
+    engine = Engine(_args(model_dir, 2, ep_size))
+    try:
+        assert _tokens(engine) == expected
+        assert engine.runner.model.backends.moe.spec.num_local_experts == 8 // ep_size  # type: ignore[union-attr]
+    finally:
+        engine.shutdown()
+    assert engine.ranks is not None and all(p.exitcode == 0 for p in engine.ranks.workers.values())
+
+
+def test_a_killed_rank_ends_the_engine_with_an_error_naming_it(model_dir: Path) -> None:
+    engine = Engine(_args(model_dir, 2))
+    try:
+        _tokens(engine)  # serving
+        assert engine.ranks is not None
+        engine.ranks.workers[1].kill()
+        deadline = time.monotonic() + DEATH_TIMEOUT_S
+        while engine.error is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.error is not None and "tensor-parallel rank 1 exited" in engine.error
+        assert not engine.alive
+        with pytest.raises(EngineStopped, match="tensor-parallel rank 1 exited"):
+            engine.generate(PROMPTS[:1], GREEDY)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize(("ep_size", "overlap"), [(1, True), (2, False)], ids=["dp2", "dp2-ep2-no-overlap"])
+def test_dp_attention_greedy_tokens_equal_tp1(model_dir: Path, ep_size: int, overlap: bool) -> None:
+    """Three concurrent requests spread over both DP groups, then one alone (the other group idles): the tokens
+    of --tp-size 1, every group's pages given back."""
+    single = Engine(_args(model_dir, 1))
+    try:
+        expected = _tokens(single)
+    finally:
+        single.shutdown()
+    engine = Engine(_args(model_dir, 2, ep_size, enable_dp_attention=True, dp_size=2,
+                          disable_overlap_schedule=not overlap))
+    try:
+        assert _tokens(engine) == expected
+        scheduler = engine.scheduler
+        assert isinstance(scheduler, DPScheduler) and all(g.radix.queried_tokens for g in scheduler.groups)
+        assert _tokens(engine, PROMPTS[1:2]) == expected[1:2]
+        engine.check_pool_accounting()
+        assert all(g.allocator.num_free + g.radix.evictable_pages == g.allocator.num_pages for g in scheduler.groups)
+    finally:
+        engine.shutdown()
+    assert engine.ranks is not None and all(p.exitcode == 0 for p in engine.ranks.workers.values())

@@ -1,0 +1,157 @@
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from plugserve.core.forward_batch import ForwardBatch, ForwardMode
+from plugserve.registry import SelectionError
+from plugserve.runtime.model_runner import ModelRunner, report_late_triton_compiles
+from plugserve.runtime.server_args import ServerArgs
+
+
+def test_backends_are_chosen_through_the_registry_with_reasons():
+    runner = ModelRunner(ServerArgs(model_preset="tiny", max_total_tokens=256))
+    chosen = {(c.kind, c.phase): c for c in runner.chosen}
+    assert set(chosen) == {("attention", "decode"), ("attention", "prefill"), ("moe", "decode")}
+    assert all(c.name == "torch_ref" and "priority" in c.reason for c in chosen.values())
+    assert runner.page_size == 1 and runner.max_total_tokens == 256
+
+
+def test_fp8_quantization_selects_a_gemm_backend_and_page_size_is_honoured():
+    runner = ModelRunner(ServerArgs(model_preset="tiny", quantization="fp8", page_size=16, max_total_tokens=512))
+    assert ("gemm", "decode") in {(c.kind, c.phase) for c in runner.chosen}
+    assert runner.page_size == 16 and runner.allocator.num_pages == 32
+    assert runner.pool.num_pages == 33 and runner.padding_page == 32  # never handed out: CUDA graphs' padding
+
+
+def test_an_fp8_kv_cache_no_backend_supports_is_an_error_naming_the_flag():
+    with pytest.raises(SelectionError, match=r"--attention-backend: .*kv cache dtype float8_e4m3fn is not supported"):
+        ModelRunner(ServerArgs(model_preset="tiny", kv_cache_dtype="fp8_e4m3"))
+
+
+def test_cuda_graph_max_bs_on_the_cpu_is_refused_naming_the_flag():
+    with pytest.raises(ValueError, match="--cuda-graph-max-bs needs a CUDA device"):
+        ModelRunner(ServerArgs(model_preset="tiny", cuda_graph_max_bs=8, max_total_tokens=64))
+
+
+def test_torch_compile_swaps_in_compiled_small_ops_and_graphs_are_off_on_the_cpu():
+    runner = ModelRunner(ServerArgs(model_preset="tiny", enable_torch_compile=True, torch_compile_max_bs=4,
+                                    max_total_tokens=64))
+    norm = runner.model.layers[0].input_layernorm
+    assert norm.ops.rms_norm.__name__ == "compiled_rms_norm"
+    assert runner.model.rotary.ops is norm.ops and runner.model.layers[0].mlp.ops is norm.ops
+    assert runner.model.layers[0].self_attn.ops is norm.ops  # the CPU has no fused kernels: compiled ops alone
+    assert not runner.target_graphs and runner.graph_status == "no CUDA graphs on the CPU"
+
+
+def test_a_pool_too_small_to_hold_anything_is_refused():
+    with pytest.raises(ValueError, match="--max-total-tokens"):
+        ModelRunner(ServerArgs(model_preset="tiny", max_total_tokens=1))
+
+
+def test_auto_runs_the_measured_fastest_backend_per_batch_bucket(tmp_path, monkeypatch):
+    """A table ranking triton first for decode batches up to 2 and prefill up to 16 tokens: those
+    buckets run it (one instance per backend, one pool), the others the torch reference."""
+    import json
+
+    from plugserve.core.forward_batch import ForwardBatch, ForwardMode
+    from plugserve.core.hardware import Hardware
+    from plugserve.registry import TABLES_ENV
+
+    hardware = Hardware.detect("cpu")
+    table = {"device_name": hardware.name, "rankings": {"attention": {
+        "decode": [{"max_batch_size": 2, "order": ["triton"]}, {"max_batch_size": 512, "order": ["torch_ref"]}],
+        "prefill": [{"max_batch_size": 16, "order": ["triton"]}, {"max_batch_size": 512, "order": ["torch_ref"]}],
+    }, "moe": {"decode": [{"max_batch_size": 512, "order": ["torch_ref"]}],
+               "prefill": [{"max_batch_size": 8192, "order": ["triton"]}]}}}
+    (tmp_path / f"{hardware.device_key}.json").write_text(json.dumps(table))
+    monkeypatch.setenv(TABLES_ENV, str(tmp_path))
+    runner = ModelRunner(ServerArgs(model_preset="tiny", max_total_tokens=128, max_running_requests=8,
+                                    chunked_prefill_size=64))
+    assert [(b.max_size, b.backend.name) for b in runner.decode_buckets] == [(2, "triton"), (8, "torch_ref")]
+    assert [(b.max_size, b.backend.name) for b in runner.prefill_buckets] == [(16, "triton"), (64, "torch_ref")]
+    assert runner.decode_buckets[0].backend is runner.prefill_buckets[0].backend  # one instance per backend
+    # One MoE backend (its packed weights exist once): decode's pick, which says prefill would rank another first.
+    [moe_prefill] = [c for c in runner.chosen if c.kind == "moe" and c.phase == "prefill"]
+    assert moe_prefill.name == "torch_ref" and "triton ranks first there" in moe_prefill.reason
+    assert runner.model.backends.moe.name == "torch_ref"
+    attention = {(c.phase, c.max_batch_size): c.name for c in runner.chosen if c.kind == "attention"}
+    assert attention == {("decode", 2): "triton", ("decode", 8): "torch_ref", ("prefill", 16): "triton",
+                         ("prefill", 64): "torch_ref"}
+
+    def batch(mode: ForwardMode, n: int, new: int) -> ForwardBatch:
+        return ForwardBatch.build(mode, [new] * n, [new] * n, torch.zeros(n, 32, dtype=torch.int32), runner.pool)
+
+    assert runner.attention_for(batch(ForwardMode.DECODE, 2, 1)).name == "triton"
+    assert runner.attention_for(batch(ForwardMode.DECODE, 3, 1)).name == "torch_ref"
+    assert runner.attention_for(batch(ForwardMode.EXTEND, 1, 16)).name == "triton"
+    assert runner.attention_for(batch(ForwardMode.EXTEND, 1, 17)).name == "torch_ref"
+
+
+def test_an_explicit_backend_serves_every_bucket():
+    runner = ModelRunner(ServerArgs(model_preset="tiny", max_total_tokens=128, attention_backend="torch_ref",
+                                    max_running_requests=8))
+    assert [(b.max_size, b.backend.name) for b in runner.decode_buckets] == [(8, "torch_ref")]
+
+
+def test_a_plugin_that_fails_to_load_is_logged_at_start(monkeypatch, caplog):
+    import logging
+
+    from plugserve.core import model_runner
+    from plugserve.registry import BUILTIN_PLUGINS, Registry
+
+    registry = Registry(builtin=(*BUILTIN_PLUGINS, "plugserve.plugins.no_such_plugin"), entry_points=False)
+    monkeypatch.setattr(model_runner, "get_registry", lambda: registry)
+    with caplog.at_level(logging.WARNING):
+        ModelRunner(ServerArgs(model_preset="tiny", max_total_tokens=64))
+    [record] = [r for r in caplog.records if "failed to load" in r.getMessage()]
+    assert record.levelno == logging.WARNING
+    assert record.getMessage() == ("plugin plugserve.plugins.no_such_plugin (package plugserve) failed to load and is "
+                                   "skipped: import failed: ModuleNotFoundError: No module named "
+                                   "'plugserve.plugins.no_such_plugin'")
+
+
+def test_shared_experts_fuse_into_a_backend_that_can_and_give_the_same_logits():
+    """--enable-shared-experts-fusion: the embedded model's shared experts as extra experts of the triton MoE
+    (interpreted here), the same logits as their own MLP; /server_info's line says which. A backend that
+    cannot fuse is an error naming the flag."""
+    common = {"moe_runner_backend": "triton", "dtype": "float32", "max_total_tokens": 64}
+    fused = ModelRunner(ServerArgs(model_preset="tiny", enable_shared_experts_fusion=True, **common))
+    plain = ModelRunner(ServerArgs(model_preset="tiny", **common))
+    assert fused.model.backends.moe.spec.num_shared_experts == fused.config.n_shared_experts > 0
+    assert fused.shared_experts_mode == "fused into the triton MoE backend's GEMMs"
+    assert plain.model.backends.moe.spec.num_shared_experts == 0
+    assert plain.shared_experts_mode == "own MLP on the main stream"
+    with pytest.raises(ValueError, match="--enable-shared-experts-fusion: the moe backend torch_ref does not fuse"):
+        ModelRunner(ServerArgs(model_preset="tiny", enable_shared_experts_fusion=True, max_total_tokens=64))
+    ids = torch.tensor([5, 17, 42, 7, 99])
+    logits = []
+    for runner in (fused, plain):
+        pages = torch.arange(8, dtype=torch.int32)[None]  # page size 1: token i in page i
+        batch = ForwardBatch.build(ForwardMode.EXTEND, [5], [5], pages, runner.pool)
+        logits.append(runner.forward(ids, batch, torch.tensor([4])))
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+
+
+def test_a_triton_compile_after_the_warm_up_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    knobs = pytest.importorskip("triton").knobs
+    before = knobs.runtime.jit_post_compile_hook
+    counted = []
+    try:
+        report_late_triton_compiles(lambda: counted.append(1))
+        hook = knobs.runtime.jit_post_compile_hook
+        assert hook is not None
+        # The keywords triton's JIT passes once it compiled a kernel (triton 3.9, runtime/jit.py `_call_hook`).
+        compile_info = {"signature": {"x_ptr": "*bf16", "stride_x": "i32", "BLOCK": "constexpr"},
+                        "constants": {(2,): 256}, "configs": [{(0,): [["tt.divisibility", 16]]}]}
+        with caplog.at_level(logging.WARNING, logger="plugserve.runtime.model_runner"):
+            hook(key=("k",), repr="unused", fn=SimpleNamespace(name="_rms_norm_kernel"), compile=compile_info,
+                 is_manual_warmup=False, already_compiled=False)
+            hook(key=("k",), repr="_other_kernel[num_warps=4](...)", fn=None, compile={})  # another release's
+    finally:
+        knobs.runtime.jit_post_compile_hook = before
+    assert ("_rms_norm_kernel(x_ptr: *bf16, stride_x: i32) divisible by 16: ['x_ptr'] constexprs {'BLOCK': 256}"
+            in caplog.text)
+    assert "_other_kernel[num_warps=4](...)" in caplog.text
+    assert len(counted) == 2  # the engine's plugserve_late_triton_compiles counter, once per compile

@@ -1,0 +1,110 @@
+"""ServerArgs: the speculative-decoding and expert-parallel flags, their defaults, and errors that name the flag."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from plugserve.runtime.server_args import ServerArgs, SpeculativeConfig, describe_validation_error
+
+
+def _error(**flags) -> str:
+    with pytest.raises(ValidationError) as exc:
+        ServerArgs(**flags)
+    return describe_validation_error(exc.value)
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ({"speculative_algorithm": "NEXTN"}, SpeculativeConfig("NEXTN", 3, 1, 4)),
+        ({"speculative_algorithm": "EAGLE", "speculative_num_steps": 2}, SpeculativeConfig("EAGLE", 2, 1, 3)),
+        ({"speculative_algorithm": "NEXTN", "speculative_num_draft_tokens": 6}, SpeculativeConfig("NEXTN", 5, 1, 6)),
+        ({"speculative_algorithm": "NEXTN", "speculative_num_steps": 1, "speculative_eagle_topk": 1,
+          "speculative_num_draft_tokens": 2}, SpeculativeConfig("NEXTN", 1, 1, 2)),
+    ],
+)
+def test_speculative_defaults_fill_in_a_chain(flags, expected):
+    assert ServerArgs(**flags).speculative == expected
+
+
+def test_speculation_is_off_by_default():
+    assert ServerArgs().speculative is None
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"speculative_algorithm": "EAGLE3"},
+         "--speculative-algorithm 'EAGLE3' is not one of: NEXTN, EAGLE"),
+        ({"speculative_num_steps": 2}, "--speculative-num-steps needs --speculative-algorithm (NEXTN or EAGLE)"),
+        ({"speculative_algorithm": "NEXTN", "speculative_num_steps": 0},
+         "--speculative-num-steps: Input should be greater than or equal to 1"),
+        ({"speculative_algorithm": "NEXTN", "speculative_draft_model_path": "/models/draft"},
+         "--speculative-draft-model-path /models/draft: not a checkpoint directory (no config.json there)"),
+        ({"speculative_draft_model_path": "/models/draft"},
+         "--speculative-draft-model-path needs --speculative-algorithm (NEXTN or EAGLE)"),
+        ({"speculative_algorithm": "NEXTN", "speculative_num_steps": 2, "speculative_eagle_topk": 4,
+          "speculative_num_draft_tokens": 22},
+         "--speculative-num-draft-tokens 22 is more than --speculative-num-steps 2 with --speculative-eagle-topk 4 "
+         "draft: at most 21"),
+        ({"speculative_algorithm": "NEXTN", "speculative_num_steps": 3, "speculative_num_draft_tokens": 6},
+         "--speculative-num-draft-tokens 6 must be --speculative-num-steps + 1 = 4"),
+    ],
+)
+def test_bad_speculative_flags_are_refused_naming_the_flag(flags, message):
+    assert message in _error(**flags)
+
+
+def test_the_cli_takes_sglangs_spelling():
+    import argparse
+
+    from plugserve.server.launch import add_server_args, server_args_from
+
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    argv = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "2", "--speculative-eagle-topk", "1",
+            "--speculative-num-draft-tokens", "3"]
+    assert server_args_from(parser.parse_args(argv), parser).speculative == SpeculativeConfig("EAGLE", 2, 1, 3)
+
+
+
+@pytest.mark.parametrize(("tp_size", "ep_size"), [(2, 2), (4, 1), (4, 4)])
+def test_ep_size_is_1_or_the_tp_size(tp_size, ep_size):
+    assert ServerArgs(tp_size=tp_size, ep_size=ep_size).ep_size == ep_size
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"tp_size": 4, "ep_size": 2}, "--ep-size 2 must be 1 or --tp-size (4)"),
+        ({"ep_size": 2}, "--ep-size 2 must be 1 or --tp-size (1)"),
+        ({"tp_size": 2, "ep_size": 2, "enable_shared_experts_fusion": True},
+         "--enable-shared-experts-fusion does not combine with --ep-size 2"),
+    ],
+)
+def test_bad_expert_parallel_flags_are_refused_naming_the_flag(flags, message):
+    assert message in _error(**flags)
+
+
+@pytest.mark.parametrize("ep_size", [1, 2])
+def test_dp_attention_takes_a_dp_size_of_the_tp_size(ep_size):
+    args = ServerArgs(tp_size=2, ep_size=ep_size, enable_dp_attention=True, dp_size=2)
+    assert args.dp_attention_size == 2 and ServerArgs(tp_size=2).dp_attention_size == 1
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"tp_size": 2, "enable_dp_attention": True}, "--enable-dp-attention needs --dp-size > 1"),
+        ({"tp_size": 2, "dp_size": 2}, "--dp-size 2 needs --enable-dp-attention"),
+        ({"tp_size": 4, "dp_size": 2, "enable_dp_attention": True}, "--dp-size 2 must equal --tp-size (4)"),
+        ({"tp_size": 2, "dp_size": 4, "enable_dp_attention": True}, "--dp-size 4 must equal --tp-size (2)"),
+        ({"tp_size": 2, "dp_size": 2, "enable_dp_attention": True, "cuda_graph_max_bs": 8},
+         "--cuda-graph-max-bs does not combine with --enable-dp-attention"),
+        ({"tp_size": 2, "dp_size": 2, "enable_dp_attention": True, "speculative_algorithm": "NEXTN"},
+         "--speculative-algorithm does not combine with --enable-dp-attention"),
+    ],
+)
+def test_bad_dp_attention_flags_are_refused_naming_the_flag(flags, message):
+    assert message in _error(**flags)
