@@ -44,6 +44,6 @@ def make_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> MakePlugin:
 
 @pytest.fixture(scope="session")
 def server() -> Iterator[RunningServer]:
-    """A live server on the tiny preset (see tests/core/test_engine.py for why the scheduling tests use it)."""
+    """A live server on the tiny preset (see tests/runtime/test_engine.py for why the scheduling tests use it)."""
     yield from start_server(ServerArgs(model_preset="tiny", api_key=API_KEY, max_running_requests=64,
                                        served_model_name=SERVED_MODEL))

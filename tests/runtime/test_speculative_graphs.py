@@ -23,7 +23,7 @@ from plugserve.runtime.model_runner import ModelRunner
 from plugserve.runtime.sampling import SamplingParams
 from plugserve.runtime.server_args import ServerArgs
 from tests.checkpoints import add_mtp_layer, random_hf_model, save_hf_model, tiny_v3_config
-from tests.core.test_speculative import _copying_draft, _reference_drafts
+from tests.runtime.test_speculative import _copying_draft, _reference_drafts
 from tests.paged_runner import load_reference_model
 
 CHAINS = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 3}

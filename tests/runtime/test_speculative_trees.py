@@ -18,7 +18,7 @@ from plugserve.runtime.sampling import SamplingParams
 from plugserve.runtime.server_args import ServerArgs
 from plugserve.runtime.speculative import verify_tree
 from tests.checkpoints import add_mtp_layer, random_hf_model, save_hf_model, tiny_v3_config
-from tests.core.test_speculative import (
+from tests.runtime.test_speculative import (
     GREEDY,
     PROMPTS,
     SAMPLED,
