@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from plugserve.core.layers import small_ops
+from plugserve.core.layers import eager_ops
 from plugserve.core.triton_pdl import launch_options, programmatic_prologue
 
 # Dtypes the kernel stores the pool in. Its casts round to nearest even like torch's; torch's cast to fp8
@@ -46,7 +46,7 @@ ABSORB_BLOCK_R = 64
 @triton.jit
 def _rms_normed(x, weight_ptr, offsets, mask, eps, size, x_ty):
     """weight * rms_norm(x) of one row x [BLOCK] float32 (zero past `size`), in float32: normalized in float32 and
-    rounded to x's dtype first, as `small_ops.rms_norm` does; the caller casts the product to torch's promoted
+    rounded to x's dtype first, as `eager_ops.rms_norm` does; the caller casts the product to torch's promoted
     dtype of x and the weight (a product of two 16-bit values is exact in float32, so one rounding matches)."""
     normed = (x * tl.rsqrt(tl.sum(x * x, axis=0) / size + eps)).to(x_ty)
     return tl.load(weight_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * normed.to(tl.float32)
@@ -98,7 +98,7 @@ def _mla_prepare_kernel(
 ):
     """Program (t, 0): pool row slots[t] = rms_norm(latent) ++ rope(k_rope). Program (t, 1 + b), b < ROPE_BLOCKS:
     heads [b * BLOCK_H, (b + 1) * BLOCK_H) of q_rope[t] rotated into q_out[t]. Every cast goes through the input's
-    dtype first, as the eager ops round (`small_ops.rms_norm`, `small_ops._rotate`). Program (0, 1 + ROPE_BLOCKS + a)
+    dtype first, as the eager ops round (`eager_ops.rms_norm`, `eager_ops._rotate`). Program (0, 1 + ROPE_BLOCKS + a)
     (launched only to absorb): q_abs[:, h, r-block] = q_nope[:, h] @ w_kc[h, :, r-block] for every token, float32
     sums, with h, r-block = divmod(a, ceil(R / BLOCK_RA))."""
     programmatic_prologue(PDL)
@@ -159,15 +159,15 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 def mla_prepare(kv_a: torch.Tensor, q_nope: torch.Tensor, q_rope: torch.Tensor, w_kc: torch.Tensor,
                 norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, buffer: torch.Tensor,
                 slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`small_ops.mla_prepare` in one kernel launch (same arguments, same results; see there), W_UK's product
-    included up to FUSED_ABSORB_MAX_TOKENS tokens (beyond, `small_ops.absorb_q` follows).
+    """`eager_ops.mla_prepare` in one kernel launch (same arguments, same results; see there), W_UK's product
+    included up to FUSED_ABSORB_MAX_TOKENS tokens (beyond, `eager_ops.absorb_q` follows).
 
     kv_a [T, R + P], q_nope [T, H, D] and q_rope [T, H, P] may be strided views (last dim contiguous); w_kc
     [H, D, R]; cos / sin [T, P/2] float32; buffer [num_slots, R + P]; slots [T] int64. Returns (q absorbed
     [T, H, R], q_rope rotated [T, H, P]), new tensors. Grid (T, 1 + head blocks + absorbing programs), no host
     sync, only the outputs allocated: fine in a CUDA graph."""
     if buffer.dtype not in KERNEL_POOL_DTYPES:
-        return small_ops.mla_prepare(kv_a, q_nope, q_rope, w_kc, norm_weight, eps, cos, sin, buffer, slots)
+        return eager_ops.mla_prepare(kv_a, q_nope, q_rope, w_kc, norm_weight, eps, cos, sin, buffer, slots)
     t, h, p = q_rope.shape
     r, d = norm_weight.shape[0], q_nope.shape[2]
     q_out = torch.empty((t, h, p), dtype=q_rope.dtype, device=q_rope.device)
@@ -191,7 +191,7 @@ def mla_prepare(kv_a: torch.Tensor, q_nope: torch.Tensor, q_rope: torch.Tensor, 
         # Products and sums rounded one by one, as torch's element-wise kernels do (no FMA contraction).
         enable_fp_fusion=False,
     )
-    return (q_abs if absorb else small_ops.absorb_q(q_nope, w_kc)), q_out
+    return (q_abs if absorb else eager_ops.absorb_q(q_nope, w_kc)), q_out
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -217,17 +217,17 @@ def _norm_launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`small_ops.rms_norm` in one launch: x [..., D] (last dim contiguous, other strides free), weight [D] ->
+    """`eager_ops.rms_norm` in one launch: x [..., D] (last dim contiguous, other strides free), weight [D] ->
     [..., D] in torch's promoted dtype of x and weight, a new tensor."""
     return _norm_launch(x, None, weight, eps)[0]
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`small_ops.add_rms_norm` in one launch: x, residual [..., D] -> (rms_norm(x + residual), x + residual), new
+    """`eager_ops.add_rms_norm` in one launch: x, residual [..., D] -> (rms_norm(x + residual), x + residual), new
     tensors. Mixed dtypes of x and residual (torch would promote the sum) take the eager op."""
     if residual.dtype != x.dtype:
-        return small_ops.add_rms_norm(x, residual, weight, eps)
+        return eager_ops.add_rms_norm(x, residual, weight, eps)
     return _norm_launch(x, residual, weight, eps)
 
 
@@ -237,7 +237,7 @@ SILU_BLOCK = 1024
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """`small_ops.silu_and_mul` in one launch: gate_up [T, 2I] (gate columns, then up) -> [T, I], a new tensor."""
+    """`eager_ops.silu_and_mul` in one launch: gate_up [T, 2I] (gate columns, then up) -> [T, I], a new tensor."""
     rows = _rows(gate_up)
     t, i = rows.shape[0], rows.shape[1] // 2
     out = torch.empty((t, i), dtype=gate_up.dtype, device=gate_up.device)
