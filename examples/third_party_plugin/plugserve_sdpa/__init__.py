@@ -14,10 +14,14 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from plugserve.core.forward_batch import AttnForwardMethod, ForwardBatch
-from plugserve.core.interfaces import AttentionBackend, AttentionCapabilities
-from plugserve.core.kv_cache import sequence_slots
-from plugserve.registry import hookimpl
+from plugserve.api import (
+    AttentionBackend,
+    AttentionCapabilities,
+    AttnForwardMethod,
+    ForwardBatch,
+    hookimpl,
+    sequence_slots,
+)
 
 
 class SdpaAttention(AttentionBackend):
