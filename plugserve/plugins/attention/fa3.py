@@ -193,9 +193,9 @@ class FA3Attention(AttentionBackend):
 
     def __init__(self, spec: AttentionSpec, device: torch.device) -> None:
         super().__init__(spec, device)
-        from plugserve.plugins.attention import triton_kernels  # merge_attn_states; lazily, as triton.py explains
+        from plugserve.plugins.attention import merge  # lazily, as triton.py explains
 
-        self._merge = triton_kernels.merge_attn_states
+        self._merge = merge.merge_attn_states
         self.library = load_mha_library(self.libraries)
 
     @classmethod
