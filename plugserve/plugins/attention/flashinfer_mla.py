@@ -213,6 +213,15 @@ class _RaggedCall:
 
 
 @dataclass(frozen=True)
+class FlashInferPlan:
+    """The wrappers planned for one forward: mla (None: the batch runs MHA, or has no tokens) and the ragged MHA
+    calls, the causal one first, then one per prefix chunk (empty: the batch runs absorbed MLA)."""
+
+    mla: Any = None
+    mha_calls: tuple[_RaggedCall, ...] = ()
+
+
+@dataclass(frozen=True)
 class _GraphBuffers:
     """FlashInfer's CUDA-graph metadata buffers, int32 on the GPU, shared by the wrappers of every captured
     batch size (each takes leading slices): qo_indptr / kv_indptr [max_bs + 1] and kv_len_arr [max_bs],
@@ -251,8 +260,7 @@ class FlashInferMLAAttention(AttentionBackend):
         self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._mla = flashinfer.BatchMLAPagedAttentionWrapper(self._workspace, backend=self._kernel)
         self._ragged: list[Any] = []  # grown on demand: one per ragged call of a forward
-        self._planned_mla: Any = None  # the MLA wrapper planned for this forward (None: MHA, or no tokens)
-        self._mha_calls: list[_RaggedCall] = []
+        self.plan_state = FlashInferPlan()
         self._graph: _GraphBuffers | None = None  # set by init_cuda_graph
         # (mode, batch size) -> its graph-mode wrapper and the kv_indices buffer that wrapper reads
         self._graph_wrappers: dict[tuple[ForwardMode, int], tuple[Any, torch.Tensor]] = {}
@@ -287,14 +295,14 @@ class FlashInferMLAAttention(AttentionBackend):
         None outside EXTEND), ragged MHA for MHA / MHA_CHUNKED_KV (and None in EXTEND: causal over whole
         sequences)."""
         super().plan(batch)
-        self._planned_mla, self._mha_calls = None, []
+        self.plan_state = FlashInferPlan()
         if batch.num_tokens == 0:
             return
         method = batch.attn_method
         if method is AttnForwardMethod.MLA or (method is None and batch.mode is not ForwardMode.EXTEND):
-            self._plan_mla(batch, self._mla)
+            self.plan_state = FlashInferPlan(mla=self._plan_mla(batch, self._mla))
         elif method is not None or batch.mode is ForwardMode.EXTEND:
-            self._plan_mha(batch)
+            self.plan_state = FlashInferPlan(mha_calls=self._plan_mha(batch))
 
     def init_cuda_graph(self, max_batch_size: int, max_num_tokens: int, max_pages: int) -> None:
         """The metadata buffers of FlashInfer's graph mode (`_GraphBuffers`), sized for `max_batch_size`
@@ -319,8 +327,7 @@ class FlashInferMLAAttention(AttentionBackend):
         )
         self._graph_wrappers[(batch.mode, size)] = wrapper, graph.kv_indices
         AttentionBackend.plan(self, batch)
-        self._mha_calls = []
-        self._plan_mla(batch, wrapper, graph.kv_indices)
+        self.plan_state = FlashInferPlan(mla=self._plan_mla(batch, wrapper, graph.kv_indices))
 
     def plan_replay(self, batch: ForwardBatch) -> None:
         """Re-plan the graph's wrapper for the batch in the static buffers: the page ids into the fixed
@@ -331,10 +338,11 @@ class FlashInferMLAAttention(AttentionBackend):
             raise RuntimeError(f"plan_replay of a {batch.mode.name} batch of {batch.batch_size} requests, "
                                "for which plan_capture made no graph wrapper")
         AttentionBackend.plan(self, batch)
-        self._mha_calls = []
+        self.plan_state = FlashInferPlan()
         wrapper, kv_indices = graph
         if not self._replan_graph(batch, wrapper, kv_indices):
             self._plan_mla(batch, wrapper, kv_indices)
+        self.plan_state = FlashInferPlan(mla=wrapper)
 
     def _replan_graph(self, batch: ForwardBatch, wrapper: Any, kv_indices: torch.Tensor) -> bool:
         """Re-plan a captured graph's wrapper straight through FlashInfer's compiled planner: the page ids
@@ -368,11 +376,11 @@ class FlashInferMLAAttention(AttentionBackend):
             raise RuntimeError(f"{self.name}: FlashInfer re-planned a captured {batch.mode.name} graph of "
                                f"{batch.batch_size} requests with another launch layout ({list(plan_info)} vs "
                                f"{list(backend._plan_info)}); the graph cannot replay it")
-        self._planned_mla = wrapper
         return True
 
-    def _plan_mla(self, batch: ForwardBatch, wrapper: Any, kv_indices: torch.Tensor | None = None) -> None:
-        """Plan `wrapper` for this batch's absorbed MLA; `kv_indices`: the graph buffer the page ids go to."""
+    def _plan_mla(self, batch: ForwardBatch, wrapper: Any, kv_indices: torch.Tensor | None = None) -> Any:
+        """Plan `wrapper` for this batch's absorbed MLA and return it; `kv_indices`: the graph buffer the page ids
+        go to."""
         pool, spec = batch.kv_pool, self.spec
         if pool is not self._views_pool:
             self._views = [paged_latent_views(pool, layer) for layer in range(pool.num_layers)]
@@ -392,20 +400,22 @@ class FlashInferMLAAttention(AttentionBackend):
         except ValueError as exc:  # FlashInfer's refusals (work-item capacity, ...) are ValueErrors
             raise ValueError(f"{self.name}: FlashInfer's {self._kernel} MLA kernel refuses a batch of "
                              f"{batch.batch_size} requests, {batch.num_tokens} new tokens: {exc}") from exc
-        self._planned_mla = wrapper
+        return wrapper
 
-    def _plan_mha(self, batch: ForwardBatch) -> None:
+    def _plan_mha(self, batch: ForwardBatch) -> tuple[_RaggedCall, ...]:
+        """Plan one ragged wrapper per MHA call of this batch: the causal one, then one per prefix chunk."""
         chunked = batch.attn_method is AttnForwardMethod.MHA_CHUNKED_KV
         calls = [(batch.extend_lens_cpu if chunked else batch.seq_lens_cpu, True,
                   "the new tokens (MHA_CHUNKED_KV: extend_lens)" if chunked else "whole sequences (seq_lens)")]
         calls += [(chunk.lens_cpu, False, f"prefix chunk {i}") for i, chunk in enumerate(batch.prefix_chunks)]
         qo_indptr = exclusive_cumsum(batch.extend_lens_cpu)
-        self._mha_calls = [
+        planned = tuple(
             _RaggedCall(self._plan_ragged(i, qo_indptr, kv_lens, causal), kv_lens, what)
             for i, (kv_lens, causal, what) in enumerate(calls)
-        ]
+        )
         if batch.prefix_chunks:
             self._flashinfer.cascade.get_cascade_module()  # merge_state's JIT build here, not in a forward
+        return planned
 
     def _plan_ragged(self, index: int, qo_indptr: torch.Tensor, kv_lens: list[int], causal: bool) -> Any:
         if index == len(self._ragged):
@@ -437,12 +447,13 @@ class FlashInferMLAAttention(AttentionBackend):
         """q_nope [T, H, 512], q_rope [T, H, 64] in the pool's dtype (any strides with a unit last one)
         -> [T, H, 512] in that dtype, with q_nope's strides."""
         self.check_mla_inputs(q_nope, q_rope)
-        if self._planned_mla is None:
+        wrapper = self.plan_state.mla
+        if wrapper is None:
             if self.batch.num_tokens == 0:
                 return q_nope.new_empty(q_nope.shape)
             raise ValueError(f"forward_mla called on a {self.batch.mode.name} batch planned for MHA "
                              f"(attn_method {self.batch.attn_method})")
-        return self._planned_mla.run(query=(_unit_stride(q_nope), _unit_stride(q_rope)),
+        return wrapper.run(query=(_unit_stride(q_nope), _unit_stride(q_rope)),
                                      kv_cache=self._views[layer_id])
 
     def forward_mha(
@@ -458,9 +469,10 @@ class FlashInferMLAAttention(AttentionBackend):
         if prefix_chunk is not None and not 0 <= prefix_chunk < len(batch.prefix_chunks):
             raise ValueError(f"prefix_chunk {prefix_chunk} out of range: the batch has "
                              f"{len(batch.prefix_chunks)} prefix chunks")
-        if index >= len(self._mha_calls):
+        calls = self.plan_state.mha_calls
+        if index >= len(calls):
             raise ValueError(f"forward_mha called on a {batch.mode.name} batch planned without MHA")
-        call, spec = self._mha_calls[index], self.spec
+        call, spec = calls[index], self.spec
         heads, qk, vo = spec.num_heads, spec.qk_head_dim, spec.v_head_dim
         if q.shape != (batch.num_tokens, heads, qk):
             raise ValueError(f"forward_mha: q must be [T={batch.num_tokens}, H={heads}, {qk}], got {tuple(q.shape)}")
