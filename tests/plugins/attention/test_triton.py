@@ -82,6 +82,20 @@ def backends(spec: AttentionSpec, batch: ForwardBatch) -> tuple[TritonAttention,
     return triton_backend, reference
 
 
+def test_kernels_say_where_gluon_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backend named triton runs the Gluon twins on sm90 only: its `kernels` line says so per GPU."""
+    h100 = Hardware("cuda", "NVIDIA H100 80GB HBM3", (9, 0), 80 * 2**30, 132)
+    a100 = Hardware("cuda", "NVIDIA A100", (8, 0), 80 * 2**30, 108)
+    b200 = Hardware("cuda", "NVIDIA B200", (10, 0), 180 * 2**30, 148)
+    on_hopper = TritonAttention.kernels(h100)
+    assert "MLA decode: Gluon (gluon_mla)" in on_hopper and "MHA prefill: Gluon (gluon_mha)" in on_hopper
+    assert "merge: Triton" in on_hopper
+    for gpu in (a100, b200):
+        assert "Gluon kernel" in TritonAttention.kernels(gpu) and "Gluon (" not in TritonAttention.kernels(gpu)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert TritonAttention.kernels(Hardware.detect(CPU)) == "MLA decode, MHA prefill, merge: Triton (interpreter)"
+
+
 def test_availability_on_the_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = Hardware.detect(CPU)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
