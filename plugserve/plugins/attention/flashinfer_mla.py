@@ -7,60 +7,36 @@ planned wrappers, written against flashinfer-python 0.7.2.post1.
                        log-sum-exp, causal over the new tokens, non-causal over each prefix chunk
     merge_attn_states  `flashinfer.merge_state`
 
-Kernels: FlashInfer's "fa3" (Hopper) kernels on sm90, "fa2" on every other GPU from sm80 on (twice as
-slow as fa3 on Hopper). FlashInfer's Blackwell-native MLA kernels (trtllm-gen, cute-dsl, cutlass; xqa
-on sm120) all want one packed query [T, H, 576], which would cost a concatenation of q_nope and q_rope
-per layer; FA2 takes them apart, runs everywhere, and nothing here measured the trade-off on sm100.
+Kernels: FlashInfer's "fa3" on sm90 (CUDA >= 12.3), "fa2" on every other GPU from sm80 on; fa2 takes q_nope and
+q_rope apart, where the Blackwell-native MLA kernels want one packed query (a concatenation per layer).
 
-What the wrappers are given (read from the 0.7.2.post1 source):
-- MLA: CSR metadata, `MLAPlanMetadata.csr(qo_indptr, kv_indptr, kv_indices, kv_len_arr)`, all int32:
-  qo_indptr over extend_lens, kv_indptr over ceil(seq_len / page_size) pages, kv_indices the page ids
-  (block-table rows, request-major), kv_len_arr = seq_lens, the keys each request sees after this
-  forward. The kernel masks key j of new token i when j > kv_len - q_len + i: bottom-right causality,
-  so TARGET_VERIFY / EXTEND need nothing but causal=True (planned only when some request has more
-  than one new token; decode plans causal=False, the same mask for one token).
-  query_layout / kv_cache_layout "split": q = (q_nope [T, H, 512], q_rope [T, H, 64]) and
-  kv = (ckv [pages, page_size, 512], kpe [pages, page_size, 64]) as two strided views of the pool's
-  [slots, 576] buffer. The kernels read stride(0) and stride(1) of each and assume the last stride is
-  1 (FlashInfer itself splits a packed cache into exactly these views), so no copy is made.
-  Any page size (the kernels divide positions by it), fp16 / bf16 with q and cache in one dtype.
-- Ragged MHA: qo_indptr / kv_indptr int32, heads H for q and kv, head dims 192 / 128; run with
-  `return_lse=True, lse_base="ln"`: FlashInfer's kernels write base-2 log-sum-exps (log2 sum 2^(s log2 e))
-  and the wrapper multiplies them by ln 2 into plugserve's natural log; -inf (no visible key) stays -inf
-  and such rows get out = 0.
-- merge_state takes and returns base-2 log-sum-exps of contiguous tensors: `merge_natural_lse` converts
-  both ways (x log2 e in, x ln 2 out).
+What the wrappers are given:
+- MLA: CSR metadata, all int32 (`MLAPlanMetadata.csr`): qo_indptr over extend_lens, kv_indptr over
+  ceil(seq_len / page_size) pages, kv_indices the page ids (block-table rows, request-major), kv_len_arr =
+  seq_lens. The kernel masks bottom-right, so TARGET_VERIFY / EXTEND plan causal=True (decode False: the same
+  mask for one token). Layouts "split": q = (q_nope, q_rope), kv = (ckv, kpe) as two strided views of the pool's
+  [slots, 576] buffer (unit last stride, no copy). Any page size; q and cache in one dtype.
+- Ragged MHA: qo_indptr / kv_indptr int32, run with `return_lse=True, lse_base="ln"` (the natural log plugserve
+  uses; -inf rows get out = 0).
+- merge_state takes and returns base-2 log-sum-exps: `merge_natural_lse` converts both ways.
 
-Planning: plan() builds all metadata on the host from the batch's CPU lengths (kv_indices by one gather
-from the block table, on the device), so no device sync, and plans each wrapper once for all layers;
-forward_* only launch kernels. A 128 MiB float workspace per backend instance is shared by every wrapper
-(their runs are ordered on one stream). A ragged wrapper's plan writes its own pinned buffer and copies it
-to the GPU asynchronously; before that wrapper is planned again the copy must have run, which an event
-ensures (the host may be a forward ahead of the GPU). The MLA wrapper stages through PyTorch's pinned
-allocator itself.
+Planning: plan() builds the metadata on the host from the batch's CPU lengths (kv_indices by one gather on the
+device), with no device sync, and plans each wrapper once for all layers; forward_* only launch kernels. One float
+workspace (WORKSPACE_BYTES) is shared by every wrapper (their runs are ordered on one stream). A ragged wrapper's
+plan copies its pinned buffer to the GPU asynchronously; an event makes its next plan wait for that copy.
 
-CUDA graphs (DECODE, TARGET_VERIFY, DRAFT_EXTEND: the same number of new tokens per request): one MLA
-wrapper per captured mode and batch size in FlashInfer's graph mode (`use_cuda_graph=True`), because its
-qo_indptr / kv_indptr [B+1] and kv_len_arr [B] buffers must have the batch's exact size; all share the
-float workspace and one kv_indices buffer [max_bs * max_pages] (graphs replay one at a time, each after
-its own plan). What the captured launch bakes in stays put across re-plans (0.7.2.post1, `_fa_common.py`
-and `scheduler.cuh` MLAPlan): the int workspace (a re-plan of an fa2 / fa3 graph plan reuses the previous
-one), the grid and the offsets into both workspaces (fixed by constants and the cluster size, which
-depends only on tokens per request x heads), and kv_indices, read from the wrapper's buffer at run time.
-plan_replay re-plans through FlashInfer's compiled planner directly (`_replan_graph`, as SGLang's fast
-decode plan does): the schedule from the pinned host lengths (no device sync) into the int workspace, copied
-on the stream ahead of the replay, and the page ids straight into the fixed kv_indices by a gather from the
-static block table on the device. The wrapper's own plan() would also build a backend object and snapshot
-FlashInfer's buffers for a rollback (device clones of the 8 MiB int workspace and of the whole kv_indices
-buffer, 4 bytes x max_bs x max_pages): milliseconds of host time per decode step. The captured launch
-parameters (plan_info) are checked to be unchanged on every re-plan.
+CUDA graphs (DECODE, TARGET_VERIFY, DRAFT_EXTEND): one MLA wrapper per captured mode and batch size in FlashInfer's
+graph mode (its indptr / kv_len buffers must have the batch's exact size), all sharing the workspace and one
+kv_indices buffer [max_bs * max_pages]. What the captured launch bakes in (the int workspace, the grid and the
+offsets into both workspaces) stays put across re-plans; plan_replay re-plans through FlashInfer's compiled planner
+directly (`_replan_graph`): the schedule from the pinned host lengths into the int workspace, the page ids into the
+fixed kv_indices by a device gather, and checks that the launch parameters (plan_info) are unchanged. The wrapper's
+own plan() would also snapshot its buffers for a rollback on every step.
 
-JIT: FlashInfer compiles each kernel variant at its first plan (on an H200: MLA ~17 s, ragged fa3 for
-192 / 128 ~84 s) with nvcc from CUDA_HOME (or PATH), for the GPUs present or FLASHINFER_CUDA_ARCH_LIST
-("9.0a" for Hopper), and caches it under ~/.cache/flashinfer (FLASHINFER_WORKSPACE_BASE moves it);
-the flashinfer-jit-cache package ships prebuilt kernels.
+JIT: FlashInfer compiles each kernel variant at its first plan with nvcc from CUDA_HOME (or PATH), for the GPUs
+present or FLASHINFER_CUDA_ARCH_LIST, and caches it under ~/.cache/flashinfer; flashinfer-jit-cache ships prebuilt
+kernels. docs/kernels.md gives what this costs and how the backend measures.
 """
-
 from __future__ import annotations
 
 import importlib.util
@@ -348,10 +324,9 @@ class FlashInferMLAAttention(AttentionBackend):
         """Re-plan a captured graph's wrapper straight through FlashInfer's compiled planner: the page ids
         into the fixed kv_indices (the device gather), the host schedule into the int workspace. What
         `wrapper.plan` adds on top costs more host time than a batch-1 decode step's GPU work: it builds a
-        new backend object per plan and snapshots its buffers for a rollback, device clones of the 8 MiB
-        int workspace and of the whole kv_indices buffer (max_bs x max_pages ids; 168 MB at 256 requests of
-        163840 one-token pages). False when this FlashInfer is not laid out as 0.7.2.post1 (the caller
-        then plans through the wrapper)."""
+        new backend object per plan and snapshots its buffers for a rollback, device clones of the int
+        workspace and of the whole kv_indices buffer (max_bs x max_pages ids). False when this FlashInfer is
+        not laid out as 0.7.2.post1 (the caller then plans through the wrapper)."""
         backend = getattr(wrapper, "_planned_backend", None)
         planner = getattr(getattr(backend, "_cached_module", None), "_module", None)  # the compiled module
         if planner is None or not hasattr(planner, "plan"):

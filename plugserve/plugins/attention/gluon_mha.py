@@ -11,9 +11,7 @@ One program per (block of 128 queries, request, head), three warp-specialized pa
   probabilities from registers, waits for the scores only, releases K j, runs block j's softmax while PV j - 1
   is still on the tensor cores, then waits for it, releases V j - 1 and rescales the output.
 The consumers never wait for each other: each releases a slot on its own, and the producer refills it once both
-have. (The same schedule with both warpgroups in one 8-warp partition, so that each refill waited on a CTA
-barrier, reached only 0.57-0.65 of the limit on the H200, against 0.77-0.85 here: ncu put a fifth of its stall
-samples on that barrier.)
+have (one 8-warp partition waiting on a CTA barrier for each refill was slower: docs/kernels.md).
 
 Causal (bottom-right): blocks below a query block's first diagonal and kv_len skip every mask; the blocks across
 them are masked; the last query blocks, which see the most keys, start first. TMA boxes past a request's rows read

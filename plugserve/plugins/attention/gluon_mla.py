@@ -1,10 +1,8 @@
 """Absorbed MLA decode for Hopper in Gluon, scheduled as FlashMLA's sm90 kernel is ("seesaw"): stage 1 of
 `mla_decode.mla_attention` for configs with `gluon` set (`mla_gluon_fits`).
 
-Two warpgroups working in lockstep on one 64-key block (session 14's kernel) each scored 32 of its keys (a wgmma N
-of 32, which reads the whole query from shared memory for every 32 keys), the softmax's row max and sum crossed
-between them, and the tensor cores waited while both ran the softmax. Here the warpgroups are two warp-specialized
-partitions that take key blocks in turns, as FlashMLA does (its docs/20250422-new-kernel-deep-dive.md):
+The two warpgroups are warp-specialized partitions that take key blocks in turns, as FlashMLA does (its
+docs/20250422-new-kernel-deep-dive.md), so that the tensor cores never wait while both run a softmax:
 warpgroup 0 scores block b and warpgroup 1 block b + 1, each a [64, 64] x 576 wgmma (N = 64), and each holds half
 of the [64, 512] output (the latent's low / high 256 columns, 128 float32 registers a thread). Per pair of blocks:
 
@@ -27,9 +25,8 @@ the second probability buffer fits), two 64-key stages (147 KB) and the two [64,
 the pool times a zero probability must not be NaN).
 
 Every shared buffer a loop reads is indexed by `_opaque_zero` (plus 0 or 1): with constant indices the compiler
-hoists the loop's ~80 wgmma descriptors (two registers each) out of it and spills them, and every wgmma then
-waits for a local-memory load (ncu, H200: 50 % of stall samples on the long scoreboard, 0.59 of the limit at
-batch 128 x 8192 keys; 0.84 without the spills).
+hoists the loop's wgmma descriptors (two registers each) out of it and spills them, and every wgmma then waits for
+a local-memory load (docs/kernels.md has the profile).
 """
 
 from __future__ import annotations
