@@ -19,8 +19,8 @@ from plugserve.conformance.cases import V3_ROUTER
 from plugserve.core.forward_batch import ForwardMode
 from plugserve.core.interfaces import AttentionSpec, GemmSpec, MoESpec
 from plugserve.core.layers.quant import quantize_block_fp8
+from plugserve.plugins.attention.mha_prefill import mha_varlen
 from plugserve.plugins.attention.triton import TritonAttention
-from plugserve.plugins.attention.triton_kernels import mha_varlen
 from plugserve.plugins.gemm.triton import TritonFp8Gemm
 from plugserve.plugins.moe.triton import TritonMoE
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.shootout import measure_ceilings, timed
-from plugserve.plugins.attention import triton_kernels as kernels
+from plugserve.plugins.attention import mha_prefill as kernels
 
 MhaConfig = kernels.MhaConfig
 QK_DIM, V_DIM = 192, 128

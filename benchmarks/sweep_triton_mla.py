@@ -30,7 +30,7 @@ from benchmarks.shootout import measure_ceilings, timed
 from plugserve.conformance.batches import random_batch
 from plugserve.core.forward_batch import ForwardMode
 from plugserve.core.interfaces import AttentionSpec
-from plugserve.plugins.attention import triton_kernels as kernels
+from plugserve.plugins.attention import mla_decode as kernels
 from plugserve.plugins.attention.triton import TritonAttention
 
 SHAPES = [(1, 32768), (32, 8192), (128, 8192), (1, 256), (64, 512)]
@@ -99,7 +99,7 @@ def sweep_shape(heads: int, batch_size: int, kv: int, ceilings: dict[str, float]
               f"{seconds * 1e6:.1f} us, {limit / seconds:.2f} of limit ({how})" + ("" if diff < 2e-2 else "  WRONG")
               + (f", new kernels' (registers, spilled bytes, shared memory): {new}" if new else ""), flush=True)
 
-    record(backend._mla_config, backend._num_splits, True, lambda: backend.forward_mla(q_nope, q_rope, 0))
+    record(backend._mla_config, backend.plan_state.num_splits, True, lambda: backend.forward_mla(q_nope, q_rope, 0))
     for config in candidates(heads, args.quick):
         rows = batch_size * -(-heads // config.block_h)
         host = kernels.mla_num_splits(rows, kv, backend._multiprocessors, kernels.mla_min_split_keys(heads))
@@ -110,8 +110,8 @@ def sweep_shape(heads: int, batch_size: int, kv: int, ceilings: dict[str, float]
             workspace = (torch.empty(size * spec.kv_lora_rank, device=device), torch.empty(size, device=device))
             record(config, splits, False, functools.partial(
                 kernels.mla_attention, q_nope, q_rope, batch.kv_pool.buffer(0), batch.block_table,
-                backend._token_req, backend._token_kv_len, args.page_size, spec.softmax_scale, config, splits,
-                workspace))
+                backend.plan_state.token_req, backend.plan_state.token_kv_len, args.page_size, spec.softmax_scale,
+                config, splits, workspace))
     return runs
 
 

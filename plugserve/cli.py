@@ -57,6 +57,7 @@ def describe(registry: Registry, hardware: Hardware, kinds: Sequence[Kind], expl
                 "available": available.ok,
                 "reason": available.reason,
                 "cuda_graph": cuda_graph_support(entry.cls),
+                "kernels": registry.kernels(kind, entry.name, hardware),
                 "phases": {
                     phase.value: {"usable": by_phase[phase][i].availability.ok,
                                   "reason": by_phase[phase][i].availability.reason}
@@ -122,12 +123,14 @@ def _dispatch_table(registry: Registry, hardware: Hardware) -> dict[str, Any]:
 def _print(report: dict[str, Any], explain: bool, console: Console) -> None:
     hw = report["hardware"]
     console.print(f"[bold]Device:[/] {hw['name']} ({hw['arch']}, {hw['memory_gib']} GiB)")
-    table = Table("kind", "backend", "package", "prefill", "decode", "CUDA graphs", title="Registered backends")
+    table = Table("kind", "backend", "package", "prefill", "decode", "CUDA graphs", *(["kernels"] if explain else []),
+                  title="Registered backends")
     for b in report["backends"]:
         cells = [
             "[green]usable[/]" if p["usable"] else f"[red]no[/]: {p['reason']}" for p in b["phases"].values()
         ]
-        table.add_row(b["kind"], b["name"], b["package"], *cells, b["cuda_graph"])
+        table.add_row(b["kind"], b["name"], b["package"], *cells, b["cuda_graph"],
+                      *([b["kernels"]] if explain else []))
     console.print(table)
     for broken in report["broken_plugins"]:
         console.print(f"[red]broken plugin[/] {broken['plugin']} ({broken['package']}): {broken['error']}")

@@ -268,6 +268,17 @@ class Registry:
                 self._availability[key] = Availability.no(f"availability check raised {type(exc).__name__}: {exc}")
         return self._availability[key]
 
+    def kernels(self, kind: Kind, name: str, hardware: Hardware) -> str:
+        """The registered backend's `kernels(hardware)` line, "" where it is not available here; a hook that
+        raises is reported in the line instead."""
+        cls = self.get(kind, name).cls
+        if not self.availability(cls, hardware):
+            return ""
+        try:
+            return cls.kernels(hardware)
+        except Exception as exc:
+            return f"kernels() raised {type(exc).__name__}: {exc}"
+
     def usability(self, cls: type[Backend], phase: Phase, hardware: Hardware, spec: object) -> Availability:
         """Runs on this machine, and fits this phase and problem."""
         available = self.availability(cls, hardware)

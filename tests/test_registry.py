@@ -215,6 +215,33 @@ def test_availability_is_asked_once_and_an_exception_becomes_a_reason():
     assert OK and not first
 
 
+def test_kernels_line_reaches_explain_and_a_raising_hook_is_reported():
+    from rich.console import Console
+
+    from plugserve.cli import _print, describe
+
+    class Switching(_backend("switching")):
+        @classmethod
+        def kernels(cls, hardware):
+            return f"MLA decode: {'Gluon' if hardware.capability == (9, 0) else 'Triton'}"
+
+    class Raising(_backend("raising")):
+        @classmethod
+        def kernels(cls, hardware):
+            raise RuntimeError("no probe")
+
+    registry = _registry(Switching, Raising, _backend("quiet"))
+    assert registry.kernels("attention", "switching", H100) == "MLA decode: Gluon"
+    assert registry.kernels("attention", "switching", B200) == "MLA decode: Triton"
+    assert registry.kernels("attention", "raising", H100) == "kernels() raised RuntimeError: no probe"
+    assert registry.kernels("attention", "quiet", H100) == ""
+    report = describe(registry, H100, ["attention"], explain=True)
+    assert {b["name"]: b["kernels"] for b in report["backends"]}["switching"] == "MLA decode: Gluon"
+    console = Console(record=True, width=400)
+    _print(report, explain=True, console=console)
+    assert "MLA decode: Gluon" in console.export_text()
+
+
 SMALL = AttentionSpec(num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
                       dtype=torch.float32)
 

@@ -343,6 +343,13 @@ class Backend(ABC):
         return cls.capabilities.check_hardware(hardware)
 
     @classmethod
+    def kernels(cls, hardware: Hardware) -> str:
+        """Which kernels the backend runs on this machine, in a line for `plugserve backends --explain` and
+        /server_info ("" says nothing more than its name). Override where that depends on the hardware, e.g. a
+        backend that switches kernel families by compute capability."""
+        return ""
+
+    @classmethod
     def check_declaration(cls) -> None:
         """Raise TypeError when the class is not a complete backend of its kind."""
         if not isinstance(getattr(cls, "name", None), str) or not cls.name:

@@ -31,6 +31,18 @@ MOVED_NAMES: dict[str, dict[str, str]] = {
     "plugserve.runtime.scheduler": {"SchedulerGauges": "plugserve.runtime.metrics"},
     "plugserve.runtime.cuda_graph_runner": {name: "plugserve.core.graph_inputs"
                                             for name in ("GraphInputs", "capture_sizes", "padded_size")},
+    # One kernel family per file.
+    "plugserve.plugins.attention.triton_kernels": {
+        **{name: "plugserve.plugins.attention.common" for name in ("LOG2E", "MIN_DOT")},
+        **{name: "plugserve.plugins.attention.mla_decode"
+           for name in ("MLA_SPLIT_KEYS_PER_HEAD", "MLA_MIN_SPLIT_KEYS", "MLA_MAX_SPLITS", "MLA_MIN_FILL",
+                        "MLA_MAX_WAVES", "MLA_REDUCE_SPLITS", "MLA_REDUCE_BLOCK_V", "MlaConfig", "mla_block_h",
+                        "mla_config", "mla_tma_fits", "mla_gluon_fits", "mla_min_split_keys", "mla_num_splits",
+                        "mla_workspace_size", "mla_attention")},
+        **{name: "plugserve.plugins.attention.mha_prefill"
+           for name in ("MhaConfig", "GLUON_MHA", "mha_gluon_fits", "mha_configs", "mha_varlen")},
+        "merge_attn_states": "plugserve.plugins.attention.merge",
+    },
 }
 
 

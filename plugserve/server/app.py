@@ -110,6 +110,8 @@ def create_app(engine: Engine) -> FastAPI:
             "max_total_tokens": runner.max_total_tokens,
             "context_length": runner.context_length,
             "backends": [dataclasses.asdict(c) for c in runner.chosen],
+            "kernels": {f"{c.kind}:{c.name}": get_registry().kernels(c.kind, c.name, runner.hardware)
+                        for c in runner.chosen},
             "cuda_graph": runner.graph_status,
             "overlap_schedule": engine.scheduler.overlap_status,
             "speculative": _speculative_info(engine),

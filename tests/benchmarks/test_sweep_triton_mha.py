@@ -1,7 +1,7 @@
 import pytest
 
 from benchmarks import sweep_triton_mha
-from plugserve.plugins.attention.triton_kernels import MhaConfig
+from plugserve.plugins.attention.mha_prefill import MhaConfig
 
 
 def test_configs_parse_from_the_command_line():

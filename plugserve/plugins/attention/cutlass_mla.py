@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 import torch
 
@@ -96,8 +96,10 @@ def workspace_bytes(rows: int, sm_count: int) -> int:
     return PARTIAL_BYTES * KERNEL_HEADS * splits * max(1, rows)
 
 
-class _GraphRows(NamedTuple):
-    """What one captured graph reads: its wrapper, and leading rows of the fixed buffers (module docstring)."""
+@dataclass(frozen=True)
+class CutlassPlan:
+    """What one forward reads: the wrapper FlashInfer planned for it, and its rows (one a new token). Under CUDA graphs
+    each captured graph keeps one, over leading rows of the fixed buffers (module docstring)."""
 
     wrapper: Any
     query: torch.Tensor  # [rows, 128, 576], padding heads zero
@@ -147,12 +149,12 @@ class CutlassMLAAttention(AttentionBackend):
         self._q_scale = query_scale(spec.softmax_scale)
         self._workspace = torch.empty(0, dtype=torch.uint8, device=device)
         self._wrapper: Any = None  # eager plans' wrapper, over self._workspace
-        self._planned: Any = None  # the wrapper this forward runs
+        self.plan_state: CutlassPlan | None = None  # what this forward runs
         # CUDA graphs: init_cuda_graph's query [N, 128, 576], page table [N, max_pages] int32 and kv_lens [N]
         # int32, and workspace; what each captured (mode, batch size) reads
         self._graph_buffers: tuple[torch.Tensor, ...] = ()
         self._graph_workspace = self._workspace
-        self._graphs: dict[tuple[ForwardMode, int], _GraphRows] = {}
+        self._graphs: dict[tuple[ForwardMode, int], CutlassPlan] = {}
 
     @classmethod
     def availability(cls, hardware: Hardware) -> Availability:
@@ -178,16 +180,15 @@ class CutlassMLAAttention(AttentionBackend):
         if rows == 0:
             return
         width = pages_needed(max(batch.seq_lens_cpu), PAGE_SIZE)
-        self._page_table, self._kv_lens = token_rows(batch.block_table, batch.extend_lens, batch.positions, rows,
-                                                     width)
+        page_table, kv_lens = token_rows(batch.block_table, batch.extend_lens, batch.positions, rows, width)
         # Heads are independent, so padding heads only need finite values: zeros, written once per plan.
-        self._query = torch.zeros(rows, KERNEL_HEADS, LATENT + ROPE, dtype=batch.kv_pool.dtype, device=self.device)
+        query = torch.zeros(rows, KERNEL_HEADS, LATENT + ROPE, dtype=batch.kv_pool.dtype, device=self.device)
         needed = workspace_bytes(rows, self._sm_count)
         if self._wrapper is None or self._workspace.numel() < needed:
             self._workspace = torch.empty(needed, dtype=torch.uint8, device=self.device)
             self._wrapper = self._mla.BatchMLAPagedAttentionWrapper(self._workspace, backend="cutlass")
-        self._planned = self._wrapper
-        self._plan_wrapper(batch)
+        self.plan_state = CutlassPlan(self._wrapper, query, page_table, kv_lens)
+        self._plan_wrapper(batch, self.plan_state)
 
     def init_cuda_graph(self, max_batch_size: int, max_num_tokens: int, max_pages: int) -> None:
         """Fixed buffers for graphs of up to `max_num_tokens` rows (module docstring). The workspace covers
@@ -208,9 +209,10 @@ class CutlassMLAAttention(AttentionBackend):
             raise RuntimeError("plan_capture before init_cuda_graph")
         rows = batch.num_tokens
         wrapper = self._mla.BatchMLAPagedAttentionWrapper(self._graph_workspace, backend="cutlass")
-        self._graphs[(batch.mode, batch.batch_size)] = _GraphRows(wrapper, *(b[:rows] for b in self._graph_buffers))
+        graph = CutlassPlan(wrapper, *(b[:rows] for b in self._graph_buffers))
+        self._graphs[(batch.mode, batch.batch_size)] = graph
         self.plan_replay(batch)
-        self._plan_wrapper(batch)
+        self._plan_wrapper(batch, graph)
 
     def plan_replay(self, batch: ForwardBatch) -> None:
         """This batch's rows into the graph's page table and kv_lens, in place on the device."""
@@ -223,7 +225,7 @@ class CutlassMLAAttention(AttentionBackend):
                                     graph.page_table.shape[1])
         graph.page_table.copy_(table)
         graph.kv_lens.copy_(kv_lens)
-        self._planned, self._query, self._page_table, self._kv_lens = graph
+        self.plan_state = graph
 
     def _bind(self, batch: ForwardBatch) -> int:
         """Take the batch (its pool must have pages of PAGE_SIZE); returns its row count."""
@@ -233,12 +235,12 @@ class CutlassMLAAttention(AttentionBackend):
                              f"{batch.kv_pool.page_size}")
         return batch.num_tokens
 
-    def _plan_wrapper(self, batch: ForwardBatch) -> None:
+    def _plan_wrapper(self, batch: ForwardBatch, plan: CutlassPlan) -> None:
         """FlashInfer's plan of the wrapper this forward runs, over its rows, page table and kv_lens."""
         dtype = batch.kv_pool.dtype
         cu_rows = torch.arange(batch.num_tokens + 1, dtype=torch.int32, device=self.device)  # one query per row
-        self._planned.plan(
-            metadata=self._mla.MLAPlanMetadata.dense(cu_rows, self._page_table, self._kv_lens),
+        plan.wrapper.plan(
+            metadata=self._mla.MLAPlanMetadata.dense(cu_rows, plan.page_table, plan.kv_lens),
             num_heads=KERNEL_HEADS, head_dim_ckv=LATENT, head_dim_kpe=ROPE, page_size=PAGE_SIZE, causal=True,
             sm_scale=KERNEL_SM_SCALE, q_data_type=dtype, kv_data_type=dtype,
         )
@@ -250,9 +252,11 @@ class CutlassMLAAttention(AttentionBackend):
         self.check_mla_inputs(q_nope, q_rope)
         if q_nope.shape[0] == 0:
             return q_nope.new_empty(q_nope.shape)
-        query = pack_query(q_nope, q_rope, self._query, self._q_scale)
-        out = self._planned.run(query=query, kv_cache=pool.paged(layer_id), kv_len=self._kv_lens,
-                                page_table=self._page_table)
+        plan = self.plan_state
+        assert plan is not None, "forward_mla before plan"
+        query = pack_query(q_nope, q_rope, plan.query, self._q_scale)
+        out = plan.wrapper.run(query=query, kv_cache=pool.paged(layer_id), kv_len=plan.kv_lens,
+                               page_table=plan.page_table)
         return out[:, : self.spec.num_heads]
 
 

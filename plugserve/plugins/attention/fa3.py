@@ -175,6 +175,16 @@ def paged_kv_views(paged: torch.Tensor, kv_lora_rank: int) -> tuple[torch.Tensor
     return paged[:, :, kv_lora_rank:].unsqueeze(2), paged[:, :, :kv_lora_rank].unsqueeze(2)
 
 
+@dataclass(frozen=True)
+class FA3Plan:
+    """max_q: the most new tokens of a request (max_seqlen_q); the causal call's keys (None where the batch runs
+    absorbed MLA) and one call per prefix chunk (`plan_varlen_calls`)."""
+
+    max_q: int
+    causal_call: VarlenCall | None
+    chunk_calls: list[VarlenCall]
+
+
 class FA3Attention(AttentionBackend):
     """Ragged MHA prefill with the log-sum-exp (MHA, MHA_CHUNKED_KV) in FlashAttention's sm90 kernels;
     bf16 / fp16, qk 192 / v 128. `libraries`: the packages tried, in order."""
@@ -190,12 +200,13 @@ class FA3Attention(AttentionBackend):
     )
     priority: ClassVar[dict[str, int]] = {"sm90": 60}  # above Triton's 50 until a shootout table ranks them
     libraries: ClassVar[tuple[str, ...]] = (FA3, CUTE)
+    plan_state: FA3Plan
 
     def __init__(self, spec: AttentionSpec, device: torch.device) -> None:
         super().__init__(spec, device)
-        from plugserve.plugins.attention import triton_kernels  # merge_attn_states; lazily, as triton.py explains
+        from plugserve.plugins.attention import merge  # lazily, as triton.py explains
 
-        self._merge = triton_kernels.merge_attn_states
+        self._merge = merge.merge_attn_states
         self.library = load_mha_library(self.libraries)
 
     @classmethod
@@ -215,18 +226,18 @@ class FA3Attention(AttentionBackend):
     def plan(self, batch: ForwardBatch) -> None:
         """Query offsets (cu_extend_lens) and the key side of the causal call and of each prefix chunk."""
         super().plan(batch)
-        self._max_q = max(batch.extend_lens_cpu, default=0)
-        self._causal_call, self._chunk_calls = plan_varlen_calls(batch)
+        self.plan_state = FA3Plan(max(batch.extend_lens_cpu, default=0), *plan_varlen_calls(batch))
 
     def _call(self, prefix_chunk: int | None) -> VarlenCall:
+        plan = self.plan_state
         if prefix_chunk is not None:
-            if not 0 <= prefix_chunk < len(self._chunk_calls):
+            if not 0 <= prefix_chunk < len(plan.chunk_calls):
                 raise ValueError(f"prefix_chunk {prefix_chunk} out of range: the batch has "
-                                 f"{len(self._chunk_calls)} prefix chunks")
-            return self._chunk_calls[prefix_chunk]
-        if self._causal_call is None:
+                                 f"{len(plan.chunk_calls)} prefix chunks")
+            return plan.chunk_calls[prefix_chunk]
+        if plan.causal_call is None:
             raise ValueError("forward_mha called on a batch that runs absorbed MLA (not EXTEND, or attn_method MLA)")
-        return self._causal_call
+        return plan.causal_call
 
     def forward_mha(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_chunk: int | None = None
@@ -243,8 +254,8 @@ class FA3Attention(AttentionBackend):
             raise ValueError(f"forward_mha over {call.what}: k must be [{total}, {heads}, {q.shape[2]}] and v "
                              f"[{total}, {heads}, Dv] (key lengths {call.kv_lens}), got k {tuple(k.shape)} and "
                              f"v {tuple(v.shape)}")
-        out, lse = self.library.varlen(q, k, v, self.batch.cu_extend_lens, call.cu_kv, self._max_q, call.max_kv,
-                                       self.spec.softmax_scale, call.causal)
+        out, lse = self.library.varlen(q, k, v, self.batch.cu_extend_lens, call.cu_kv, self.plan_state.max_q,
+                                       call.max_kv, self.spec.softmax_scale, call.causal)
         return out, lse.t()
 
     def merge_attn_states(
@@ -302,8 +313,8 @@ class FA3MLAAttention(FA3Attention):
         k_rope, latent = paged_kv_views(pool.paged(layer_id), pool.kv_lora_rank)
         return self._with_kvcache(
             q_rope, k_rope, latent, qv=q_nope, page_table=batch.block_table, cache_seqlens=batch.seq_lens,
-            cu_seqlens_q=batch.cu_extend_lens, max_seqlen_q=self._max_q, softmax_scale=self.spec.softmax_scale,
-            causal=True,
+            cu_seqlens_q=batch.cu_extend_lens, max_seqlen_q=self.plan_state.max_q,
+            softmax_scale=self.spec.softmax_scale, causal=True,
         )
 
 

@@ -7,60 +7,36 @@ planned wrappers, written against flashinfer-python 0.7.2.post1.
                        log-sum-exp, causal over the new tokens, non-causal over each prefix chunk
     merge_attn_states  `flashinfer.merge_state`
 
-Kernels: FlashInfer's "fa3" (Hopper) kernels on sm90, "fa2" on every other GPU from sm80 on (twice as
-slow as fa3 on Hopper). FlashInfer's Blackwell-native MLA kernels (trtllm-gen, cute-dsl, cutlass; xqa
-on sm120) all want one packed query [T, H, 576], which would cost a concatenation of q_nope and q_rope
-per layer; FA2 takes them apart, runs everywhere, and nothing here measured the trade-off on sm100.
+Kernels: FlashInfer's "fa3" on sm90 (CUDA >= 12.3), "fa2" on every other GPU from sm80 on; fa2 takes q_nope and
+q_rope apart, where the Blackwell-native MLA kernels want one packed query (a concatenation per layer).
 
-What the wrappers are given (read from the 0.7.2.post1 source):
-- MLA: CSR metadata, `MLAPlanMetadata.csr(qo_indptr, kv_indptr, kv_indices, kv_len_arr)`, all int32:
-  qo_indptr over extend_lens, kv_indptr over ceil(seq_len / page_size) pages, kv_indices the page ids
-  (block-table rows, request-major), kv_len_arr = seq_lens, the keys each request sees after this
-  forward. The kernel masks key j of new token i when j > kv_len - q_len + i: bottom-right causality,
-  so TARGET_VERIFY / EXTEND need nothing but causal=True (planned only when some request has more
-  than one new token; decode plans causal=False, the same mask for one token).
-  query_layout / kv_cache_layout "split": q = (q_nope [T, H, 512], q_rope [T, H, 64]) and
-  kv = (ckv [pages, page_size, 512], kpe [pages, page_size, 64]) as two strided views of the pool's
-  [slots, 576] buffer. The kernels read stride(0) and stride(1) of each and assume the last stride is
-  1 (FlashInfer itself splits a packed cache into exactly these views), so no copy is made.
-  Any page size (the kernels divide positions by it), fp16 / bf16 with q and cache in one dtype.
-- Ragged MHA: qo_indptr / kv_indptr int32, heads H for q and kv, head dims 192 / 128; run with
-  `return_lse=True, lse_base="ln"`: FlashInfer's kernels write base-2 log-sum-exps (log2 sum 2^(s log2 e))
-  and the wrapper multiplies them by ln 2 into plugserve's natural log; -inf (no visible key) stays -inf
-  and such rows get out = 0.
-- merge_state takes and returns base-2 log-sum-exps of contiguous tensors: `merge_natural_lse` converts
-  both ways (x log2 e in, x ln 2 out).
+What the wrappers are given:
+- MLA: CSR metadata, all int32 (`MLAPlanMetadata.csr`): qo_indptr over extend_lens, kv_indptr over
+  ceil(seq_len / page_size) pages, kv_indices the page ids (block-table rows, request-major), kv_len_arr =
+  seq_lens. The kernel masks bottom-right, so TARGET_VERIFY / EXTEND plan causal=True (decode False: the same
+  mask for one token). Layouts "split": q = (q_nope, q_rope), kv = (ckv, kpe) as two strided views of the pool's
+  [slots, 576] buffer (unit last stride, no copy). Any page size; q and cache in one dtype.
+- Ragged MHA: qo_indptr / kv_indptr int32, run with `return_lse=True, lse_base="ln"` (the natural log plugserve
+  uses; -inf rows get out = 0).
+- merge_state takes and returns base-2 log-sum-exps: `merge_natural_lse` converts both ways.
 
-Planning: plan() builds all metadata on the host from the batch's CPU lengths (kv_indices by one gather
-from the block table, on the device), so no device sync, and plans each wrapper once for all layers;
-forward_* only launch kernels. A 128 MiB float workspace per backend instance is shared by every wrapper
-(their runs are ordered on one stream). A ragged wrapper's plan writes its own pinned buffer and copies it
-to the GPU asynchronously; before that wrapper is planned again the copy must have run, which an event
-ensures (the host may be a forward ahead of the GPU). The MLA wrapper stages through PyTorch's pinned
-allocator itself.
+Planning: plan() builds the metadata on the host from the batch's CPU lengths (kv_indices by one gather on the
+device), with no device sync, and plans each wrapper once for all layers; forward_* only launch kernels. One float
+workspace (WORKSPACE_BYTES) is shared by every wrapper (their runs are ordered on one stream). A ragged wrapper's
+plan copies its pinned buffer to the GPU asynchronously; an event makes its next plan wait for that copy.
 
-CUDA graphs (DECODE, TARGET_VERIFY, DRAFT_EXTEND: the same number of new tokens per request): one MLA
-wrapper per captured mode and batch size in FlashInfer's graph mode (`use_cuda_graph=True`), because its
-qo_indptr / kv_indptr [B+1] and kv_len_arr [B] buffers must have the batch's exact size; all share the
-float workspace and one kv_indices buffer [max_bs * max_pages] (graphs replay one at a time, each after
-its own plan). What the captured launch bakes in stays put across re-plans (0.7.2.post1, `_fa_common.py`
-and `scheduler.cuh` MLAPlan): the int workspace (a re-plan of an fa2 / fa3 graph plan reuses the previous
-one), the grid and the offsets into both workspaces (fixed by constants and the cluster size, which
-depends only on tokens per request x heads), and kv_indices, read from the wrapper's buffer at run time.
-plan_replay re-plans through FlashInfer's compiled planner directly (`_replan_graph`, as SGLang's fast
-decode plan does): the schedule from the pinned host lengths (no device sync) into the int workspace, copied
-on the stream ahead of the replay, and the page ids straight into the fixed kv_indices by a gather from the
-static block table on the device. The wrapper's own plan() would also build a backend object and snapshot
-FlashInfer's buffers for a rollback (device clones of the 8 MiB int workspace and of the whole kv_indices
-buffer, 4 bytes x max_bs x max_pages): milliseconds of host time per decode step. The captured launch
-parameters (plan_info) are checked to be unchanged on every re-plan.
+CUDA graphs (DECODE, TARGET_VERIFY, DRAFT_EXTEND): one MLA wrapper per captured mode and batch size in FlashInfer's
+graph mode (its indptr / kv_len buffers must have the batch's exact size), all sharing the workspace and one
+kv_indices buffer [max_bs * max_pages]. What the captured launch bakes in (the int workspace, the grid and the
+offsets into both workspaces) stays put across re-plans; plan_replay re-plans through FlashInfer's compiled planner
+directly (`_replan_graph`): the schedule from the pinned host lengths into the int workspace, the page ids into the
+fixed kv_indices by a device gather, and checks that the launch parameters (plan_info) are unchanged. The wrapper's
+own plan() would also snapshot its buffers for a rollback on every step.
 
-JIT: FlashInfer compiles each kernel variant at its first plan (on an H200: MLA ~17 s, ragged fa3 for
-192 / 128 ~84 s) with nvcc from CUDA_HOME (or PATH), for the GPUs present or FLASHINFER_CUDA_ARCH_LIST
-("9.0a" for Hopper), and caches it under ~/.cache/flashinfer (FLASHINFER_WORKSPACE_BASE moves it);
-the flashinfer-jit-cache package ships prebuilt kernels.
+JIT: FlashInfer compiles each kernel variant at its first plan with nvcc from CUDA_HOME (or PATH), for the GPUs
+present or FLASHINFER_CUDA_ARCH_LIST, and caches it under ~/.cache/flashinfer; flashinfer-jit-cache ships prebuilt
+kernels. docs/kernels.md gives what this costs and how the backend measures.
 """
-
 from __future__ import annotations
 
 import importlib.util
@@ -213,6 +189,15 @@ class _RaggedCall:
 
 
 @dataclass(frozen=True)
+class FlashInferPlan:
+    """The wrappers planned for one forward: mla (None: the batch runs MHA, or has no tokens) and the ragged MHA
+    calls, the causal one first, then one per prefix chunk (empty: the batch runs absorbed MLA)."""
+
+    mla: Any = None
+    mha_calls: tuple[_RaggedCall, ...] = ()
+
+
+@dataclass(frozen=True)
 class _GraphBuffers:
     """FlashInfer's CUDA-graph metadata buffers, int32 on the GPU, shared by the wrappers of every captured
     batch size (each takes leading slices): qo_indptr / kv_indptr [max_bs + 1] and kv_len_arr [max_bs],
@@ -251,8 +236,7 @@ class FlashInferMLAAttention(AttentionBackend):
         self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._mla = flashinfer.BatchMLAPagedAttentionWrapper(self._workspace, backend=self._kernel)
         self._ragged: list[Any] = []  # grown on demand: one per ragged call of a forward
-        self._planned_mla: Any = None  # the MLA wrapper planned for this forward (None: MHA, or no tokens)
-        self._mha_calls: list[_RaggedCall] = []
+        self.plan_state = FlashInferPlan()
         self._graph: _GraphBuffers | None = None  # set by init_cuda_graph
         # (mode, batch size) -> its graph-mode wrapper and the kv_indices buffer that wrapper reads
         self._graph_wrappers: dict[tuple[ForwardMode, int], tuple[Any, torch.Tensor]] = {}
@@ -287,14 +271,14 @@ class FlashInferMLAAttention(AttentionBackend):
         None outside EXTEND), ragged MHA for MHA / MHA_CHUNKED_KV (and None in EXTEND: causal over whole
         sequences)."""
         super().plan(batch)
-        self._planned_mla, self._mha_calls = None, []
+        self.plan_state = FlashInferPlan()
         if batch.num_tokens == 0:
             return
         method = batch.attn_method
         if method is AttnForwardMethod.MLA or (method is None and batch.mode is not ForwardMode.EXTEND):
-            self._plan_mla(batch, self._mla)
+            self.plan_state = FlashInferPlan(mla=self._plan_mla(batch, self._mla))
         elif method is not None or batch.mode is ForwardMode.EXTEND:
-            self._plan_mha(batch)
+            self.plan_state = FlashInferPlan(mha_calls=self._plan_mha(batch))
 
     def init_cuda_graph(self, max_batch_size: int, max_num_tokens: int, max_pages: int) -> None:
         """The metadata buffers of FlashInfer's graph mode (`_GraphBuffers`), sized for `max_batch_size`
@@ -319,8 +303,7 @@ class FlashInferMLAAttention(AttentionBackend):
         )
         self._graph_wrappers[(batch.mode, size)] = wrapper, graph.kv_indices
         AttentionBackend.plan(self, batch)
-        self._mha_calls = []
-        self._plan_mla(batch, wrapper, graph.kv_indices)
+        self.plan_state = FlashInferPlan(mla=self._plan_mla(batch, wrapper, graph.kv_indices))
 
     def plan_replay(self, batch: ForwardBatch) -> None:
         """Re-plan the graph's wrapper for the batch in the static buffers: the page ids into the fixed
@@ -331,19 +314,19 @@ class FlashInferMLAAttention(AttentionBackend):
             raise RuntimeError(f"plan_replay of a {batch.mode.name} batch of {batch.batch_size} requests, "
                                "for which plan_capture made no graph wrapper")
         AttentionBackend.plan(self, batch)
-        self._mha_calls = []
+        self.plan_state = FlashInferPlan()
         wrapper, kv_indices = graph
         if not self._replan_graph(batch, wrapper, kv_indices):
             self._plan_mla(batch, wrapper, kv_indices)
+        self.plan_state = FlashInferPlan(mla=wrapper)
 
     def _replan_graph(self, batch: ForwardBatch, wrapper: Any, kv_indices: torch.Tensor) -> bool:
         """Re-plan a captured graph's wrapper straight through FlashInfer's compiled planner: the page ids
         into the fixed kv_indices (the device gather), the host schedule into the int workspace. What
         `wrapper.plan` adds on top costs more host time than a batch-1 decode step's GPU work: it builds a
-        new backend object per plan and snapshots its buffers for a rollback, device clones of the 8 MiB
-        int workspace and of the whole kv_indices buffer (max_bs x max_pages ids; 168 MB at 256 requests of
-        163840 one-token pages). False when this FlashInfer is not laid out as 0.7.2.post1 (the caller
-        then plans through the wrapper)."""
+        new backend object per plan and snapshots its buffers for a rollback, device clones of the int
+        workspace and of the whole kv_indices buffer (max_bs x max_pages ids). False when this FlashInfer is
+        not laid out as 0.7.2.post1 (the caller then plans through the wrapper)."""
         backend = getattr(wrapper, "_planned_backend", None)
         planner = getattr(getattr(backend, "_cached_module", None), "_module", None)  # the compiled module
         if planner is None or not hasattr(planner, "plan"):
@@ -368,11 +351,11 @@ class FlashInferMLAAttention(AttentionBackend):
             raise RuntimeError(f"{self.name}: FlashInfer re-planned a captured {batch.mode.name} graph of "
                                f"{batch.batch_size} requests with another launch layout ({list(plan_info)} vs "
                                f"{list(backend._plan_info)}); the graph cannot replay it")
-        self._planned_mla = wrapper
         return True
 
-    def _plan_mla(self, batch: ForwardBatch, wrapper: Any, kv_indices: torch.Tensor | None = None) -> None:
-        """Plan `wrapper` for this batch's absorbed MLA; `kv_indices`: the graph buffer the page ids go to."""
+    def _plan_mla(self, batch: ForwardBatch, wrapper: Any, kv_indices: torch.Tensor | None = None) -> Any:
+        """Plan `wrapper` for this batch's absorbed MLA and return it; `kv_indices`: the graph buffer the page ids
+        go to."""
         pool, spec = batch.kv_pool, self.spec
         if pool is not self._views_pool:
             self._views = [paged_latent_views(pool, layer) for layer in range(pool.num_layers)]
@@ -392,20 +375,22 @@ class FlashInferMLAAttention(AttentionBackend):
         except ValueError as exc:  # FlashInfer's refusals (work-item capacity, ...) are ValueErrors
             raise ValueError(f"{self.name}: FlashInfer's {self._kernel} MLA kernel refuses a batch of "
                              f"{batch.batch_size} requests, {batch.num_tokens} new tokens: {exc}") from exc
-        self._planned_mla = wrapper
+        return wrapper
 
-    def _plan_mha(self, batch: ForwardBatch) -> None:
+    def _plan_mha(self, batch: ForwardBatch) -> tuple[_RaggedCall, ...]:
+        """Plan one ragged wrapper per MHA call of this batch: the causal one, then one per prefix chunk."""
         chunked = batch.attn_method is AttnForwardMethod.MHA_CHUNKED_KV
         calls = [(batch.extend_lens_cpu if chunked else batch.seq_lens_cpu, True,
                   "the new tokens (MHA_CHUNKED_KV: extend_lens)" if chunked else "whole sequences (seq_lens)")]
         calls += [(chunk.lens_cpu, False, f"prefix chunk {i}") for i, chunk in enumerate(batch.prefix_chunks)]
         qo_indptr = exclusive_cumsum(batch.extend_lens_cpu)
-        self._mha_calls = [
+        planned = tuple(
             _RaggedCall(self._plan_ragged(i, qo_indptr, kv_lens, causal), kv_lens, what)
             for i, (kv_lens, causal, what) in enumerate(calls)
-        ]
+        )
         if batch.prefix_chunks:
             self._flashinfer.cascade.get_cascade_module()  # merge_state's JIT build here, not in a forward
+        return planned
 
     def _plan_ragged(self, index: int, qo_indptr: torch.Tensor, kv_lens: list[int], causal: bool) -> Any:
         if index == len(self._ragged):
@@ -437,12 +422,13 @@ class FlashInferMLAAttention(AttentionBackend):
         """q_nope [T, H, 512], q_rope [T, H, 64] in the pool's dtype (any strides with a unit last one)
         -> [T, H, 512] in that dtype, with q_nope's strides."""
         self.check_mla_inputs(q_nope, q_rope)
-        if self._planned_mla is None:
+        wrapper = self.plan_state.mla
+        if wrapper is None:
             if self.batch.num_tokens == 0:
                 return q_nope.new_empty(q_nope.shape)
             raise ValueError(f"forward_mla called on a {self.batch.mode.name} batch planned for MHA "
                              f"(attn_method {self.batch.attn_method})")
-        return self._planned_mla.run(query=(_unit_stride(q_nope), _unit_stride(q_rope)),
+        return wrapper.run(query=(_unit_stride(q_nope), _unit_stride(q_rope)),
                                      kv_cache=self._views[layer_id])
 
     def forward_mha(
@@ -458,9 +444,10 @@ class FlashInferMLAAttention(AttentionBackend):
         if prefix_chunk is not None and not 0 <= prefix_chunk < len(batch.prefix_chunks):
             raise ValueError(f"prefix_chunk {prefix_chunk} out of range: the batch has "
                              f"{len(batch.prefix_chunks)} prefix chunks")
-        if index >= len(self._mha_calls):
+        calls = self.plan_state.mha_calls
+        if index >= len(calls):
             raise ValueError(f"forward_mha called on a {batch.mode.name} batch planned without MHA")
-        call, spec = self._mha_calls[index], self.spec
+        call, spec = calls[index], self.spec
         heads, qk, vo = spec.num_heads, spec.qk_head_dim, spec.v_head_dim
         if q.shape != (batch.num_tokens, heads, qk):
             raise ValueError(f"forward_mha: q must be [T={batch.num_tokens}, H={heads}, {qk}], got {tuple(q.shape)}")

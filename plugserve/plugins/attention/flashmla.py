@@ -31,6 +31,7 @@ The package `flash_mla` has no working wheel on PyPI: build deepseek-ai/FlashMLA
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, ClassVar
 
@@ -114,6 +115,22 @@ def stream_capturing(device: torch.device) -> bool:
 # The backend
 
 
+@dataclass
+class FlashMLAPlan:
+    """One forward's query layout, shared by all layers: s_q (the most new tokens of a request), rows (the padded
+    query's gather positions, None when every request adds s_q tokens), block_table [B, max_pages] and seq_lens [B]
+    int32. The scheduler's (metadata, num_splits) are filled by the forward's first forward_mla
+    (`_scheduler_metadata`), metadata_in_graph saying whether that call was being captured in a CUDA graph."""
+
+    s_q: int
+    rows: torch.Tensor | None
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    metadata: Any = None
+    num_splits: Any = None
+    metadata_in_graph: bool = False
+
+
 class FlashMLAAttention(AttentionBackend):
     """Absorbed-MLA decode with FlashMLA: bf16 (activations and cache), kv_lora_rank 512, rope 64 (DeepSeek
     V2/V3), any head count, pages of 64 tokens, Hopper (sm90a) only. DECODE, TARGET_VERIFY, DRAFT_EXTEND and
@@ -144,9 +161,7 @@ class FlashMLAAttention(AttentionBackend):
     def __init__(self, spec: AttentionSpec, device: torch.device) -> None:
         super().__init__(spec, device)
         self._flash_mla: ModuleType = importlib.import_module(PACKAGE)
-        self._metadata: Any = None  # this forward's scheduler metadata (None: the next forward_mla makes it)
-        self._num_splits: Any = None
-        self._metadata_in_graph = False  # made while a CUDA graph was being captured
+        self.plan_state: FlashMLAPlan | None = None
 
     @classmethod
     def availability(cls, hardware: Hardware) -> Availability:
@@ -162,12 +177,13 @@ class FlashMLAAttention(AttentionBackend):
         if page_size != PAGE_SIZE:
             raise ValueError(f"flashmla reads pages of {PAGE_SIZE} tokens, the KV pool has pages of {page_size}")
         q_lens = batch.extend_lens_cpu
-        self._s_q = max(q_lens, default=0)
-        uniform = all(n == self._s_q for n in q_lens)
-        self._rows = None if uniform else padded_query_rows(batch.extend_lens, batch.num_tokens, self._s_q)
-        self._block_table = batch.block_table.to(torch.int32).contiguous()  # a no-op for ForwardBatch's own
-        self._seq_lens = batch.seq_lens.to(torch.int32).contiguous()
-        self._metadata = self._num_splits = None
+        s_q = max(q_lens, default=0)
+        uniform = all(n == s_q for n in q_lens)
+        self.plan_state = FlashMLAPlan(
+            s_q, None if uniform else padded_query_rows(batch.extend_lens, batch.num_tokens, s_q),
+            batch.block_table.to(torch.int32).contiguous(),  # a no-op for ForwardBatch's own
+            batch.seq_lens.to(torch.int32).contiguous(),
+        )
 
     def init_cuda_graph(self, max_batch_size: int, max_num_tokens: int, max_pages: int) -> None:
         """Nothing to allocate: FlashMLA reads the runner's static block table and seq_lens as they are, and
@@ -186,35 +202,36 @@ class FlashMLAAttention(AttentionBackend):
         in the graph's memory pool, and every replay writes them before reading them.)"""
         self.plan(batch)
 
-    def _scheduler_metadata(self) -> tuple[Any, Any]:
+    def _scheduler_metadata(self, plan: FlashMLAPlan) -> tuple[Any, Any]:
         """This forward's (metadata, num_splits), made by its first call. A call being captured in a CUDA graph
         takes a fresh one when the current one was made outside the capture (by warm-up runs): filled
         outside, it would not be refilled by the graph's replays."""
         capturing = stream_capturing(self.device)
-        if self._metadata is None or self._metadata_in_graph != capturing:
+        if plan.metadata is None or plan.metadata_in_graph != capturing:
             # 9241ae3 ignores the arguments and returns an empty (metadata, None) for the first call to fill;
             # older releases compute the metadata here from them: (seq_lens, s_q * heads per KV head, KV heads),
             # with a kernel, which a capture then holds just the same.
-            self._metadata, self._num_splits = self._flash_mla.get_mla_metadata(
-                self._seq_lens, self._s_q * self.spec.num_heads, 1
+            plan.metadata, plan.num_splits = self._flash_mla.get_mla_metadata(
+                plan.seq_lens, plan.s_q * self.spec.num_heads, 1
             )
-            self._metadata_in_graph = capturing
-        return self._metadata, self._num_splits
+            plan.metadata_in_graph = capturing
+        return plan.metadata, plan.num_splits
 
     def forward_mla(self, q_nope: torch.Tensor, q_rope: torch.Tensor, layer_id: int) -> torch.Tensor:
         """q_nope [T, H, 512], q_rope [T, H, 64] bf16 -> [T, H, 512] bf16 over each request's cached tokens."""
-        batch = self.batch
+        batch, plan = self.batch, self.plan_state
+        assert plan is not None, "forward_mla before plan"
         pool = batch.kv_pool
         self.check_mla_inputs(q_nope, q_rope)
-        if self._s_q == 0:  # no new tokens: FlashMLA cannot launch on an empty query
+        if plan.s_q == 0:  # no new tokens: FlashMLA cannot launch on an empty query
             return q_nope.new_empty(q_nope.shape)
-        q = flashmla_query(q_nope, q_rope, batch.batch_size, self._s_q, self._rows)
-        metadata, num_splits = self._scheduler_metadata()
+        q = flashmla_query(q_nope, q_rope, batch.batch_size, plan.s_q, plan.rows)
+        metadata, num_splits = self._scheduler_metadata(plan)
         out, _ = self._flash_mla.flash_mla_with_kvcache(
-            q, flashmla_kv_cache(pool.buffer(layer_id), PAGE_SIZE), self._block_table, self._seq_lens,
+            q, flashmla_kv_cache(pool.buffer(layer_id), PAGE_SIZE), plan.block_table, plan.seq_lens,
             pool.kv_lora_rank, metadata, num_splits, softmax_scale=self.spec.softmax_scale, causal=True,
         )
-        return flashmla_output(out, self._rows)
+        return flashmla_output(out, plan.rows)
 
 
 @hookimpl

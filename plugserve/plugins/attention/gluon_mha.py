@@ -1,4 +1,4 @@
-"""Ragged MHA (prefill, and the chunked prefix's pass) for Hopper in Gluon: `triton_kernels.mha_varlen` for
+"""Ragged MHA (prefill, and the chunked prefix's pass) for Hopper in Gluon: `mha_prefill.mha_varlen` for
 configs with `gluon` set (`mha_gluon_fits`), scheduled as FlashAttention-3's forward kernel is at head dim 192
 (no ping-pong between the consumers).
 
@@ -11,9 +11,7 @@ One program per (block of 128 queries, request, head), three warp-specialized pa
   probabilities from registers, waits for the scores only, releases K j, runs block j's softmax while PV j - 1
   is still on the tensor cores, then waits for it, releases V j - 1 and rescales the output.
 The consumers never wait for each other: each releases a slot on its own, and the producer refills it once both
-have. (The same schedule with both warpgroups in one 8-warp partition, so that each refill waited on a CTA
-barrier, reached only 0.57-0.65 of the limit on the H200, against 0.77-0.85 here: ncu put a fifth of its stall
-samples on that barrier.)
+have (one 8-warp partition waiting on a CTA barrier for each refill was slower: docs/kernels.md).
 
 Causal (bottom-right): blocks below a query block's first diagonal and kv_len skip every mask; the blocks across
 them are masked; the last query blocks, which see the most keys, start first. TMA boxes past a request's rows read
@@ -33,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from plugserve.plugins.attention.triton_kernels import _mha_softmax
+from plugserve.plugins.attention.common import mha_softmax
 from plugserve.plugins.gluon_support import release, tma_load
 
 BLOCK_M = gl.constexpr(128)  # queries a program: 64 for each of two consumer warpgroups
@@ -71,13 +69,13 @@ def _producer(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, q1, q2, k1, k2, v, q_r
 @gluon.jit
 def _softmax(scores, j, full_blocks, rows, kv_len, diagonal, m, denom, qk_scale, BLOCK_N: gl.constexpr,
              CAUSAL: gl.constexpr, s_layout: gl.constexpr):
-    """`triton_kernels._mha_softmax` of key block j's raw scores [64, BLOCK_N]: blocks from full_blocks on may hold
+    """`common.mha_softmax` of key block j's raw scores [64, BLOCK_N]: blocks from full_blocks on may hold
     keys past kv_len or (causal) past a row's diagonal, and take its masked path."""
     keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     if j >= full_blocks:
-        probs, m, denom, alpha = _mha_softmax(m, denom, scores, rows, keys, kv_len, diagonal, qk_scale, True, CAUSAL)
+        probs, m, denom, alpha = mha_softmax(m, denom, scores, rows, keys, kv_len, diagonal, qk_scale, True, CAUSAL)
     else:
-        probs, m, denom, alpha = _mha_softmax(m, denom, scores, rows, keys, kv_len, diagonal, qk_scale, False, CAUSAL)
+        probs, m, denom, alpha = mha_softmax(m, denom, scores, rows, keys, kv_len, diagonal, qk_scale, False, CAUSAL)
     return probs, m, denom, alpha
 
 
@@ -213,7 +211,7 @@ def _gluon_mha_kernel(
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
            cu_q: torch.Tensor, cu_kv: torch.Tensor, max_q_len: int, qk_scale: float, causal: bool,
            block_n: int) -> None:
-    """`triton_kernels.mha_varlen` for a Gluon config (`mha_gluon_fits` checked the shapes): q [T, H, D1 + D2],
+    """`mha_prefill.mha_varlen` for a Gluon config (`mha_gluon_fits` checked the shapes): q [T, H, D1 + D2],
     k [Tk, H, D1 + D2], v [Tk, H, DV] bf16 / fp16 with heads packed in their rows; out [T, H, DV], lse [T, H]."""
     element = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     d_qk, d_v = q.shape[2], v.shape[2]

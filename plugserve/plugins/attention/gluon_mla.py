@@ -1,10 +1,8 @@
 """Absorbed MLA decode for Hopper in Gluon, scheduled as FlashMLA's sm90 kernel is ("seesaw"): stage 1 of
-`triton_kernels.mla_attention` for configs with `gluon` set (`mla_gluon_fits`).
+`mla_decode.mla_attention` for configs with `gluon` set (`mla_gluon_fits`).
 
-Two warpgroups working in lockstep on one 64-key block (session 14's kernel) each scored 32 of its keys (a wgmma N
-of 32, which reads the whole query from shared memory for every 32 keys), the softmax's row max and sum crossed
-between them, and the tensor cores waited while both ran the softmax. Here the warpgroups are two warp-specialized
-partitions that take key blocks in turns, as FlashMLA does (its docs/20250422-new-kernel-deep-dive.md):
+The two warpgroups are warp-specialized partitions that take key blocks in turns, as FlashMLA does (its
+docs/20250422-new-kernel-deep-dive.md), so that the tensor cores never wait while both run a softmax:
 warpgroup 0 scores block b and warpgroup 1 block b + 1, each a [64, 64] x 576 wgmma (N = 64), and each holds half
 of the [64, 512] output (the latent's low / high 256 columns, 128 float32 registers a thread). Per pair of blocks:
 
@@ -27,9 +25,8 @@ the second probability buffer fits), two 64-key stages (147 KB) and the two [64,
 the pool times a zero probability must not be NaN).
 
 Every shared buffer a loop reads is indexed by `_opaque_zero` (plus 0 or 1): with constant indices the compiler
-hoists the loop's ~80 wgmma descriptors (two registers each) out of it and spills them, and every wgmma then
-waits for a local-memory load (ncu, H200: 50 % of stall samples on the long scoreboard, 0.59 of the limit at
-batch 128 x 8192 keys; 0.84 without the spills).
+hoists the loop's wgmma descriptors (two registers each) out of it and spills them, and every wgmma then waits for
+a local-memory load (docs/kernels.md has the profile).
 """
 
 from __future__ import annotations
@@ -45,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from plugserve.plugins.attention.triton_kernels import _mla_program
+from plugserve.plugins.attention.common import mla_program
 from plugserve.plugins.gluon_support import tma_load
 
 BLOCK_H = gl.constexpr(64)  # heads a program: one warpgroup's wgmma M
@@ -314,7 +311,7 @@ def _gluon_mla_kernel(
     out_ptr / lse_ptr are float32 partials and base-2 log-sum-exps (unit stride over splits), else out_ptr is the
     output. qk_scale: the softmax scale times log2(e). num_warps 4: warpgroup 0; warpgroup 1 is the worker."""
     gl.static_assert(num_warps == 4, "warpgroup 0 runs the kernel's warps, warpgroup 1 a worker partition")
-    head_block, split, t, req, kv_len, first, last = _mla_program(
+    head_block, split, t, req, kv_len, first, last = mla_program(
         num_heads, num_splits, min_split_blocks, token_req_ptr, token_kv_len_ptr, BLOCK_H, BLOCK_N)
     full = gl.minimum(last, kv_len // BLOCK_N)
     row_layout: gl.constexpr = gl.SliceLayout(1, IO_LAYOUT)
@@ -380,7 +377,7 @@ def launch(grid: tuple[int], q_nope: torch.Tensor, q_rope: torch.Tensor, kv_buff
            block_table: torch.Tensor, token_req: torch.Tensor, token_kv_len: torch.Tensor, part_out: torch.Tensor,
            part_lse: torch.Tensor, o_strides: tuple[int, int, int], lse_strides: tuple[int, int], num_splits: int,
            min_split_blocks: int, qk_scale: float, page_size: int) -> None:
-    """Stage 1 of `triton_kernels.mla_attention` for a Gluon config (`mla_gluon_fits` checked the shapes):
+    """Stage 1 of `mla_decode.mla_attention` for a Gluon config (`mla_gluon_fits` checked the shapes):
     q_nope [T, H, 512], q_rope [T, H, 64] bf16 / fp16, last dims contiguous; the pool kv_buffer [num_slots, 576];
     part_out / part_lse and their strides as `_mla_kernel` takes them."""
     element = gl.bfloat16 if q_nope.dtype == torch.bfloat16 else gl.float16

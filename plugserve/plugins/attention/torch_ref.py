@@ -17,6 +17,7 @@ that sees no key gets out = 0 and lse = -inf, as `AttentionBackend` specifies.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -194,6 +195,13 @@ def merge_attn_states(
 # The backend
 
 
+@dataclass(frozen=True)
+class TorchRefPlan:
+    """kv_slots [sum(seq_lens)] int64: the pool slots of every request's cached keys, request-major."""
+
+    kv_slots: torch.Tensor
+
+
 class TorchRefAttention(AttentionBackend):
     """Reference MLA attention: every method and forward mode, any head dims and page size, CPU or CUDA.
 
@@ -207,11 +215,12 @@ class TorchRefAttention(AttentionBackend):
         tree_verify=True,
     )
     priority: ClassVar[dict[str, int]] = {"default": 0, "cpu": 10}
+    plan_state: TorchRefPlan
 
     def plan(self, batch: ForwardBatch) -> None:
         """Keep the batch and the slots of every request's cached keys, which all layers share."""
         super().plan(batch)
-        self._kv_slots = sequence_slots(batch.block_table, batch.seq_lens_cpu, batch.kv_pool.page_size)
+        self.plan_state = TorchRefPlan(sequence_slots(batch.block_table, batch.seq_lens_cpu, batch.kv_pool.page_size))
 
     def forward_mla(self, q_nope: torch.Tensor, q_rope: torch.Tensor, layer_id: int) -> torch.Tensor:
         """q_nope [T, H, R], q_rope [T, H, P] -> [T, H, R] in q_nope's dtype, attending causally to
@@ -220,7 +229,7 @@ class TorchRefAttention(AttentionBackend):
         batch = self.batch
         pool = batch.kv_pool
         self.check_mla_inputs(q_nope, q_rope)
-        rows = pool.gather(layer_id, self._kv_slots)  # [sum(seq_lens), R + P]
+        rows = pool.gather(layer_id, self.plan_state.kv_slots)  # [sum(seq_lens), R + P]
         latent, k_rope = rows[:, : pool.kv_lora_rank], rows[:, pool.kv_lora_rank :]
         out, _ = mla_attention_reference(
             q_nope, q_rope, latent, k_rope, batch.extend_lens_cpu, batch.seq_lens_cpu, self.spec.softmax_scale,

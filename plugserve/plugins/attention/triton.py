@@ -9,7 +9,8 @@
 set_kv is the base class's (the pool write as it is): absorbed MLA then writes the pool in the model's
 fused norm + rope + cache kernel (`core/layers/triton_small_ops.py`), one launch per layer for all three.
 
-The kernels live in `triton_kernels`, imported when the first backend is built, never at module
+The kernels live in `mla_decode`, `mha_prefill` and `merge` (with the Gluon twins `gluon_mla` and `gluon_mha`,
+which they launch on sm90 where the shapes fit), imported when the first backend is built, never at module
 import: this module must import without triton, and `triton.jit` reads TRITON_INTERPRET when the
 kernels are defined. On the CPU the kernels run only in Triton's interpreter (TRITON_INTERPRET=1),
 which is slow and meant for tests; the torch reference keeps the higher priority there.
@@ -17,6 +18,7 @@ which is slow and meant for tests; the torch reference keeps the higher priority
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, ClassVar
 
@@ -29,7 +31,7 @@ from plugserve.plugins.triton_support import triton_availability
 from plugserve.registry import hookimpl
 
 if TYPE_CHECKING:
-    from plugserve.plugins.attention.triton_kernels import MlaConfig
+    from plugserve.plugins.attention.mla_decode import MlaConfig
 
 
 def _tokens_per_request(batch: ForwardBatch) -> int:
@@ -55,13 +57,32 @@ MAX_TREE_NODES = 64
 FUSED_V_PROJ_MAX_TOKENS = 8
 
 
+@dataclass(frozen=True)
+class TritonPlan:
+    """What `plan` / `plan_replay` derive from a batch for every layer of its forward.
+
+    MLA: token_req [T] int32 (each token's block-table row), token_kv_len [T] int32 (keys the token sees), tree
+    (a draft-tree batch's (tree_start [T] int32, tree_bits [T] int64), else None), num_splits (KV splits) and
+    workspace (the split partials' buffers; None: forward_mla allocates them). MHA (eager plans only): max_q_len,
+    and the causal call's key lengths and cu_causal_kv [B+1] int32."""
+
+    token_req: torch.Tensor
+    token_kv_len: torch.Tensor
+    tree: tuple[torch.Tensor, torch.Tensor] | None
+    num_splits: int
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+    max_q_len: int = 0
+    causal_kv_lens: list[int] | None = None
+    cu_causal_kv: torch.Tensor | None = None
+
+
 class TritonAttention(AttentionBackend):
     """MLA attention in Triton kernels: CUDA, or the CPU under TRITON_INTERPRET=1 (tests only).
 
     Activations fp16 / bf16 / fp32, the KV cache in the activation dtype, any head count, head dims
     and page size. Accumulation is float32; fp32 dots are exact (no TF32), and slow: fp32 is for accuracy checks.
     forward_mla's launch parameters and KV split count are chosen on the host from the shape only
-    (`triton_kernels.mla_config`, `mla_num_splits`). Under CUDA graphs the split count of each captured
+    (`mla_decode.mla_config`, `mla_num_splits`). Under CUDA graphs the split count of each captured
     size is fixed for the longest sequence a graph serves (splits past a shorter sequence's end are empty
     and cost one early exit), and the splits' partials go to one workspace allocated by init_cuda_graph."""
 
@@ -78,15 +99,16 @@ class TritonAttention(AttentionBackend):
 
     def __init__(self, spec: AttentionSpec, device: torch.device) -> None:
         super().__init__(spec, device)
-        from plugserve.plugins.attention import triton_kernels  # lazily: see the module docstring
+        from plugserve.plugins.attention import merge, mha_prefill, mla_decode  # lazily: see the module docstring
 
-        self._kernels: ModuleType = triton_kernels
+        self._mla_decode: ModuleType = mla_decode
+        self._mha_prefill: ModuleType = mha_prefill
+        self._merge: ModuleType = merge
         hardware = Hardware.detect(device)
         self._multiprocessors = hardware.multiprocessors
         self._capability = hardware.capability
         self._mla_config = self._mla_config_for(spec.page_size or 1)
-        self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None  # forward_mla's split partials
-        self._tree: tuple[torch.Tensor, torch.Tensor] | None = None  # a draft-tree batch's (tree_start, tree_bits)
+        self.plan_state: TritonPlan | None = None
         # Under graphs every request has the same new tokens (w), so token i's request is i // w: token_req
         # [max_num_tokens] int32 by w, made once by plan_capture, read by every replay with nothing to compute.
         self._graph_token_req: dict[int, torch.Tensor] = {}
@@ -101,6 +123,22 @@ class TritonAttention(AttentionBackend):
         available = super().availability(hardware)
         return triton_availability(hardware) if available else available
 
+    @classmethod
+    def kernels(cls, hardware: Hardware) -> str:
+        """Triton kernels everywhere, but on GPUs where `common.gluon_runs_on` (sm90) MLA decode and MHA prefill run
+        their Gluon twins for the shapes `mla_gluon_fits` / `mha_gluon_fits` take."""
+        if not cls.availability(hardware):
+            return ""
+        if hardware.capability is None:
+            return "MLA decode, MHA prefill, merge: Triton (interpreter)"
+        from plugserve.plugins.attention.common import gluon_runs_on  # lazily: see the module docstring
+
+        if not gluon_runs_on(hardware.capability):
+            return f"MLA decode, MHA prefill, merge: Triton (no Gluon kernel for {hardware.arch})"
+        return ("MLA decode: Gluon (gluon_mla) for 64-head blocks of latent 512 + rope 64 in bf16 / fp16 on pages of "
+                "a multiple of 64 keys, else Triton; MHA prefill: Gluon (gluon_mha) for bf16 / fp16 heads of qk "
+                "2^a + 2^b (192) and v <= 128, else Triton; merge: Triton")
+
     def plan(self, batch: ForwardBatch) -> None:
         """Per-token rows for forward_mla and the varlen offsets for forward_mha, shared by all layers.
 
@@ -111,21 +149,22 @@ class TritonAttention(AttentionBackend):
         super().plan(batch)
         device = batch.block_table.device
         num_tokens = batch.num_tokens
-        self._token_req = torch.repeat_interleave(
+        token_req = torch.repeat_interleave(
             torch.arange(batch.batch_size, dtype=torch.int32, device=device), batch.extend_lens,
             output_size=num_tokens,
         )
         if batch.tree is None:
-            self._token_kv_len, self._tree = (batch.positions + 1).to(torch.int32), None
+            token_kv_len, tree = (batch.positions + 1).to(torch.int32), None
         else:
-            self._token_kv_len, self._tree = self._tree_rows(batch)
-        self._num_splits = self._mla_splits(num_tokens, max(batch.seq_lens_cpu, default=0))
-        self._workspace = None  # forward_mla allocates its partials
-        self._max_q_len = max(batch.extend_lens_cpu, default=0)
+            token_kv_len, tree = self._tree_rows(batch)
+        num_splits = self._mla_splits(num_tokens, max(batch.seq_lens_cpu, default=0))
         if batch.attn_method is AttnForwardMethod.MHA_CHUNKED_KV:
-            self._causal_kv_lens, self._cu_causal_kv = batch.extend_lens_cpu, batch.cu_extend_lens
+            causal_kv_lens, cu_causal_kv = batch.extend_lens_cpu, batch.cu_extend_lens
         else:
-            self._causal_kv_lens, self._cu_causal_kv = batch.seq_lens_cpu, _cumsum_with_zero(batch.seq_lens)
+            causal_kv_lens, cu_causal_kv = batch.seq_lens_cpu, _cumsum_with_zero(batch.seq_lens)
+        # workspace None: forward_mla allocates its partials.
+        self.plan_state = TritonPlan(token_req, token_kv_len, tree, num_splits, None,
+                                     max(batch.extend_lens_cpu, default=0), causal_kv_lens, cu_causal_kv)
 
     @staticmethod
     def _tree_rows(batch: ForwardBatch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
@@ -147,14 +186,14 @@ class TritonAttention(AttentionBackend):
 
     def _mla_config_for(self, page_size: int) -> MlaConfig:
         spec = self.spec
-        return self._kernels.mla_config(spec.num_heads, spec.kv_cache_dtype or spec.dtype, self._capability, page_size,
-                                        spec.kv_lora_rank, spec.qk_rope_head_dim)
+        return self._mla_decode.mla_config(spec.num_heads, spec.kv_cache_dtype or spec.dtype, self._capability,
+                                           page_size, spec.kv_lora_rank, spec.qk_rope_head_dim)
 
     def _mla_splits(self, num_tokens: int, max_kv_len: int) -> int:
         """KV splits for num_tokens query rows times the config's head blocks (host-side, no sync)."""
         head_blocks = -(-self.spec.num_heads // self._mla_config.block_h)
-        return self._kernels.mla_num_splits(num_tokens * head_blocks, max_kv_len, self._multiprocessors,
-                                            self._kernels.mla_min_split_keys(self.spec.num_heads))
+        return self._mla_decode.mla_num_splits(num_tokens * head_blocks, max_kv_len, self._multiprocessors,
+                                               self._mla_decode.mla_min_split_keys(self.spec.num_heads))
 
     def init_cuda_graph(self, max_batch_size: int, max_num_tokens: int, max_pages: int) -> None:
         """Fixed token_kv_len [max_num_tokens] int32; splits sized for max_pages full pages, and one workspace
@@ -163,7 +202,8 @@ class TritonAttention(AttentionBackend):
         self._graph_token_req, self._graph_max_tokens = {}, max_num_tokens
         self._graph_token_kv_len = torch.ones(max_num_tokens, dtype=torch.int32, device=self.device)
         self._graph_max_kv_len = max_pages * (self.spec.page_size or 1)
-        rows = max(self._kernels.mla_workspace_size(t, self.spec.num_heads, self._mla_splits(t, self._graph_max_kv_len))
+        size = self._mla_decode.mla_workspace_size
+        rows = max(size(t, self.spec.num_heads, self._mla_splits(t, self._graph_max_kv_len))
                    for t in range(1, max_num_tokens + 1))
         self._graph_workspace = (
             torch.empty(rows * self.spec.kv_lora_rank, dtype=torch.float32, device=self.device),
@@ -186,13 +226,16 @@ class TritonAttention(AttentionBackend):
         if batch.tree is not None:
             raise ValueError("triton attention: a draft tree's mask changes every round; trees run without CUDA graphs")
         self.batch = batch
-        self._tree = None
         num_tokens = batch.num_tokens
-        self._token_req = self._graph_token_req[_tokens_per_request(batch)][:num_tokens]
-        self._token_kv_len = self._graph_token_kv_len[:num_tokens]  # type: ignore[index]
-        self._num_splits = self._graph_splits[num_tokens]
-        self._workspace = self._graph_workspace
-        self._token_kv_len.copy_(batch.positions + 1)
+        token_kv_len = self._graph_token_kv_len[:num_tokens]  # type: ignore[index]
+        self.plan_state = TritonPlan(self._graph_token_req[_tokens_per_request(batch)][:num_tokens], token_kv_len,
+                                     None, self._graph_splits[num_tokens], self._graph_workspace)
+        token_kv_len.copy_(batch.positions + 1)
+
+    def _plan(self) -> TritonPlan:
+        if self.plan_state is None:
+            raise RuntimeError("triton attention: forward before plan")
+        return self.plan_state
 
     def forward_mla(self, q_nope: torch.Tensor, q_rope: torch.Tensor, layer_id: int) -> torch.Tensor:
         """q_nope [T, H, R], q_rope [T, H, P] of the pool's dtype -> [T, H, R] in that dtype."""
@@ -208,17 +251,16 @@ class TritonAttention(AttentionBackend):
 
     def _mla(self, q_nope: torch.Tensor, q_rope: torch.Tensor, layer_id: int, w_vc: torch.Tensor | None
              ) -> torch.Tensor:
-        """`triton_kernels.mla_attention` over the planned batch (with W_UV [H, R, v] folded in when given)."""
-        batch = self.batch
+        """`mla_decode.mla_attention` over the planned batch (with W_UV [H, R, v] folded in when given)."""
+        batch, plan = self.batch, self._plan()
         pool = batch.kv_pool
         self.check_mla_inputs(q_nope, q_rope)
         # The spec's page size is the pool's when the model runner builds both; a pool of other pages (the kit's)
         # may not hold the config's TMA boxes.
         config = self._mla_config if pool.page_size == self.spec.page_size else self._mla_config_for(pool.page_size)
-        return self._kernels.mla_attention(
-            q_nope, q_rope, pool.buffer(layer_id), batch.block_table, self._token_req, self._token_kv_len,
-            pool.page_size, self.spec.softmax_scale, config, self._num_splits, self._workspace,
-            self._tree, w_vc,
+        return self._mla_decode.mla_attention(
+            q_nope, q_rope, pool.buffer(layer_id), batch.block_table, plan.token_req, plan.token_kv_len,
+            pool.page_size, self.spec.softmax_scale, config, plan.num_splits, plan.workspace, plan.tree, w_vc,
         )
 
     def forward_mha(
@@ -227,7 +269,7 @@ class TritonAttention(AttentionBackend):
         """Ragged MHA: q [T, H, Dqk]; k [Tk, H, Dqk], v [Tk, H, Dv] of q's dtype -> out [T, H, Dv] in
         q's dtype, lse [T, H] float32. Tk is sum(seq_lens) (MHA), sum(extend_lens) (MHA_CHUNKED_KV,
         causal part) or the chunk's total (prefix_chunk i, non-causal)."""
-        batch = self.batch
+        batch, plan = self.batch, self._plan()
         if prefix_chunk is not None:
             if not 0 <= prefix_chunk < len(batch.prefix_chunks):
                 raise ValueError(f"prefix_chunk {prefix_chunk} out of range: the batch has "
@@ -237,7 +279,9 @@ class TritonAttention(AttentionBackend):
         elif batch.attn_method is AttnForwardMethod.MLA:
             raise ValueError("forward_mha called on a batch planned for absorbed MLA (batch.attn_method is MLA)")
         else:
-            kv_lens, cu_kv, causal = self._causal_kv_lens, self._cu_causal_kv, True
+            if plan.causal_kv_lens is None or plan.cu_causal_kv is None:
+                raise ValueError("forward_mha called on a batch planned for CUDA graphs (absorbed MLA only)")
+            kv_lens, cu_kv, causal = plan.causal_kv_lens, plan.cu_causal_kv, True
         heads = self.spec.num_heads
         if q.shape[:2] != (batch.num_tokens, heads):
             raise ValueError(f"forward_mha: q must be [T={batch.num_tokens}, H={heads}, Dqk], got {tuple(q.shape)}")
@@ -245,8 +289,8 @@ class TritonAttention(AttentionBackend):
         if k.shape[:2] != (total, heads) or v.shape[:2] != (total, heads) or k.shape[2] != q.shape[2]:
             raise ValueError(f"forward_mha: k must be [{total}, {heads}, {q.shape[2]}] and v [{total}, {heads}, Dv] "
                              f"(key lengths {kv_lens}), got k {tuple(k.shape)} and v {tuple(v.shape)}")
-        return self._kernels.mha_varlen(
-            q, k, v, batch.cu_extend_lens, cu_kv, self._max_q_len, self.spec.softmax_scale, causal
+        return self._mha_prefill.mha_varlen(
+            q, k, v, batch.cu_extend_lens, cu_kv, plan.max_q_len, self.spec.softmax_scale, causal
         )
 
     def merge_attn_states(
@@ -256,7 +300,7 @@ class TritonAttention(AttentionBackend):
         if out_a.shape != out_b.shape or lse_a.shape != lse_b.shape or lse_a.shape != out_a.shape[:2]:
             raise ValueError(f"cannot merge out {tuple(out_a.shape)} / lse {tuple(lse_a.shape)} with out "
                              f"{tuple(out_b.shape)} / lse {tuple(lse_b.shape)}")
-        return self._kernels.merge_attn_states(out_a, lse_a, out_b, lse_b)
+        return self._merge.merge_attn_states(out_a, lse_a, out_b, lse_b)
 
 
 @hookimpl

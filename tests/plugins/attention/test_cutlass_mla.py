@@ -267,7 +267,7 @@ def test_cuda_graph_capture_and_replay(fake_flashinfer, mode: ForwardMode, per_r
     for size in (max_bs, 2):  # largest first, as the runner captures
         static = inputs.batch(mode, size)
         backend.plan_capture(static)
-        wrapper = backend._planned
+        wrapper = backend.plan_state.wrapper
         assert wrapper.plans == 1 and wrapper.workspace is backend._graph_workspace
         assert wrapper.table.shape == (size * per_request, max_pages)  # the full width: a split fixed at capture
         forward(static, static)
@@ -278,11 +278,11 @@ def test_cuda_graph_capture_and_replay(fake_flashinfer, mode: ForwardMode, per_r
         static = inputs.load(torch.zeros(real.num_tokens, dtype=torch.int64), real, size)
         backend.plan_replay(static)
         wrapper, addresses = captured[size]
-        assert backend._planned is wrapper and wrapper.plans == 1  # no plan (it syncs) in a replay
+        assert backend.plan_state.wrapper is wrapper and wrapper.plans == 1  # no plan (it syncs) in a replay
         n = real.num_tokens
-        assert backend._kv_lens.tolist() == (static.positions + 1).tolist()
-        assert torch.all(backend._page_table[n:] == padding_page)  # padding rows read the padding page only
-        assert backend._page_table[:n, : real.block_table.shape[1]].tolist() == (
+        assert backend.plan_state.kv_lens.tolist() == (static.positions + 1).tolist()
+        assert torch.all(backend.plan_state.page_table[n:] == padding_page)  # padding rows read the padding page only
+        assert backend.plan_state.page_table[:n, : real.block_table.shape[1]].tolist() == (
             real.block_table.repeat_interleave(per_request, dim=0).tolist())
         out, expected = forward(static, real)
         assert wrapper.runs[-1] == addresses  # what the captured kernel reads, at the captured addresses
@@ -290,4 +290,4 @@ def test_cuda_graph_capture_and_replay(fake_flashinfer, mode: ForwardMode, per_r
 
     eager = random_batch(ForwardMode.DECODE, [70, 9], [1, 1], spec, CPU)
     backend.plan(eager)  # eager forwards keep their own wrapper and workspace
-    assert backend._planned is backend._wrapper and backend._wrapper.workspace is not backend._graph_workspace
+    assert backend.plan_state.wrapper is backend._wrapper and backend._wrapper.workspace is not backend._graph_workspace

@@ -592,7 +592,7 @@ def test_cuda_graph_capture_and_replay(mode: ForwardMode, per_request: int) -> N
     wrappers = {}
     for size in (max_bs, 2):  # largest first, as the runner captures
         backend.plan_capture(inputs.batch(mode, size))
-        wrapper = wrappers[size] = backend._planned_mla
+        wrapper = wrappers[size] = backend.plan_state.mla
         assert wrapper is not backend._mla and wrapper.use_cuda_graph and wrapper.backend == "fa2"
         qo, kv, indices, lens = wrapper.buffers
         assert qo.shape == kv.shape == (size + 1,) and lens.shape == (size,) and indices is kv_indices
@@ -609,7 +609,7 @@ def test_cuda_graph_capture_and_replay(mode: ForwardMode, per_request: int) -> N
         waits = upload.synchronized if upload is not None else 0
         backend.plan_replay(static)
         # Straight through the compiled planner, after the previous upload out of its pinned buffer ran.
-        assert backend._planned_mla is wrapper and (wrapper.plans, planner.calls) == (plans, calls + 1)
+        assert backend.plan_state.mla is wrapper and (wrapper.plans, planner.calls) == (plans, calls + 1)
         assert upload is None or upload.synchronized == waits + 1
         assert backend._uploads[id(wrapper)] is not upload  # this re-plan's upload, awaited by the next
         # Real rows' pages, then one padding page per padding row (seq_len = per_request), in the fixed buffer.
@@ -627,7 +627,7 @@ def test_cuda_graph_capture_and_replay(mode: ForwardMode, per_request: int) -> N
 
     decode = random_batch(ForwardMode.DECODE, [40, 9], [1, 1], spec, CPU)
     backend.plan(decode)  # eager forwards keep their own wrapper
-    assert backend._planned_mla is backend._mla and not backend._mla.use_cuda_graph
+    assert backend.plan_state.mla is backend._mla and not backend._mla.use_cuda_graph
 
 
 @pytest.mark.usefixtures("fake_flashinfer")
@@ -641,7 +641,7 @@ def test_graph_replan_refuses_a_new_launch_layout_and_falls_back_without_the_com
     backend = FlashInferMLAAttention(_spec(page_size), CPU)
     backend.init_cuda_graph(size, size, max_pages)
     backend.plan_capture(inputs.batch(ForwardMode.DECODE, size))
-    wrapper = backend._planned_mla
+    wrapper = backend.plan_state.mla
     real = _real_batch(ForwardMode.DECODE, [30, 7], 1, pool)
     static = inputs.load(torch.zeros(2, dtype=torch.int64), real, size)
     wrapper._planned_backend._cached_module._module.layout = 1

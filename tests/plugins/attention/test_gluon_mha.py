@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from plugserve.conformance.tolerances import assert_close, assert_lse_close
-from plugserve.plugins.attention import triton_kernels as kernels
+from plugserve.plugins.attention import mha_prefill as kernels
 from plugserve.plugins.attention.torch_ref import ragged_attention
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from plugserve.conformance.tolerances import assert_close
-from plugserve.plugins.attention import triton_kernels as kernels
+from plugserve.plugins.attention import mla_decode as kernels
 from plugserve.plugins.attention.torch_ref import mla_attention_reference
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9

@@ -57,7 +57,17 @@ def test_kernels_in_the_interpreter() -> None:
 
 @pytest.fixture(scope="module")
 def kernels() -> ModuleType:
-    return importlib.import_module("plugserve.plugins.attention.triton_kernels")
+    return importlib.import_module("plugserve.plugins.attention.mla_decode")
+
+
+@pytest.fixture(scope="module")
+def mha() -> ModuleType:
+    return importlib.import_module("plugserve.plugins.attention.mha_prefill")
+
+
+@pytest.fixture(scope="module")
+def common() -> ModuleType:
+    return importlib.import_module("plugserve.plugins.attention.common")
 
 
 def spec_of(dtype: torch.dtype, page_size: int = 1, heads: int = HEADS) -> AttentionSpec:
@@ -70,6 +80,20 @@ def backends(spec: AttentionSpec, batch: ForwardBatch) -> tuple[TritonAttention,
     triton_backend.plan(batch)
     reference.plan(batch)
     return triton_backend, reference
+
+
+def test_kernels_say_where_gluon_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backend named triton runs the Gluon twins on sm90 only: its `kernels` line says so per GPU."""
+    h100 = Hardware("cuda", "NVIDIA H100 80GB HBM3", (9, 0), 80 * 2**30, 132)
+    a100 = Hardware("cuda", "NVIDIA A100", (8, 0), 80 * 2**30, 108)
+    b200 = Hardware("cuda", "NVIDIA B200", (10, 0), 180 * 2**30, 148)
+    on_hopper = TritonAttention.kernels(h100)
+    assert "MLA decode: Gluon (gluon_mla)" in on_hopper and "MHA prefill: Gluon (gluon_mha)" in on_hopper
+    assert "merge: Triton" in on_hopper
+    for gpu in (a100, b200):
+        assert "Gluon kernel" in TritonAttention.kernels(gpu) and "Gluon (" not in TritonAttention.kernels(gpu)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert TritonAttention.kernels(Hardware.detect(CPU)) == "MLA decode, MHA prefill, merge: Triton (interpreter)"
 
 
 def test_availability_on_the_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -139,10 +163,11 @@ def test_draft_forest_across_key_blocks_and_splits(kernels: ModuleType, dtype: t
     q_nope, q_rope, latent, k_rope = new_tokens(spec, batch)
     expected, _ = oracle.mla(batch, LAYER, q_nope, q_rope, latent, k_rope, oracle.softmax_scale(spec))
     backend.set_kv(LAYER, batch.out_cache_loc, latent, k_rope)
+    plan = backend.plan_state
     for splits in (1, 4):
         out = kernels.mla_attention(q_nope, q_rope, batch.kv_pool.buffer(LAYER), batch.block_table,
-                                    backend._token_req, backend._token_kv_len, 16, spec.softmax_scale,
-                                    kernels.MlaConfig(16, 16, 1, 1), splits, tree=backend._tree)
+                                    plan.token_req, plan.token_kv_len, 16, spec.softmax_scale,
+                                    kernels.MlaConfig(16, 16, 1, 1), splits, tree=plan.tree)
         assert_close(out, expected, dtype, f"forward_mla of a draft forest, {splits} KV splits")
 
 
@@ -170,12 +195,13 @@ def test_mla_launches_against_the_oracle(kernels: ModuleType, dtype: torch.dtype
     q_nope, q_rope, latent, k_rope = new_tokens(spec, batch)
     expected, _ = oracle.mla(batch, LAYER, q_nope, q_rope, latent, k_rope, oracle.softmax_scale(spec))
     backend.set_kv(LAYER, batch.out_cache_loc, latent, k_rope)
+    plan = backend.plan_state
     MlaConfig = kernels.MlaConfig
     configs = [MlaConfig(16, 16, 1, 1, tma=True), MlaConfig(32, 64, 1, 1, reload_q=True),
                MlaConfig(64, 16, 1, 1, tma=True, reload_q=True)]
     for config, splits in [(configs[0], 16), *itertools.product(configs, (1, 3))]:
         out = kernels.mla_attention(q_nope, q_rope, batch.kv_pool.buffer(LAYER), batch.block_table,
-                                    backend._token_req, backend._token_kv_len, 16, spec.softmax_scale, config, splits)
+                                    plan.token_req, plan.token_kv_len, 16, spec.softmax_scale, config, splits)
         assert_close(out, expected, dtype, f"forward_mla, {config}, {splits} KV splits")
 
 
@@ -202,9 +228,10 @@ def test_forward_mla_projected_folds_w_uv_into_the_reduce(kernels: ModuleType, d
         assert out.shape == (rows, HEADS, V) and out.dtype == dtype
         assert_close(out, expected, dtype, f"forward_mla_projected, {rows} tokens")
         if rows <= triton_backend.FUSED_V_PROJ_MAX_TOKENS:
+            plan = backend.plan_state
             for splits in (1, 3):
                 out = kernels.mla_attention(q_nope, q_rope, batch.kv_pool.buffer(LAYER), batch.block_table,
-                                            backend._token_req, backend._token_kv_len, 16, spec.softmax_scale,
+                                            plan.token_req, plan.token_kv_len, 16, spec.softmax_scale,
                                             kernels.MlaConfig(16, 16, 1, 1), splits, w_vc=w_vc)
                 assert_close(out, expected, dtype, f"mla_attention with W_UV, {splits} KV splits")
 
@@ -215,7 +242,7 @@ def test_mla_refuses_what_does_not_fit(kernels: ModuleType) -> None:
     backend, _ = backends(spec, batch)
     q_nope, q_rope, _, _ = new_tokens(spec, batch)
     call = functools.partial(kernels.mla_attention, q_nope, q_rope, batch.kv_pool.buffer(LAYER), batch.block_table,
-                             backend._token_req, backend._token_kv_len, 16, spec.softmax_scale)
+                             backend.plan_state.token_req, backend.plan_state.token_kv_len, 16, spec.softmax_scale)
     with pytest.raises(ValueError, match="cannot use TMA"):  # 64-key blocks span pages of 16
         call(kernels.MlaConfig(16, 64, 1, 1, tma=True), 1)
     with pytest.raises(ValueError, match="cannot run the Gluon kernel"):  # the CPU (and 16 heads, a small latent)
@@ -269,7 +296,7 @@ def test_graph_replays_write_partials_to_the_workspace(dtype: torch.dtype) -> No
     lse_workspace = backend._graph_workspace[1]
     lse_workspace.fill_(float("nan"))
     backend.plan_capture(batch)
-    splits = backend._num_splits
+    splits = backend.plan_state.num_splits
     assert splits == 16  # 2 programs cannot fill 132 SMs: as many splits as 1024 keys allow, 64 keys each
     q_nope, q_rope, latent, k_rope = new_tokens(spec, batch)
     expected, _ = oracle.mla(batch, LAYER, q_nope, q_rope, latent, k_rope, oracle.softmax_scale(spec))
@@ -277,13 +304,13 @@ def test_graph_replays_write_partials_to_the_workspace(dtype: torch.dtype) -> No
     assert_close(backend.forward_mla(q_nope, q_rope, LAYER), expected, dtype, "forward_mla from a graph plan")
     # Splits keep 64 keys (20 heads: `mla_min_split_keys`, one block of 64) however many there are: 300 keys
     # fill 5, 77 keys 2; the rest write only their -inf log-sum-exps.
-    lse = lse_workspace[: backend._kernels.mla_workspace_size(2, HEADS, splits)].view(2, HEADS, splits)
+    lse = lse_workspace[: backend._mla_decode.mla_workspace_size(2, HEADS, splits)].view(2, HEADS, splits)
     assert torch.equal(torch.isfinite(lse).sum(-1), torch.tensor([[5] * HEADS, [2] * HEADS]))
     assert not torch.isnan(lse).any()
 
 
 @interpreted
-def test_launch_falls_back_to_a_config_that_fits(kernels: ModuleType) -> None:
+def test_launch_falls_back_to_a_config_that_fits(common: ModuleType) -> None:
     from triton.runtime.errors import OutOfResources
 
     tried: list[int] = []
@@ -300,11 +327,11 @@ def test_launch_falls_back_to_a_config_that_fits(kernels: ModuleType) -> None:
             return launch
 
     configs = [{"BLOCK": 64}, {"BLOCK": 32}, {"BLOCK": 16}]
-    kernels._launch_first_fitting(SmallSharedMemoryKernel(), (1,), (), configs, ("test", 1))
-    kernels._launch_first_fitting(SmallSharedMemoryKernel(), (1,), (), configs, ("test", 1))
+    common.launch_first_fitting(SmallSharedMemoryKernel(), (1,), (), configs, ("test", 1))
+    common.launch_first_fitting(SmallSharedMemoryKernel(), (1,), (), configs, ("test", 1))
     assert tried == [64, 32, 16, 16]  # the second launch goes straight to the config that fit
     with pytest.raises(OutOfResources):
-        kernels._launch_first_fitting(SmallSharedMemoryKernel(), (1,), (), configs[:2], ("test", 2))
+        common.launch_first_fitting(SmallSharedMemoryKernel(), (1,), (), configs[:2], ("test", 2))
 
 
 MHA_CASES = {
@@ -361,14 +388,14 @@ def test_forward_mha(case: str, dims: tuple[int, int], dtype: torch.dtype) -> No
 
 @interpreted
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_mha_queries_without_keys(kernels: ModuleType, dtype: torch.dtype) -> None:
+def test_mha_queries_without_keys(mha: ModuleType, dtype: torch.dtype) -> None:
     # Causal with fewer keys than queries (first rows see nothing) and a request with no keys at all.
     q_lens, kv_lens = [5, 3], [2, 0]
     q = torch.randn(8, 2, 40, dtype=dtype)
     k, v = torch.randn(2, 2, 40, dtype=dtype), torch.randn(2, 2, 24, dtype=dtype)
     cu_q, cu_kv = torch.tensor([0, 5, 8], dtype=torch.int32), torch.tensor([0, 2, 2], dtype=torch.int32)
     for causal in (True, False):
-        out, lse = kernels.mha_varlen(q, k, v, cu_q, cu_kv, 5, 0.2, causal)
+        out, lse = mha.mha_varlen(q, k, v, cu_q, cu_kv, 5, 0.2, causal)
         ref_out, ref_lse = ragged_attention(q, k, v, q_lens, kv_lens, 0.2, causal)
         assert_close(out, ref_out, dtype, f"causal={causal} out")
         assert_lse_close(lse, ref_lse, dtype, f"causal={causal} lse")
@@ -378,7 +405,7 @@ def test_mha_queries_without_keys(kernels: ModuleType, dtype: torch.dtype) -> No
 @interpreted
 @pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_mha_blocks_without_and_with_masks(kernels: ModuleType, causal: bool, tma: bool) -> None:
+def test_mha_blocks_without_and_with_masks(mha: ModuleType, causal: bool, tma: bool) -> None:
     """16-key blocks over requests of 40 new tokens after a 24-token prefix, 7 after 0, and 21 after 9: unmasked
     blocks below each query block's first diagonal, masked ones across it and at kv_len, heaviest blocks first.
     TMA boxes read past a request's keys into the next one's and past a head's 40 columns into the next head's."""
@@ -390,8 +417,8 @@ def test_mha_blocks_without_and_with_masks(kernels: ModuleType, causal: bool, tm
     v = torch.randn(sum(kv_lens), 2, 24, generator=generator)
     cu_q = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
     cu_kv = torch.tensor([0, *itertools.accumulate(kv_lens)], dtype=torch.int32)
-    out, lse = kernels.mha_varlen(q, k, v, cu_q, cu_kv, max(q_lens), 0.2, causal,
-                                  kernels.MhaConfig(16, 16, 1, 1, tma=tma))
+    out, lse = mha.mha_varlen(q, k, v, cu_q, cu_kv, max(q_lens), 0.2, causal,
+                              mha.MhaConfig(16, 16, 1, 1, tma=tma))
     ref_out, ref_lse = ragged_attention(q, k, v, q_lens, kv_lens, 0.2, causal)
     assert_close(out, ref_out, torch.float32, "out")
     assert_lse_close(lse, ref_lse, torch.float32, "lse")
