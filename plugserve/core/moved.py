@@ -31,6 +31,16 @@ MOVED_NAMES: dict[str, dict[str, str]] = {
     "plugserve.runtime.scheduler": {"SchedulerGauges": "plugserve.runtime.metrics"},
     "plugserve.runtime.cuda_graph_runner": {name: "plugserve.core.graph_inputs"
                                             for name in ("GraphInputs", "capture_sizes", "padded_size")},
+    "plugserve.runtime.model_runner": {
+        "ChosenBackend": "plugserve.runtime.backends", "Bucket": "plugserve.runtime.backends",
+        "WARMUP_PREFILL_TOKENS": "plugserve.runtime.backends", "Part": "plugserve.runtime.rank_protocol",
+        "GraphPlan": "plugserve.runtime.cuda_graph_runner", "plan_in_graph": "plugserve.runtime.speculative",
+        "report_late_triton_compiles": "plugserve.runtime.metrics",
+        **{name: "plugserve.runtime.warmup"
+           for name in ("WARMUP_EXTEND_TOKENS", "CPU_WARMUP_TOKENS", "WARMUP_MIN_PREFILL_TOKENS")},
+    },
+    "plugserve.runtime.speculative": {name: "plugserve.runtime.acceptance"
+                                      for name in ("verify_drafts", "verify_tree")},
 }
 
 
