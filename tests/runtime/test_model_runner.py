@@ -122,9 +122,9 @@ def test_shared_experts_fuse_into_a_backend_that_can_and_give_the_same_logits():
     fused = ModelRunner(ServerArgs(model_preset="tiny", enable_shared_experts_fusion=True, **common))
     plain = ModelRunner(ServerArgs(model_preset="tiny", **common))
     assert fused.model.backends.moe.spec.num_shared_experts == fused.config.n_shared_experts > 0
-    assert fused.shared_experts_mode == "fused into the triton MoE backend's GEMMs"
+    assert fused.backends.shared_experts_mode == "fused into the triton MoE backend's GEMMs"
     assert plain.model.backends.moe.spec.num_shared_experts == 0
-    assert plain.shared_experts_mode == "own MLP on the main stream"
+    assert plain.backends.shared_experts_mode == "own MLP on the main stream"
     with pytest.raises(ValueError, match="--enable-shared-experts-fusion: the moe backend torch_ref does not fuse"):
         ModelRunner(ServerArgs(model_preset="tiny", enable_shared_experts_fusion=True, max_total_tokens=64))
     ids = torch.tensor([5, 17, 42, 7, 99])
