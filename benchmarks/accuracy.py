@@ -40,6 +40,7 @@ from plugserve.core.forward_batch import AttnForwardMethod, ForwardBatch, Forwar
 from plugserve.core.kv_cache import pages_needed
 from plugserve.core.tokenizer import EMBEDDED_MODEL_DIR, load_tokenizer
 from plugserve.registry import SelectionError, get_registry
+from plugserve.runtime import speculative
 from plugserve.runtime.engine import Engine
 from plugserve.runtime.model_runner import ModelRunner
 from plugserve.runtime.sampling import SamplingParams
@@ -156,7 +157,7 @@ def score_text(runner: ModelRunner, tokens: list[int], window: int, batch: int) 
             forward_batch = runner.prepare(ForwardBatch.build(ForwardMode.EXTEND, lens, lens, table, runner.pool))
             inputs = torch.tensor([t for c in chunks for t in c[:-1]], device=device)
             targets = torch.tensor([t for c in chunks for t in c[1:]], device=device)
-            attention = runner.attention_for(forward_batch)
+            attention = runner.backends.attention(forward_batch)
             attention.plan(forward_batch)
             hidden = model(inputs, forward_batch, attention)
             logits = model.compute_logits(hidden)[:, : runner.sample_vocab].double()
@@ -204,8 +205,8 @@ def measure(args: ServerArgs, tokens: list[int], prompts: list[list[int]], windo
             max_new_tokens: int, reference: list[list[int]] | None) -> tuple[Measured, str]:
     """One combination: the text, then the prompts fed `reference` (the reference's greedy continuations; its own
     when None), through a ModelRunner; then the prompts through an Engine (each loads the model)."""
-    runner = ModelRunner(args)
-    chosen = ", ".join(f"{c.kind} {c.phase}: {c.name}" for c in runner.chosen)
+    runner = speculative.build_runner(args)
+    chosen = ", ".join(f"{c.kind} {c.phase}: {c.name}" for c in runner.backends.chosen)
     nll, top1, nextn = score_text(runner, tokens, window, batch)
     greedy = greedy_continuations(args, prompts, max_new_tokens) if reference is None else None
     forced = forced_decode(runner, prompts, reference or greedy)

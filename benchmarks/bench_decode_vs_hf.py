@@ -262,8 +262,8 @@ def run_plugserve(namespace: argparse.Namespace, parser: argparse.ArgumentParser
     pool) before returning, so that transformers' model fits."""
     with bench_one_batch.build_runner(namespace, parser) as runner:
         report["plugserve"] = {
-            "backends": [dataclasses.asdict(c) for c in runner.chosen],
-            "graph_status": runner.graph_status,
+            "backends": [dataclasses.asdict(c) for c in runner.backends.chosen],
+            "graph_status": runner.graphs.status,
             "dtype": str(runner.dtype).removeprefix("torch."),
             "kv_dtype": str(runner.kv_dtype).removeprefix("torch."),
             "server_args": runner.args.model_dump(),  # after bench_one_batch's static-batch settings

@@ -35,6 +35,7 @@ import torch
 from plugserve.core.distributed import SINGLE
 from plugserve.core.tokenizer import EMBEDDED_MODEL_DIR, load_tokenizer
 from plugserve.plugins.attention.cutlass_mla import PAGE_SIZE as LARGEST_PAGE  # the largest a built-in backend asks
+from plugserve.runtime import speculative
 from plugserve.runtime.model_runner import ModelRunner
 from plugserve.runtime.radix_cache import RadixCache
 from plugserve.runtime.ranks import Ranks
@@ -42,6 +43,7 @@ from plugserve.runtime.request import Request
 from plugserve.runtime.sampling import SamplingParams
 from plugserve.runtime.scheduler import Scheduler
 from plugserve.runtime.server_args import ServerArgs
+from plugserve.runtime.warmup import warm_up
 from plugserve.server.launch import add_server_args, server_args_from
 
 
@@ -155,7 +157,7 @@ def rank_zero_runner(args: ServerArgs) -> Iterator[ModelRunner]:
     ranks = Ranks(args) if args.tp_size > 1 else None
     runner = None
     try:
-        runner = ModelRunner(args, ranks.group if ranks is not None else SINGLE)
+        runner = speculative.build_runner(args, ranks.group if ranks is not None else SINGLE)
         yield runner
     except BaseException:
         if ranks is not None:
@@ -189,11 +191,11 @@ def build_runner(namespace: argparse.Namespace, parser: argparse.ArgumentParser)
         parser.error(f"--node-rank {args.node_rank}: bench_one_batch is node 0 (rank 0); the other nodes run "
                      "`plugserve serve --node-rank n` with the same flags")
     with rank_zero_runner(args) as runner:
-        runner.warm_up()  # as the engine does before serving: JIT compiles and CUDA-graph capture
+        warm_up(runner)  # as the engine does before serving: JIT compiles and CUDA-graph capture
         print(f"max_total_num_tokens={runner.max_total_tokens}")
-        for c in runner.chosen:
+        for c in runner.backends.chosen:
             print(f"{c.kind} {c.phase}: {c.name} ({c.reason})")
-        print(f"cuda_graph: {runner.graph_status}")
+        print(f"cuda_graph: {runner.graphs.status}")
         print("Warmup ...")
         run_once(runner, max(namespace.batch_size), min(namespace.input_len), 4, args.seed, verbose=False)
         yield runner
@@ -225,8 +227,8 @@ def benchmark(runner: ModelRunner, namespace: argparse.Namespace) -> None:
                                   overlap=namespace.overlap, text_tokens=text_tokens)
                 if namespace.result_filename:
                     result |= {"run_name": namespace.run_name, "device": runner.hardware.name,
-                               "cuda_graph": runner.graph_status,
-                               "backends": {f"{c.kind}:{c.phase}": c.name for c in runner.chosen},
+                               "cuda_graph": runner.graphs.status,
+                               "backends": {f"{c.kind}:{c.phase}": c.name for c in runner.backends.chosen},
                                "server_args": runner.args.model_dump(mode="json")}
                     with open(namespace.result_filename, "a") as f:
                         f.write(json.dumps(result) + "\n")

@@ -70,7 +70,7 @@ def profile_steps(runner: ModelRunner, namespace: argparse.Namespace) -> None:
     gpu_total = sum(e.self_device_time_total for e in events) / namespace.steps / 1e3
     lines = [f"batch {batch_size}, input {input_len}: wall {wall * 1e3:.3f} ms/step, GPU kernels "
              f"{gpu_total:.3f} ms/step, {sum(e.count for e in events) / namespace.steps:.0f} kernels/step",
-             f"graph status: {runner.graph_status}", "",
+             f"graph status: {runner.graphs.status}", "",
              f"{'ms/step':>8} {'share':>6} {'calls/step':>10}  kernel"]
     for e in sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:40]:
         ms = e.self_device_time_total / namespace.steps / 1e3
@@ -130,7 +130,7 @@ def _phase_targets(scheduler: Scheduler) -> list[tuple[object, str]]:
         (speculative.SpeculativeWorker, "_verify_chains"), (speculative.SpeculativeWorker, "_draft_extend"),
         (speculative.SpeculativeWorker, "_logits"), (speculative, "verify_drafts"), (speculative, "_draft_tokens"),
     ]
-    backends = {type(b.backend) for b in scheduler.runner.decode_buckets}
+    backends = {type(b.backend) for b in scheduler.runner.backends.decode_buckets}
     return targets + [(backend, "plan_replay") for backend in backends if "plan_replay" in backend.__dict__]
 
 

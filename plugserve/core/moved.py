@@ -43,6 +43,16 @@ MOVED_NAMES: dict[str, dict[str, str]] = {
            for name in ("MhaConfig", "GLUON_MHA", "mha_gluon_fits", "mha_configs", "mha_varlen")},
         "merge_attn_states": "plugserve.plugins.attention.merge",
     },
+    "plugserve.runtime.model_runner": {
+        "ChosenBackend": "plugserve.runtime.backends", "Bucket": "plugserve.runtime.backends",
+        "WARMUP_PREFILL_TOKENS": "plugserve.runtime.backends", "Part": "plugserve.runtime.rank_protocol",
+        "GraphPlan": "plugserve.runtime.cuda_graph_runner", "plan_in_graph": "plugserve.runtime.speculative",
+        "report_late_triton_compiles": "plugserve.runtime.metrics",
+        **{name: "plugserve.runtime.warmup"
+           for name in ("WARMUP_EXTEND_TOKENS", "CPU_WARMUP_TOKENS", "WARMUP_MIN_PREFILL_TOKENS")},
+    },
+    "plugserve.runtime.speculative": {name: "plugserve.runtime.acceptance"
+                                      for name in ("verify_drafts", "verify_tree")},
 }
 
 

@@ -14,22 +14,32 @@ place (`plan_replay`: on the host before the replay, or recorded in the graph wh
 is one GEMM whether the batch is padded or not) and, where the round needs them, hidden states. Sampling and
 acceptance run outside, because they depend on per-request parameters.
 
-A decode backend that does not declare the mode in `capabilities.graph_modes`, or a batch larger than the
-largest graph, runs eagerly; `ModelRunner.graph_status` says which and why.
+What is captured is a list of `GraphPlan`s: the target's DECODE by default (`decode_graph_plans`), the
+speculative forwards when speculative decoding supplies its own (`speculative.graph_plans`). A decode backend that
+does not declare a plan's mode in `capabilities.graph_modes`, or a batch larger than the largest graph, runs
+eagerly; `CudaGraphs.status` says which and why.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+from tqdm import tqdm
 
+from plugserve.core import graph_inputs
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode
-from plugserve.core.graph_inputs import GraphInputs, padded_size
 from plugserve.core.interfaces import AttentionBackend
 from plugserve.core.kv_cache import MLAKVPool
+from plugserve.core.moved import moved_names
+from plugserve.runtime.backends import RunnerBackends, in_bucket
+
+if TYPE_CHECKING:
+    from plugserve.core.models.deepseek import DeepseekForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +63,7 @@ def init_graph_attention(runners: list[CudaGraphRunner]) -> None:
     largest batch, token count and block-table width among them (backends key their graph state by mode and
     batch size, so one instance serves every mode's graphs; a second init would drop the buffers the graphs
     captured before it read)."""
-    backends = {id(b): b for r in runners for b in map(r.attention_for, r.sizes)}
+    backends = {id(b): b for r in runners for b in map(r.backend_for_size, r.sizes)}
     max_bs = max(r.max_batch_size for r in runners)
     max_tokens = max(r.max_batch_size * r.tokens_per_request for r in runners)
     max_pages = max(r.inputs.max_pages for r in runners)
@@ -66,11 +76,12 @@ class CudaGraphRunner:
     forward of the NextN layer, which reads hidden states beside the token ids."""
 
     def __init__(self, mode: ForwardMode, sizes: list[int], tokens_per_request: int, max_pages: int,
-                 pool: MLAKVPool, padding_page: int, attention_for: Callable[[int], AttentionBackend],
+                 pool: MLAKVPool, padding_page: int, backend_for_size: Callable[[int], AttentionBackend],
                  hidden: tuple[int, torch.dtype] | None = None) -> None:
         self.mode, self.sizes, self.tokens_per_request = mode, sorted(sizes), tokens_per_request
-        self.inputs = GraphInputs(self.sizes[-1], tokens_per_request, max_pages, pool, padding_page, hidden)
-        self.attention_for = attention_for
+        self.inputs = graph_inputs.GraphInputs(self.sizes[-1], tokens_per_request, max_pages, pool, padding_page,
+                                               hidden)
+        self.backend_for_size = backend_for_size
         self._graphs: dict[int, _Graph] = {}
 
     @property
@@ -90,7 +101,7 @@ class CudaGraphRunner:
         device = self.inputs.pool.device
         stream = torch.cuda.Stream(device)
         for size in reversed(self.sizes):
-            attention = self.attention_for(size)
+            attention = self.backend_for_size(size)
             batch = self.inputs.batch(self.mode, size)
             n = size * self.tokens_per_request
             hidden = None if self.inputs.hidden is None else self.inputs.hidden[:n]
@@ -124,7 +135,7 @@ class CudaGraphRunner:
         request) of a batch `can_run` accepts -> the forward's outputs at its T token rows, or at its B requests'
         rows for an output of one row per request (views of the graph's output buffers, valid until the next
         replay)."""
-        size = padded_size(self.sizes, batch.batch_size)
+        size = graph_inputs.padded_size(self.sizes, batch.batch_size)
         if size is None or not self.can_run(batch):
             raise ValueError(f"no graph for a {batch.mode.name} batch of {batch.batch_size} requests")
         static = self.inputs.load(input_ids, batch, size, hidden)
@@ -138,3 +149,143 @@ class CudaGraphRunner:
             entry.attention.plan_replay(static)
         entry.graph.replay()
         return entry.outputs
+
+
+# What a plan's forward is made of, once the model and the sampled vocabulary are known: (model, sample_vocab) ->
+# the forward to capture.
+ForwardFactory = Callable[["DeepseekForCausalLM", int], GraphForward]
+
+
+@dataclass(frozen=True)
+class GraphPlan:
+    """A forward captured at every captured batch size. `label` names it in logs, in `CudaGraphs.status` and for
+    lookups; `reads_hidden`: it reads hidden states [N, H] beside the token ids (the NextN layer does);
+    `logits` / `hidden`: its outputs keep logits [N, vocab] float32 / hidden states [N, H] (what the graphs'
+    memory holds);
+    `modes`: every mode it runs attention in (default: `mode`); `plans_inside`: it plans attention for several
+    sub-batches inside one graph, so every decode backend must plan on the device."""
+
+    label: str
+    mode: ForwardMode
+    tokens_per_request: int
+    forward: ForwardFactory
+    reads_hidden: bool = False
+    logits: bool = True
+    hidden: bool = False
+    modes: tuple[ForwardMode, ...] = ()
+    plans_inside: bool = False
+
+
+class GraphPlans(NamedTuple):
+    """The forwards to capture, the target's first (the widest: it sizes the graphs' memory), and notes on
+    forwards that always run eagerly."""
+
+    plans: list[GraphPlan]
+    eager: tuple[str, ...] = ()
+
+
+def model_forward(nextn: bool, logits: bool, greedy: bool, hidden: bool) -> ForwardFactory:
+    """A forward of the target (or with `nextn` its NextN layer) whose outputs are, in order: logits [N, vocab]
+    float32 when `logits`, each row's greedy token [N] int64 (argmax over the sampled vocabulary) when `greedy`,
+    the final hidden states [N, H] when `hidden`."""
+
+    def factory(model: DeepseekForCausalLM, sample_vocab: int) -> GraphForward:
+        def forward(input_ids: torch.Tensor, states: torch.Tensor | None, batch: ForwardBatch,
+                    attention: AttentionBackend) -> tuple[torch.Tensor, ...]:
+            out = (model.forward_nextn(input_ids, states, batch, attention) if nextn  # type: ignore[arg-type]
+                   else model(input_ids, batch, attention))
+            scores = model.compute_logits(out) if logits or greedy else None
+            return (*((scores,) if logits else ()),
+                    *((scores[:, :sample_vocab].argmax(dim=-1),) if greedy else ()),  # type: ignore[index]
+                    *((out,) if hidden else ()))
+
+        return forward
+
+    return factory
+
+
+def decode_graph_plans() -> GraphPlans:
+    """Without speculative decoding: the target's DECODE, keeping its logits."""
+    return GraphPlans([GraphPlan(ForwardMode.DECODE.name, ForwardMode.DECODE, 1,
+                                 model_forward(nextn=False, logits=True, greedy=False, hidden=False))])
+
+
+def output_bytes(plans: Sequence[GraphPlan], vocab_size: int, hidden_size: int, dtype: torch.dtype) -> int:
+    """Bytes the plans' graphs keep as outputs per captured request."""
+    logits_row = vocab_size * 4  # float32
+    hidden_row = hidden_size * torch.empty(0, dtype=dtype).element_size()
+    return sum(p.tokens_per_request * (logits_row * p.logits + hidden_row * p.hidden) for p in plans)
+
+
+@dataclass
+class CudaGraphs:
+    """The captured graphs of one runner, by plan label, and `status`: what is captured and what runs eagerly,
+    and why (for /server_info and the log)."""
+
+    status: str
+    runners: dict[str, CudaGraphRunner] = field(default_factory=dict)
+
+    def get(self, label: str, batch: ForwardBatch) -> CudaGraphRunner | None:
+        """The graph of plan `label` when it holds `batch` (never a draft tree's: its mask changes every round)."""
+        graph = self.runners.get(label)
+        return graph if graph is not None and batch.tree is None and graph.can_run(batch) else None
+
+    def capture(self, planned: GraphPlans, sizes: list[int], backends: RunnerBackends, model: DeepseekForCausalLM,
+                sample_vocab: int, hidden: tuple[int, torch.dtype], pool: MLAKVPool, padding_page: int,
+                max_pages: int) -> None:
+        """Capture every plan whose forwards the decode buckets' attention backends (in every mode it runs) and
+        the MoE and GEMM backends can run under graphs, at `sizes`. A plan that cannot be captured, or all of
+        them when a capture fails, runs eagerly, and `status` says which and why. `hidden`: (H, dtype) of the hidden
+        states the NextN layer's plans read."""
+        plans, eager = [], []
+        for plan in planned.plans:
+            if reason := _blocker(plan, backends):
+                eager.append(f"{plan.label} {'is not one graph' if plan.plans_inside else 'runs eagerly'}: {reason}")
+                logger.warning("CUDA graphs off for %s: %s", plan.label, reason)
+            else:
+                plans.append(plan)
+        eager += planned.eager
+        backend_for_size = functools.partial(in_bucket, backends.decode_buckets)
+        runners = [CudaGraphRunner(p.mode, sizes, p.tokens_per_request, max_pages, pool, padding_page,
+                                   backend_for_size, hidden if p.reads_hidden else None)
+                   for p in plans]
+        captured = ""
+        if runners:
+            bar = tqdm(total=len(sizes) * len(runners), desc="capturing CUDA graphs", disable=None)
+            try:
+                init_graph_attention(runners)
+                pool_handle = torch.cuda.graph_pool_handle()  # one memory pool for every plan's graphs
+                for plan, runner in zip(plans, runners, strict=True):
+                    runner.capture(plan.forward(model, sample_vocab), pool_handle, progress=lambda _: bar.update())
+                    self.runners[plan.label] = runner
+            except Exception as exc:
+                self.runners = {}
+                eager = [f"{', '.join(p.label for p in plans)} run eagerly: capture failed: "
+                         f"{type(exc).__name__}: {exc}", *eager]
+                logger.exception("CUDA graph capture failed; the forwards run eagerly")
+            else:
+                captured = (f"{', '.join(p.label for p in plans)} captured at batch sizes {sizes} (larger "
+                            "batches run eagerly)")
+            finally:
+                bar.close()
+        self.status = "; ".join(filter(None, [captured, *eager]))
+        logger.info("CUDA graphs: %s", self.status)
+
+
+def _blocker(plan: GraphPlan, backends: RunnerBackends) -> str:
+    """Why `plan` cannot be captured, or ''."""
+    for mode in plan.modes or (plan.mode,):
+        for bucket in backends.decode_buckets:
+            if mode not in bucket.backend.capabilities.graph_modes:
+                return f"attention backend {bucket.backend.name} does not run {mode.name} under CUDA graphs"
+        for kind_backend in (backends.model.moe, backends.model.gemm):
+            if kind_backend is not None and not kind_backend.capabilities.cuda_graph:
+                return f"{kind_backend.kind} backend {kind_backend.name} cannot be captured in a CUDA graph"
+    if plan.plans_inside:
+        for bucket in backends.decode_buckets:
+            if not bucket.backend.capabilities.graph_plan_on_device:
+                return f"attention backend {bucket.backend.name} plans on the host before each replay"
+    return ""
+
+
+__getattr__ = moved_names(__name__)

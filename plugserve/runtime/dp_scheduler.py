@@ -7,22 +7,23 @@ fewest requests, running and waiting, and stays there: its KV is on that rank.
 
 A step plans every group's batch, then runs them in one `ModelRunner.forward_groups` (each rank its group's,
 an idle group an IDLE batch, since the MLP layers' collectives need every rank), samples each group's rows on
-rank 0 and lets each group's scheduler process its tokens. With overlap, the forward runs on a worker thread
-while the groups process the previous step's tokens and plan the next, as `Scheduler.step` does for one.
+rank 0 and lets each group's scheduler process its tokens, through the same `OverlapLoop` as one `Scheduler`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 from plugserve.core.block_table import DeviceBlockTable
 from plugserve.core.kv_cache import PageAllocator
 from plugserve.runtime.metrics import Metrics
-from plugserve.runtime.model_runner import ModelRunner, Part
+from plugserve.runtime.model_runner import ModelRunner
+from plugserve.runtime.overlap import BatchResult, OverlapLoop
 from plugserve.runtime.radix_cache import RadixCache
+from plugserve.runtime.rank_protocol import Part
 from plugserve.runtime.request import Request
-from plugserve.runtime.scheduler import BatchResult, ScheduledBatch, Scheduler
+from plugserve.runtime.scheduler import ScheduledBatch, Scheduler
 
 Batches = list[ScheduledBatch | None]  # one step's batch of each group (None: it idles)
 Results = list[Future[BatchResult] | None]  # their sampled tokens
@@ -46,8 +47,7 @@ class DPScheduler:
             self.groups.append(scheduler)
         self.spec = None  # refused with DP attention (ServerArgs)
         self.overlap = self.groups[0].overlap
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="plugserve-forward") if self.overlap else None
-        self._in_flight: tuple[Batches, Results] | None = None
+        self.loop: OverlapLoop[Batches, Results] = OverlapLoop(self.overlap)
 
     # -- requests ------------------------------------------------------------------------------------
 
@@ -60,7 +60,7 @@ class DPScheduler:
 
     @property
     def has_work(self) -> bool:
-        return self._in_flight is not None or any(g.has_work for g in self.groups)
+        return self.loop.in_flight is not None or any(g.has_work for g in self.groups)
 
     @property
     def num_running(self) -> int:
@@ -89,23 +89,17 @@ class DPScheduler:
     def step(self) -> None:
         """Plan every group's batch, run them in one forward and process what came out (with overlap: launch
         this step's, process the previous one's)."""
-        previous = self._in_flight
-        # Planned before the step in flight is processed: its tokens are PENDING inputs here.
-        batches: Batches = [g._schedule() for g in self.groups]
-        launched = None
-        if any(b is not None for b in batches):
-            priors = previous[1] if previous is not None else [None] * len(self.groups)
-            launched = (batches, self._launch(batches, priors))
-        if not self.overlap:  # the step's own batches are processed at once
-            previous, launched = launched, None
-        self._in_flight = launched
-        if previous is not None:
-            self._finish(*previous)
+        self.loop.step(self._schedule, self._launch, self._finish)
 
-    def _launch(self, batches: Batches, priors: Results) -> Results:
+    def _schedule(self) -> Batches | None:
+        batches: Batches = [g.schedule() for g in self.groups]
+        return batches if any(b is not None for b in batches) else None
+
+    def _launch(self, batches: Batches, prior: Results | None) -> Results:
         """Run the step's forward (on the worker thread with overlap): each group's future gets its sampled
         tokens, or the forward's exception (every group's batch fails with it)."""
         futures: Results = [None if b is None else Future() for b in batches]
+        priors = prior if prior is not None else [None] * len(self.groups)
 
         def run() -> None:
             try:
@@ -119,38 +113,30 @@ class DPScheduler:
                 if future is not None:
                     future.set_result(result)  # type: ignore[arg-type]
 
-        if self._executor is None:
-            run()
-        else:
-            self._executor.submit(run)
+        self.loop.submit(run)
         return futures
 
     def _run(self, batches: Batches, priors: Results) -> list[BatchResult | None]:
-        parts = [None if b is None else Part(g._resolve(b, prior), b.forward_batch, b.sample_rows)
+        parts = [None if b is None else Part(g.inputs(b, prior), b.forward_batch, b.sample_rows)
                  for g, b, prior in zip(self.groups, batches, priors, strict=True)]
         logits = self.runner.forward_groups(parts)
-        return [None if b is None else BatchResult.of(g._sample(rows, b.sampled_requests))
+        return [None if b is None else BatchResult.of(g.sample(rows, b.sampled_requests))
                 for g, b, rows in zip(self.groups, batches, logits, strict=True)]
 
     def _finish(self, batches: Batches, futures: Results) -> None:
         for group, batch, future in zip(self.groups, batches, futures, strict=True):
             if batch is not None:
-                group._finish_batch(batch, future)  # type: ignore[arg-type]
+                group.process(batch, future)  # type: ignore[arg-type]
 
     def shutdown(self) -> None:
-        if self._in_flight is not None:
-            self._finish(*self._in_flight)
-            self._in_flight = None
-        if self._executor is not None:
-            self._executor.shutdown()
+        self.loop.shutdown(self._finish)
         for group in self.groups:
             group.shutdown()
 
     def fail_all(self, error: str) -> None:
         """End every request of every group with `error`."""
-        if self._in_flight is not None:  # let its forward end first: it writes KV pages about to be freed
-            batches, futures = self._in_flight
-            self._in_flight = None
+        if (taken := self.loop.take_in_flight()) is not None:  # its forward ends first: it writes pages to be freed
+            batches, futures = taken
             for group, batch, future in zip(self.groups, batches, futures, strict=True):
                 if batch is not None:
                     with contextlib.suppress(Exception):

@@ -5,7 +5,7 @@
 
 A background thread owns the scheduler; callers submit requests and receive `RequestOutput`
 increments through a callback (`stream`, `stream_async` and `generate` are built on it). The thread
-first warms the model up (`ModelRunner.warm_up`: JIT compiles, CUDA-graph capture); `ready` is set
+first warms the model up (`warmup.warm_up`: JIT compiles, CUDA-graph capture); `ready` is set
 after it, and requests submitted before wait in the queue.
 
 The engine never leaves a caller waiting: a failing step ends its requests with an error and the loop goes
@@ -36,13 +36,14 @@ from plugserve.core.distributed import SINGLE
 from plugserve.core.tokenizer import EMBEDDED_MODEL_DIR, load_tokenizer
 from plugserve.runtime.dp_scheduler import DPScheduler
 from plugserve.runtime.metrics import Metrics
-from plugserve.runtime.model_runner import ModelRunner
 from plugserve.runtime.radix_cache import RadixCache
 from plugserve.runtime.ranks import Ranks
 from plugserve.runtime.request import FinishReason, Request, RequestOutput, TokenLogprob
 from plugserve.runtime.sampling import SamplingParams, make_generator
 from plugserve.runtime.scheduler import Scheduler
 from plugserve.runtime.server_args import ServerArgs
+from plugserve.runtime.speculative import build_runner
+from plugserve.runtime.warmup import warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ class Engine:
         if self.ranks is not None:
             self.ranks.watch(self._rank_exited)
         try:
-            self.runner = ModelRunner(args, self.ranks.group if self.ranks is not None else SINGLE)
+            self.runner = build_runner(args, self.ranks.group if self.ranks is not None else SINGLE)
         except BaseException:
             if self.ranks is not None:
                 self.ranks.stop(None)
@@ -166,7 +167,7 @@ class Engine:
 
     def _loop(self) -> None:
         try:
-            self.runner.warm_up(on_late_compile=self.metrics.late_triton_compiles.inc)
+            warm_up(self.runner, on_late_compile=self.metrics.late_triton_compiles.inc)
         except Exception as exc:  # the model cannot run: serving would fail every request
             logger.exception("warm-up failed")
             self.warm_up_error = f"{type(exc).__name__}: {exc}"

@@ -5,8 +5,10 @@ after the warm-up."""
 
 from __future__ import annotations
 
+import logging
 import time
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -31,6 +33,8 @@ class SchedulerGauges(Protocol):
     @property
     def cache_hit_rate(self) -> float: ...
 
+
+logger = logging.getLogger(__name__)
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60, 120)
 
@@ -102,3 +106,44 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def report_late_triton_compiles(on_compile: Callable[[], None] | None = None) -> None:
+    """From now on (after the warm-up), log a warning for each Triton kernel compiled, naming it and its
+    specialization (argument dtypes, 16-byte alignments, constexprs), and call `on_compile` (the engine's metrics
+    counter): a compile inside a request stalls it for tens to hundreds of milliseconds, so each one names a shape
+    or layout the warm-up should walk. Triton's hook is one per process: the last engine warmed up reports. A
+    no-op without triton or on a release without `knobs.runtime.jit_post_compile_hook`."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return
+    runtime = getattr(knobs, "runtime", None)
+    if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
+        return
+
+    def warn(**details: Any) -> None:
+        logger.warning("Triton compiled a kernel after the warm-up (the request waited for it): %s",
+                       _describe_compile(details))
+        if on_compile is not None:
+            on_compile()
+
+    runtime.jit_post_compile_hook = warn
+
+
+def _describe_compile(details: dict[str, Any]) -> str:
+    """`name(arg: type, ...) divisible by 16: [args] constexprs {...}` from the keywords triton's JIT passes its
+    hooks (`compile`: signature, constants, configs; a pointer "divisible by 16" is 16-byte aligned), or its own
+    `repr` where those differ."""
+    try:
+        compile_info = details["compile"]
+        signature: dict[str, str] = compile_info["signature"]
+        names = list(signature)
+        divisible = sorted(names[index[0]] for attrs in compile_info["configs"] for index, values in attrs.items()
+                           if any(value[0] == "tt.divisibility" for value in values))
+        args = ", ".join(f"{name}: {kind}" for name, kind in signature.items() if kind != "constexpr")
+        constants = {names[key[0]] if isinstance(key, tuple) else key: value
+                     for key, value in compile_info["constants"].items()}
+        return f"{details['fn'].name}({args}) divisible by 16: {divisible} constexprs {constants}"
+    except (KeyError, TypeError, IndexError, AttributeError):
+        return str(details.get("repr", details.get("key")))

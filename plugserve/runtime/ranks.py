@@ -25,6 +25,8 @@ from plugserve.core.distributed import (
 )
 from plugserve.runtime.model_runner import ModelRunner, rank_device
 from plugserve.runtime.server_args import ServerArgs
+from plugserve.runtime.speculative import build_runner
+from plugserve.runtime.warmup import warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +55,8 @@ def _worker_main(rank: int, args: ServerArgs, address: str) -> None:
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s")
     group = init_parallel_group(rank, args.tp_size, address, rank_device(args, rank))
-    runner = ModelRunner(args, group)
-    runner.warm_up()
+    runner = build_runner(args, group)
+    warm_up(runner)
     runner.follow()
     destroy_parallel_group()
 

@@ -20,18 +20,21 @@ import logging
 import time
 from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from plugserve.core.block_table import DeviceBlockTable, to_device
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode
-from plugserve.core.kv_cache import PoolAccountingError, pages_needed
+from plugserve.core.kv_cache import pages_needed
 from plugserve.core.moved import moved_names
+from plugserve.runtime import overlap
 from plugserve.runtime.metrics import Metrics
 from plugserve.runtime.model_runner import ModelRunner
+from plugserve.runtime.overlap import OverlapLoop
+from plugserve.runtime.page_owners import check_pool_accounting
 from plugserve.runtime.radix_cache import RadixCache
 from plugserve.runtime.request import PENDING, FinishReason, Request, RequestOutput, TokenLogprob
 from plugserve.runtime.sampling import SampleOutput, sample
@@ -39,6 +42,7 @@ from plugserve.runtime.speculative import SpeculativeWorker
 
 if TYPE_CHECKING:
     from plugserve.runtime.metrics import SchedulerGauges
+    from plugserve.runtime.overlap import BatchResult
 
 logger = logging.getLogger(__name__)
 
@@ -62,35 +66,6 @@ class ScheduledBatch:
     def sampled_requests(self) -> list[Request]:
         """The requests this batch samples a token for, in the order of `sample_rows`."""
         return [r for r, s in zip(self.requests, self.sampled, strict=True) if s]
-
-
-@dataclass
-class BatchResult:
-    """A batch's sampled tokens: `token_ids` [sum(sampled)] int64 on the device (the next batch's inputs
-    under overlap), and the whole SampleOutput copied to (pinned) host memory, valid once `ready` fired."""
-
-    token_ids: torch.Tensor
-    host: SampleOutput
-    ready: torch.cuda.Event | None
-
-    @classmethod
-    def of(cls, sampled: SampleOutput) -> BatchResult:
-        """Start the copy to the host without waiting for it."""
-        if sampled.token_ids.device.type != "cuda":
-            return cls(sampled.token_ids, sampled, None)
-        tensors = (getattr(sampled, f.name) for f in fields(SampleOutput))
-        host = SampleOutput(*(None if t is None else t.to("cpu", non_blocking=True) for t in tensors))
-        ready = torch.cuda.Event()
-        ready.record()
-        return cls(sampled.token_ids, host, ready)
-
-    def wait(self) -> SampleOutput:
-        """The host copy, once the batch has run. Waiting on the event releases the GIL; Tensor.tolist on a
-        GPU tensor waits holding it, which stalled the overlap thread's planning and the HTTP loop for
-        the whole forward."""
-        if self.ready is not None:
-            self.ready.synchronize()
-        return self.host
 
 
 class Scheduler:
@@ -118,8 +93,7 @@ class Scheduler:
         self.verify_width = spec.num_draft_tokens if spec is not None else 1
         self.lookahead = spec.lookahead if spec is not None else 0
         self.overlap = not args.disable_overlap_schedule and self.spec is None
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="plugserve-forward") if self.overlap else None
-        self._in_flight: tuple[ScheduledBatch, Future[BatchResult]] | None = None
+        self.loop: OverlapLoop[ScheduledBatch, Future[BatchResult]] = OverlapLoop(self.overlap)
 
     # -- requests ------------------------------------------------------------------------------------
 
@@ -134,7 +108,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked or self._in_flight)
+        return bool(self.waiting or self.running or self.chunked or self.loop.in_flight)
 
     @property
     def num_running(self) -> int:
@@ -166,46 +140,25 @@ class Scheduler:
 
     def step(self) -> None:
         """Plan, run and process one batch (with overlap: launch one, process the previous one)."""
-        if not self.overlap:
-            batch = self._schedule()
-            if batch is not None:
-                future: Future[BatchResult] = Future()
-                try:
-                    future.set_result(self._run(batch, None))
-                except Exception as exc:  # one failing batch must not stop the server
-                    future.set_exception(exc)
-                self._finish_batch(batch, future)
-            return
-        previous = self._in_flight
-        # Planned before the batch in flight is processed: its tokens are PENDING inputs here.
-        batch = self._schedule()
-        if batch is not None:
-            prior = previous[1] if previous is not None else None
-            self._in_flight = (batch, self._executor.submit(self._run, batch, prior))  # type: ignore[union-attr]
-        else:
-            self._in_flight = None
-        if previous is not None:
-            self._finish_batch(*previous)
+        self.loop.step(self.schedule, lambda batch, prior: self.loop.submit(self.run, batch, prior), self.process)
 
-    def _finish_batch(self, batch: ScheduledBatch, future: Future[BatchResult]) -> None:
+    def process(self, batch: ScheduledBatch, future: Future[BatchResult]) -> None:
+        """A batch's outcome to its requests: its tokens, or the error its forward raised (to them alone)."""
         try:
             result = future.result()
         except Exception as exc:
             logger.exception("a %s batch of %d requests failed", batch.mode.name, len(batch.requests))
             self.fail_batch(batch.requests, f"{type(exc).__name__}: {exc}")
             return
-        self._process(batch, result)
+        self._take_tokens(batch, result)
 
     def shutdown(self) -> None:
-        if self._in_flight is not None:
-            self._finish_batch(*self._in_flight)
-            self._in_flight = None
-        if self._executor is not None:
-            self._executor.shutdown()
+        self.loop.shutdown(self.process)
 
     # -- planning ------------------------------------------------------------------------------------
 
-    def _schedule(self) -> ScheduledBatch | None:
+    def schedule(self) -> ScheduledBatch | None:
+        """The next batch to run, its requests' pages allocated (None: nothing to run)."""
         self._drop_finished()
         return self._schedule_extend() or self._schedule_decode()
 
@@ -386,21 +339,21 @@ class Scheduler:
 
     # -- running -------------------------------------------------------------------------------------
 
-    def _run(self, batch: ScheduledBatch, prior: Future[BatchResult] | None) -> BatchResult:
-        input_ids = self._resolve(batch, prior)
-        requests = batch.sampled_requests
-        if self.spec is not None:
-            if batch.mode is ForwardMode.TARGET_VERIFY:
-                return BatchResult.of(self.spec.verify(batch.forward_batch, input_ids, requests,
-                                                       self.runner.sampling_generator))
+    def run(self, batch: ScheduledBatch, prior: Future[BatchResult] | None) -> BatchResult:
+        """Run a batch and sample its tokens; `prior`: the batch in flight, whose tokens may be its inputs."""
+        input_ids = self.inputs(batch, prior)
+        requests, forward = batch.sampled_requests, batch.forward_batch
+        if self.spec is None:
+            sampled = self.sample(self.runner.forward(input_ids, forward, batch.sample_rows), requests)
+        elif batch.mode is ForwardMode.TARGET_VERIFY:
+            sampled = self.spec.verify(forward, input_ids, requests, self.runner.sampling_generator)
+        else:
             assert batch.next_ids is not None
-            return BatchResult.of(self.spec.extend(batch.forward_batch, input_ids, batch.next_ids, batch.sample_rows,
-                                                   [r.table_row for r in requests],
-                                                   lambda logits: self._sample(logits, requests)))
-        return BatchResult.of(self._sample(self.runner.forward(input_ids, batch.forward_batch, batch.sample_rows),
-                                           requests))
+            sampled = self.spec.extend(forward, input_ids, batch.next_ids, batch.sample_rows,
+                                       [r.table_row for r in requests], lambda logits: self.sample(logits, requests))
+        return overlap.BatchResult.of(sampled)
 
-    def _resolve(self, batch: ScheduledBatch, prior: Future[BatchResult] | None) -> torch.Tensor:
+    def inputs(self, batch: ScheduledBatch, prior: Future[BatchResult] | None) -> torch.Tensor:
         """The batch's input ids [T] int64 on the device, those the batch in flight (`prior`) samples filled in."""
         if not batch.resolve:
             return batch.input_ids
@@ -412,7 +365,7 @@ class Scheduler:
             to_device(torch.tensor(sources), input_ids.device)]
         return input_ids
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> SampleOutput:
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampleOutput:
         """Tokens of the sampled `requests` from their logits [len(requests), vocab] float32."""
         if not requests:  # a prefill chunk in the middle of a prompt: nothing to sample
             return SampleOutput(torch.zeros(0, dtype=torch.int64, device=logits.device), None, None, None)
@@ -428,7 +381,7 @@ class Scheduler:
 
     # -- results -------------------------------------------------------------------------------------
 
-    def _process(self, batch: ScheduledBatch, result: BatchResult) -> None:
+    def _take_tokens(self, batch: ScheduledBatch, result: BatchResult) -> None:
         sample = result.wait()
         tokens, logprobs, top_ids, top_values = (
             None if t is None else t.tolist()
@@ -576,9 +529,9 @@ class Scheduler:
     def fail_all(self, error: str) -> None:
         """End every request the scheduler holds with `error` (after a failure the loop cannot pin on one)."""
         in_flight: list[Request] = []
-        if self._in_flight is not None:  # let its forward end first: it writes KV pages about to be freed
-            batch, future = self._in_flight
-            self._in_flight, in_flight = None, batch.requests
+        if (taken := self.loop.take_in_flight()) is not None:  # its forward ends first: it writes pages to be freed
+            batch, future = taken
+            in_flight = batch.requests
             with contextlib.suppress(Exception):
                 future.result()
         self.fail_batch([*self.waiting, *self.running, *([self.chunked] if self.chunked else []), *in_flight], error)
@@ -586,36 +539,10 @@ class Scheduler:
     # -- KV ownership --------------------------------------------------------------------------------
 
     def check_pool_accounting(self) -> None:
-        """Check that every KV page has exactly one owner: the allocator's free list, one prefix-cache node, or
-        one request (its pages past its cached prefix, whose pages must lead its list), that the cache's
-        locks are the requests' own, and that each taken block-table row is one request's. Raises
-        PoolAccountingError naming the pages that leaked or are owned twice. Call it between two steps
+        """`page_owners.check_pool_accounting` of this scheduler's requests. Call it between two steps
         (`Engine.check_pool_accounting` does)."""
-        requests = [*self.waiting, *self.running, *([self.chunked] if self.chunked else [])]
-        owners = dict.fromkeys(self.radix.check_accounting([r.prefix_node for r in requests if r.prefix_node]),
-                               "the prefix cache")
-        problems = []
-        for request in requests:
-            shared = self.radix.path_pages(request.prefix_node) if request.prefix_node else []  # type: ignore[arg-type]
-            if request.pages[: len(shared)] != shared:
-                problems.append(f"request {request.rid} does not lead with its cached prefix's pages")
-            for page in request.pages[len(shared) :]:
-                if page in owners:
-                    problems.append(f"page {page} is held by request {request.rid} and by {owners[page]}")
-                owners[page] = f"request {request.rid}"
-        free = self.allocator.check()
-        if owned_free := free & owners.keys():
-            problems.append(f"free pages are also owned: {sorted(owned_free)[:16]}")
-        if leaked := set(range(self.allocator.num_pages)) - free - owners.keys():
-            problems.append(f"{len(leaked)} pages leaked (allocated, owned by no request nor the cache): "
-                            f"{sorted(leaked)[:16]}")
-        rows = [r.table_row for r in requests if r.table_row >= 0]
-        if len(set(rows)) != len(rows):
-            problems.append("two requests share a block-table row")
-        if stray := self.block_table.taken_rows - set(rows):
-            problems.append(f"block-table rows taken by no request: {sorted(stray)[:16]}")
-        if problems:
-            raise PoolAccountingError("KV pool accounting: " + "; ".join(problems))
+        check_pool_accounting([*self.waiting, *self.running, *([self.chunked] if self.chunked else [])], self.radix,
+                              self.block_table)
 
     def _cache_prefix(self, request: Request) -> int:
         """Hand the request's computed full pages to the prefix cache (so concurrent requests share them)

@@ -46,13 +46,13 @@ positions, each reading the token after it (after the prompt's last, the one jus
 reuses the NextN layer's KV too; at a shared page's last position that KV read the token that followed in the
 sequence that computed it. That costs acceptance at most: verification alone decides the output.
 
-On a GPU the chains' draft DECODE steps, TARGET_VERIFY and DRAFT_EXTEND replay CUDA graphs (`ModelRunner.
-target_graphs` / `nextn_graphs`, captured at start-up for the decode batch sizes) when the decode attention
-backends declare those modes; a tree's verify and draft forwards carry a per-round tree mask and run eagerly.
-A round of greedy chains (every request greedy, without penalties) is one graph replay (`ModelRunner.round_graph`,
-`greedy_round_forward`) when the decode attention backends also plan on the device: draft steps, verify, greedy
-acceptance and draft extend, with one input load, so that the host's time per round stays close to a decode
-step's. A batch past the largest graph runs eagerly, with the same outputs.
+On a GPU the chains' draft DECODE steps, TARGET_VERIFY and DRAFT_EXTEND replay CUDA graphs (`graph_plans`,
+which the runner captures at start-up for the decode batch sizes) when the decode attention backends declare
+those modes; a tree's verify and draft forwards carry a per-round tree mask and run eagerly. A round of greedy
+chains (every request greedy, without penalties) is one graph replay (`greedy_round_forward`) when the decode
+attention backends also plan on the device: draft steps, verify, greedy acceptance and draft extend, with one input
+load, so that the host's time per round stays close to a decode step's. A batch past the largest graph runs
+eagerly, with the same outputs.
 """
 
 from __future__ import annotations
@@ -64,16 +64,62 @@ from typing import TYPE_CHECKING
 import torch
 
 from plugserve.core.block_table import to_device
+from plugserve.core.distributed import SINGLE, ParallelGroup
 from plugserve.core.forward_batch import DraftTree, ForwardBatch, ForwardMode
 from plugserve.core.interfaces import AttentionBackend
-from plugserve.runtime.sampling import SampleOutput, SamplingParams, apply_penalties, draw, filtered_probs, row_noise
-from plugserve.runtime.server_args import SpeculativeConfig, flag
+from plugserve.core.moved import moved_names
+from plugserve.runtime import acceptance
+from plugserve.runtime.cuda_graph_runner import CudaGraphRunner, GraphForward, GraphPlan, GraphPlans, model_forward
+from plugserve.runtime.model_runner import ModelRunner
+from plugserve.runtime.sampling import SampleOutput, SamplingParams, draw, filtered_probs
+from plugserve.runtime.server_args import ServerArgs, SpeculativeConfig, flag
 
 if TYPE_CHECKING:
     from plugserve.core.models.deepseek import DeepseekForCausalLM
-    from plugserve.runtime.cuda_graph_runner import CudaGraphRunner, GraphForward
-    from plugserve.runtime.model_runner import ModelRunner
     from plugserve.runtime.request import Request
+
+# Labels of the speculative forwards captured in CUDA graphs (`graph_plans`).
+VERIFY, DRAFT_STEP, DRAFT_EXTEND, ROUND = "TARGET_VERIFY", "draft DECODE", "DRAFT_EXTEND", "greedy round"
+
+
+def graph_plans(config: SpeculativeConfig) -> GraphPlans:
+    """The forwards a speculative round replays from CUDA graphs, for the runner to capture: the target's
+    TARGET_VERIFY (logits to verify, hidden states for the draft extend), the NextN layer's draft DECODE steps
+    (logits to draft from, hidden states for the next step) and its DRAFT_EXTEND padded to num_draft_tokens
+    (hidden states: h', and the greedy tokens: the next round's first greedy draft), and for chains the greedy
+    round, all of them in one graph. Draft trees verify and draft in tree form, eagerly, and share DRAFT_EXTEND
+    with chains."""
+    n = config.num_draft_tokens
+    extend = GraphPlan(DRAFT_EXTEND, ForwardMode.DRAFT_EXTEND, n,
+                       model_forward(nextn=True, logits=False, greedy=True, hidden=True),
+                       reads_hidden=True, logits=False, hidden=True)
+    if config.topk > 1:
+        return GraphPlans([extend], ("draft trees verify and draft eagerly: no attention backend runs tree attention "
+                                     "under CUDA graphs",))
+    num_steps = config.num_steps
+    return GraphPlans([
+        GraphPlan(VERIFY, ForwardMode.TARGET_VERIFY, n, model_forward(nextn=False, logits=True, greedy=False,
+                                                                      hidden=True), hidden=True),
+        GraphPlan(DRAFT_STEP, ForwardMode.DECODE, 1, model_forward(nextn=True, logits=True, greedy=False, hidden=True),
+                  reads_hidden=True, hidden=True),
+        extend,
+        GraphPlan(ROUND, ForwardMode.TARGET_VERIFY, n,
+                  lambda model, sample_vocab: greedy_round_forward(model, num_steps, sample_vocab, plan_in_graph),
+                  reads_hidden=True, hidden=True,
+                  modes=(ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND), plans_inside=True),
+    ])
+
+
+def build_runner(args: ServerArgs, group: ParallelGroup = SINGLE) -> ModelRunner:
+    """This rank's ModelRunner, capturing the speculative round's forwards (`graph_plans`) when `args` asks for
+    speculative decoding."""
+    return ModelRunner(args, group, graph_plans(args.speculative) if args.speculative is not None else None)
+
+
+def plan_in_graph(attention: AttentionBackend, batch: ForwardBatch) -> None:
+    """How the round's graph plans each of its forwards' attention: recorded in the capture
+    (`graph_plan_on_device`)."""
+    attention.plan_capture(batch)
 
 
 class SpeculativeWorker:
@@ -86,7 +132,7 @@ class SpeculativeWorker:
                              f"draft with (the checkpoint lacks model.layers.{runner.config.num_hidden_layers}"
                              f".eh_proj): give one with {flag('speculative_draft_model_path')}")
         if config.topk > 1:
-            for bucket in runner.decode_buckets:
+            for bucket in runner.backends.decode_buckets:
                 if not bucket.backend.capabilities.tree_verify:
                     raise ValueError(f"{flag('speculative_eagle_topk')} {config.topk}: draft trees need a decode "
                                      f"attention backend that declares tree_verify, and {bucket.backend.name} does "
@@ -133,13 +179,13 @@ class SpeculativeWorker:
         rows = self._rows([r.table_row for r in requests])
         if self.topk > 1:
             return self._verify_tree(batch, input_ids.view(b, n)[:, :1], requests, rows, default_generator)
-        round_graph = self.runner.round_graph
-        if round_graph is not None and round_graph.can_run(batch) and all(_plain_greedy(r.params) for r in requests):
+        round_graph = self.runner.graphs.get(ROUND, batch)
+        if round_graph is not None and all(_plain_greedy(r.params) for r in requests):
             return self._greedy_round(round_graph, batch, input_ids, requests, rows)
         drafts, draft_probs = self._draft(batch, requests, rows, default_generator)
         ids = torch.cat([input_ids.view(b, n)[:, :1], drafts], dim=1)
         hidden, logits = self._verify_chains(ids.view(-1), batch)
-        out = verify_drafts(logits.view(b, n, -1), drafts, draft_probs, [r.params for r in requests],
+        out = acceptance.verify_drafts(logits.view(b, n, -1), drafts, draft_probs, [r.params for r in requests],
                             [r.prompt_ids for r in requests], [r.output_ids[: r.num_resolved] for r in requests],
                             [r.generator for r in requests], default_generator)
         self._draft_extend(batch, hidden, out, rows)
@@ -155,7 +201,7 @@ class SpeculativeWorker:
         self.hidden[rows] = drafted
         self.first_draft[rows] = greedy
         # The graph's outputs are rewritten by its next replay, which may come before the scheduler reads these.
-        out = _with_logprobs(logits.view(b, n, -1), tokens.view(b, n).clone(), accept_lens.clone(),
+        out = acceptance.with_logprobs(logits.view(b, n, -1), tokens.view(b, n).clone(), accept_lens.clone(),
                              [r.params for r in requests])
         self.verify_steps += b
         self.accepted_tokens += b + int(accept_lens.sum())  # after the launch: this waits for the round
@@ -164,7 +210,7 @@ class SpeculativeWorker:
     def _verify_chains(self, input_ids: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's TARGET_VERIFY forward of chains (input_ids [B * n] int64): hidden states [B * n, H] and
         logits [B * n, sample_vocab] float32, from its CUDA graph when one holds the batch."""
-        graph = _graph(self.runner.target_graphs, batch)
+        graph = self.runner.graphs.get(VERIFY, batch)
         if graph is not None:
             logits, hidden = graph.replay(input_ids, batch)
             return hidden, logits[:, : self.runner.sample_vocab]
@@ -178,7 +224,7 @@ class SpeculativeWorker:
         tree = batch.with_tree(DraftTree.of(parents))
         tokens = torch.cat([roots, drafts], dim=1)
         hidden, _ = self._target(tokens.view(-1), tree)
-        out, path = verify_tree(self._logits(hidden).view(*tokens.shape, -1), tokens, parents,
+        out, path = acceptance.verify_tree(self._logits(hidden).view(*tokens.shape, -1), tokens, parents,
                                 [r.params for r in requests], [r.prompt_ids for r in requests],
                                 [r.output_ids[: r.num_resolved] for r in requests], [r.generator for r in requests],
                                 default_generator)
@@ -274,7 +320,7 @@ class SpeculativeWorker:
         batch = dataclasses.replace(verify, mode=ForwardMode.DRAFT_EXTEND)
         # Row of each request's h': its last accepted token's.
         last = torch.arange(0, b * n, n, device=hidden.device) + out.accept_lens
-        graph = _graph(self.runner.nextn_graphs, batch)
+        graph = self.runner.graphs.get(DRAFT_EXTEND, batch)
         if graph is not None:
             greedy, drafted = graph.replay(out.token_ids.view(-1), batch, hidden)
             self._keep(rows, drafted[last], greedy[last])
@@ -292,7 +338,7 @@ class SpeculativeWorker:
     def _target(self, input_ids: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, AttentionBackend]:
         """The target's final hidden states [T, hidden] (normed, what the NextN layer reads), and the backend
         planned for `batch`."""
-        attention = self.runner.attention_for(batch)
+        attention = self.runner.backends.attention(batch)
         attention.plan(batch)
         return self.model(input_ids, batch, attention), attention
 
@@ -300,7 +346,7 @@ class SpeculativeWorker:
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft DECODE step of the NextN layer: tokens [B] int64 and hidden [B, H] -> its output [B, H] and
         logits [B, sample_vocab] float32, from its CUDA graph when one holds the batch."""
-        graph = _graph(self.runner.nextn_graphs, batch)
+        graph = self.runner.graphs.get(DRAFT_STEP, batch)
         if graph is not None:
             logits, out = graph.replay(tokens, batch, hidden)
             return out, logits[:, : self.runner.sample_vocab]
@@ -310,11 +356,11 @@ class SpeculativeWorker:
     def _nextn(self, next_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """The NextN layer: next_ids [T] int64 and hidden [T, H] -> [T, H], from its CUDA graph when one holds
         the batch (the graph's last output is its hidden states)."""
-        graph = _graph(self.runner.nextn_graphs, batch)
+        graph = self.runner.graphs.get(DRAFT_STEP if batch.mode is ForwardMode.DECODE else DRAFT_EXTEND, batch)
         if graph is not None:
             return graph.replay(next_ids, batch, hidden)[-1]
         self.runner.prepare(batch)
-        attention = self.runner.attention_for(batch)
+        attention = self.runner.backends.attention(batch)
         attention.plan(batch)
         return self.model.forward_nextn(next_ids, hidden, batch, attention)
 
@@ -371,13 +417,6 @@ def _plain_greedy(params: SamplingParams) -> bool:
         and not params.presence_penalty
 
 
-def _graph(graphs: dict[ForwardMode, CudaGraphRunner], batch: ForwardBatch) -> CudaGraphRunner | None:
-    """The captured graph of `batch`'s mode among `graphs` when it holds the batch (never a tree's: its mask
-    changes every round)."""
-    graph = graphs.get(batch.mode)
-    return graph if graph is not None and batch.tree is None and graph.can_run(batch) else None
-
-
 def _draft_tokens(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
                   default_generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One draft token per request from the draft's logits [B, V] float32: greedy requests its argmax, sampled
@@ -394,182 +433,4 @@ def _draft_tokens(logits: torch.Tensor, params: list[SamplingParams], generators
     return tokens.index_copy(0, index, drawn), q
 
 
-def verify_drafts(logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor | None,
-                  params: list[SamplingParams], prompt_ids: list[list[int]], output_ids: list[list[int]],
-                  generators: list[torch.Generator | None], default_generator: torch.Generator | None
-                  ) -> SampleOutput:
-    """Which drafts the target accepts, and its token after them.
-
-    logits [B, k + 1, V] float32: the target's at x_{L-1}, d_1 .. d_k; drafts [B, k] int64; draft_probs
-    [B, k, V] float32, the normalized distributions the sampled requests' drafts were drawn from (None when all
-    are greedy). prompt_ids / output_ids / generators as `sample` takes them.
-
-    Greedy requests accept the longest run of drafts equal to the target's argmax, then take its argmax after
-    them. Sampled ones accept d_j with probability min(1, p(d_j) / q(d_j)) in turn (p: the target's distribution
-    before d_j under the request's temperature and filters, q the draft's); the first rejected one is replaced
-    by a draw from max(p - q, 0) renormalized, and when all are accepted a bonus token is drawn from p after
-    d_k: each token is distributed as the target's own sampling would draw it. Penalties count the drafts
-    before a position as generated tokens.
-
-    Returns token_ids [B, k + 1] (request b's tokens are its first accept_lens[b] + 1), accept_lens [B], and the
-    logprobs `sample` would report at each position.
-    """
-    b, n, vocab = logits.shape
-    k, device = n - 1, logits.device
-    if any(p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty for p in params):
-        host = drafts.tolist()
-        logits = apply_penalties(logits.reshape(b * n, vocab), [p for p in params for _ in range(n)],
-                                 [ids for ids in prompt_ids for _ in range(n)],
-                                 [out + host[i][:j] for i, out in enumerate(output_ids) for j in range(n)]
-                                 ).view(b, n, vocab)
-    target = logits.argmax(dim=-1)  # [B, k + 1]
-    accept_lens = (drafts == target[:, :k]).long().cumprod(dim=1).sum(dim=1)
-    rows = [i for i, p in enumerate(params) if not p.is_greedy]
-    if not rows:  # the accepted drafts are the target's argmax, and so is the token after them
-        return _with_logprobs(logits, target, accept_lens, params)
-    bonus = target.gather(1, accept_lens[:, None]).squeeze(1)
-    assert draft_probs is not None, "sampled requests need the distributions their drafts were drawn from"
-    index = to_device(torch.tensor(rows), device)
-    picked = [params[i] for i in rows]
-    row_generators = [generators[i] for i in rows]
-    p = filtered_probs(logits[index].reshape(-1, vocab), [x for x in picked for _ in range(n)]).view(-1, n, vocab)
-    p = p / p.sum(dim=-1, keepdim=True)
-    q = torch.cat([draft_probs[index], torch.zeros_like(p[:, :1])], dim=1)  # no draft after d_k: [R, k + 1, V]
-    d = drafts[index][:, :, None]
-    u = row_noise((len(rows), k), row_generators, default_generator, device, exponential=False)
-    accepted = u * q[:, :k].gather(2, d).squeeze(2) < p[:, :k].gather(2, d).squeeze(2)
-    lens = accepted.long().cumprod(dim=1).sum(dim=1)
-    at = lens[:, None, None].expand(-1, 1, vocab)
-    p_at, q_at = p.gather(1, at).squeeze(1), q.gather(1, at).squeeze(1)
-    residual = (p_at - q_at).clamp_min(0)
-    # All zero only when p <= q everywhere, i.e. p = q, where nothing is rejected: rounding's corner.
-    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p_at)
-    accept_lens = accept_lens.index_copy(0, index, lens)
-    bonus = bonus.index_copy(0, index, draw(residual, row_generators, default_generator))
-    tokens = torch.cat([drafts, bonus[:, None]], dim=1).scatter(1, accept_lens[:, None], bonus[:, None])
-    return _with_logprobs(logits, tokens, accept_lens, params)
-
-
-def verify_tree(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, params: list[SamplingParams],
-                prompt_ids: list[list[int]], output_ids: list[list[int]],
-                generators: list[torch.Generator | None] | None = None,
-                default_generator: torch.Generator | None = None) -> tuple[SampleOutput, torch.Tensor]:
-    """Which path of each request's draft tree the target accepts, and its token after it.
-
-    logits [B, n, V] float32: the target's at every node; tokens [B, n] int64, node 0 the request's last token;
-    parents [B, n] int64 as `DraftTree` takes them (siblings hold different tokens). prompt_ids / output_ids /
-    generators as `sample` takes them (generators None: every request's is None); penalties count a node's
-    ancestors (the root excepted) as generated tokens.
-
-    Greedy requests: from the root, the walk moves to the child holding the target's argmax at the current node
-    while there is one; the target's argmax at the last node follows. Sampled requests (`_sample_tree_walks`):
-    the children are candidates tried in turn, each kept with its probability under what the target's
-    distribution at the node leaves after the rejected ones, so that every token is distributed as the target's
-    own sampling would draw it. Returns the SampleOutput of `verify_drafts` (token_ids [B, n]) and path [B, n]
-    int64: the nodes the tokens were taken at, the root first, the last repeated past the accepted ones.
-    """
-    b, n, vocab = logits.shape
-    if any(p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty for p in params):
-        host_tokens, host_parents = tokens.tolist(), parents.tolist()
-
-        def before(row: int, node: int) -> list[int]:
-            """The tokens of node's ancestors below the root, and its own, in order."""
-            path = []
-            while node > 0:
-                path.append(host_tokens[row][node])
-                node = host_parents[row][node]
-            return path[::-1]
-
-        logits = apply_penalties(logits.reshape(b * n, vocab), [p for p in params for _ in range(n)],
-                                 [ids for ids in prompt_ids for _ in range(n)],
-                                 [out + before(i, j) for i, out in enumerate(output_ids) for j in range(n)]
-                                 ).view(b, n, vocab)
-    target = logits.argmax(dim=-1)  # [B, n]
-    nodes = torch.arange(n, device=logits.device)
-    # next_node[b, i]: the child of node i holding the target's token there, -1 when none does.
-    hit = (parents[:, None, :] == nodes[None, :, None]) & (tokens[:, None, :] == target[:, :, None])
-    next_node = torch.where(hit.any(dim=-1), hit.long().argmax(dim=-1), -1)
-    steps = [torch.zeros(b, dtype=torch.int64, device=logits.device)]
-    for _ in range(n - 1):  # no path is longer than the tree's n - 1 drafts
-        child = next_node.gather(1, steps[-1][:, None]).squeeze(1)
-        steps.append(torch.where(child >= 0, child, steps[-1]))
-    path = torch.stack(steps, dim=1)
-    accept_lens = (path[:, 1:] != path[:, :-1]).sum(dim=1)
-    bonus = target.gather(1, path.gather(1, accept_lens[:, None])).squeeze(1)
-    rows = [i for i, p in enumerate(params) if not p.is_greedy]
-    if rows:
-        index = to_device(torch.tensor(rows), logits.device)
-        walks = _sample_tree_walks(logits[index], tokens[index], parents[index], [params[i] for i in rows],
-                                   [generators[i] if generators else None for i in rows], default_generator)
-        path, accept_lens, bonus = (x.index_copy(0, index, y) for x, y in zip((path, accept_lens, bonus), walks,
-                                                                              strict=True))
-    out = torch.cat([tokens.gather(1, path[:, 1:]), bonus[:, None]], dim=1).scatter(1, accept_lens[:, None],
-                                                                                     bonus[:, None])
-    path_logits = logits.gather(1, path[:, :, None].expand(b, n, vocab))
-    return _with_logprobs(path_logits, out, accept_lens, params), path
-
-
-def _sample_tree_walks(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, params: list[SamplingParams],
-                       generators: list[torch.Generator | None], default_generator: torch.Generator | None
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`verify_tree` for sampled requests: logits [R, n, V] float32 (penalties applied), tokens / parents [R, n]
-    int64 -> (path [R, n], accept_lens [R], bonus [R]) as `verify_tree` returns them.
-
-    At node v, with p the target's distribution there (the request's temperature and filters, normalized), the
-    children c_1, c_2 ... (deterministic candidates, such as EAGLE-2's top-k) are tried in node order: c_j is
-    kept with probability p(c_j) / (1 - p(c_1) - ... - p(c_{j-1})), i.e. with its share of what the rejected
-    siblings leave, and the walk moves to it; when none is kept (or v is a leaf) the bonus token is drawn from p
-    without the rejected candidates. So token t is kept at c_j with probability p(t) and drawn as the bonus with
-    probability p(t) too, the chain of those terms being sampling without replacement from p. One uniform per
-    node (each node is tried at most once); the walk itself runs on the host over the candidates' probabilities."""
-    (r, n, vocab), device = logits.shape, logits.device
-    probs = filtered_probs(logits.reshape(r * n, vocab), [x for x in params for _ in range(n)]).view(r, n, vocab)
-    probs = probs / probs.sum(dim=-1, keepdim=True)
-    rows = torch.arange(r, device=device)
-    candidate_probs = probs[rows[:, None], parents.clamp_min(0), tokens].tolist()  # p of node c's token at its parent
-    uniforms = row_noise((r, n), generators, default_generator, device, exponential=False).tolist()
-    host_parents, host_tokens = parents.tolist(), tokens.tolist()
-    walks, lens, ends, rejected = [], [], [], []  # per request: path, drafts kept, last node, tokens rejected there
-    for row in range(r):
-        walk = [0]
-        while True:
-            left, kept, tried = 1.0, None, []
-            for child in (c for c in range(1, n) if host_parents[row][c] == walk[-1]):
-                p = candidate_probs[row][child]
-                if p > 0 and uniforms[row][child] * left < p:
-                    kept = child
-                    break
-                left -= p
-                tried.append(host_tokens[row][child])
-            if kept is None:
-                break
-            walk.append(kept)
-        walks.append(walk + [walk[-1]] * (n - len(walk)))
-        lens.append(len(walk) - 1)
-        ends.append(walk[-1])
-        rejected.append(tried)
-    at_end = probs[rows, to_device(torch.tensor(ends), device)]
-    residual = at_end
-    cells = [(row, token) for row, tokens_there in enumerate(rejected) for token in tokens_there]
-    if cells:
-        at = to_device(torch.tensor(cells), device)
-        residual = residual.index_put((at[:, 0], at[:, 1]), torch.zeros((), device=device))
-    # All zero only through rounding (the last candidate holding all that was left is kept for certain).
-    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, at_end)
-    path, accept_lens = to_device(torch.tensor(walks), device), to_device(torch.tensor(lens), device)
-    return path, accept_lens, draw(residual, generators, default_generator)
-
-
-def _with_logprobs(logits: torch.Tensor, tokens: torch.Tensor, accept_lens: torch.Tensor,
-                   params: list[SamplingParams]) -> SampleOutput:
-    """The SampleOutput of tokens [B, n] int64 drawn from logits [B, n, V] float32, with the logprobs `sample`
-    would report."""
-    want_logprobs, top = any(x.logprobs for x in params), max(x.top_logprobs for x in params)
-    logprobs = top_values = top_ids = None
-    if want_logprobs or top:
-        all_logprobs = torch.log_softmax(logits, dim=-1)
-        if want_logprobs:
-            logprobs = all_logprobs.gather(2, tokens[:, :, None]).squeeze(2)
-        if top:
-            top_values, top_ids = all_logprobs.topk(top, dim=-1)
-    return SampleOutput(tokens, logprobs, top_ids, top_values, accept_lens)
+__getattr__ = moved_names(__name__)

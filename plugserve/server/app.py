@@ -109,13 +109,13 @@ def create_app(engine: Engine) -> FastAPI:
             "page_size": runner.page_size,
             "max_total_tokens": runner.max_total_tokens,
             "context_length": runner.context_length,
-            "backends": [dataclasses.asdict(c) for c in runner.chosen],
+            "backends": [dataclasses.asdict(c) for c in runner.backends.chosen],
             "kernels": {f"{c.kind}:{c.name}": get_registry().kernels(c.kind, c.name, runner.hardware)
-                        for c in runner.chosen},
-            "cuda_graph": runner.graph_status,
+                        for c in runner.backends.chosen},
+            "cuda_graph": runner.graphs.status,
             "overlap_schedule": engine.scheduler.overlap_status,
             "speculative": _speculative_info(engine),
-            "shared_experts": runner.shared_experts_mode,
+            "shared_experts": runner.backends.shared_experts_mode,
             "torch_compile": (f"small ops compiled up to {engine.args.torch_compile_max_bs} rows"
                               if engine.args.enable_torch_compile else "off"),
             "ready": engine.ready.is_set(),

@@ -9,6 +9,7 @@ import torch
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode
 from plugserve.core.graph_inputs import GraphInputs, capture_sizes, padded_size
 from plugserve.core.kv_cache import MLAKVPool
+from plugserve.runtime import warmup
 from plugserve.runtime.cuda_graph_runner import CudaGraphRunner, _Graph
 from plugserve.runtime.model_runner import ModelRunner
 from plugserve.runtime.server_args import ServerArgs
@@ -129,18 +130,18 @@ def test_padded_static_batch_gives_the_real_rows_the_eager_logits(runner: ModelR
 
     inputs = GraphInputs(8, 1, 4, runner.pool, runner.padding_page)
     static = inputs.load(step, decode, batch_size=4)
-    padded = runner._logits(inputs.input_ids[:4], static, runner.attention_for(static), plan=True)
+    padded = runner.logits(inputs.input_ids[:4], static, runner.backends.attention(static), plan=True)
     torch.testing.assert_close(padded[:2, : runner.sample_vocab], eager)
     runner.allocator.free(pages)
 
 
 def test_warm_up_walks_prefill_and_decode_buckets_and_gives_pages_back(runner: ModelRunner, monkeypatch):
-    prefills, prefill = [], runner._warm_up_prefill
-    monkeypatch.setattr(runner, "_warm_up_prefill", lambda n: prefills.append(n) or prefill(n))
+    prefills, prefill = [], warmup.warm_up_prefill
+    monkeypatch.setattr(warmup, "warm_up_prefill", lambda runner, n: prefills.append(n) or prefill(runner, n))
     free = runner.allocator.num_free
-    runner.warm_up()
+    warmup.warm_up(runner)
     assert runner.allocator.num_free == free
-    assert not runner.target_graphs and not runner.nextn_graphs
+    assert not runner.graphs.runners
     # Every power of two from 16 to the largest size warmed (CPU_WARMUP_TOKENS here), each once.
     assert prefills == [16, 32, 64]
 

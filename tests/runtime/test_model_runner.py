@@ -6,13 +6,14 @@ import torch
 
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode
 from plugserve.registry import SelectionError
-from plugserve.runtime.model_runner import ModelRunner, report_late_triton_compiles
+from plugserve.runtime.metrics import report_late_triton_compiles
+from plugserve.runtime.model_runner import ModelRunner
 from plugserve.runtime.server_args import ServerArgs
 
 
 def test_backends_are_chosen_through_the_registry_with_reasons():
     runner = ModelRunner(ServerArgs(model_preset="tiny", max_total_tokens=256))
-    chosen = {(c.kind, c.phase): c for c in runner.chosen}
+    chosen = {(c.kind, c.phase): c for c in runner.backends.chosen}
     assert set(chosen) == {("attention", "decode"), ("attention", "prefill"), ("moe", "decode")}
     assert all(c.name == "torch_ref" and "priority" in c.reason for c in chosen.values())
     assert runner.page_size == 1 and runner.max_total_tokens == 256
@@ -20,7 +21,7 @@ def test_backends_are_chosen_through_the_registry_with_reasons():
 
 def test_fp8_quantization_selects_a_gemm_backend_and_page_size_is_honoured():
     runner = ModelRunner(ServerArgs(model_preset="tiny", quantization="fp8", page_size=16, max_total_tokens=512))
-    assert ("gemm", "decode") in {(c.kind, c.phase) for c in runner.chosen}
+    assert ("gemm", "decode") in {(c.kind, c.phase) for c in runner.backends.chosen}
     assert runner.page_size == 16 and runner.allocator.num_pages == 32
     assert runner.pool.num_pages == 33 and runner.padding_page == 32  # never handed out: CUDA graphs' padding
 
@@ -42,7 +43,7 @@ def test_torch_compile_swaps_in_compiled_small_ops_and_graphs_are_off_on_the_cpu
     assert norm.ops.rms_norm.__name__ == "compiled_rms_norm"
     assert runner.model.rotary.ops is norm.ops and runner.model.layers[0].mlp.ops is norm.ops
     assert runner.model.layers[0].self_attn.ops is norm.ops  # the CPU has no fused kernels: compiled ops alone
-    assert not runner.target_graphs and runner.graph_status == "no CUDA graphs on the CPU"
+    assert not runner.graphs.runners and runner.graphs.status == "no CUDA graphs on the CPU"
 
 
 def test_a_pool_too_small_to_hold_anything_is_refused():
@@ -69,40 +70,41 @@ def test_auto_runs_the_measured_fastest_backend_per_batch_bucket(tmp_path, monke
     monkeypatch.setenv(TABLES_ENV, str(tmp_path))
     runner = ModelRunner(ServerArgs(model_preset="tiny", max_total_tokens=128, max_running_requests=8,
                                     chunked_prefill_size=64))
-    assert [(b.max_size, b.backend.name) for b in runner.decode_buckets] == [(2, "triton"), (8, "torch_ref")]
-    assert [(b.max_size, b.backend.name) for b in runner.prefill_buckets] == [(16, "triton"), (64, "torch_ref")]
-    assert runner.decode_buckets[0].backend is runner.prefill_buckets[0].backend  # one instance per backend
+    decode, prefill = runner.backends.decode_buckets, runner.backends.prefill_buckets
+    assert [(b.max_size, b.backend.name) for b in decode] == [(2, "triton"), (8, "torch_ref")]
+    assert [(b.max_size, b.backend.name) for b in prefill] == [(16, "triton"), (64, "torch_ref")]
+    assert decode[0].backend is prefill[0].backend  # one instance per backend
     # One MoE backend (its packed weights exist once): decode's pick, which says prefill would rank another first.
-    [moe_prefill] = [c for c in runner.chosen if c.kind == "moe" and c.phase == "prefill"]
+    [moe_prefill] = [c for c in runner.backends.chosen if c.kind == "moe" and c.phase == "prefill"]
     assert moe_prefill.name == "torch_ref" and "triton ranks first there" in moe_prefill.reason
     assert runner.model.backends.moe.name == "torch_ref"
-    attention = {(c.phase, c.max_batch_size): c.name for c in runner.chosen if c.kind == "attention"}
+    attention = {(c.phase, c.max_batch_size): c.name for c in runner.backends.chosen if c.kind == "attention"}
     assert attention == {("decode", 2): "triton", ("decode", 8): "torch_ref", ("prefill", 16): "triton",
                          ("prefill", 64): "torch_ref"}
 
     def batch(mode: ForwardMode, n: int, new: int) -> ForwardBatch:
         return ForwardBatch.build(mode, [new] * n, [new] * n, torch.zeros(n, 32, dtype=torch.int32), runner.pool)
 
-    assert runner.attention_for(batch(ForwardMode.DECODE, 2, 1)).name == "triton"
-    assert runner.attention_for(batch(ForwardMode.DECODE, 3, 1)).name == "torch_ref"
-    assert runner.attention_for(batch(ForwardMode.EXTEND, 1, 16)).name == "triton"
-    assert runner.attention_for(batch(ForwardMode.EXTEND, 1, 17)).name == "torch_ref"
+    assert runner.backends.attention(batch(ForwardMode.DECODE, 2, 1)).name == "triton"
+    assert runner.backends.attention(batch(ForwardMode.DECODE, 3, 1)).name == "torch_ref"
+    assert runner.backends.attention(batch(ForwardMode.EXTEND, 1, 16)).name == "triton"
+    assert runner.backends.attention(batch(ForwardMode.EXTEND, 1, 17)).name == "torch_ref"
 
 
 def test_an_explicit_backend_serves_every_bucket():
     runner = ModelRunner(ServerArgs(model_preset="tiny", max_total_tokens=128, attention_backend="torch_ref",
                                     max_running_requests=8))
-    assert [(b.max_size, b.backend.name) for b in runner.decode_buckets] == [(8, "torch_ref")]
+    assert [(b.max_size, b.backend.name) for b in runner.backends.decode_buckets] == [(8, "torch_ref")]
 
 
 def test_a_plugin_that_fails_to_load_is_logged_at_start(monkeypatch, caplog):
     import logging
 
-    from plugserve.core import model_runner
     from plugserve.registry import BUILTIN_PLUGINS, Registry
+    from plugserve.runtime import backends
 
     registry = Registry(builtin=(*BUILTIN_PLUGINS, "plugserve.plugins.no_such_plugin"), entry_points=False)
-    monkeypatch.setattr(model_runner, "get_registry", lambda: registry)
+    monkeypatch.setattr(backends, "get_registry", lambda: registry)
     with caplog.at_level(logging.WARNING):
         ModelRunner(ServerArgs(model_preset="tiny", max_total_tokens=64))
     [record] = [r for r in caplog.records if "failed to load" in r.getMessage()]
@@ -120,9 +122,9 @@ def test_shared_experts_fuse_into_a_backend_that_can_and_give_the_same_logits():
     fused = ModelRunner(ServerArgs(model_preset="tiny", enable_shared_experts_fusion=True, **common))
     plain = ModelRunner(ServerArgs(model_preset="tiny", **common))
     assert fused.model.backends.moe.spec.num_shared_experts == fused.config.n_shared_experts > 0
-    assert fused.shared_experts_mode == "fused into the triton MoE backend's GEMMs"
+    assert fused.backends.shared_experts_mode == "fused into the triton MoE backend's GEMMs"
     assert plain.model.backends.moe.spec.num_shared_experts == 0
-    assert plain.shared_experts_mode == "own MLP on the main stream"
+    assert plain.backends.shared_experts_mode == "own MLP on the main stream"
     with pytest.raises(ValueError, match="--enable-shared-experts-fusion: the moe backend torch_ref does not fuse"):
         ModelRunner(ServerArgs(model_preset="tiny", enable_shared_experts_fusion=True, max_total_tokens=64))
     ids = torch.tensor([5, 17, 42, 7, 99])

@@ -13,12 +13,13 @@ import torch
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode
 from plugserve.core.kv_cache import MLAKVPool
 from plugserve.core.tokenizer import EMBEDDED_MODEL_DIR
+from plugserve.runtime.acceptance import verify_drafts
 from plugserve.runtime.engine import Engine, GenerateResult
-from plugserve.runtime.model_runner import ModelRunner
 from plugserve.runtime.request import FinishReason
 from plugserve.runtime.sampling import SamplingParams
 from plugserve.runtime.server_args import ServerArgs
-from plugserve.runtime.speculative import verify_drafts
+from plugserve.runtime.speculative import build_runner
+from plugserve.runtime.warmup import warm_up
 from tests.checkpoints import add_mtp_layer, random_hf_model, save_hf_model, tiny_v3_config, write_nextn_draft
 from tests.engine_checks import assert_every_page_is_back
 from tests.paged_runner import load_reference_model
@@ -378,7 +379,7 @@ def test_accept_length_is_in_metrics_and_server_info(plain, spec, monkeypatch):
 
 
 def test_warm_up_runs_a_rounds_forwards_at_each_decode_bucket_and_gives_pages_back(checkpoint, monkeypatch):
-    runner = ModelRunner(_args(checkpoint, speculative_algorithm="NEXTN", speculative_num_steps=STEPS))
+    runner = build_runner(_args(checkpoint, speculative_algorithm="NEXTN", speculative_num_steps=STEPS))
     n = STEPS + 1
     target, draft = [], []
     prepare, forward_nextn = runner.prepare, runner.model.forward_nextn
@@ -394,10 +395,10 @@ def test_warm_up_runs_a_rounds_forwards_at_each_decode_bucket_and_gives_pages_ba
     monkeypatch.setattr(runner, "prepare", recording_prepare)
     monkeypatch.setattr(runner.model, "forward_nextn", recording_nextn)
     free = runner.allocator.num_free
-    runner.warm_up()
+    warm_up(runner)
     assert runner.allocator.num_free == free
     assert any(mode is ForwardMode.EXTEND for mode, _, _ in draft)
-    for b in {min(bucket.max_size, runner.allocator.num_pages) for bucket in runner.decode_buckets}:
+    for b in {min(bucket.max_size, runner.allocator.num_pages) for bucket in runner.backends.decode_buckets}:
         assert (ForwardMode.TARGET_VERIFY, b, (n,) * b) in target
         for mode, new in ((ForwardMode.DECODE, 1), (ForwardMode.DRAFT_EXTEND, n)):
             assert (mode, b, (new,) * b) in draft

@@ -12,7 +12,8 @@ import dataclasses
 import pytest
 import torch
 
-import plugserve.runtime.model_runner as model_runner_module
+import plugserve.runtime.cuda_graph_runner as cuda_graph_runner_module
+import plugserve.runtime.speculative as speculative_module
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode
 from plugserve.core.kv_cache import pages_needed
 from plugserve.core.tokenizer import EMBEDDED_MODEL_DIR
@@ -22,9 +23,10 @@ from plugserve.runtime.engine import Engine
 from plugserve.runtime.model_runner import ModelRunner
 from plugserve.runtime.sampling import SamplingParams
 from plugserve.runtime.server_args import ServerArgs
+from plugserve.runtime.speculative import ROUND, build_runner
 from tests.checkpoints import add_mtp_layer, random_hf_model, save_hf_model, tiny_v3_config
-from tests.runtime.test_speculative import _copying_draft, _reference_drafts
 from tests.paged_runner import load_reference_model
+from tests.runtime.test_speculative import _copying_draft, _reference_drafts
 
 CHAINS = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 3}
 TREES = {"speculative_algorithm": "EAGLE", "speculative_num_steps": 3, "speculative_eagle_topk": 2,
@@ -47,7 +49,7 @@ class EagerGraphRunner(CudaGraphRunner):
     def _launch(self, size: int, static: ForwardBatch) -> tuple[torch.Tensor, ...]:
         self.replays.append(size)
         n = size * self.tokens_per_request
-        attention = self.attention_for(size)
+        attention = self.backend_for_size(size)
         attention.plan(static)
         hidden = None if self.inputs.hidden is None else self.inputs.hidden[:n]
         return self.forward(self.inputs.input_ids[:n], hidden, static, attention)
@@ -61,13 +63,13 @@ def _capture(runner: ModelRunner, monkeypatch, graph_modes: frozenset[ForwardMod
     monkeypatch.setattr(TorchRefAttention, "capabilities",
                         dataclasses.replace(TorchRefAttention.capabilities, graph_modes=graph_modes,
                                             graph_plan_on_device=plan_on_device))
-    monkeypatch.setattr(model_runner_module, "plan_in_graph", lambda attention, batch: attention.plan(batch))
+    monkeypatch.setattr(speculative_module, "plan_in_graph", lambda attention, batch: attention.plan(batch))
     moe = runner.model.backends.moe
     monkeypatch.setattr(type(moe), "capabilities", dataclasses.replace(moe.capabilities, cuda_graph=moe_graph))
-    monkeypatch.setattr(model_runner_module, "CudaGraphRunner", EagerGraphRunner)
-    monkeypatch.setattr(model_runner_module, "init_graph_attention", lambda runners: None)
+    monkeypatch.setattr(cuda_graph_runner_module, "CudaGraphRunner", EagerGraphRunner)
+    monkeypatch.setattr(cuda_graph_runner_module, "init_graph_attention", lambda runners: None)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
-    runner.target_graphs, runner.nextn_graphs, runner.graph_max_bs = {}, {}, max_bs
+    runner.graphs.runners, runner.graph_max_bs = {}, max_bs
     runner.capture_graphs()
 
 
@@ -96,35 +98,33 @@ def expected(checkpoint) -> list[list[int]]:
 ON_HOST = "greedy round is not one graph: attention backend torch_ref plans on the host before each replay"
 
 
-@pytest.mark.parametrize(("flags", "graph_modes", "plan_on_device", "status", "target", "nextn"), [
+@pytest.mark.parametrize(("flags", "graph_modes", "plan_on_device", "status", "captured"), [
     (CHAINS, ALL_MODES, False, "TARGET_VERIFY, draft DECODE, DRAFT_EXTEND captured at batch sizes [1, 2, 4] (larger "
-     f"batches run eagerly); {ON_HOST}", {ForwardMode.TARGET_VERIFY}, {ForwardMode.DECODE, ForwardMode.DRAFT_EXTEND}),
+     f"batches run eagerly); {ON_HOST}", {"TARGET_VERIFY", "draft DECODE", "DRAFT_EXTEND"}),
     (CHAINS, ALL_MODES, True, "TARGET_VERIFY, draft DECODE, DRAFT_EXTEND, greedy round captured at batch sizes "
-     "[1, 2, 4] (larger batches run eagerly)", {ForwardMode.TARGET_VERIFY},
-     {ForwardMode.DECODE, ForwardMode.DRAFT_EXTEND}),
+     "[1, 2, 4] (larger batches run eagerly)", {"TARGET_VERIFY", "draft DECODE", "DRAFT_EXTEND"}),
     (CHAINS, frozenset({ForwardMode.TARGET_VERIFY}), True, "TARGET_VERIFY captured at batch sizes [1, 2, 4] (larger "
      "batches run eagerly); draft DECODE runs eagerly: attention backend torch_ref does not run DECODE under CUDA "
      "graphs; DRAFT_EXTEND runs eagerly: attention backend torch_ref does not run DRAFT_EXTEND under CUDA graphs; "
      "greedy round is not one graph: attention backend torch_ref does not run DECODE under CUDA graphs",
-     {ForwardMode.TARGET_VERIFY}, set()),
+     {"TARGET_VERIFY"}),
     (TREES, ALL_MODES, False, "DRAFT_EXTEND captured at batch sizes [1, 2, 4] (larger batches run eagerly); draft "
-     "trees verify and draft eagerly: no attention backend runs tree attention under CUDA graphs", set(),
-     {ForwardMode.DRAFT_EXTEND}),
+     "trees verify and draft eagerly: no attention backend runs tree attention under CUDA graphs", {"DRAFT_EXTEND"}),
 ])
 def test_rounds_under_graphs_give_the_greedy_outputs_without_speculation(checkpoint, expected, monkeypatch, flags,
-                                                                         graph_modes, plan_on_device, status, target,
-                                                                         nextn):
+                                                                         graph_modes, plan_on_device, status, captured):
     """With the greedy round's graph, every round of these greedy requests replays it and nothing else."""
     engine = Engine(_args(checkpoint, **flags))
     try:
         engine.ready.wait()
         runner = engine.runner
         _capture(runner, monkeypatch, graph_modes, plan_on_device=plan_on_device)
-        assert runner.graph_status == status
-        assert set(runner.target_graphs) == target and set(runner.nextn_graphs) == nextn
-        assert (runner.round_graph is not None) == ("greedy round captured" in status)
-        forwards: list[EagerGraphRunner] = [*runner.target_graphs.values(), *runner.nextn_graphs.values()]  # type: ignore[list-item]
-        rounds: list[EagerGraphRunner] = [runner.round_graph] if runner.round_graph is not None else []  # type: ignore[list-item]
+        assert runner.graphs.status == status
+        graphs = runner.graphs.runners
+        assert set(graphs) - {ROUND} == captured
+        assert (ROUND in graphs) == ("greedy round captured" in status)
+        forwards: list[EagerGraphRunner] = [g for label, g in graphs.items() if label != ROUND]  # type: ignore[misc]
+        rounds: list[EagerGraphRunner] = [graphs[ROUND]] if ROUND in graphs else []  # type: ignore[list-item]
         used, unused = (rounds, forwards) if rounds else (forwards, [])
         # 5 requests: rounds past the largest graph run eagerly.
         assert [r.token_ids for r in engine.generate([*PROMPTS, PROMPTS[0]], GREEDY)] == [*expected, expected[0]]
@@ -139,31 +139,29 @@ def test_rounds_under_graphs_give_the_greedy_outputs_without_speculation(checkpo
                 graph.replays.clear()
             with_graphs = [r.token_ids for r in engine.generate(PROMPTS[:3], penalized)]
             assert all(g.replays for g in forwards) and not rounds[0].replays
-            runner.round_graph = None
-            runner.target_graphs.clear()
-            runner.nextn_graphs.clear()
+            graphs.clear()
             assert [r.token_ids for r in engine.generate(PROMPTS[:3], penalized)] == with_graphs
     finally:
         engine.shutdown()
 
 
 def test_nothing_is_captured_when_the_backend_declares_no_mode_or_the_moe_backend_cannot(checkpoint, monkeypatch):
-    runner = ModelRunner(_args(checkpoint, **CHAINS))
-    assert runner.graph_status == "no CUDA graphs on the CPU"
+    runner = build_runner(_args(checkpoint, **CHAINS))
+    assert runner.graphs.status == "no CUDA graphs on the CPU"
     _capture(runner, monkeypatch, frozenset())
-    assert not runner.target_graphs and not runner.nextn_graphs
-    assert runner.graph_status == "; ".join(
+    assert not runner.graphs.runners
+    assert runner.graphs.status == "; ".join(
         f"{label}: attention backend torch_ref does not run {mode} under CUDA graphs"
         for label, mode in (("TARGET_VERIFY runs eagerly", "TARGET_VERIFY"), ("draft DECODE runs eagerly", "DECODE"),
                             ("DRAFT_EXTEND runs eagerly", "DRAFT_EXTEND"), ("greedy round is not one graph", "DECODE")))
     _capture(runner, monkeypatch, ALL_MODES, moe_graph=False, plan_on_device=True)
-    assert not runner.target_graphs and not runner.nextn_graphs and runner.round_graph is None
+    assert not runner.graphs.runners
     moe = runner.model.backends.moe.name
-    assert runner.graph_status.count(f"moe backend {moe} cannot be captured in a CUDA graph") == 4
+    assert runner.graphs.status.count(f"moe backend {moe} cannot be captured in a CUDA graph") == 4
 
 
 def test_a_failed_capture_leaves_every_forward_eager_and_says_why(checkpoint, monkeypatch):
-    runner = ModelRunner(_args(checkpoint, **CHAINS))
+    runner = build_runner(_args(checkpoint, **CHAINS))
 
     def fail(self, forward, pool_handle, progress=None):
         if self.mode is ForwardMode.DRAFT_EXTEND:
@@ -173,25 +171,25 @@ def test_a_failed_capture_leaves_every_forward_eager_and_says_why(checkpoint, mo
     real = EagerGraphRunner.capture
     monkeypatch.setattr(EagerGraphRunner, "capture", fail)
     _capture(runner, monkeypatch, ALL_MODES, plan_on_device=True)
-    assert not runner.target_graphs and not runner.nextn_graphs and runner.round_graph is None
-    assert runner.graph_status == ("TARGET_VERIFY, draft DECODE, DRAFT_EXTEND, greedy round run eagerly: capture "
+    assert not runner.graphs.runners
+    assert runner.graphs.status == ("TARGET_VERIFY, draft DECODE, DRAFT_EXTEND, greedy round run eagerly: capture "
                                    "failed: RuntimeError: out of graph memory")
 
 
 def test_without_speculation_only_the_targets_decode_is_captured(checkpoint, monkeypatch):
     runner = ModelRunner(_args(checkpoint))
     _capture(runner, monkeypatch, ALL_MODES, max_bs=5)
-    assert runner.graph_status == "DECODE captured at batch sizes [1, 2, 4, 5] (larger batches run eagerly)"
-    assert set(runner.target_graphs) == {ForwardMode.DECODE} and not runner.nextn_graphs
+    assert runner.graphs.status == "DECODE captured at batch sizes [1, 2, 4, 5] (larger batches run eagerly)"
+    assert set(runner.graphs.runners) == {"DECODE"}
 
 
 @torch.inference_mode()
 def test_padded_draft_extend_gives_the_accepted_tokens_the_unpadded_outputs(checkpoint, monkeypatch):
     """DRAFT_EXTEND padded to n tokens per request (eagerly, and replayed on a graph of 4 requests whose last
     is padding) gives each request's accepted rows what the forward over only those rows gives."""
-    runner = ModelRunner(_args(checkpoint, **CHAINS))
+    runner = build_runner(_args(checkpoint, **CHAINS))
     _capture(runner, monkeypatch, ALL_MODES, max_bs=4)
-    worker_nextn = runner.nextn_graphs[ForwardMode.DRAFT_EXTEND]
+    worker_nextn = runner.graphs.runners["DRAFT_EXTEND"]
     n, prefix, accepted = 4, [6, 9, 3], [1, 3, 4]  # 1 .. n tokens accepted (the accepted drafts and one more)
     torch.manual_seed(0)
     rows_pages = [runner.allocator.alloc(pages_needed(p + n, runner.page_size)) for p in prefix]
@@ -200,7 +198,7 @@ def test_padded_draft_extend_gives_the_accepted_tokens_the_unpadded_outputs(chec
     hidden_size = runner.config.hidden_size
 
     def nextn(ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        attention = runner.attention_for(runner.prepare(batch))
+        attention = runner.backends.attention(runner.prepare(batch))
         attention.plan(batch)
         return runner.model.forward_nextn(ids, hidden, batch, attention)
 
@@ -247,7 +245,8 @@ def test_graphed_rounds_leave_the_nextn_layer_the_state_of_the_accepted_tokens(c
         monkeypatch.setattr(worker, "_draft", spy)
         params = dataclasses.replace(GREEDY, max_new_tokens=GREEDY.max_new_tokens - CHAINS["speculative_num_steps"])
         assert [r.token_ids for r in engine.generate(PROMPTS[:2], params)] == [e[:8] for e in expected[:2]]
-        assert all(g.replays for g in engine.runner.nextn_graphs.values())  # type: ignore[attr-defined]
+        nextn = [engine.runner.graphs.runners[label] for label in ("draft DECODE", "DRAFT_EXTEND")]
+        assert all(g.replays for g in nextn)  # type: ignore[attr-defined]
         assert worker.accepted_tokens > 2 * worker.verify_steps
     finally:
         engine.shutdown()
@@ -279,12 +278,12 @@ def test_on_the_gpu_rounds_replay_their_graphs_and_give_the_greedy_outputs_witho
         engine = Engine(_args(checkpoint, **gpu, **flags))
         try:
             engine.ready.wait()
-            rounds.add(id(engine.runner.round_graph))
+            rounds.add(id(engine.runner.graphs.runners.get(ROUND)))
             # 5 requests: past the largest graph, eagerly; then 3 on the graphs of 4.
             outputs.append([r.token_ids for r in engine.generate([*PROMPTS, PROMPTS[0]], GREEDY)]
                            + [r.token_ids for r in engine.generate(PROMPTS[:3], GREEDY)]
                            + [r.token_ids for r in engine.generate(PROMPTS[:3], penalized)])
-            statuses.append(engine.runner.graph_status)
+            statuses.append(engine.runner.graphs.status)
         finally:
             engine.shutdown()
     assert statuses == ["DECODE captured at batch sizes [1, 2, 4] (larger batches run eagerly)",

@@ -13,11 +13,13 @@ import torch
 from plugserve.core.forward_batch import DraftTree, ForwardBatch, ForwardMode
 from plugserve.core.kv_cache import MLAKVPool
 from plugserve.plugins.attention.torch_ref import TorchRefAttention
+from plugserve.runtime.acceptance import verify_tree
 from plugserve.runtime.engine import Engine
 from plugserve.runtime.sampling import SamplingParams
 from plugserve.runtime.server_args import ServerArgs
-from plugserve.runtime.speculative import verify_tree
 from tests.checkpoints import add_mtp_layer, random_hf_model, save_hf_model, tiny_v3_config
+from tests.engine_checks import assert_every_page_is_back
+from tests.paged_runner import load_reference_model
 from tests.runtime.test_speculative import (
     GREEDY,
     PROMPTS,
@@ -28,8 +30,6 @@ from tests.runtime.test_speculative import (
     _target_probs,
     check_seeded_sampling,
 )
-from tests.engine_checks import assert_every_page_is_back
-from tests.paged_runner import load_reference_model
 
 TREE = {"speculative_algorithm": "EAGLE", "speculative_num_steps": 3, "speculative_eagle_topk": 2,
         "speculative_num_draft_tokens": 8}

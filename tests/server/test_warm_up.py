@@ -8,6 +8,7 @@ import threading
 import pytest
 from fastapi.testclient import TestClient
 
+from plugserve.runtime import engine as engine_module
 from plugserve.runtime.engine import Engine
 from plugserve.runtime.model_runner import ModelRunner
 from plugserve.runtime.server_args import ServerArgs
@@ -16,17 +17,17 @@ from plugserve.server.app import create_app
 
 @pytest.fixture
 def gated_warm_up(monkeypatch) -> threading.Event:
-    """ModelRunner.warm_up blocks until the returned event is set."""
+    """The engine's warm-up blocks until the returned event is set."""
     release = threading.Event()
     release.kwargs = {}
-    original = ModelRunner.warm_up
+    original = engine_module.warm_up
 
-    def warm_up(self: ModelRunner, **kwargs) -> None:
+    def warm_up(runner: ModelRunner, **kwargs) -> None:
         release.kwargs.update(kwargs)
         release.wait(30)
-        original(self, **kwargs)
+        original(runner, **kwargs)
 
-    monkeypatch.setattr(ModelRunner, "warm_up", warm_up)
+    monkeypatch.setattr(engine_module, "warm_up", warm_up)
     return release
 
 
@@ -57,10 +58,10 @@ def test_requests_wait_for_warm_up_with_503_and_then_serve(gated_warm_up):
 
 
 def test_a_failed_warm_up_is_reported_and_never_serves(monkeypatch):
-    def fail(self: ModelRunner, **kwargs) -> None:
+    def fail(runner: ModelRunner, **kwargs) -> None:
         raise RuntimeError("CUDA error: out of memory")
 
-    monkeypatch.setattr(ModelRunner, "warm_up", fail)
+    monkeypatch.setattr(engine_module, "warm_up", fail)
     engine = Engine(ServerArgs(model_preset="tiny", max_total_tokens=256))
     try:
         engine._thread.join(10)

@@ -1,0 +1,171 @@
+"""The backends one ModelRunner runs, chosen through the registry: attention per phase and batch-size bucket (all
+on one KV pool), and the model's MoE and FP8 GEMM backends (one each: their packed weights exist once)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from plugserve.core.config import ModelConfig
+from plugserve.core.distributed import ParallelGroup
+from plugserve.core.forward_batch import ForwardBatch, ForwardMode, Phase
+from plugserve.core.hardware import Hardware
+from plugserve.core.interfaces import AttentionBackend, AttentionSpec, MoESpec
+from plugserve.core.models.deepseek import ModelBackends
+from plugserve.registry import SelectionError, get_registry, load_selection_table
+from plugserve.runtime.server_args import ServerArgs, flag
+
+logger = logging.getLogger(__name__)
+
+# Prefill tokens the prefill backends are chosen for without chunked prefill (the warm-up's longest prompt).
+WARMUP_PREFILL_TOKENS = 8192
+
+
+@dataclass(frozen=True)
+class ChosenBackend:
+    """One selection, as /server_info and the log report it: for batches up to `max_batch_size`
+    requests (decode) or tokens (prefill)."""
+
+    kind: str
+    phase: str
+    name: str
+    reason: str
+    max_batch_size: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """An attention backend for batches up to `max_size` requests (decode) or tokens (prefill)."""
+
+    max_size: int
+    backend: AttentionBackend
+
+
+def in_bucket(buckets: list[Bucket], size: int) -> AttentionBackend:
+    """The backend of the first bucket holding `size` (a size beyond the last bucket uses it)."""
+    return next((b.backend for b in buckets if size <= b.max_size), buckets[-1].backend)
+
+
+class RunnerBackends:
+    """Every backend of one rank's model, built (and self-checked) at construction. `chosen` lists each
+    selection with its reason; the decode backend of the largest batch fixes `page_size`."""
+
+    def __init__(self, args: ServerArgs, config: ModelConfig, hardware: Hardware, device: torch.device,
+                 dtype: torch.dtype, kv_dtype: torch.dtype, group: ParallelGroup, dp_size: int, max_batch: int) -> None:
+        self.args, self.config, self.hardware, self.device = args, config, hardware, device
+        for broken in get_registry().broken:
+            logger.warning("plugin %s (package %s) failed to load and is skipped: %s", broken.plugin, broken.package,
+                           broken.error)
+        self.chosen: list[ChosenBackend] = []
+        decode_flag = flag("decode_attention_backend") if args.decode_attention_backend else flag("attention_backend")
+        prefill_flag = (flag("prefill_attention_backend") if args.prefill_attention_backend
+                        else flag("attention_backend"))
+
+        def with_page_size(cls: type, spec: AttentionSpec) -> AttentionSpec:
+            # --page-size, else the one the decode backend forces, else 1 (usability checked the flag).
+            forced = cls.capabilities.forced_page_size()
+            return dataclasses.replace(spec, page_size=args.page_size or forced or 1)
+
+        # The backend of the largest decode batch fixes the page size; every other bucket must live with it.
+        built: dict[str, Any] = {}
+        decode = self._build("attention", Phase.DECODE, args.decode_attention, decode_flag,
+                             config.attention_spec(dtype, args.page_size, kv_dtype, group.world_size // dp_size),
+                             max_batch, with_page_size, built)
+        spec = decode.spec
+        self.page_size: int = spec.page_size
+        self.decode_buckets = self._buckets(Phase.DECODE, args.decode_attention, decode_flag, spec, max_batch,
+                                            decode, built)
+        prefill_tokens = args.chunked_prefill_size if args.chunked_prefill_size > 0 else WARMUP_PREFILL_TOKENS
+        prefill = self._build("attention", Phase.PREFILL, args.prefill_attention, prefill_flag, spec, prefill_tokens,
+                              built=built)
+        self.prefill_buckets = self._buckets(Phase.PREFILL, args.prefill_attention, prefill_flag, spec,
+                                             prefill_tokens, prefill, built)
+        moe = gemm = None
+        if config.n_routed_experts:
+            moe_spec = config.moe_spec(dtype, group.world_size, args.ep_size, group.rank if args.ep_size > 1 else 0)
+            moe = self._build_packed("moe", args.moe_runner_backend, moe_spec, max_batch, prefill_tokens,
+                                     self._fuse_shared_experts)
+        if args.enable_shared_experts_fusion and not (moe is not None and moe.spec.num_shared_experts):
+            why = (f"the moe backend {moe.name} does not fuse them (triton does: {flag('moe_runner_backend')} "
+                   "triton)" if moe is not None and config.n_shared_experts else "the model has no shared experts")
+            raise ValueError(f"{flag('enable_shared_experts_fusion')}: {why}")
+        if config.fp8_block:
+            gemm = self._build_packed("gemm", args.fp8_gemm_backend, config.gemm_spec(dtype), max_batch,
+                                      prefill_tokens)
+        self.model = ModelBackends(attention_prefill=prefill, attention_decode=decode, moe=moe, gemm=gemm)
+
+    def attention(self, batch: ForwardBatch) -> AttentionBackend:
+        """The attention backend of this batch's phase and size bucket: prefill by new tokens, every
+        other mode by requests."""
+        if batch.mode is ForwardMode.EXTEND:
+            return in_bucket(self.prefill_buckets, batch.num_tokens)
+        return in_bucket(self.decode_buckets, batch.batch_size)
+
+    @property
+    def shared_experts_mode(self) -> str:
+        """How the MoE layers run their shared experts (for /server_info)."""
+        moe = self.model.moe
+        if not self.config.n_shared_experts or moe is None:
+            return "none"
+        if moe.spec.num_shared_experts:
+            return f"fused into the {moe.name} MoE backend's GEMMs"
+        overlap = self.device.type == "cuda" and not self.args.disable_shared_experts_overlap
+        stream = "on a second CUDA stream" if overlap else "on the main stream"
+        return f"own MLP {stream}"
+
+    def _build(self, kind: str, phase: Phase, requested: str, flag_name: str, spec: Any, batch_size: int,
+               fit_spec: Callable[[type, Any], Any] | None = None, built: dict[str, Any] | None = None) -> Any:
+        """The registry's first candidate that passes its start-up self-check (reusing `built` instances),
+        logged with why."""
+        try:
+            backend, selection = get_registry().build(kind, phase, batch_size, self.device, spec, requested,  # type: ignore[arg-type]
+                                                      fit_spec, built)
+        except SelectionError as exc:
+            raise SelectionError(f"{flag_name}: {exc}") from None
+        logger.info("%s %s backend up to %d: %s (%s)", kind, phase.value, batch_size, backend.name, selection.reason)
+        self.chosen.append(ChosenBackend(kind, phase.value, backend.name, selection.reason, batch_size))
+        if built is not None:
+            built[backend.name] = backend
+        return backend
+
+    def _buckets(self, phase: Phase, requested: str, flag_name: str, spec: AttentionSpec, largest: int,
+                 first: AttentionBackend, built: dict[str, Any]) -> list[Bucket]:
+        """`first` (chosen for `largest`) plus, under `auto`, the backend ranked first at each smaller
+        bucket bound of the measured table: one instance per backend, all on one KV pool."""
+        buckets = [Bucket(largest, first)]
+        loaded = load_selection_table(self.hardware)
+        if requested != "auto" or loaded is None:
+            return buckets
+        bounds = loaded[0].bucket_bounds("attention", phase, largest)[:-1]
+        buckets[:0] = [Bucket(b, self._build("attention", phase, requested, flag_name, spec, b, built=built))
+                       for b in bounds]
+        return buckets
+
+    def _fuse_shared_experts(self, cls: type, spec: MoESpec) -> MoESpec:
+        """The MoE spec a candidate backend is built with: the shared experts fused into its GEMMs under
+        --enable-shared-experts-fusion when it can."""
+        shared = self.config.n_shared_experts
+        if not shared or not self.args.enable_shared_experts_fusion or not cls.capabilities.shared_experts_fusion:
+            return spec
+        return dataclasses.replace(spec, num_shared_experts=shared)
+
+    def _build_packed(self, kind: str, requested: str, spec: Any, max_batch: int, prefill_tokens: int,
+                      fit_spec: Callable[[type, Any], Any] | None = None) -> Any:
+        """A MoE or GEMM backend: one for the model, since its packed weights exist once. The decode pick
+        (most of serving's time) runs prefill too; when the table ranks another first for prefill, the
+        choice says so."""
+        name = flag("moe_runner_backend" if kind == "moe" else "fp8_gemm_backend")
+        backend = self._build(kind, Phase.DECODE, requested, name, spec, max_batch, fit_spec)
+        if requested == "auto":
+            preferred = get_registry().select(kind, Phase.PREFILL, prefill_tokens, self.hardware, spec=spec)  # type: ignore[arg-type]
+            if preferred.backend.name != backend.name:
+                reason = (f"weights are packed once per model: the decode pick runs prefill too, though "
+                          f"{preferred.backend.name} ranks first there ({preferred.reason})")
+                logger.info("%s prefill backend: %s (%s)", kind, backend.name, reason)
+                self.chosen.append(ChosenBackend(kind, Phase.PREFILL.value, backend.name, reason, prefill_tokens))
+        return backend

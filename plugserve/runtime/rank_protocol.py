@@ -1,0 +1,84 @@
+"""What rank 0 sends the other ranks before each forward, so that every rank runs it: per DP group, the
+batch's lengths (one small object) and one device tensor of its input ids, sampled rows and block table
+(stream-ordered: the ids may still be being sampled). Without DP attention there is one group, every rank's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from plugserve.core.distributed import ParallelGroup
+from plugserve.core.forward_batch import ForwardBatch, ForwardMode
+from plugserve.core.kv_cache import MLAKVPool
+
+
+class Part(NamedTuple):
+    """One DP group's share of a forward: input_ids [T] int64 and sample_rows [S] int64 on the device, with its
+    batch (without DP attention, the one group's: the whole forward)."""
+
+    input_ids: torch.Tensor
+    batch: ForwardBatch
+    sample_rows: torch.Tensor
+
+
+class Header(NamedTuple):
+    """A DP group's batch as rank 0 sends it (the lengths; the tensors follow in one payload)."""
+
+    mode: ForwardMode
+    seq_lens: list[int]
+    extend_lens: list[int]
+    width: int  # block-table columns
+    num_sampled: int
+
+    @classmethod
+    def of(cls, part: Part | None) -> Header | None:
+        if part is None:
+            return None
+        batch = part.batch
+        return cls(batch.mode, batch.seq_lens_cpu, batch.extend_lens_cpu, batch.block_table.shape[1],
+                   part.sample_rows.numel())
+
+    @property
+    def sizes(self) -> list[int]:
+        """Elements of its input ids, sample rows and block table in the payload."""
+        return [sum(self.extend_lens), self.num_sampled, len(self.seq_lens) * self.width]
+
+
+def idle_part(pool: MLAKVPool) -> Part:
+    """The part of a rank whose DP group has no batch this forward: an IDLE one (the MLP's collectives need
+    every rank)."""
+    empty = torch.zeros(0, dtype=torch.int64, device=pool.device)
+    table = torch.zeros(0, 1, dtype=torch.int32, device=pool.device)
+    return Part(empty, ForwardBatch.build(ForwardMode.IDLE, [], [], table, pool), empty)
+
+
+def send(group: ParallelGroup, headers: list[Header | None], parts: list[Part | None]) -> None:
+    """Rank 0: every group's batch to the other ranks."""
+    group.broadcast_object(headers)
+    group.broadcast(torch.cat([t for p in parts if p is not None for t in
+                               (p.input_ids, p.sample_rows, p.batch.block_table.flatten().to(torch.int64))]))
+
+
+def release(group: ParallelGroup) -> None:
+    """Rank 0, once its forwards are over: the other ranks' `receive` returns None."""
+    group.broadcast_object(None)
+
+
+def receive(group: ParallelGroup, dp_rank: int, pool: MLAKVPool, prepare: Callable[[ForwardBatch], ForwardBatch]
+            ) -> tuple[Part | None, list[Header | None]] | None:
+    """Ranks 1..P-1: this rank's group's part of the next forward (None when its group idles; the batch passed
+    through `prepare` as rank 0 prepared it) and every group's header, or None once rank 0 releases them."""
+    headers: list[Header | None] | None = group.broadcast_object(None)
+    if headers is None:
+        return None
+    sizes = [[0, 0, 0] if h is None else h.sizes for h in headers]
+    payload = group.broadcast(torch.empty(sum(map(sum, sizes)), dtype=torch.int64, device=pool.device))
+    header, start = headers[dp_rank], sum(map(sum, sizes[:dp_rank]))
+    if header is None:
+        return None, headers
+    input_ids, sample_rows, table = payload[start : start + sum(sizes[dp_rank])].split(header.sizes)
+    table = table.view(len(header.seq_lens), header.width).to(torch.int32)
+    batch = ForwardBatch.build(header.mode, header.seq_lens, header.extend_lens, table, pool)
+    return Part(input_ids, prepare(batch), sample_rows), headers
