@@ -154,7 +154,7 @@ def mla_block_h(num_heads: int, dtype: torch.dtype, capability: tuple[int, int] 
 
 def mla_config(num_heads: int, dtype: torch.dtype, capability: tuple[int, int] | None, page_size: int,
                kv_lora_rank: int, rope_dim: int) -> MlaConfig:
-    """Launch parameters by shape, from the H100 sweeps (benchmarks/sweep_triton_mla.py) and ptxas' register
+    """Launch parameters by shape, from the H100 sweeps (benchmarks/dev/sweep_triton_mla.py) and ptxas' register
     counts (none spill) and shared memory for sm90 (Triton 3.6):
     - 64 heads (wgmma): 64-key blocks, 2 stages (the 72 KB query block and two 73 KB KV blocks: 221 KB,
       240 registers), as TMA boxes where a block lies inside a page. At 128 heads this took 1071 us at batch
@@ -774,7 +774,7 @@ def mha_varlen(
     """Ragged MHA: q [T, H, Dqk], k [Tk, H, Dqk], v [Tk, H, Dv] (last dims contiguous), requests packed
     request-major; cu_q / cu_kv [B+1] int32 exclusive prefix sums of the per-request query / key
     counts; max_q_len the largest query count. Causal masks bottom-right. `config`: launch exactly this one
-    (benchmarks/sweep_triton_mha.py); None, the Gluon kernel where `mha_gluon_fits` (sm90), else the first of
+    (benchmarks/dev/sweep_triton_mha.py); None, the Gluon kernel where `mha_gluon_fits` (sm90), else the first of
     `mha_configs` this GPU's shared memory holds. Returns out [T, H, Dv] in q's dtype and lse [T, H] float32
     (natural log; -inf, out 0 where a query sees no key)."""
     t, h, d_qk = q.shape

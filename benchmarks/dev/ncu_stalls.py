@@ -1,8 +1,8 @@
 """Where a kernel's warps stall, from an ncu report's SASS page:
 
-    ncu -k regex:NAME -c 1 --set full --import-source yes -o rep python3 benchmarks/profile_triton_kernels.py
+    ncu -k regex:NAME -c 1 --set full --import-source yes -o rep python3 benchmarks/dev/profile_triton_kernels.py
     ncu -i rep.ncu-rep --page source --csv --print-source sass > sass.csv
-    python3 -m benchmarks.ncu_stalls sass.csv [--top 25]
+    python3 -m benchmarks.dev.ncu_stalls sass.csv [--top 25]
 
 prints each stall reason's share of all warp samples, the instructions with the most samples (and the reason that
 dominates each), and the share spent on local-memory (spill) loads and stores."""

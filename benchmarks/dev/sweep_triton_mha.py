@@ -1,7 +1,7 @@
 """Sweep the launch parameters of the Triton ragged MHA kernel (prefill / extend) on the GPU, against the limit
 measured in the same run: causal flops / bf16 TFLOP/s, as benchmarks/shootout.py computes it for prefill.
 
-    PYTHONPATH=. python benchmarks/sweep_triton_mha.py [--heads 128] [--shapes 4096x0 16384x0 4096x4096] \
+    PYTHONPATH=. python benchmarks/dev/sweep_triton_mha.py [--heads 128] [--shapes 4096x0 16384x0 4096x4096] \
         [--output sweep.json]
 
 For each (new tokens, cached prefix) shape of one request (DeepSeek's MHA heads: qk 192, v 128; causal,

@@ -1,8 +1,8 @@
 #!/bin/bash
 # Run on the GPU machine from the repo root (device tool, carrying .carry/wheels and .carry/mpl):
-#   bash benchmarks/run_triton_on_device.sh kit       conformance kit at full DeepSeek-V3 shapes, Triton backends
-#   bash benchmarks/run_triton_on_device.sh shootout  every usable backend, same-run ceilings, auto's table
-#   bash benchmarks/run_triton_on_device.sh tune      --quick tuning of the FP8 GEMM and fused-MoE configs
+#   bash tools/device/run_triton_on_device.sh kit       conformance kit at full DeepSeek-V3 shapes, Triton backends
+#   bash tools/device/run_triton_on_device.sh shootout  every usable backend, same-run ceilings, auto's table
+#   bash tools/device/run_triton_on_device.sh tune      --quick tuning of the FP8 GEMM and fused-MoE configs
 # .carry/mpl: pip download --no-deps --only-binary=:all: --python-version 3.12 matplotlib contourpy cycler
 #   fonttools kiwisolver pillow pyparsing python-dateutil six
 set -uo pipefail
@@ -20,7 +20,7 @@ for stage in "$@"; do
     shootout)
       timeout 400 python3 benchmarks/shootout.py --output-dir $OUT/shootout 2>&1 | tee $OUT/shootout.log ;;
     tune)
-      python3 -m benchmarks.tune_fp8_gemm --quick --output-dir $OUT/gemm_configs 2>&1 | tail -20 | tee $OUT/tune_gemm.log
-      python3 -m benchmarks.tune_fused_moe --quick --output-dir $OUT/moe_configs 2>&1 | tail -20 | tee $OUT/tune_moe.log ;;
+      python3 -m benchmarks.tune.tune_fp8_gemm --quick --output-dir $OUT/gemm_configs 2>&1 | tail -20 | tee $OUT/tune_gemm.log
+      python3 -m benchmarks.tune.tune_fused_moe --quick --output-dir $OUT/moe_configs 2>&1 | tail -20 | tee $OUT/tune_moe.log ;;
   esac
 done

@@ -4,7 +4,7 @@
 #   .carry/cutlass/cutlass-include.tar.xz   (~1 MiB; /.carry/ is git-ignored)
 # for a machine without internet. There: tar -xJf .carry/cutlass/cutlass-include.tar.xz -C /tmp/cutlass
 # and export PLUGSERVE_CUTLASS_DIR=/tmp/cutlass (the archive holds include/).
-# Usage: tools/prepare_cutlass_carry.sh [VERSION]   (default 4.2.0.0, the newest nvidia-cutlass on PyPI)
+# Usage: tools/device/prepare_cutlass_carry.sh [VERSION]   (default 4.2.0.0, the newest nvidia-cutlass on PyPI)
 set -euo pipefail
 version=${1:-4.2.0.0}
 out=.carry/cutlass

@@ -1,11 +1,11 @@
 #!/bin/bash
-# Run here (no GPU needed), in the project's root: packs the sources tools/build_flashmla.sh compiles on the
+# Run here (no GPU needed), in the project's root: packs the sources tools/device/build_flashmla.sh compiles on the
 # GPU machine into
 #   .carry/flashmla/flashmla-src.tar.xz   (~1.2 MiB; /.carry/ is git-ignored)
 # holding FlashMLA/ = deepseek-ai/FlashMLA at 9241ae3 (csrc/, the flash_mla/ Python package, LICENSE) with
 # its cutlass submodule, NVIDIA/cutlass at 147f567, reduced to include/ and tools/util/include, at
 # FlashMLA/csrc/cutlass/ where the submodule lives.
-# Usage: tools/prepare_flashmla_carry.sh [FLASHMLA_GIT_DIR] [CUTLASS_GIT_DIR]
+# Usage: tools/device/prepare_flashmla_carry.sh [FLASHMLA_GIT_DIR] [CUTLASS_GIT_DIR]
 #   (git directories holding those commits; defaults: the mirrors the `fetch` tool makes under /work/.mirror)
 set -euo pipefail
 flashmla_git=${1:-/work/.mirror/deepseek-ai+FlashMLA/repo}

@@ -1,6 +1,6 @@
 import pytest
 
-from benchmarks import sweep_triton_mha
+from benchmarks.dev import sweep_triton_mha
 from plugserve.plugins.attention.triton_kernels import MhaConfig
 
 

@@ -2,7 +2,7 @@
 batch (CUDA graphs replay as they serve), GPU kernel time grouped by kernel, against the step's wall
 time. Every server flag passes through.
 
-    python -m benchmarks.profile_decode --model-preset deepseek-v2-lite --load-format dummy \\
+    python -m benchmarks.dev.profile_decode --model-preset deepseek-v2-lite --load-format dummy \\
         --batch-size 1 --input-len 256 --enable-torch-compile --output profile.txt
 """
 
@@ -120,12 +120,13 @@ def _host_profile(scheduler: Scheduler, steps: int) -> list[str]:
 def _phase_targets(scheduler: Scheduler) -> list[tuple[object, str]]:
     """(owner, attribute) of the functions a step's host time is split by: scheduling, the forward's pieces
     (speculative ones too), the graph replays' input loads and attention plans, processing the outputs."""
-    from plugserve.core import cuda_graph_runner, forward_batch, speculative
+    from plugserve.core import forward_batch, graph_inputs
+    from plugserve.runtime import cuda_graph_runner, speculative
 
     targets: list[tuple[object, str]] = [
         (Scheduler, "_schedule"), (Scheduler, "_run"), (Scheduler, "_process"),
         (forward_batch.ForwardBatch, "build"), (cuda_graph_runner.CudaGraphRunner, "replay"),
-        (cuda_graph_runner.GraphInputs, "load"), (cuda_graph_runner.CudaGraphRunner, "_launch"),
+        (graph_inputs.GraphInputs, "load"), (cuda_graph_runner.CudaGraphRunner, "_launch"),
         (speculative.SpeculativeWorker, "_draft"), (speculative.SpeculativeWorker, "_draft_step"),
         (speculative.SpeculativeWorker, "_verify_chains"), (speculative.SpeculativeWorker, "_draft_extend"),
         (speculative.SpeculativeWorker, "_logits"), (speculative, "verify_drafts"), (speculative, "_draft_tokens"),
@@ -143,6 +144,7 @@ def _time_phases(scheduler: Scheduler, steps: int) -> list[str]:
         raw = owner.__dict__[name]
         function = raw.__func__ if isinstance(raw, classmethod) else raw
         label = f"{getattr(owner, '__name__', owner)}.{name}".removeprefix("plugserve.core.")
+        label = label.removeprefix("plugserve.runtime.")
 
         def timed(*args, _function=function, _label=label, **kwargs):
             start = time.perf_counter()

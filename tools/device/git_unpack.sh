@@ -1,4 +1,4 @@
-# Sourced by tools/prepare_*_carry.sh (which define `fail`).
+# Sourced by tools/device/prepare_*_carry.sh (which define `fail`).
 # unpack GIT_DIR COMMIT DEST PATH...: the PATHs of COMMIT as files under DEST. Every blob of the chosen trees
 # must land there: a partial mirror lacks some large objects, and git archive then prints "invalid object"
 # for those outside the chosen paths too, harmlessly; the count below is the check.

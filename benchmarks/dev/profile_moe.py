@@ -3,7 +3,7 @@ tensor parallelism), each batch's forward replayed from a CUDA graph with a cold
 beside the GPU time of each kernel in it (torch profiler over the same replays) and the limit the shootout counts:
 max(activated experts' weight bytes / copy bandwidth, FP8 flops / dense FP8 rate).
 
-    python -m benchmarks.profile_moe --tp-sizes 1 8 --batch-sizes 512 2048 4096
+    python -m benchmarks.dev.profile_moe --tp-sizes 1 8 --batch-sizes 512 2048 4096
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from functools import partial
 
 import torch
 
+from benchmarks.dev.profile_gemm import kernel_times_us
 from benchmarks.gpu_timing import time_cold_graph_ms
-from benchmarks.profile_gemm import kernel_times_us
 from benchmarks.shootout import expert_weights, limit_seconds, measure_ceilings, moe_case
 from plugserve.core.config import preset_config
 from plugserve.plugins.moe.triton import TritonMoE

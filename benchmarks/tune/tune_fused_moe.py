@@ -21,9 +21,9 @@ GPU. Larger counts time the w2 pass's fastest tiles again with 4, 16 or 64 colum
 also prints its fraction of the weight-read limit (the bytes of the distinct experts the batch routes to
 over the copy bandwidth measured at start). --update keeps the other token counts of an existing file.
 
-    python -m benchmarks.tune_fused_moe --quick
-    python -m benchmarks.tune_fused_moe --model v2-lite --batch-sizes 1 2 4 8 --update
-    python -m benchmarks.tune_fused_moe --model v3 --tp 8 --batch-sizes 1 64 512 --output-dir /tmp/configs
+    python -m benchmarks.tune.tune_fused_moe --quick
+    python -m benchmarks.tune.tune_fused_moe --model v2-lite --batch-sizes 1 2 4 8 --update
+    python -m benchmarks.tune.tune_fused_moe --model v3 --tp 8 --batch-sizes 1 64 512 --output-dir /tmp/configs
 """
 
 from __future__ import annotations

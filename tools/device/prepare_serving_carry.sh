@@ -2,7 +2,7 @@
 # Fill .carry/slim (git-ignored) with the wheels plugserve's server and benchmarks need on the GPU machine
 # (Python 3.12, torch / triton / numpy already there), dependencies resolved by pip for that interpreter, so
 # that a newer release pulling a new dependency (fastapi -> opentelemetry) cannot break the device runs.
-# Usage, from the repo root: bash tools/prepare_serving_carry.sh
+# Usage, from the repo root: bash tools/device/prepare_serving_carry.sh
 set -euo pipefail
 out=.carry/slim
 mkdir -p $out

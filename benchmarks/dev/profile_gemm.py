@@ -2,7 +2,7 @@
 a cold L2 (as the shootout times it), beside the GPU time of each kernel in it (torch profiler over the same
 replays). The difference is what the kernels' boundaries cost: launch latency, grid drain, tails.
 
-    python -m benchmarks.profile_gemm --batch-sizes 1 8 64 --backend triton
+    python -m benchmarks.dev.profile_gemm --batch-sizes 1 8 64 --backend triton
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.gpu_timing import FLUSH_BYTES, time_cold_graph_ms
-from benchmarks.tune_fp8_gemm import V3_SHAPES
+from benchmarks.tune.tune_fp8_gemm import V3_SHAPES
 from plugserve.core.interfaces import GemmSpec
 from plugserve.core.layers.quant import quantize_block_fp8
 from plugserve.registry import get_registry

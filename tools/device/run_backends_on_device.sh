@@ -35,8 +35,8 @@ for step in "$@"; do
       fi
       nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $res/gpu.txt ;;
     build)
-      setsid bash tools/build_flashmla.sh $res/build_flashmla.log $site < /dev/null > /dev/null 2>&1 &
-      setsid bash -c "bash tools/build_deepgemm.sh --site $site > $res/build_deepgemm.log 2>&1; echo \$? > $res/build_deepgemm.log.rc" \
+      setsid bash tools/device/build_flashmla.sh $res/build_flashmla.log $site < /dev/null > /dev/null 2>&1 &
+      setsid bash -c "bash tools/device/build_deepgemm.sh --site $site > $res/build_deepgemm.log 2>&1; echo \$? > $res/build_deepgemm.log.rc" \
         < /dev/null > /dev/null 2>&1 & ;;
     wait)
       for b in flashmla deepgemm; do

@@ -6,11 +6,11 @@
 # experimental ones: session 14's flashinfer_mla decode and prefill rows built from what is left).
 # Takes FlashInfer's archive and its three small wheels from .carry/c1
 # (../shared/device/prepare-carry.sh; the cuDNN frontend wheel stays out: MLA and prefill do not import it), and
-# pydantic, uvicorn and their dependencies from .carry/slim (tools/prepare_serving_carry.sh).
+# pydantic, uvicorn and their dependencies from .carry/slim (tools/device/prepare_serving_carry.sh).
 # Beside .carry/flashmla as well (the shootout's attention rows; 64 MiB with the tree at session 14's size), leave
 # out bench_one_batch's server wheels, which the shootout does not import: rm .carry/fi/{uvicorn,h11,click}-*.whl
-# On the device: bash benchmarks/run_fast_path_on_device.sh setup ... (it installs .carry/fi when present).
-# Usage, from the repo root: bash tools/prepare_flashinfer_carry.sh
+# On the device: bash tools/device/run_fast_path_on_device.sh setup ... (it installs .carry/fi when present).
+# Usage, from the repo root: bash tools/device/prepare_flashinfer_carry.sh
 set -euo pipefail
 out=.carry/fi
 for needed in .carry/c1/flashinfer.tar.xz .carry/slim; do

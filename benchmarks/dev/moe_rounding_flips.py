@@ -8,7 +8,7 @@ rounding slack marks each (listing those it does not), the output's worst error 
 after the oracle takes the backend's quantized h (what the flips explain), and whether the output lies within the
 kit's bound with and without the slack (`moe_with_rounding_slack`).
 
-    python -m benchmarks.moe_rounding_flips --tokens 512 --dtype float32
+    python -m benchmarks.dev.moe_rounding_flips --tokens 512 --dtype float32
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Sweep the launch parameters of the Triton MLA decode kernel on the GPU, against the limit measured in
 the same run: max(KV bytes / copy GB/s, flops / bf16 TFLOP/s), as benchmarks/shootout.py computes it.
 
-    PYTHONPATH=. python benchmarks/sweep_triton_mla.py [--heads 16 128] [--shapes 1x32768 32x8192] \
+    PYTHONPATH=. python benchmarks/dev/sweep_triton_mla.py [--heads 16 128] [--shapes 1x32768 32x8192] \
         [--quick] [--output sweep.json]
 
 For each head count and (batch, kv) decode shape (page 64, bf16, DeepSeek's latent 512 + rope 64) it times

@@ -1,16 +1,16 @@
 #!/bin/bash
 # Runs ON THE GPU MACHINE, in the project's root. Builds FlashMLA's dense sm90a MLA decode as the module
-# `flash_mla.cuda` with torch.utils.cpp_extension.load: tools/flashmla_binding.cpp (binds dense_decode_fwd alone)
+# `flash_mla.cuda` with torch.utils.cpp_extension.load: tools/device/flashmla_binding.cpp (binds dense_decode_fwd alone)
 # plus the three .cu files dense decode needs; no sm100, sparse or fp16 kernels (about 1.5 min at MAX_JOBS=8).
-# Sources: .carry/flashmla/flashmla-src.tar.xz, made by tools/prepare_flashmla_carry.sh (FlashMLA 9241ae3 with
+# Sources: .carry/flashmla/flashmla-src.tar.xz, made by tools/device/prepare_flashmla_carry.sh (FlashMLA 9241ae3 with
 # cutlass 147f567). Installs FlashMLA's own Python package beside the module as TARGET/flash_mla, so that with
 # PYTHONPATH=TARGET `flash_mla.get_mla_metadata` and `flash_mla.flash_mla_with_kvcache` work; then, on an sm90
 # GPU, runs one decode call against torch. Everything goes to LOG; LOG.rc holds the exit status at the end, and
 # the outcome line (with the log's tail on failure) also goes to the caller's stderr. In the background:
-#   setsid bash tools/build_flashmla.sh "$OUT/build_flashmla.log" /tmp/site < /dev/null &
+#   setsid bash tools/device/build_flashmla.sh "$OUT/build_flashmla.log" /tmp/site < /dev/null &
 #   ... other work ...
 #   until [ -e "$OUT/build_flashmla.log.rc" ]; do sleep 5; done; [ "$(cat "$OUT/build_flashmla.log.rc")" = 0 ]
-# Usage: tools/build_flashmla.sh [LOG] [TARGET]
+# Usage: tools/device/build_flashmla.sh [LOG] [TARGET]
 #   LOG     default $OUT/build_flashmla.log
 #   TARGET  default /tmp/site (TARGET/flash_mla is replaced)
 # Environment: PYTHON (python3), MAX_JOBS (8), NVCC_THREADS (2), CUDA_HOME (/usr/local/cuda),
@@ -23,7 +23,7 @@ target=${2:-/tmp/site}
 python=${PYTHON:-python3}
 archive=${FLASHMLA_ARCHIVE:-.carry/flashmla/flashmla-src.tar.xz}
 work=${FLASHMLA_WORK:-/tmp/flashmla}
-binding=$PWD/tools/flashmla_binding.cpp
+binding=$PWD/tools/device/flashmla_binding.cpp
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export MAX_JOBS=${MAX_JOBS:-8}
 export NVCC_THREADS=${NVCC_THREADS:-2}
@@ -57,7 +57,7 @@ timed() {  # timed STEP COMMAND...: runs COMMAND, printing the step's wall time;
 }
 
 check_tools() {
-    [ -f "$archive" ] || { echo "no $archive: run tools/prepare_flashmla_carry.sh where the sources are, carry it"; return 1; }
+    [ -f "$archive" ] || { echo "no $archive: run tools/device/prepare_flashmla_carry.sh where the sources are, carry it"; return 1; }
     [ -f "$binding" ] || { echo "no $binding: run this from the project's root"; return 1; }
     [ -x "$CUDA_HOME/bin/nvcc" ] || { echo "no nvcc at $CUDA_HOME/bin/nvcc: set CUDA_HOME"; return 1; }
     "$CUDA_HOME/bin/nvcc" --version | tail -n 2
@@ -118,7 +118,7 @@ install_package() {
     mkdir -p "$target/flash_mla"
     cp "$work"/FlashMLA/flash_mla/*.py "$target/flash_mla/"
     cp "$work/build/cuda.so" "$target/flash_mla/cuda.so"
-    { cat "$work/FlashMLA/VERSIONS"; echo "built $(date -u +%FT%TZ) by plugserve tools/build_flashmla.sh:" \
+    { cat "$work/FlashMLA/VERSIONS"; echo "built $(date -u +%FT%TZ) by plugserve tools/device/build_flashmla.sh:" \
         "dense sm90a bf16 decode only"; "$python" -c "import torch; print('torch', torch.__version__)"; } \
         > "$target/flash_mla/BUILD_INFO"
     ls -l "$target/flash_mla"

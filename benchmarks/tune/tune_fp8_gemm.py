@@ -7,9 +7,9 @@ benchmarks/gpu_timing.py: as the decode graphs run it, without host launch overh
 operands; the winner of every M is checked against the torch reference.
 Needs a CUDA GPU of sm89 or newer; refuses to run elsewhere.
 
-    python -m benchmarks.tune_fp8_gemm --quick                     # V3's shapes, ~5 min on an H100
-    python -m benchmarks.tune_fp8_gemm                             # the full space (hours)
-    python -m benchmarks.tune_fp8_gemm --shapes 2112,7168 --batch-sizes 1 64 4096 --output-dir /tmp/cfg
+    python -m benchmarks.tune.tune_fp8_gemm --quick                     # V3's shapes, ~5 min on an H100
+    python -m benchmarks.tune.tune_fp8_gemm                             # the full space (hours)
+    python -m benchmarks.tune.tune_fp8_gemm --shapes 2112,7168 --batch-sizes 1 64 4096 --output-dir /tmp/cfg
 """
 
 from __future__ import annotations

@@ -1,19 +1,19 @@
 #!/bin/bash
 # The GPU fast path (issue 10) on the lent GPU machine, from the repo root with the device tool.
-# Carry: .carry/slim (tools/prepare_serving_carry.sh: the serving wheels for Python 3.12), and for FlashInfer
+# Carry: .carry/slim (tools/device/prepare_serving_carry.sh: the serving wheels for Python 3.12), and for FlashInfer
 # either .carry/c1 (../shared/device/prepare-carry.sh; with .carry/slim it no longer fits beside the tree in one
-# call) or, instead of both, .carry/fi (tools/prepare_flashinfer_carry.sh: FlashInfer and the few wheels the
+# call) or, instead of both, .carry/fi (tools/device/prepare_flashinfer_carry.sh: FlashInfer and the few wheels the
 # benchmarks import). Steps run in the order given; results in $OUT/r, returned as $OUT/results.tgz.
 #   setup                 the carried wheels and FlashInfer into /tmp/site
 #   kit:NAME              the kit's CUDA-graph tests for attention backend NAME, full shapes, bf16
 #   conf:TAG:ARGS         the kit (plugserve.conformance, against its float64 oracle) with pytest ARGS, e.g.
 #                         --plugserve-backend,moe:triton,--plugserve-dtypes,bfloat16 -> conf-TAG.{txt,json}
 #   decode:TAG:ARGS       benchmarks/bench_decode_vs_hf.py with ARGS (commas for spaces) -> decode-TAG.{json,txt}
-#   profile:TAG:ARGS      benchmarks/profile_decode.py with ARGS -> profile-TAG.txt (kernel time per decode step)
-#   tune:TAG:ARGS         benchmarks/tune_fused_moe.py with ARGS, configs into $res/moe-configs-TAG (which starts
+#   profile:TAG:ARGS      benchmarks/dev/profile_decode.py with ARGS -> profile-TAG.txt (kernel time per decode step)
+#   tune:TAG:ARGS         benchmarks/tune/tune_fused_moe.py with ARGS, configs into $res/moe-configs-TAG (which starts
 #                         as a copy of the shipped ones, for --update) and into plugserve/plugins/moe/configs for
 #                         the steps after it
-#   gtune:TAG:ARGS        benchmarks/tune_fp8_gemm.py with ARGS, configs into $res/gemm-configs-TAG (a copy of
+#   gtune:TAG:ARGS        benchmarks/tune/tune_fp8_gemm.py with ARGS, configs into $res/gemm-configs-TAG (a copy of
 #                         the shipped ones first, for --update) and into
 #                         plugserve/plugins/gemm/configs for the steps after it
 #   one:TAG:ARGS          benchmarks/bench_one_batch.py with ARGS -> one-TAG.{jsonl,txt}
@@ -25,8 +25,8 @@
 #   accuracy:TAG:ARGS     benchmarks/accuracy.py with ARGS on the GPU (default: the embedded model, every backend)
 #                         -> accuracy-TAG.{json,txt}
 #   serving:TAG:ARGS      a server with ARGS + bench_serving (256 prompts 256/128, concurrency 64) -> serving-TAG.*
-#   py:TAG:MODULE,ARGS    python3 -m benchmarks.MODULE ARGS (a sweep, bench or tuner; `{res}` in ARGS is the results
-#                         folder) -> py-TAG.txt
+#   py:TAG:MODULE,ARGS    python3 -m benchmarks.MODULE ARGS (a sweep, bench or tuner: dev.sweep_triton_mla,
+#                         tune.tune_fused_moe, ...; `{res}` in ARGS is the results folder) -> py-TAG.txt
 #   env:NAME:VALUE        export NAME=VALUE (commas for spaces) for the steps after it (an empty VALUE unsets
 #                         NAME), e.g. env:SPEC_FLAGS:--speculative-algorithm,NEXTN,--speculative-eagle-topk,4
 # In ARGS a comma stands for a space and a doubled comma for a comma. Each step ends after $STEP_TIMEOUT
@@ -69,18 +69,18 @@ for step in "$@"; do
         > $res/decode-$tag.txt 2>&1
       echo "decode $tag (rc $?):"; grep -v "INFO\|it/s]" $res/decode-$tag.txt | tail -n 14 ;;
     profile)
-      timeout $limit python3 -m benchmarks.profile_decode $args --output $res/profile-$tag.txt > $res/profile-$tag.log 2>&1
+      timeout $limit python3 -m benchmarks.dev.profile_decode $args --output $res/profile-$tag.txt > $res/profile-$tag.log 2>&1
       echo "profile $tag:"; head -n 30 $res/profile-$tag.txt ;;
     tune)
       mkdir -p $res/moe-configs-$tag
       cp plugserve/plugins/moe/configs/*.json $res/moe-configs-$tag/
-      timeout $limit python3 -m benchmarks.tune_fused_moe $args --output-dir $res/moe-configs-$tag > $res/tune-$tag.log 2>&1
+      timeout $limit python3 -m benchmarks.tune.tune_fused_moe $args --output-dir $res/moe-configs-$tag > $res/tune-$tag.log 2>&1
       cp $res/moe-configs-$tag/*.json plugserve/plugins/moe/configs/ 2>/dev/null
       echo "tune $tag:"; tail -n 5 $res/tune-$tag.log; ls $res/moe-configs-$tag ;;
     gtune)
       mkdir -p $res/gemm-configs-$tag
       cp plugserve/plugins/gemm/configs/*.json $res/gemm-configs-$tag/
-      timeout $limit python3 -m benchmarks.tune_fp8_gemm $args --output-dir $res/gemm-configs-$tag > $res/gtune-$tag.log 2>&1
+      timeout $limit python3 -m benchmarks.tune.tune_fp8_gemm $args --output-dir $res/gemm-configs-$tag > $res/gtune-$tag.log 2>&1
       cp $res/gemm-configs-$tag/*.json plugserve/plugins/gemm/configs/ 2>/dev/null
       echo "gtune $tag:"; grep "M=\|wrote\|took" $res/gtune-$tag.log | tail -n 12 ;;
     one)

@@ -2,7 +2,7 @@
 
     ncu --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \\
         -k regex:'_mla_kernel|_mha_kernel|_w8a8_block_fp8_matmul|_fused_moe_gemm' -c 8 \\
-        python benchmarks/profile_triton_kernels.py
+        python benchmarks/dev/profile_triton_kernels.py
 
 MLA decode at batch 64 x 8192 keys (128 heads), causal MHA prefill of 4096 tokens (128 heads, qk 192, v 128),
 block-FP8 GEMM at M=4096 on (N, K) = (7168, 16384) (or `--gemm M N K`), fused MoE (E=256 top-8, V3 experts as

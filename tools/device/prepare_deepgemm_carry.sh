@@ -1,11 +1,11 @@
 #!/bin/bash
-# Run here (no GPU needed), in the project's root: packs the sources tools/build_deepgemm.sh compiles on the
+# Run here (no GPU needed), in the project's root: packs the sources tools/device/build_deepgemm.sh compiles on the
 # GPU machine into
 #   .carry/deepgemm/deepgemm-src.tar.xz   (/.carry/ is git-ignored)
 # holding DeepGEMM/ = deepseek-ai/DeepGEMM at 54e2261 (v2.6.1: setup.py, scripts/, csrc/, the deep_gemm/ Python
 # package with its kernel headers, LICENSE) with its two submodules where they live, reduced to their headers:
 # third-party/cutlass/include = NVIDIA/cutlass at f3fde58, third-party/fmt/include = fmtlib/fmt at 553ec11.
-# Usage: tools/prepare_deepgemm_carry.sh [DEEPGEMM_GIT_DIR] [CUTLASS_GIT_DIR] [FMT_GIT_DIR]
+# Usage: tools/device/prepare_deepgemm_carry.sh [DEEPGEMM_GIT_DIR] [CUTLASS_GIT_DIR] [FMT_GIT_DIR]
 #   (git directories holding those commits; defaults: the mirrors the `fetch` tool makes under /work/.mirror)
 set -euo pipefail
 deepgemm_git=${1:-/work/.mirror/deepseek-ai+DeepGEMM/repo}

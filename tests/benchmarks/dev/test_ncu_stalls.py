@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.ncu_stalls import read_sass, summarize
+from benchmarks.dev.ncu_stalls import read_sass, summarize
 
 HEADER = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Warp Stall Sampling (Not-issued Samples)",
           "stall_long_sb", "stall_wait", "stall_long_sb (Not Issued)"]

@@ -1,12 +1,12 @@
 #!/bin/bash
-# Run on the GPU machine, in the project's root, with .carry/deepgemm/ carried (tools/prepare_deepgemm_carry.sh
+# Run on the GPU machine, in the project's root, with .carry/deepgemm/ carried (tools/device/prepare_deepgemm_carry.sh
 # makes it here): builds DeepGEMM v2.6.1 into SITE/deep_gemm (default /tmp/site; use PYTHONPATH=SITE), a
 # self-contained package: its _C extension and the kernel headers its JIT compiles against (deep_gemm's own,
 # cutlass' cutlass/ and cute/). Then, unless --no-smoke, checks it in fresh processes: an fp8_gemm_nt against
 # torch with libstdc++ preloaded (must pass), and plugserve's availability verdict with and without the
 # preload, plus whether the first JIT kernel survives without it (reported, not required).
 # Every step prints its duration; any failure stops the script with a message.
-# Usage: tools/build_deepgemm.sh [--site DIR] [--build-dir DIR] [--no-smoke]
+# Usage: tools/device/build_deepgemm.sh [--site DIR] [--build-dir DIR] [--no-smoke]
 # Environment: PYTHON (python3), CUDA_HOME (/usr/local/cuda), LIBSTDCXX (/usr/lib/x86_64-linux-gnu/libstdc++.so.6)
 set -euo pipefail
 site=/tmp/site
@@ -38,7 +38,7 @@ step() {  # step NAME COMMAND...: run, time, stop on failure
     log "$name: $((ms / 1000)).$(printf %03d $((ms % 1000))) s"
 }
 
-[ -f "$archive" ] || fail "$archive is missing: run tools/prepare_deepgemm_carry.sh here and carry .carry/deepgemm"
+[ -f "$archive" ] || fail "$archive is missing: run tools/device/prepare_deepgemm_carry.sh here and carry .carry/deepgemm"
 [ -x "$CUDA_HOME/bin/nvcc" ] || fail "no nvcc at $CUDA_HOME/bin/nvcc (set CUDA_HOME)"
 [ -f "$libstdcxx" ] || fail "no libstdc++ at $libstdcxx (set LIBSTDCXX)"
 "$python" -c "import torch, setuptools, wheel, packaging" || fail "$python lacks torch, setuptools, wheel or packaging"
