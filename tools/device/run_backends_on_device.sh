@@ -4,7 +4,7 @@
 # From the repo root, with the device tool; steps run in the order given:
 #   setup                  slim wheels + FlashInfer (+ flash-attn-4 when call A staged it: see
 #                          ../shared/device/README.md) into /tmp/site
-#   build                  FlashMLA and DeepGEMM in the background (tools/build_*.sh; .carry/flashmla, .carry/deepgemm)
+#   build                  FlashMLA and DeepGEMM in the background (tools/device/build_*.sh; .carry/flashmla, .carry/deepgemm)
 #   wait                   until both builds end
 #   kit:KIND:NAME[:DTYPES] the kit at full shapes for one backend (default dtypes bfloat16)
 #   backends               `plugserve backends --json --explain`
