@@ -7,7 +7,7 @@ With --speculative-algorithm a decode step is a speculative round, which gives e
 the steps run until every request is done, decode throughput is the tokens over their total time, and the
 "accept length" (mean tokens a request gets from one verify) is printed beside it; without speculation the same
 "decode_throughput" (tokens over the steps' total time) goes into the JSON line beside the median, so that the
-two compare (benchmarks/run_fast_path_on_device.sh's `specvs` step). The runner's CUDA-graph status is printed
+two compare (tools/device/run_fast_path_on_device.sh's `specvs` step). The runner's CUDA-graph status is printed
 and stored too.
 Prints SGLang's bench_one_batch format; --result-filename appends one JSON line per run (with the server flags
 it ran under). Every server flag is taken, the parallel ones included: with --tp-size N (and --ep-size) this

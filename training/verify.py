@@ -42,6 +42,9 @@ CHAT_PROMPTS = (
     "How do I read a file line by line?",
 )
 SCALE_SUFFIX = "_scale_inv"
+# ServerArgs of the torch reference backends in float32: the same math as transformers' on the dequantized weights.
+REFERENCE_FLAGS = {"attention_backend": "torch_ref", "fp8_gemm_backend": "torch_ref", "moe_runner_backend": "torch_ref",
+                   "dtype": "float32"}
 
 
 def dequantized_copy(src: Path, dst: Path) -> Path:
@@ -75,12 +78,21 @@ def plugserve_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: 
                      reference: bool = False) -> list[list[int]]:
     """Greedy continuations [len(prompts)][max_new_tokens] from plugserve's engine (EOS ignored): as served
     (auto backends and dtype), or with `reference` the torch reference backends in float32."""
-    from benchmarks.accuracy import FLAGS, REFERENCE, greedy_continuations
+    from plugserve.runtime.engine import Engine
+    from plugserve.runtime.sampling import SamplingParams
     from plugserve.runtime.server_args import ServerArgs
 
-    flags = {FLAGS[kind]: value for kind, value in REFERENCE.items()} if reference else {}
-    return greedy_continuations(ServerArgs(model_path=str(model_dir), device=device, log_level="warning", **flags),
-                                prompts, max_new_tokens)
+    flags = REFERENCE_FLAGS if reference else {}
+    engine = Engine(ServerArgs(model_path=str(model_dir), device=device, log_level="warning", **flags))
+    try:
+        results = engine.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens, temperature=0,
+                                                          ignore_eos=True))
+    finally:
+        engine.shutdown()
+    errors = [r.error for r in results if r.error]
+    if errors:
+        raise RuntimeError(f"plugserve failed to generate: {errors[0]}")
+    return [r.token_ids for r in results]
 
 
 def transformers_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int, device: str
@@ -101,10 +113,19 @@ def transformers_greedy(model_dir: Path, prompts: list[list[int]], max_new_token
     return outputs
 
 
+def prefix_agreement(ours: list[list[int]], reference: list[list[int]]) -> float:
+    """The share of `reference`'s tokens that `ours` matches from the start of each continuation, before the first
+    difference."""
+    same = total = 0
+    for a, b in zip(ours, reference, strict=True):
+        same += next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(b))
+        total += len(b)
+    return same / total
+
+
 def verify(model_dir: Path, max_new_tokens: int = 32, device: str = "cpu") -> dict:
     """Greedy outputs on the prompt set of transformers and plugserve on the dequantized weights, and of plugserve
     serving the checkpoint; their texts, and the shares of tokens that agree from the start of each continuation."""
-    from benchmarks.accuracy import prefix_agreement
     from plugserve.core.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)

@@ -1,6 +1,6 @@
 """What the two DeepGEMM backends (gemm `deepgemm`, moe `deepgemm`) ask of the machine, in one place.
 
-DeepGEMM (deepseek-ai/DeepGEMM, v2.6 or newer; built from source, see tools/build_deepgemm.sh) compiles its
+DeepGEMM (deepseek-ai/DeepGEMM, v2.6 or newer; built from source, see tools/device/build_deepgemm.sh) compiles its
 kernels at run time with nvcc. Its sm90 kernels take float32 scales: 1 x 128 per token group for activations
 and 128 x 128 per weight block, the checkpoint's own. On sm100 it wants UE8M0 (power-of-two) scales, which
 would re-quantize the checkpoint: the backends run on sm90 only.
@@ -29,7 +29,7 @@ from plugserve.core.interfaces import OK, Availability
 
 MIN_VERSION = (2, 6)  # the API the backends call (psum layout of the contiguous grouped GEMM) as of v2.6.1
 SM90 = (9, 0)
-BUILD_HINT = ("build DeepGEMM v2.6.1 from source with tools/build_deepgemm.sh and put its folder on PYTHONPATH "
+BUILD_HINT = ("build DeepGEMM v2.6.1 from source with tools/device/build_deepgemm.sh and put its folder on PYTHONPATH "
               "(PyPI's deep-gemm is not it)")
 # libstdc++ symbols the global scope must resolve to libstdc++ itself: one every libstdc++ has and no other
 # library copies, and one PyTorch's wheels carry a copy of (torch's copy wins if torch is global first).

@@ -10,7 +10,10 @@ import pytest
 
 import benchmarks
 
-SCRIPTS = sorted(p.stem for p in Path(benchmarks.__file__).parent.glob("*.py") if p.stem != "__init__")
+ROOT = Path(benchmarks.__file__).parent
+# The product benchmarks, the tuners (tune/) and the investigations (dev/), as dotted module names.
+SCRIPTS = sorted(".".join(p.relative_to(ROOT).with_suffix("").parts) for folder in (ROOT, ROOT / "tune", ROOT / "dev")
+                 for p in folder.glob("*.py") if p.stem != "__init__")
 
 
 @pytest.mark.parametrize("name", SCRIPTS)

@@ -24,7 +24,7 @@ fixed addresses); every replay refills them from the static seq_lens before the 
 `plan_replay` is `plan`: host-side layout only.
 
 The package `flash_mla` has no working wheel on PyPI: build deepseek-ai/FlashMLA from source (`pip install
--v .` in a checkout), or only its dense decode kernels with tools/build_flashmla.sh. It is imported in
+-v .` in a checkout), or only its dense decode kernels with tools/device/build_flashmla.sh. It is imported in
 `availability` and `__init__`, never at module import.
 """
 
@@ -45,7 +45,7 @@ from plugserve.registry import hookimpl
 PAGE_SIZE = 64  # FlashMLA's dense kernel reads pages of 64 tokens only
 PACKAGE = "flash_mla"
 INSTALL_HINT = ("build deepseek-ai/FlashMLA from source (`pip install -v .` in a checkout; the PyPI name flash-mla "
-                "is an empty placeholder), or only its dense decode: tools/build_flashmla.sh")
+                "is an empty placeholder), or only its dense decode: tools/device/build_flashmla.sh")
 
 
 def flashmla_availability() -> Availability:
@@ -138,7 +138,7 @@ class FlashMLAAttention(AttentionBackend):
 
     name: ClassVar[str] = "flashmla"
     capabilities: ClassVar[AttentionCapabilities] = AttentionCapabilities(
-        dtypes=frozenset({torch.bfloat16}),  # tools/build_flashmla.sh builds no fp16 kernels
+        dtypes=frozenset({torch.bfloat16}),  # tools/device/build_flashmla.sh builds no fp16 kernels
         devices=frozenset({"cuda"}),
         min_capability=(9, 0),
         max_capability=(9, 0),  # the dense kernel is sm90a code: "only supported on SM90a"

@@ -3,7 +3,7 @@ K loop applies the activation and weight block scales to a float32 accumulator, 
 block at a time (DeepSeek-V3's recipe). At decode-sized M, where the output tiles alone would leave
 SMs idle, K is split over several programs per tile (SPLIT_K) and their float32 partials summed.
 
-Kernel launch configs are tuned per weight shape and GPU (benchmarks/tune_fp8_gemm.py) into
+Kernel launch configs are tuned per weight shape and GPU (benchmarks/tune/tune_fp8_gemm.py) into
 `configs/N={N},K={K},device_name={device},dtype=fp8_w8a8,block_shape=[128, 128].json` (or the
 folder $PLUGSERVE_GEMM_CONFIG_DIR names), mapping batch sizes M to configs; a call takes the entry
 of the nearest M, or `default_config` when the shape has no file for this GPU nor for the closest

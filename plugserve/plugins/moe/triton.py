@@ -10,7 +10,7 @@ activations quantized per 1 x 128 token group).
   over w13 with SiLU-and-mul in its epilogue, a grouped GEMM over w2 multiplying by the top-k weight
   times routed_scaling_factor in its epilogue, and a top-k sum (for one token, in that epilogue too;
   see `triton_kernels`). Launch
-  configurations come from tuned files in `configs/` (benchmarks/tune_fused_moe.py) or a default.
+  configurations come from tuned files in `configs/` (benchmarks/tune/tune_fused_moe.py) or a default.
 - Shared-expert fusion (`MoESpec.num_shared_experts`): `prepare(..., shared_w13=, shared_w2=)` appends
   the shared expert(s) as extra experts, the router kernel gives them to every token, and `forward`
   returns routed + shared from the same GEMMs.

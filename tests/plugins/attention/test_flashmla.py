@@ -92,7 +92,7 @@ def test_availability_on_hopper_without_flash_mla(clean_flash_mla: None, monkeyp
     monkeypatch.setitem(sys.modules, "flash_mla", None)
     reason = FlashMLAAttention.availability(gpu((9, 0))).reason
     assert reason.startswith("flash_mla is not installed; ")
-    assert "pip install -v ." in reason and "tools/build_flashmla.sh" in reason
+    assert "pip install -v ." in reason and "tools/device/build_flashmla.sh" in reason
 
 
 def test_availability_names_the_compute_capability(clean_flash_mla: None, tmp_path: Path,

@@ -107,7 +107,7 @@ def test_availability_names_the_missing_package(installed: Path, monkeypatch: py
     monkeypatch.setattr(deepgemm_support, "import_deep_gemm", missing)
     reason = DeepGemmFp8Gemm.availability(H100).reason
     assert reason.startswith("deep_gemm is not installed (No module named 'deep_gemm')")
-    assert "tools/build_deepgemm.sh" in reason
+    assert "tools/device/build_deepgemm.sh" in reason
 
 
 def test_availability_reports_a_failing_import(installed: Path, monkeypatch: pytest.MonkeyPatch) -> None:

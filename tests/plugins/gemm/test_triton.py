@@ -16,7 +16,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from benchmarks import tune_fp8_gemm
+from benchmarks.tune import tune_fp8_gemm
 from plugserve.conformance.tolerances import assert_close
 from plugserve.core.config import preset_config
 from plugserve.core.distributed import ParallelGroup

@@ -75,7 +75,7 @@ def test_availability_names_the_missing_package(monkeypatch: pytest.MonkeyPatch)
 
     monkeypatch.setattr(deepgemm_support, "import_deep_gemm", missing)
     reason = DeepGemmMoE.availability(H100).reason
-    assert reason.startswith("deep_gemm is not installed") and "tools/build_deepgemm.sh" in reason
+    assert reason.startswith("deep_gemm is not installed") and "tools/device/build_deepgemm.sh" in reason
 
 
 def test_availability_ok_with_the_library(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

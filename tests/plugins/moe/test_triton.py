@@ -536,7 +536,7 @@ def test_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.skipif(ON_GPU, reason="checks the refusal on a machine without a GPU")
 def test_tuner_refuses_the_cpu() -> None:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run([sys.executable, "-m", "benchmarks.tune_fused_moe", "--quick"],
+    result = subprocess.run([sys.executable, "-m", "benchmarks.tune.tune_fused_moe", "--quick"],
                             capture_output=True, text=True, env=env, timeout=120, cwd=REPO)
     assert result.returncode != 0 and "GPU" in result.stderr
 
@@ -544,7 +544,7 @@ def test_tuner_refuses_the_cpu() -> None:
 def test_tuner_decode_space() -> None:
     """Decode-sized batches search narrow tiles whose K step divides the FP8 block, and wider BLOCK_SIZE_M
     only when an expert gets more than a few pairs."""
-    from benchmarks.tune_fused_moe import decode_space
+    from benchmarks.tune.tune_fused_moe import decode_space
 
     block_ms, tiles = decode_space(True, torch.bfloat16, pairs_per_expert=1 * 8 / 256)
     assert block_ms == (16,) and all(128 % tile.block_k == 0 for tile in tiles)
@@ -557,7 +557,7 @@ def test_tuner_decode_space() -> None:
 def test_tuner_quick_prefill_space_widens_the_quick_one() -> None:
     """From PREFILL_M tokens on the quick search adds 256-wide tiles and 8 warps to the tiles it tries below, in
     64- and 128-row blocks."""
-    from benchmarks.tune_fused_moe import PREFILL_M, search_space
+    from benchmarks.tune.tune_fused_moe import PREFILL_M, search_space
 
     below_ms, below = search_space(True, torch.bfloat16, True, PREFILL_M - 1)
     block_ms, tiles = search_space(True, torch.bfloat16, True, PREFILL_M)
@@ -570,7 +570,7 @@ def test_tuner_quick_prefill_space_widens_the_quick_one() -> None:
 @pytest.mark.parametrize("dtype,fp8", [(torch.float32, False), (torch.float16, True)], ids=["float32", "fp8"])
 def test_tuner_checks_each_winner_against_the_reference(kernels, monkeypatch: pytest.MonkeyPatch,
                                                         dtype: torch.dtype, fp8: bool) -> None:
-    from benchmarks.tune_fused_moe import Experts, check_config
+    from benchmarks.tune.tune_fused_moe import Experts, check_config
 
     spec = MoESpec(256, 192, dtype, torch.float8_e4m3fn if fp8 else None, router=SMALL_V3)
     experts = Experts.random(spec, DEVICE)
@@ -584,7 +584,7 @@ def test_tuner_checks_each_winner_against_the_reference(kernels, monkeypatch: py
 
 def test_tuner_times_the_files_config_beside_the_candidates(kernels, monkeypatch: pytest.MonkeyPatch) -> None:
     """Under --update a count's configuration in the file is timed too, and kept when no candidate beats it."""
-    import benchmarks.tune_fused_moe as tuner
+    import benchmarks.tune.tune_fused_moe as tuner
 
     spec = MoESpec(256, 192, torch.float32, None, router=SMALL_V3)
     experts = tuner.Experts.random(spec, DEVICE)
@@ -599,7 +599,7 @@ def test_tuner_times_the_files_config_beside_the_candidates(kernels, monkeypatch
 def test_tuner_cuts_the_w13_pass_at_decode(kernels, monkeypatch: pytest.MonkeyPatch) -> None:
     """At decode sizes the w13 pass's fastest uncut tiles are timed again with K cut into DECODE_SPLITS runs; the
     w2 pass is never cut. The winner passes the reference check (tune_batch's check_config)."""
-    import benchmarks.tune_fused_moe as tuner
+    import benchmarks.tune.tune_fused_moe as tuner
 
     spec = MoESpec(256, 192, torch.float32, None, router=SMALL_V3)
     experts = tuner.Experts.random(spec, DEVICE)
@@ -617,7 +617,7 @@ def test_tuner_cuts_the_w13_pass_at_decode(kernels, monkeypatch: pytest.MonkeyPa
 def test_tuner_loops_the_w2_pass_over_column_blocks_at_prefill(kernels, monkeypatch: pytest.MonkeyPatch) -> None:
     """From the prefill sizes on, the w2 pass's fastest tiles are timed again with PREFILL_COLUMN_BLOCKS column
     blocks a program; the w13 pass never loops. The winner passes the reference check."""
-    import benchmarks.tune_fused_moe as tuner
+    import benchmarks.tune.tune_fused_moe as tuner
 
     spec = MoESpec(256, 192, torch.float32, None, router=SMALL_V3)
     experts = tuner.Experts.random(spec, DEVICE)
@@ -634,7 +634,7 @@ def test_tuner_loops_the_w2_pass_over_column_blocks_at_prefill(kernels, monkeypa
 
 def test_tuner_checks_its_expert_parallel_size(capsys: pytest.CaptureFixture[str]) -> None:
     """Before any GPU work: --ep is 1 or --tp (then a file of E / EP whole experts, the name each rank looks up)."""
-    from benchmarks import tune_fused_moe
+    from benchmarks.tune import tune_fused_moe
 
     for argv, message in [(["--model", "v3", "--tp", "8", "--ep", "4"], "--ep 4 must be 1 or the tensor-parallel "
                                                                         "size (v3: --tp 8)"),
@@ -647,7 +647,7 @@ def test_tuner_checks_its_expert_parallel_size(capsys: pytest.CaptureFixture[str
 
 @pytest.mark.parametrize(("tp", "ep"), [(8, 1), (8, 8)])
 def test_tuner_tunes_the_experts_a_rank_looks_up(tp: int, ep: int) -> None:
-    from benchmarks import tune_fused_moe
+    from benchmarks.tune import tune_fused_moe
 
     tuned = tune_fused_moe.rank_spec(tune_fused_moe.MODELS["v3"], tp, ep, "fp8_w8a8")
     served = preset_config("deepseek-v3").moe_spec(torch.bfloat16, tp, ep, 0)
@@ -657,7 +657,7 @@ def test_tuner_tunes_the_experts_a_rank_looks_up(tp: int, ep: int) -> None:
 
 def test_tuner_writes_each_finished_count(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A tuning run cut short (a device call's time limit) leaves the token counts it finished in the file."""
-    import benchmarks.tune_fused_moe as tuner
+    import benchmarks.tune.tune_fused_moe as tuner
 
     cpu = Hardware.detect("cpu")
     monkeypatch.setattr(tuner.Hardware, "detect", lambda device: cpu)

@@ -1,5 +1,5 @@
 """Launch configurations of the `triton` MoE backend's grouped GEMM: tuned JSON files in this folder
-(written by benchmarks/tune_fused_moe.py), else a built-in default.
+(written by benchmarks/tune/tune_fused_moe.py), else a built-in default.
 
 One file per (E, N, device, dtype):
 ``E={E},N={N},device_name={device},dtype={dtype}.json``, and for block-FP8 experts
