@@ -17,7 +17,10 @@ import torch
 from benchmarks.gpu_timing import time_cold_graph_ms
 from benchmarks.tune_fused_moe import MODELS, PREFILL_COLUMN_BLOCKS, ROUTED_SCALING, Experts, rank_spec
 from plugserve.core.hardware import Hardware
-from plugserve.plugins.moe import triton_kernels as kernels
+from plugserve.plugins.moe.align import align_pairs
+from plugserve.plugins.moe.experts import fused_experts
+from plugserve.plugins.moe.grouped_gemm import grouped_gemm
+from plugserve.plugins.moe.quant import per_token_group_quant
 from plugserve.plugins.moe.triton import TritonMoE
 
 
@@ -37,18 +40,18 @@ def main() -> None:
         weights, ids = backend.route(torch.randn(m, spec.num_experts, device=device),
                                      torch.randn(spec.num_experts, device=device) * 0.1)
         config = backend.config(m)
-        alignment = kernels.align_pairs(ids.to(torch.int32), spec.num_experts, config.block_m)
+        alignment = align_pairs(ids.to(torch.int32), spec.num_experts, config.block_m)
         hidden = torch.randn(m * k, n, device=device, dtype=spec.dtype)
-        a, a_scale = kernels.per_token_group_quant(hidden, spec.block_shape[1])
+        a, a_scale = per_token_group_quant(hidden, spec.block_shape[1])
         base = replace(config.w2, column_blocks=1)
         reference = None
         for blocks in (1, *PREFILL_COLUMN_BLOCKS):
             tile = replace(base, column_blocks=blocks)
             out = torch.empty(m * k, h, device=device, dtype=spec.dtype)
-            w2_pass = partial(kernels.grouped_gemm, a, a_scale, experts.w2, experts.w2_scale_inv, out, alignment, tile,
+            w2_pass = partial(grouped_gemm, a, a_scale, experts.w2, experts.w2_scale_inv, out, alignment, tile,
                               a_row_div=1, silu_mul=False, topk_weights=weights.float().view(-1).contiguous(),
                               routed_scaling_factor=ROUTED_SCALING, block_shape=spec.block_shape)
-            forward = partial(kernels.fused_experts, x, experts.w13, experts.w2, experts.w13_scale_inv,
+            forward = partial(fused_experts, x, experts.w13, experts.w2, experts.w13_scale_inv,
                               experts.w2_scale_inv, ids, weights, ROUTED_SCALING, replace(config, w2=tile),
                               spec.block_shape)
             try:

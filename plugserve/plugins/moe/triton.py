@@ -9,14 +9,15 @@ activations quantized per 1 x 128 token group).
 - `forward`: moe_align_block_size (pairs sorted by expert, padded to BLOCK_SIZE_M), a grouped GEMM
   over w13 with SiLU-and-mul in its epilogue, a grouped GEMM over w2 multiplying by the top-k weight
   times routed_scaling_factor in its epilogue, and a top-k sum (for one token, in that epilogue too;
-  see `triton_kernels`). Launch
-  configurations come from tuned files in `configs/` (benchmarks/tune_fused_moe.py) or a default.
+  see `fused_experts`). Launch configurations come from tuned files in `configs/`
+  (benchmarks/tune_fused_moe.py) or a default.
 - Shared-expert fusion (`MoESpec.num_shared_experts`): `prepare(..., shared_w13=, shared_w2=)` appends
   the shared expert(s) as extra experts, the router kernel gives them to every token, and `forward`
   returns routed + shared from the same GEMMs.
 
-The kernels live in `triton_kernels`, imported on first use: loading this plugin does not import
-Triton. On the CPU the kernels run only in Triton's interpreter (TRITON_INTERPRET=1), for tests.
+The kernels live in `router`, `align`, `quant`, `grouped_gemm` and `experts`, imported on first use:
+loading this plugin does not import Triton. On the CPU the kernels run only in Triton's interpreter
+(TRITON_INTERPRET=1), for tests.
 """
 
 from __future__ import annotations
@@ -86,17 +87,17 @@ class TritonMoE(MoEBackend):
     def __init__(self, spec: MoESpec, device: torch.device) -> None:
         super().__init__(spec, device)
         self._hardware = Hardware.detect(device)
-        from plugserve.plugins.moe import triton_kernels
+        from plugserve.plugins.moe.grouped_gemm import MIN_BLOCK_N
+        from plugserve.plugins.moe.router import FUSED_ROUTER_MAX_TOKENS
 
         # fused_router's float32 logits and arrival count, and the w2 pass's arrival counts (one per column block of
         # the smallest BLOCK_N) for one token's top-k sum, made here (not in a forward a CUDA graph may capture) and
         # shared by every layer and replay.
         self._router_scratch = (
-            torch.empty(triton_kernels.FUSED_ROUTER_MAX_TOKENS * spec.num_experts, dtype=torch.float32, device=device),
+            torch.empty(FUSED_ROUTER_MAX_TOKENS * spec.num_experts, dtype=torch.float32, device=device),
             torch.zeros(1, dtype=torch.int32, device=device),
         )
-        self._pair_sum_arrived = torch.zeros(ceil_div(spec.hidden_size, triton_kernels.MIN_BLOCK_N), dtype=torch.int32,
-                                             device=device)
+        self._pair_sum_arrived = torch.zeros(ceil_div(spec.hidden_size, MIN_BLOCK_N), dtype=torch.int32, device=device)
 
     @classmethod
     def availability(cls, hardware: Hardware) -> Availability:
@@ -108,28 +109,27 @@ class TritonMoE(MoEBackend):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """router_logits [T, E] float32 (correction_bias [E], noaux_tc only) -> (topk_weights [T, k]
         float32, topk_ids [T, k] int32), best expert first, without routed_scaling_factor."""
-        from plugserve.plugins.moe import triton_kernels
+        from plugserve.plugins.moe.router import grouped_topk
 
         if router_logits.dim() != 2:
             raise ValueError(f"router_logits must be [T, E], got {tuple(router_logits.shape)}")
         self._check_routing(router_logits.shape[1], correction_bias)
-        return triton_kernels.grouped_topk(router_logits, correction_bias, self.spec.router,
-                                           self.spec.num_shared_experts)
+        return grouped_topk(router_logits, correction_bias, self.spec.router, self.spec.num_shared_experts)
 
     def route_hidden(
         self, x: torch.Tensor, gate: torch.Tensor, correction_bias: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`MoEBackend.route_hidden`. Up to FUSED_ROUTER_MAX_TOKENS tokens (decode) in one kernel, `fused_router`:
         the gate's logits and the selection, where the GEMM and `route` take two launches."""
-        from plugserve.plugins.moe import triton_kernels
+        from plugserve.plugins.moe.router import FUSED_ROUTER_MAX_TOKENS, fused_router
 
-        if x.dim() != 2 or x.shape[0] > triton_kernels.FUSED_ROUTER_MAX_TOKENS:
+        if x.dim() != 2 or x.shape[0] > FUSED_ROUTER_MAX_TOKENS:
             return super().route_hidden(x, gate, correction_bias)
         if gate.dim() != 2 or gate.shape[1] != x.shape[1]:
             raise ValueError(f"gate must be [E, {x.shape[1]}] for x {tuple(x.shape)}, got {tuple(gate.shape)}")
         self._check_routing(gate.shape[0], correction_bias)
-        return triton_kernels.fused_router(x, gate.contiguous(), correction_bias, self.spec.router,
-                                           self.spec.num_shared_experts, self._router_scratch)
+        return fused_router(x, gate.contiguous(), correction_bias, self.spec.router, self.spec.num_shared_experts,
+                            self._router_scratch)
 
     def _check_routing(self, num_experts: int, correction_bias: torch.Tensor | None) -> None:
         router = self.spec.router
@@ -240,13 +240,13 @@ class TritonMoE(MoEBackend):
 
         Fused shared experts (S = spec.num_shared_experts): `route` gave every token experts E .. E+S-1
         with weight 1 / routed_scaling_factor, which the w2 epilogue's factor cancels."""
-        from plugserve.plugins.moe import triton_kernels
+        from plugserve.plugins.moe.experts import fused_experts
 
         spec = self.spec
         self.check_forward_inputs(x, topk_ids, topk_weights)
         if spec.first_expert:
             topk_ids = topk_ids - spec.first_expert
-        return triton_kernels.fused_experts(
+        return fused_experts(
             x, packed.w13, packed.w2, packed.w13_scale_inv, packed.w2_scale_inv, topk_ids, topk_weights,
             routed_scaling_factor, self.config(x.shape[0]), spec.block_shape, self._pair_sum_arrived,
         )
