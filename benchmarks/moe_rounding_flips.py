@@ -20,7 +20,7 @@ import torch
 from plugserve.conformance import oracle
 from plugserve.conformance.cases import V3_ROUTER
 from plugserve.conformance.tolerances import W8A8_MOE_ATOL, assert_close
-from plugserve.core.interfaces import MoESpec
+from plugserve.core.interfaces import MoESpec, MoEWeights
 from plugserve.core.layers.quant import quantize_block_fp8
 from plugserve.plugins.moe.align import align_pairs
 from plugserve.plugins.moe.grouped_gemm import grouped_gemm
@@ -51,7 +51,7 @@ def main() -> None:
     routing = oracle.route(torch.randn(args.tokens, e, device=device), V3_ROUTER, torch.randn(e, device=device) * 0.1)
     ids, weights = routing.ids.to(torch.int32), routing.weights.float()
     backend = TritonMoE(spec, device)
-    out = backend.forward(x, backend.prepare(q13, q2, s13, s2), ids, weights, RSF).double()
+    out = backend.forward(x, backend.prepare(MoEWeights(q13, q2, s13, s2)), ids, weights, RSF).double()
 
     # The backend's h: its w13 pass (config and alignment as forward takes them), float32 [P, I].
     config = backend.config(args.tokens)

@@ -11,9 +11,9 @@ activations quantized per 1 x 128 token group).
   times routed_scaling_factor in its epilogue, and a top-k sum (for one token, in that epilogue too;
   see `fused_experts`). Launch configurations come from tuned files in `configs/`
   (benchmarks/tune_fused_moe.py) or a default.
-- Shared-expert fusion (`MoESpec.num_shared_experts`): `prepare(..., shared_w13=, shared_w2=)` appends
-  the shared expert(s) as extra experts, the router kernel gives them to every token, and `forward`
-  returns routed + shared from the same GEMMs.
+- Shared-expert fusion (`MoESpec.num_shared_experts`): `prepare` appends the shared MLP (`MoEWeights.shared_w13`,
+  `shared_w2`) as extra experts, the router kernel gives them to every token, and `forward` returns routed +
+  shared from the same GEMMs.
 
 The kernels live in `router`, `align`, `quant`, `grouped_gemm` and `experts`, imported on first use:
 loading this plugin does not import Triton. On the CPU the kernels run only in Triton's interpreter
@@ -29,7 +29,15 @@ import torch
 
 from plugserve.core.forward_batch import Phase
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import OK, Availability, MoEBackend, MoECapabilities, MoESpec, check_tensor
+from plugserve.core.interfaces import (
+    OK,
+    Availability,
+    MoEBackend,
+    MoECapabilities,
+    MoESpec,
+    MoEWeights,
+    check_tensor,
+)
 from plugserve.core.layers.quant import FP8_DTYPE, ceil_div
 from plugserve.plugins.moe.configs import MoEConfig, get_config
 from plugserve.plugins.triton_support import triton_availability
@@ -146,28 +154,14 @@ class TritonMoE(MoEBackend):
             raise ValueError(f"correction_bias must have shape ({router.num_experts},), "
                              f"got {tuple(correction_bias.shape)}")
 
-    def prepare(
-        self,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
-        w13_scale_inv: torch.Tensor | None = None,
-        w2_scale_inv: torch.Tensor | None = None,
-        *,
-        shared_w13: torch.Tensor | None = None,
-        shared_w2: torch.Tensor | None = None,
-        shared_w13_scale_inv: torch.Tensor | None = None,
-        shared_w2_scale_inv: torch.Tensor | None = None,
-    ) -> TritonMoEWeights:
-        """w13 [E, 2I, H], w2 [E, H, I] of spec.dtype, or float8_e4m3fn with block scales
-        [E, ceil(2I/bn), ceil(H/bk)] and [E, ceil(H/bn), ceil(I/bk)] float32; under expert parallelism E is
-        this rank's spec.num_local_experts.
-
-        Shared-expert fusion: shared_w13 [2SI, H] (gate rows, then up rows) and shared_w2 [H, SI], the
-        shared MLP of intermediate size S * I (DeepSeek's n_shared_experts = S), in the experts' format
-        (FP8: with scales [ceil(2SI/bn), ceil(H/bk)] and [ceil(H/bn), ceil(SI/bk)]; S > 1 needs I a
-        multiple of bn). They become S experts E .. E+S-1 (slices of I) that `forward` gives every token,
-        so that its result is routed + shared MLP. Given exactly when spec.num_shared_experts is S."""
+    def prepare(self, weights: MoEWeights) -> TritonMoEWeights:
+        """`weights` (see `MoEWeights`) as contiguous tensors. Shared-expert fusion: the shared MLP of intermediate
+        size S * I (DeepSeek's n_shared_experts = S; FP8 with S > 1 needs I a multiple of bn) becomes S experts
+        E .. E+S-1 (slices of I) that `forward` gives every token, so that its result is routed + shared MLP."""
         spec = self.spec
+        w13, w2, w13_scale_inv, w2_scale_inv = weights.w13, weights.w2, weights.w13_scale_inv, weights.w2_scale_inv
+        shared_w13, shared_w2 = weights.shared_w13, weights.shared_w2
+        shared_w13_scale_inv, shared_w2_scale_inv = weights.shared_w13_scale_inv, weights.shared_w2_scale_inv
         e, h, i = spec.num_local_experts, spec.hidden_size, spec.intermediate_size
         weight_dtype = FP8_DTYPE if spec.is_fp8 else spec.dtype
         check_tensor("w13", w13, (e, 2 * i, h), weight_dtype)

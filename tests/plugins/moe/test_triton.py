@@ -23,7 +23,7 @@ from plugserve.conformance.tolerances import W8A8_MOE_ATOL, assert_close
 from plugserve.core.config import preset_config
 from plugserve.core.forward_batch import Phase
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import MoESpec, RouterConfig
+from plugserve.core.interfaces import MoESpec, MoEWeights, RouterConfig
 from plugserve.core.layers.quant import per_token_group_quant_fp8, quantize_block_fp8
 from plugserve.plugins import triton_support
 from plugserve.plugins.moe import configs
@@ -302,7 +302,7 @@ def test_fused_experts_match_reference(experts_kernels, t: int, dtype: torch.dty
     spec = MoESpec(h, i, dtype, torch.float8_e4m3fn if fp8 else None, router=SMALL_V3)
     backend = TritonMoE(spec, DEVICE)
     w13, w2, s13, s2 = _experts(SMALL_V3.num_experts, h, i, dtype, fp8)
-    packed = backend.prepare(w13, w2, s13, s2)
+    packed = backend.prepare(MoEWeights(w13, w2, s13, s2))
     weights, ids = _routing(t, SMALL_V3)
     x = torch.randn(t, h, generator=torch.Generator().manual_seed(t)).to(DEVICE, dtype)
     if config is None:
@@ -384,7 +384,7 @@ def test_dropped_ids_contribute_nothing(experts_kernels, t: int, config) -> None
     dropped[::2, 1] = -1
     dropped[0, 2] = SMALL_V3.num_experts  # past the experts this rank holds
     x = torch.randn(t, h, device=DEVICE)
-    packed = backend.prepare(w13, w2)
+    packed = backend.prepare(MoEWeights(w13, w2))
     out = (backend.forward(x, packed, dropped, weights, RSF) if config is None else experts_kernels.fused_experts(
         x, packed.w13, packed.w2, None, None, dropped, weights, RSF, config, arrived=backend._pair_sum_arrived))
     kept = torch.where((dropped >= 0) & (dropped < SMALL_V3.num_experts), weights, 0.0)
@@ -399,7 +399,7 @@ def test_one_token_sums_its_pairs_in_the_w2_pass(experts_kernels, monkeypatch: p
     h, i = 256, 192
     backend = TritonMoE(MoESpec(h, i, torch.float16, None, router=SMALL_V3), DEVICE)
     w13, w2, _, _ = _experts(16, h, i, torch.float16, False)
-    packed = backend.prepare(w13, w2)
+    packed = backend.prepare(MoEWeights(w13, w2))
     config = config or backend.config(1)
     sums: list[int] = []
     real_sum = experts_kernels._topk_sum_kernel
@@ -420,8 +420,8 @@ def test_empty_batch(experts_kernels) -> None:
     backend = TritonMoE(MoESpec(128, 64, torch.float16, None, router=SMALL_V3), DEVICE)
     w13, w2, _, _ = _experts(16, 128, 64, torch.float16, False)
     ids = torch.empty(0, 4, dtype=torch.int32, device=DEVICE)
-    out = backend.forward(torch.empty(0, 128, device=DEVICE, dtype=torch.float16), backend.prepare(w13, w2), ids,
-                          torch.empty(0, 4, device=DEVICE), RSF)
+    out = backend.forward(torch.empty(0, 128, device=DEVICE, dtype=torch.float16),
+                          backend.prepare(MoEWeights(w13, w2)), ids, torch.empty(0, 4, device=DEVICE), RSF)
     assert out.shape == (0, 128)
 
 
@@ -435,13 +435,13 @@ def test_shared_fusion_takes_shared_experts_exactly_when_the_spec_has_them(exper
     shared_w13, shared_w2 = torch.zeros(128, 128, device=DEVICE), torch.zeros(128, 64, device=DEVICE)
     fused = TritonMoE(MoESpec(128, 64, torch.float32, None, router=SMALL_V3, num_shared_experts=1), DEVICE)
     with pytest.raises(ValueError, match="shared_w13"):
-        fused.prepare(w13, w2, shared_w13=torch.zeros(100, 128, device=DEVICE), shared_w2=shared_w2)
+        fused.prepare(MoEWeights(w13, w2, shared_w13=torch.zeros(100, 128, device=DEVICE), shared_w2=shared_w2))
     with pytest.raises(ValueError, match="needs both"):
-        fused.prepare(w13, w2)
-    assert fused.prepare(w13, w2, shared_w13=shared_w13, shared_w2=shared_w2).w13.shape[0] == 17
+        fused.prepare(MoEWeights(w13, w2))
+    assert fused.prepare(MoEWeights(w13, w2, shared_w13=shared_w13, shared_w2=shared_w2)).w13.shape[0] == 17
     plain = TritonMoE(MoESpec(128, 64, torch.float32, None, router=SMALL_V3), DEVICE)
     with pytest.raises(ValueError, match="num_shared_experts 0"):
-        plain.prepare(w13, w2, shared_w13=shared_w13, shared_w2=shared_w2)
+        plain.prepare(MoEWeights(w13, w2, shared_w13=shared_w13, shared_w2=shared_w2))
 
 
 # ----------------------------------------------------------------------------------------------------
