@@ -41,7 +41,7 @@ from plugserve.core.config import ModelConfig, ModelConfigError, preset_config
 from plugserve.core.dispatch import prepare_attention
 from plugserve.core.forward_batch import ForwardMode, Phase
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import AttentionSpec, GemmSpec, MoESpec
+from plugserve.core.interfaces import AttentionSpec, GemmSpec, MoESpec, MoEWeights
 from plugserve.core.layers.quant import quantize_block_fp8
 from plugserve.registry import BATCH_BUCKETS, get_registry
 
@@ -331,7 +331,7 @@ def run_moe(backends: list, device: torch.device, dtype: torch.dtype, args, emit
                 backend = entry.cls(spec, device)
                 topk_weights, topk_ids = backend.route(logits, bias)
                 case = moe_case(spec, dtype, topk_ids)
-                packed = backend.prepare(*weights)
+                packed = backend.prepare(MoEWeights(*weights))
                 run = partial(backend.forward, x, packed, topk_ids, topk_weights, router.routed_scaling_factor)
                 emit(case, entry.name, *timed(run, device, args.warmup, args.reps_for(entry.name)))
 

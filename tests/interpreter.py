@@ -5,7 +5,7 @@ tl.cumsum, ...) included, which is defined when triton is first imported, possib
 TRITON_INTERPRET=1 was set before this process started (tests/conftest.py sets it where no GPU is visible), a
 module's kernel tests run in a child pytest of that module started with it. A test module takes both halves:
 
-    kernels = kernels_fixture("plugserve.plugins.moe.triton_kernels")
+    kernels = kernels_fixture("plugserve.plugins.moe.align")
     test_kernels_in_the_interpreter = interpreter_child(__file__)
 """
 

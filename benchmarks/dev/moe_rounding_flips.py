@@ -20,9 +20,11 @@ import torch
 from plugserve.conformance import oracle
 from plugserve.conformance.cases import V3_ROUTER
 from plugserve.conformance.tolerances import W8A8_MOE_ATOL, assert_close
-from plugserve.core.interfaces import MoESpec
+from plugserve.core.interfaces import MoESpec, MoEWeights
 from plugserve.core.layers.quant import quantize_block_fp8
-from plugserve.plugins.moe import triton_kernels
+from plugserve.plugins.moe.align import align_pairs
+from plugserve.plugins.moe.grouped_gemm import grouped_gemm
+from plugserve.plugins.moe.quant import per_token_group_quant
 from plugserve.plugins.moe.triton import TritonMoE
 
 RSF = 2.5
@@ -49,14 +51,14 @@ def main() -> None:
     routing = oracle.route(torch.randn(args.tokens, e, device=device), V3_ROUTER, torch.randn(e, device=device) * 0.1)
     ids, weights = routing.ids.to(torch.int32), routing.weights.float()
     backend = TritonMoE(spec, device)
-    out = backend.forward(x, backend.prepare(q13, q2, s13, s2), ids, weights, RSF).double()
+    out = backend.forward(x, backend.prepare(MoEWeights(q13, q2, s13, s2)), ids, weights, RSF).double()
 
     # The backend's h: its w13 pass (config and alignment as forward takes them), float32 [P, I].
     config = backend.config(args.tokens)
-    alignment = triton_kernels.align_pairs(ids, e, config.block_m)
-    a, a_scale = triton_kernels.per_token_group_quant(x, 128)
+    alignment = align_pairs(ids, e, config.block_m)
+    a, a_scale = per_token_group_quant(x, 128)
     h_backend = torch.empty(args.tokens * k, i, dtype=torch.float32, device=device)
-    triton_kernels.grouped_gemm(a, a_scale, q13, s13, h_backend, alignment, config.w13, a_row_div=k, silu_mul=True)
+    grouped_gemm(a, a_scale, q13, s13, h_backend, alignment, config.w13, a_row_div=k, silu_mul=True)
     # The oracle's h in float64, pair p = t * k + j, one expert at a time, and its error for a unit accumulation_rel.
     x64 = oracle._fake_quant(x, 128)
     pair_ids = ids.view(-1).long()

@@ -17,6 +17,7 @@ from benchmarks.dev.profile_gemm import kernel_times_us
 from benchmarks.gpu_timing import time_cold_graph_ms
 from benchmarks.shootout import expert_weights, limit_seconds, measure_ceilings, moe_case
 from plugserve.core.config import preset_config
+from plugserve.core.interfaces import MoEWeights
 from plugserve.plugins.moe.triton import TritonMoE
 
 
@@ -34,7 +35,7 @@ def main() -> None:
     for tp in args.tp_sizes:
         spec = preset_config("deepseek-v3").moe_spec(torch.bfloat16, tp, 1, 0)
         backend = TritonMoE(spec, device)
-        packed = backend.prepare(*expert_weights(spec, device))
+        packed = backend.prepare(MoEWeights(*expert_weights(spec, device)))
         e, h, i = spec.num_experts, spec.hidden_size, spec.intermediate_size
         for tokens in args.batch_sizes:
             x = torch.randn(tokens, h, device=device, dtype=torch.bfloat16)

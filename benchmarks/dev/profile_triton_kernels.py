@@ -17,7 +17,7 @@ import torch
 from plugserve.conformance.batches import random_batch
 from plugserve.conformance.cases import V3_ROUTER
 from plugserve.core.forward_batch import ForwardMode
-from plugserve.core.interfaces import AttentionSpec, GemmSpec, MoESpec
+from plugserve.core.interfaces import AttentionSpec, GemmSpec, MoESpec, MoEWeights
 from plugserve.core.layers.quant import quantize_block_fp8
 from plugserve.plugins.attention.mha_prefill import mha_varlen
 from plugserve.plugins.attention.triton import TritonAttention
@@ -50,8 +50,8 @@ def main() -> None:
     moe = TritonMoE(moe_spec, device)
     w13 = [quantize_block_fp8(torch.randn(512, 7168, device=device) / 85) for _ in range(256)]
     w2 = [quantize_block_fp8(torch.randn(7168, 256, device=device) / 16) for _ in range(256)]
-    weights = moe.prepare(torch.stack([w for w, _ in w13]), torch.stack([w for w, _ in w2]),
-                          torch.stack([s for _, s in w13]), torch.stack([s for _, s in w2]))
+    weights = moe.prepare(MoEWeights(torch.stack([w for w, _ in w13]), torch.stack([w for w, _ in w2]),
+                                     torch.stack([s for _, s in w13]), torch.stack([s for _, s in w2])))
     tokens = torch.randn(args.moe_tokens, 7168, device=device, dtype=dtype)
     topk_weights, topk_ids = moe.route(torch.randn(args.moe_tokens, 256, device=device),
                                        torch.zeros(256, device=device))

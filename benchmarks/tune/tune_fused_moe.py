@@ -165,7 +165,9 @@ def tune_batch(experts: Experts, num_tokens: int, block_ms: tuple[int, ...] | No
     """(best configuration, its w13 + w2 milliseconds, the default configuration's, the bytes of the distinct
     experts' weights the batch reads) for M = num_tokens. block_ms / tiles None: the decode space. `kept`: a
     configuration to time beside the space's (the file's for this M under --update)."""
-    from plugserve.plugins.moe import triton_kernels as kernels
+    from plugserve.plugins.moe.align import align_pairs
+    from plugserve.plugins.moe.grouped_gemm import COLUMN_MAX_K, grouped_gemm
+    from plugserve.plugins.moe.quant import per_token_group_quant
     from plugserve.plugins.moe.triton import TritonMoE
 
     spec, device = experts.spec, experts.w13.device
@@ -176,12 +178,12 @@ def tune_batch(experts: Experts, num_tokens: int, block_ms: tuple[int, ...] | No
     decode = block_ms is None or tiles is None
     if decode:
         block_ms, tiles = decode_space(fp8, spec.dtype, num_tokens * k / e)
-    a, a_scale = kernels.per_token_group_quant(x, spec.block_shape[1]) if fp8 else (x, None)
+    a, a_scale = per_token_group_quant(x, spec.block_shape[1]) if fp8 else (x, None)
     h_buf = torch.empty(num_tokens * k, n, device=device, dtype=torch.float32 if fp8 else spec.dtype)
     y = torch.empty(num_tokens * k, h, device=device, dtype=spec.dtype)
-    w13_pass = functools.partial(kernels.grouped_gemm, a, a_scale, experts.w13, experts.w13_scale_inv, h_buf,
-                                 a_row_div=k, silu_mul=True, block_shape=spec.block_shape)
-    w2_pass = functools.partial(kernels.grouped_gemm, w=experts.w2, w_scale=experts.w2_scale_inv, out=y, a_row_div=1,
+    w13_pass = functools.partial(grouped_gemm, a, a_scale, experts.w13, experts.w13_scale_inv, h_buf, a_row_div=k,
+                                 silu_mul=True, block_shape=spec.block_shape)
+    w2_pass = functools.partial(grouped_gemm, w=experts.w2, w_scale=experts.w2_scale_inv, out=y, a_row_div=1,
                                 silu_mul=False, topk_weights=topk_weights, routed_scaling_factor=ROUTED_SCALING,
                                 block_shape=spec.block_shape)
 
@@ -191,7 +193,7 @@ def tune_batch(experts: Experts, num_tokens: int, block_ms: tuple[int, ...] | No
                                                                         .sum())
 
     def passes(block_m: int, w13_tiles: list[GemmConfig], w2_tiles: list[GemmConfig]) -> tuple[float, MoEConfig]:
-        alignment = kernels.align_pairs(local_ids, spec.num_local_experts, block_m)
+        alignment = align_pairs(local_ids, spec.num_local_experts, block_m)
         run13 = functools.partial(w13_pass, alignment=alignment)
         timed13 = ranked(run13, w13_tiles, quick)
         if decode and len(w13_tiles) > 1:
@@ -199,10 +201,10 @@ def tune_batch(experts: Experts, num_tokens: int, block_ms: tuple[int, ...] | No
             timed13 = sorted(timed13 + ranked(run13, cut, quick), key=lambda c: c[0])
         t13, tile13 = timed13[0]
         w13_pass(alignment=alignment, config=tile13)  # the w2 pass's input
-        h_in, h_scale = kernels.per_token_group_quant(h_buf, spec.block_shape[1]) if fp8 else (h_buf, None)
+        h_in, h_scale = per_token_group_quant(h_buf, spec.block_shape[1]) if fp8 else (h_buf, None)
         run2 = functools.partial(w2_pass, h_in, h_scale, alignment=alignment)
         timed2 = ranked(run2, w2_tiles, quick)
-        if not decode and len(w2_tiles) > 1 and n <= kernels.COLUMN_MAX_K:
+        if not decode and len(w2_tiles) > 1 and n <= COLUMN_MAX_K:
             looped = [replace(tile, column_blocks=blocks) for _, tile in timed2[:SPLIT_CANDIDATES]
                       for blocks in PREFILL_COLUMN_BLOCKS]
             timed2 = sorted(timed2 + ranked(run2, looped, quick), key=lambda c: c[0])
@@ -227,12 +229,12 @@ def check_config(experts: Experts, config: MoEConfig, x: torch.Tensor, topk_ids:
     against the torch reference; AssertionError naming the config when it is off (the kit's bound for
     block-FP8), so that no tuned file holds a configuration that computes something else."""
     from plugserve.conformance.tolerances import W8A8_MOE_ATOL, assert_close
-    from plugserve.plugins.moe import triton_kernels as kernels
+    from plugserve.plugins.moe.experts import fused_experts
     from plugserve.plugins.moe.torch_ref import fused_experts_reference
 
     spec = experts.spec
-    out = kernels.fused_experts(x, experts.w13, experts.w2, experts.w13_scale_inv, experts.w2_scale_inv,
-                                topk_ids - spec.first_expert, topk_weights, ROUTED_SCALING, config, spec.block_shape)
+    out = fused_experts(x, experts.w13, experts.w2, experts.w13_scale_inv, experts.w2_scale_inv,
+                        topk_ids - spec.first_expert, topk_weights, ROUTED_SCALING, config, spec.block_shape)
     expected = fused_experts_reference(x, experts.w13, experts.w2, topk_ids, topk_weights, ROUTED_SCALING,
                                        experts.w13_scale_inv, experts.w2_scale_inv, spec.block_shape,
                                        spec.first_expert)

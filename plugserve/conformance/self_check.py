@@ -25,6 +25,7 @@ from plugserve.core.interfaces import (
     GemmSpec,
     MoEBackend,
     MoESpec,
+    MoEWeights,
 )
 from plugserve.core.layers.quant import quantize_block_fp8
 
@@ -119,7 +120,7 @@ def _check_moe(backend: MoEBackend) -> None:
     routing = oracle.route(logits, spec.router, bias)
     topk_ids, topk_weights = routing.ids.to(torch.int32), routing.weights.float()
     x = torch.randn(CHECK_TOKENS, h, device=device, dtype=spec.dtype)
-    out = small.forward(x, small.prepare(*weights), topk_ids, topk_weights, ROUTED_SCALING_FACTOR)
+    out = small.forward(x, small.prepare(MoEWeights(*weights)), topk_ids, topk_weights, ROUTED_SCALING_FACTOR)
     w13, w2, s13, s2 = weights
     expected = oracle.moe(x, w13, w2, topk_ids, topk_weights, ROUTED_SCALING_FACTOR, s13, s2, spec.block_shape)
     assert_close(out, expected, spec.dtype, f"{backend.name} self-check: routed experts")

@@ -14,7 +14,7 @@ from plugserve.conformance.cases import MoECase
 from plugserve.conformance.plugin import Target, require_available
 from plugserve.conformance.tolerances import W8A8_MOE_ATOL, assert_close
 from plugserve.core.forward_batch import Phase
-from plugserve.core.interfaces import MoEBackend, MoESpec
+from plugserve.core.interfaces import MoEBackend, MoESpec, MoEWeights
 from plugserve.core.layers.quant import quantize_block_fp8
 
 ROUTED_SCALING_FACTOR = 2.5  # DeepSeek-V3's; != 1 so that a backend ignoring it fails
@@ -98,7 +98,7 @@ def test_forward(moe_target: Target, moe_case: MoECase, weight_format: str, plug
     bias = torch.randn(e, device=device) * 0.1 if spec.router.topk_method == "noaux_tc" else None
     routing = oracle.route(torch.randn(moe_case.num_tokens, e, device=device), spec.router, bias)
     ids, weights = routing.ids.to(torch.int32), routing.weights.float()
-    out = backend.forward(x, backend.prepare(w13, w2, s13, s2), ids, weights, ROUTED_SCALING_FACTOR)
+    out = backend.forward(x, backend.prepare(MoEWeights(w13, w2, s13, s2)), ids, weights, ROUTED_SCALING_FACTOR)
     expected, slack = oracle.moe_with_rounding_slack(x, w13, w2, ids, weights, ROUTED_SCALING_FACTOR, s13, s2,
                                                      spec.block_shape)
     assert out.dtype == spec.dtype
@@ -140,9 +140,9 @@ def test_forward_with_fused_shared_experts(moe_target: Target, moe_case: MoECase
     assert torch.equal(ids[:, k:].long().cpu(), torch.arange(e, e + num_shared).expand(moe_case.num_tokens, -1))
     torch.testing.assert_close(weights[:, k:].cpu(), torch.full((moe_case.num_tokens, num_shared),
                                                                 1 / ROUTED_SCALING_FACTOR))
-    packed = backend.prepare(w13, w2, s13, s2, shared_w13=shared_w13[0], shared_w2=shared_w2[0],
-                             shared_w13_scale_inv=None if shared_s13 is None else shared_s13[0],
-                             shared_w2_scale_inv=None if shared_s2 is None else shared_s2[0])
+    packed = backend.prepare(MoEWeights(w13, w2, s13, s2, shared_w13=shared_w13[0], shared_w2=shared_w2[0],
+                                        shared_w13_scale_inv=None if shared_s13 is None else shared_s13[0],
+                                        shared_w2_scale_inv=None if shared_s2 is None else shared_s2[0]))
     x = torch.randn(moe_case.num_tokens, h, device=device, dtype=spec.dtype)
     out = backend.forward(x, packed, ids, weights, ROUTED_SCALING_FACTOR)
     routed, routed_slack = oracle.moe_with_rounding_slack(x, w13, w2, ids[:, :k], weights[:, :k],
@@ -172,7 +172,7 @@ def test_forward_on_one_ranks_experts(moe_target: Target, moe_case: MoECase, wei
     e, device = spec.num_experts, plugserve_device
     w13, w2, s13, s2 = _experts(spec, e, device)
     local = slice(spec.first_expert, spec.first_expert + spec.num_local_experts)
-    packed = backend.prepare(w13[local], w2[local], *(None if s is None else s[local] for s in (s13, s2)))
+    packed = backend.prepare(MoEWeights(w13[local], w2[local], *(None if s is None else s[local] for s in (s13, s2))))
     x = torch.randn(moe_case.num_tokens, spec.hidden_size, device=device, dtype=spec.dtype)
     bias = torch.randn(e, device=device) * 0.1 if spec.router.topk_method == "noaux_tc" else None
     routing = oracle.route(torch.randn(moe_case.num_tokens, e, device=device), spec.router, bias)

@@ -535,6 +535,25 @@ def router_logits(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x.float(), gate.float())
 
 
+@dataclass(frozen=True)
+class MoEWeights:
+    """This rank's experts by name, which `MoEBackend.prepare` packs once at load (E_l, H, I as there; (bn, bk) =
+    spec.block_shape; expert j is global expert spec.first_expert + j). w13 [E_l, 2I, H] (rows [0, I) gate, [I, 2I)
+    up) and w2 [E_l, H, I] of spec.dtype, or float8_e4m3fn with w13_scale_inv [E_l, ceil(2I/bn), ceil(H/bk)] and
+    w2_scale_inv [E_l, ceil(H/bn), ceil(I/bk)] float32. With spec.num_shared_experts S > 0, and only then, the
+    shared MLP in the same format: shared_w13 [2SI, H] (gate rows, then up rows) and shared_w2 [H, SI], FP8 with
+    scales [ceil(2SI/bn), ceil(H/bk)] and [ceil(H/bn), ceil(SI/bk)]."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_scale_inv: torch.Tensor | None = None
+    w2_scale_inv: torch.Tensor | None = None
+    shared_w13: torch.Tensor | None = None
+    shared_w2: torch.Tensor | None = None
+    shared_w13_scale_inv: torch.Tensor | None = None
+    shared_w2_scale_inv: torch.Tensor | None = None
+
+
 class MoEBackend(Backend):
     """Routed experts of DeepSeekMoE. E = num_experts, k = top_k, H = hidden, I = intermediate; E_l =
     spec.num_local_experts, the experts this rank holds (E but under expert parallelism: see `MoESpec`)."""
@@ -562,23 +581,9 @@ class MoEBackend(Backend):
         return self.route(router_logits(x, gate), correction_bias)
 
     @abstractmethod
-    def prepare(
-        self,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
-        w13_scale_inv: torch.Tensor | None = None,
-        w2_scale_inv: torch.Tensor | None = None,
-        *,
-        shared_w13: torch.Tensor | None = None,
-        shared_w2: torch.Tensor | None = None,
-        shared_w13_scale_inv: torch.Tensor | None = None,
-        shared_w2_scale_inv: torch.Tensor | None = None,
-    ) -> Any:
-        """Once at load: w13 [E_l, 2I, H] (rows [0, I) gate, [I, 2I) up), w2 [E_l, H, I] (expert j is global
-        expert spec.first_expert + j), of spec.dtype or float8_e4m3fn with block scales
-        [E_l, ceil(2I/bn), ceil(H/bk)] and [E_l, ceil(H/bn), ceil(I/bk)].
-        With spec.num_shared_experts S > 0 (and only then) also the shared MLP: shared_w13 [2SI, H] (gate
-        rows, then up rows) and shared_w2 [H, SI], with their block scales when FP8."""
+    def prepare(self, weights: MoEWeights) -> Any:
+        """Once at load: this rank's experts (see `MoEWeights`) -> the packed form `forward` takes. ValueError
+        when a tensor does not fit the spec."""
 
     def check_forward_inputs(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
         """ValueError unless x is [T, H] of spec.dtype and topk_ids / topk_weights are both

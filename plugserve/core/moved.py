@@ -53,6 +53,16 @@ MOVED_NAMES: dict[str, dict[str, str]] = {
     },
     "plugserve.runtime.speculative": {name: "plugserve.runtime.acceptance"
                                       for name in ("verify_drafts", "verify_tree")},
+    "plugserve.plugins.moe.triton_kernels": {
+        **{name: "plugserve.plugins.moe.router"
+           for name in ("grouped_topk", "fused_router", "FUSED_ROUTER_MAX_TOKENS", "ROUTER_PROGRAMS", "NO_GROUPS",
+                        "GROUP_BY_MAX", "GROUP_BY_TOP2_SUM")},
+        **{name: "plugserve.plugins.moe.align"
+           for name in ("BlockAlignment", "pair_blocks", "align_pairs", "moe_align_block_size")},
+        "per_token_group_quant": "plugserve.plugins.moe.quant",
+        **{name: "plugserve.plugins.moe.grouped_gemm" for name in ("grouped_gemm", "MIN_BLOCK_N", "COLUMN_MAX_K")},
+        "fused_experts": "plugserve.plugins.moe.experts",
+    },
 }
 
 

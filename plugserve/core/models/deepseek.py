@@ -38,7 +38,7 @@ from torch import nn
 from plugserve.core.config import ModelConfig
 from plugserve.core.distributed import SINGLE, ParallelGroup, unpad_rows
 from plugserve.core.forward_batch import AttnForwardMethod, ForwardBatch, ForwardMode
-from plugserve.core.interfaces import AttentionBackend, Fp8GemmBackend, MoEBackend
+from plugserve.core.interfaces import AttentionBackend, Fp8GemmBackend, MoEBackend, MoEWeights
 from plugserve.core.layers.linear import Linear, WeightLoadError
 from plugserve.core.layers.norm import RMSNorm
 from plugserve.core.layers.parallel import (
@@ -227,7 +227,8 @@ class DeepseekMoE(nn.Module):
             scales = (torch.stack([g.weight_scale_inv.data for g in gate_up]),
                       torch.stack([d.weight_scale_inv.data for d in down]))
         self._moe = moe
-        self._packed = moe.prepare(w13, w2, *scales, **self._fused_shared_experts(moe.spec.num_shared_experts))
+        self._packed = moe.prepare(MoEWeights(w13, w2, *scales,
+                                              **self._fused_shared_experts(moe.spec.num_shared_experts)))
         if not (self.gate.is_cuda and self.gate.dtype in (torch.bfloat16, torch.float16)):
             self.gate.data = self.gate.data.float()  # the router runs in float32: convert once, not per call
         self.experts = nn.ModuleList()
@@ -237,7 +238,7 @@ class DeepseekMoE(nn.Module):
             self.shared_experts.finalize(gemm)
 
     def _fused_shared_experts(self, num_shared: int) -> dict[str, torch.Tensor]:
-        """The shared MLP as `MoEBackend.prepare`'s shared_* arguments when the backend fuses `num_shared`
+        """The shared MLP as `MoEWeights`' shared_* fields when the backend fuses `num_shared`
         of them (its spec says so), else nothing."""
         if not num_shared or self.shared_experts is None:  # prepare refuses a spec the layer does not match
             return {}

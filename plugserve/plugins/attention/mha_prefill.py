@@ -226,7 +226,7 @@ def mha_varlen(
     """Ragged MHA: q [T, H, Dqk], k [Tk, H, Dqk], v [Tk, H, Dv] (last dims contiguous), requests packed
     request-major; cu_q / cu_kv [B+1] int32 exclusive prefix sums of the per-request query / key
     counts; max_q_len the largest query count. Causal masks bottom-right. `config`: launch exactly this one
-    (benchmarks/sweep_triton_mha.py); None, the Gluon kernel where `mha_gluon_fits` (sm90), else the first of
+    (benchmarks/dev/sweep_triton_mha.py); None, the Gluon kernel where `mha_gluon_fits` (sm90), else the first of
     `mha_configs` this GPU's shared memory holds. Returns out [T, H, Dv] in q's dtype and lse [T, H] float32
     (natural log; -inf, out 0 where a query sees no key)."""
     t, h, d_qk = q.shape

@@ -41,13 +41,12 @@ HALF = gl.constexpr(64)  # rows a consumer warpgroup: its wgmma M
 STAGES = {2: 6, 4: 5}
 OUT_ELEMENT = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
 GROUP_M = 8
-# Where the Gluon kernel takes over from the Triton one (H100, V3's shapes, session 16): below 256 rows most of a
-# 128-row tile is padding and the Triton kernel's decode configs (small tiles, split-K) fit better. From 256 rows it
-# was 1.0-1.6x faster at every depth measured (K = 512 ... 18432), except for n2112 at 1024 rows (0.86x).
+# Where the Gluon kernel takes over from the Triton one (measurements: docs/kernels.md, "Gluon GEMM"): below 256
+# rows most of a 128-row tile is padding and the Triton kernel's decode configs (small tiles, split-K) fit better.
 GLUON_MIN_M = 256
-GLUON_MIN_K = 512  # the shallowest measured
-# More tiles than SMs run in waves; where they fill under this share of the waves' slots (n2112 at 1024 rows: 136
-# tiles on 132 SMs, 0.52) the Triton kernel's smaller tiles were faster (Gluon 0.86x on the H100, session 16).
+GLUON_MIN_K = 512  # the shallowest depth measured
+# More tiles than SMs run in waves; where they fill under this share of the waves' slots the Triton kernel's smaller
+# tiles are faster.
 GLUON_MIN_WAVE_FILL = 0.6
 CONSUMER_REGS = gl.constexpr(240)  # consumer 1's; Triton gives consumer 0 (the kernel's own warps) the same
 PRODUCER_REGS = gl.constexpr(24)

@@ -22,28 +22,13 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from plugserve.core.layers.quant import FP8_DTYPE, FP8_MAX, SCALE_EPS, ceil_div
 from plugserve.core.triton_pdl import launch_options, programmatic_prologue
+from plugserve.plugins.triton_shared import INTERPRETED, round_to_e4m3_grid, split_k_arrive, split_k_sum
 from plugserve.plugins.triton_support import split_k_arrivals, tma_source
 
 # Groups one program of the quantization kernel handles (a [groups, group_size] tile).
 MAX_GROUPS_PER_PROGRAM = 8
 # Column-major scales padded so each column starts 16-byte aligned, as TMA loads need.
 TMA_ALIGNMENT = 4  # float32 elements
-# Triton's interpreter (3.9) casts float32 to e4m3 without carrying a round-up into the exponent
-# (124.9 becomes 64, not 128): interpreted kernels round onto the e4m3 grid first, so the cast is exact.
-# Compiled for an H100 (triton 3.6) the cast rounds to nearest even by itself: both paths gave the
-# same e4m3 values there on 88M elements.
-INTERPRETED = triton.knobs.runtime.interpret
-
-
-@triton.jit
-def _round_to_e4m3_grid(v):
-    """v (float32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, still float32: e4m3
-    steps are 2^(e-3) for 2^e <= |v| < 2^(e+1), and 2^-9 below 2^-6 (subnormals)."""
-    power = (v.to(tl.uint32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)  # 2^floor(log2|v|)
-    step = tl.maximum(power * 0.125, 0.001953125)
-    magic = 8388608.0  # 2^23: adding it to a float32 below 2^22 rounds to an integer, ties to even
-    units = (tl.math.div_rn(tl.abs(v), step) + magic) - magic
-    return tl.where(v < 0, -units * step, units * step)
 
 
 @triton.jit(do_not_specialize_on_alignment=["stride_sg"])
@@ -80,7 +65,7 @@ def _per_token_group_quant_kernel(
     q = tl.math.div_rn(x, scale[:, None])
     q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
     if ROUND_IN_FP32:
-        q = _round_to_e4m3_grid(q)
+        q = round_to_e4m3_grid(q)
     tl.store(q_ptr + row * stride_qm + cols, q.to(tl.float8e4nv), mask=mask)
     tl.store(s_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups < num_groups)
 
@@ -237,26 +222,6 @@ def _w8a8_block_fp8_matmul_kernel(
             total = split_k_sum(partial_ptr + tile, stride_ps, c_mask, SPLIT_K)
             tl.store(c_ptr + tile, total.to(c_ptr.dtype.element_ty), mask=c_mask)
             tl.store(arrivals_ptr + pid, 0)
-
-
-@triton.jit
-def split_k_arrive(count_ptr):
-    """Count this program in at count_ptr (int32) once every thread's slice of the split-K workspace is stored;
-    returns the count before it: SPLIT_K - 1 for the last program, which then adds the slices (`split_k_sum`) and
-    sets the count back to 0. Shared with the MoE grouped GEMM's split-K."""
-    tl.debug_barrier()  # every thread's stores before one thread's release makes them visible to the last program
-    return tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-
-
-@triton.jit
-def split_k_sum(ptrs, stride_split, mask, SPLIT_K: tl.constexpr):
-    """The float32 slices at ptrs + s * stride_split, s = 0 ... SPLIT_K - 1, added in split order (the result does
-    not depend on which program arrived last)."""
-    total = tl.zeros(ptrs.shape, dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        # .cg: from L2, where the other programs' slices are, never a stale line of this SM's L1.
-        total += tl.load(ptrs + s * stride_split, mask=mask, other=0.0, cache_modifier=".cg")
-    return total
 
 
 def w8a8_block_fp8_matmul(

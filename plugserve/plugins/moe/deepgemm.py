@@ -31,7 +31,7 @@ import torch
 
 from plugserve.core.forward_batch import Phase
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import Availability, MoEBackend, MoECapabilities, MoESpec, check_tensor
+from plugserve.core.interfaces import Availability, MoEBackend, MoECapabilities, MoESpec, MoEWeights, check_tensor
 from plugserve.core.layers.quant import FP8_DTYPE, ceil_div
 from plugserve.plugins.deepgemm_support import deepgemm_availability, import_deep_gemm
 from plugserve.plugins.moe.triton import TritonMoE
@@ -106,16 +106,13 @@ class DeepGemmMoE(MoEBackend):
         """`MoEBackend.route_hidden` by the `triton` backend's (one kernel at decode sizes)."""
         return self.router.route_hidden(x, gate, correction_bias)
 
-    def prepare(
-        self,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
-        w13_scale_inv: torch.Tensor | None = None,
-        w2_scale_inv: torch.Tensor | None = None,
-    ) -> DeepGemmMoEWeights:
-        """w13 [E, 2I, H], w2 [E, H, I] float8_e4m3fn with block scales [E, 2I/128, H/128] and
-        [E, H/128, I/128] float32 -> contiguous copies on the device."""
+    def prepare(self, weights: MoEWeights) -> DeepGemmMoEWeights:
+        """The routed experts of `weights`, float8_e4m3fn in 128 x 128 blocks (no shared ones: this backend does not
+        fuse them) -> contiguous copies on the device."""
         spec = self.spec
+        w13, w2, w13_scale_inv, w2_scale_inv = weights.w13, weights.w2, weights.w13_scale_inv, weights.w2_scale_inv
+        if weights.shared_w13 is not None or weights.shared_w2 is not None:
+            raise ValueError(f"the {self.name} MoE backend does not fuse shared experts")
         e, h, i = spec.num_experts, spec.hidden_size, spec.intermediate_size
         check_tensor("w13", w13, (e, 2 * i, h), FP8_DTYPE)
         check_tensor("w2", w2, (e, h, i), FP8_DTYPE)

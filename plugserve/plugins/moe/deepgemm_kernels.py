@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from plugserve.core.layers.quant import FP8_DTYPE, FP8_MAX, SCALE_EPS, ceil_div
-from plugserve.plugins.gemm.triton_kernels import INTERPRETED, _round_to_e4m3_grid
-from plugserve.plugins.moe.triton_kernels import moe_align_block_size
+from plugserve.plugins.moe.align import moe_align_block_size
+from plugserve.plugins.triton_shared import INTERPRETED, round_to_e4m3_grid
 
 GROUP = 128  # quantization group along K
 MASKED_ROW_MULTIPLE = 128  # the masked kernel's tiles are 64 or 128 rows
@@ -140,7 +140,7 @@ def _quant_rows_kernel(
     scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 1), EPS), QMAX)
     q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -QMAX), QMAX)
     if ROUND_IN_FP32:
-        q = _round_to_e4m3_grid(q)
+        q = round_to_e4m3_grid(q)
     tl.store(q_ptr + row * stride_q + col, q.to(tl.float8e4nv), mask=mask)
     scale_offset = (row // rows_per_group) * stride_s_group + (row % rows_per_group) * stride_s_row
     tl.store(s_ptr + scale_offset + group * stride_s_col, scale, mask=group < num_groups)

@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from plugserve.core.interfaces import MoEBackend, MoECapabilities, RouterConfig, check_tensor
+from plugserve.core.interfaces import MoEBackend, MoECapabilities, MoEWeights, RouterConfig, check_tensor
 from plugserve.core.layers.quant import FP8_DTYPE, ceil_div, dequantize_block_fp8, per_token_group_quant_fp8
 from plugserve.registry import hookimpl
 
@@ -167,17 +167,12 @@ class TorchRefMoE(MoEBackend):
         """router_logits [T, E] float32 -> (topk_weights [T, k] float32, topk_ids [T, k] int32)."""
         return select_experts(router_logits, self.spec.router, correction_bias)
 
-    def prepare(
-        self,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
-        w13_scale_inv: torch.Tensor | None = None,
-        w2_scale_inv: torch.Tensor | None = None,
-    ) -> TorchRefMoEWeights:
-        """w13 [E_l, 2I, H], w2 [E_l, H, I] of spec.dtype (E_l = spec.num_local_experts), or float8_e4m3fn
-        with block scales [E_l, ceil(2I/bn), ceil(H/bk)] and [E_l, ceil(H/bn), ceil(I/bk)] float32. Kept as
-        they are."""
+    def prepare(self, weights: MoEWeights) -> TorchRefMoEWeights:
+        """The routed experts of `weights` (no shared ones: this backend does not fuse them), kept as they are."""
         spec = self.spec
+        w13, w2, w13_scale_inv, w2_scale_inv = weights.w13, weights.w2, weights.w13_scale_inv, weights.w2_scale_inv
+        if weights.shared_w13 is not None or weights.shared_w2 is not None:
+            raise ValueError(f"the {self.name} MoE backend does not fuse shared experts")
         e, h, i = spec.num_local_experts, spec.hidden_size, spec.intermediate_size
         weight_dtype = FP8_DTYPE if spec.is_fp8 else spec.dtype
         check_tensor("w13", w13, (e, 2 * i, h), weight_dtype)

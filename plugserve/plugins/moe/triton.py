@@ -9,14 +9,15 @@ activations quantized per 1 x 128 token group).
 - `forward`: moe_align_block_size (pairs sorted by expert, padded to BLOCK_SIZE_M), a grouped GEMM
   over w13 with SiLU-and-mul in its epilogue, a grouped GEMM over w2 multiplying by the top-k weight
   times routed_scaling_factor in its epilogue, and a top-k sum (for one token, in that epilogue too;
-  see `triton_kernels`). Launch
-  configurations come from tuned files in `configs/` (benchmarks/tune/tune_fused_moe.py) or a default.
-- Shared-expert fusion (`MoESpec.num_shared_experts`): `prepare(..., shared_w13=, shared_w2=)` appends
-  the shared expert(s) as extra experts, the router kernel gives them to every token, and `forward`
-  returns routed + shared from the same GEMMs.
+  see `fused_experts`). Launch configurations come from tuned files in `configs/`
+  (benchmarks/tune/tune_fused_moe.py) or a default.
+- Shared-expert fusion (`MoESpec.num_shared_experts`): `prepare` appends the shared MLP (`MoEWeights.shared_w13`,
+  `shared_w2`) as extra experts, the router kernel gives them to every token, and `forward` returns routed +
+  shared from the same GEMMs.
 
-The kernels live in `triton_kernels`, imported on first use: loading this plugin does not import
-Triton. On the CPU the kernels run only in Triton's interpreter (TRITON_INTERPRET=1), for tests.
+The kernels live in `router`, `align`, `quant`, `grouped_gemm` and `experts`, imported on first use:
+loading this plugin does not import Triton. On the CPU the kernels run only in Triton's interpreter
+(TRITON_INTERPRET=1), for tests.
 """
 
 from __future__ import annotations
@@ -28,7 +29,15 @@ import torch
 
 from plugserve.core.forward_batch import Phase
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import OK, Availability, MoEBackend, MoECapabilities, MoESpec, check_tensor
+from plugserve.core.interfaces import (
+    OK,
+    Availability,
+    MoEBackend,
+    MoECapabilities,
+    MoESpec,
+    MoEWeights,
+    check_tensor,
+)
 from plugserve.core.layers.quant import FP8_DTYPE, ceil_div
 from plugserve.plugins.moe.configs import MoEConfig, get_config
 from plugserve.plugins.triton_support import triton_availability
@@ -86,17 +95,17 @@ class TritonMoE(MoEBackend):
     def __init__(self, spec: MoESpec, device: torch.device) -> None:
         super().__init__(spec, device)
         self._hardware = Hardware.detect(device)
-        from plugserve.plugins.moe import triton_kernels
+        from plugserve.plugins.moe.grouped_gemm import MIN_BLOCK_N
+        from plugserve.plugins.moe.router import FUSED_ROUTER_MAX_TOKENS
 
         # fused_router's float32 logits and arrival count, and the w2 pass's arrival counts (one per column block of
         # the smallest BLOCK_N) for one token's top-k sum, made here (not in a forward a CUDA graph may capture) and
         # shared by every layer and replay.
         self._router_scratch = (
-            torch.empty(triton_kernels.FUSED_ROUTER_MAX_TOKENS * spec.num_experts, dtype=torch.float32, device=device),
+            torch.empty(FUSED_ROUTER_MAX_TOKENS * spec.num_experts, dtype=torch.float32, device=device),
             torch.zeros(1, dtype=torch.int32, device=device),
         )
-        self._pair_sum_arrived = torch.zeros(ceil_div(spec.hidden_size, triton_kernels.MIN_BLOCK_N), dtype=torch.int32,
-                                             device=device)
+        self._pair_sum_arrived = torch.zeros(ceil_div(spec.hidden_size, MIN_BLOCK_N), dtype=torch.int32, device=device)
 
     @classmethod
     def availability(cls, hardware: Hardware) -> Availability:
@@ -108,28 +117,27 @@ class TritonMoE(MoEBackend):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """router_logits [T, E] float32 (correction_bias [E], noaux_tc only) -> (topk_weights [T, k]
         float32, topk_ids [T, k] int32), best expert first, without routed_scaling_factor."""
-        from plugserve.plugins.moe import triton_kernels
+        from plugserve.plugins.moe.router import grouped_topk
 
         if router_logits.dim() != 2:
             raise ValueError(f"router_logits must be [T, E], got {tuple(router_logits.shape)}")
         self._check_routing(router_logits.shape[1], correction_bias)
-        return triton_kernels.grouped_topk(router_logits, correction_bias, self.spec.router,
-                                           self.spec.num_shared_experts)
+        return grouped_topk(router_logits, correction_bias, self.spec.router, self.spec.num_shared_experts)
 
     def route_hidden(
         self, x: torch.Tensor, gate: torch.Tensor, correction_bias: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`MoEBackend.route_hidden`. Up to FUSED_ROUTER_MAX_TOKENS tokens (decode) in one kernel, `fused_router`:
         the gate's logits and the selection, where the GEMM and `route` take two launches."""
-        from plugserve.plugins.moe import triton_kernels
+        from plugserve.plugins.moe.router import FUSED_ROUTER_MAX_TOKENS, fused_router
 
-        if x.dim() != 2 or x.shape[0] > triton_kernels.FUSED_ROUTER_MAX_TOKENS:
+        if x.dim() != 2 or x.shape[0] > FUSED_ROUTER_MAX_TOKENS:
             return super().route_hidden(x, gate, correction_bias)
         if gate.dim() != 2 or gate.shape[1] != x.shape[1]:
             raise ValueError(f"gate must be [E, {x.shape[1]}] for x {tuple(x.shape)}, got {tuple(gate.shape)}")
         self._check_routing(gate.shape[0], correction_bias)
-        return triton_kernels.fused_router(x, gate.contiguous(), correction_bias, self.spec.router,
-                                           self.spec.num_shared_experts, self._router_scratch)
+        return fused_router(x, gate.contiguous(), correction_bias, self.spec.router, self.spec.num_shared_experts,
+                            self._router_scratch)
 
     def _check_routing(self, num_experts: int, correction_bias: torch.Tensor | None) -> None:
         router = self.spec.router
@@ -146,28 +154,14 @@ class TritonMoE(MoEBackend):
             raise ValueError(f"correction_bias must have shape ({router.num_experts},), "
                              f"got {tuple(correction_bias.shape)}")
 
-    def prepare(
-        self,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
-        w13_scale_inv: torch.Tensor | None = None,
-        w2_scale_inv: torch.Tensor | None = None,
-        *,
-        shared_w13: torch.Tensor | None = None,
-        shared_w2: torch.Tensor | None = None,
-        shared_w13_scale_inv: torch.Tensor | None = None,
-        shared_w2_scale_inv: torch.Tensor | None = None,
-    ) -> TritonMoEWeights:
-        """w13 [E, 2I, H], w2 [E, H, I] of spec.dtype, or float8_e4m3fn with block scales
-        [E, ceil(2I/bn), ceil(H/bk)] and [E, ceil(H/bn), ceil(I/bk)] float32; under expert parallelism E is
-        this rank's spec.num_local_experts.
-
-        Shared-expert fusion: shared_w13 [2SI, H] (gate rows, then up rows) and shared_w2 [H, SI], the
-        shared MLP of intermediate size S * I (DeepSeek's n_shared_experts = S), in the experts' format
-        (FP8: with scales [ceil(2SI/bn), ceil(H/bk)] and [ceil(H/bn), ceil(SI/bk)]; S > 1 needs I a
-        multiple of bn). They become S experts E .. E+S-1 (slices of I) that `forward` gives every token,
-        so that its result is routed + shared MLP. Given exactly when spec.num_shared_experts is S."""
+    def prepare(self, weights: MoEWeights) -> TritonMoEWeights:
+        """`weights` (see `MoEWeights`) as contiguous tensors. Shared-expert fusion: the shared MLP of intermediate
+        size S * I (DeepSeek's n_shared_experts = S; FP8 with S > 1 needs I a multiple of bn) becomes S experts
+        E .. E+S-1 (slices of I) that `forward` gives every token, so that its result is routed + shared MLP."""
         spec = self.spec
+        w13, w2, w13_scale_inv, w2_scale_inv = weights.w13, weights.w2, weights.w13_scale_inv, weights.w2_scale_inv
+        shared_w13, shared_w2 = weights.shared_w13, weights.shared_w2
+        shared_w13_scale_inv, shared_w2_scale_inv = weights.shared_w13_scale_inv, weights.shared_w2_scale_inv
         e, h, i = spec.num_local_experts, spec.hidden_size, spec.intermediate_size
         weight_dtype = FP8_DTYPE if spec.is_fp8 else spec.dtype
         check_tensor("w13", w13, (e, 2 * i, h), weight_dtype)
@@ -240,13 +234,13 @@ class TritonMoE(MoEBackend):
 
         Fused shared experts (S = spec.num_shared_experts): `route` gave every token experts E .. E+S-1
         with weight 1 / routed_scaling_factor, which the w2 epilogue's factor cancels."""
-        from plugserve.plugins.moe import triton_kernels
+        from plugserve.plugins.moe.experts import fused_experts
 
         spec = self.spec
         self.check_forward_inputs(x, topk_ids, topk_weights)
         if spec.first_expert:
             topk_ids = topk_ids - spec.first_expert
-        return triton_kernels.fused_experts(
+        return fused_experts(
             x, packed.w13, packed.w2, packed.w13_scale_inv, packed.w2_scale_inv, topk_ids, topk_weights,
             routed_scaling_factor, self.config(x.shape[0]), spec.block_shape, self._pair_sum_arrived,
         )

@@ -15,7 +15,7 @@ import torch
 
 from plugserve.core.forward_batch import Phase
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import MoEBackend, MoESpec, RouterConfig
+from plugserve.core.interfaces import MoEBackend, MoESpec, MoEWeights, RouterConfig
 from plugserve.core.layers.quant import quantize_block_fp8
 from plugserve.plugins.moe.configs import GemmConfig, MoEConfig
 from plugserve.plugins.moe.deepgemm import DeepGemmMoE
@@ -86,7 +86,7 @@ def test_triton_reads_no_tensor_contents_on_the_host(monkeypatch: pytest.MonkeyP
         w13, w2 = quantize_block_fp8(torch.randn(256, 128, generator=g)), quantize_block_fp8(torch.randn(128, 128))
         fused = {"shared_w13": w13[0].to(DEVICE), "shared_w2": w2[0].to(DEVICE),
                  "shared_w13_scale_inv": w13[1].to(DEVICE), "shared_w2_scale_inv": w2[1].to(DEVICE)}
-    packed = backend.prepare(*experts, **fused)
+    packed = backend.prepare(MoEWeights(*experts, **fused))
     x, logits, bias = _inputs(spec, t, seed=t)
     eager = _route_and_forward(backend, packed, x, logits, bias, drop_every=3)
     with no_host_reads():
@@ -124,7 +124,7 @@ def test_deepgemm_reads_no_tensor_contents_and_expects_rows_by_shape(deepgemm: l
     backend = DeepGemmMoE(spec, DEVICE)
     if contiguous:
         backend.masked_max_tokens = 0  # take the contiguous (prefill) path at this small size
-    packed = backend.prepare(*_experts(spec))
+    packed = backend.prepare(MoEWeights(*_experts(spec)))
     t, k = 6, ROUTER.top_k
     x, logits, bias = _inputs(spec, t, seed=1)
     eager = _route_and_forward(backend, packed, x, logits, bias, drop_every=5)
@@ -142,7 +142,7 @@ def test_torch_ref_reads_the_experts_on_the_host() -> None:
     """Why the reference declares cuda_graph=False: its forward lists the experts in use on the host."""
     spec = MoESpec(128, 64, torch.float32, None, router=ROUTER)
     backend = TorchRefMoE(spec, DEVICE)
-    packed = backend.prepare(*_experts(spec))
+    packed = backend.prepare(MoEWeights(*_experts(spec)))
     x, logits, bias = _inputs(spec, 3, seed=0)
     with no_host_reads():
         weights, ids = backend.route(logits, bias)  # the router alone would be capturable
@@ -163,7 +163,7 @@ def test_route_and_forward_replay_in_a_cuda_graph(name: str, t: int) -> None:
     if not fits:
         pytest.skip(f"{name}: {fits.reason}")
     backend = cls(spec, DEVICE)
-    packed = backend.prepare(*_experts(spec))
+    packed = backend.prepare(MoEWeights(*_experts(spec)))
     x, logits, bias = _inputs(spec, t, seed=0)
     new_x, new_logits, _ = _inputs(spec, t, seed=1)
     assert_replays(lambda x, logits: _route_and_forward(backend, packed, x, logits, bias), [x, logits],
@@ -176,7 +176,7 @@ def test_triton_split_k_replays_in_a_cuda_graph(monkeypatch: pytest.MonkeyPatch,
     spec = MoESpec(256, 128, torch.bfloat16, torch.float8_e4m3fn, router=ROUTER)
     backend = TritonMoE(spec, DEVICE)
     monkeypatch.setattr(backend, "config", lambda num_tokens: SPLIT_K_CONFIG)
-    packed = backend.prepare(*_experts(spec))
+    packed = backend.prepare(MoEWeights(*_experts(spec)))
     x, logits, bias = _inputs(spec, t, seed=0)
     new_x, new_logits, _ = _inputs(spec, t, seed=1)
     assert_replays(lambda x, logits: _route_and_forward(backend, packed, x, logits, bias), [x, logits],

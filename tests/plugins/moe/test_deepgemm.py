@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from plugserve.conformance.tolerances import assert_close
 from plugserve.core.forward_batch import Phase
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import MoESpec, RouterConfig
+from plugserve.core.interfaces import MoESpec, MoEWeights, RouterConfig
 from plugserve.core.layers.quant import per_token_group_quant_fp8, quantize_block_fp8
 from plugserve.plugins import deepgemm_support
 from plugserve.plugins.moe.deepgemm import MASKED_MAX_TOKENS, DeepGemmMoE
@@ -233,7 +233,7 @@ def test_forward_matches_reference(backend: DeepGemmMoE, t: int, contiguous: boo
     x = torch.randn(t, SPEC.hidden_size, generator=g).to(torch.bfloat16)
     weights, ids = select_experts(torch.randn(t, ROUTER.num_experts, generator=g), ROUTER,
                                   torch.randn(ROUTER.num_experts, generator=g) * 0.1)
-    packed = backend.prepare(*(w.to(DEVICE) for w in (w13, w2, s13, s2)))
+    packed = backend.prepare(MoEWeights(*(w.to(DEVICE) for w in (w13, w2, s13, s2))))
     out = backend.forward(x.to(DEVICE), packed, ids.to(DEVICE), weights.to(DEVICE), RSF)
     expected = fused_experts_reference(x, w13, w2, ids, weights, RSF, s13, s2)
     assert out.shape == x.shape and out.dtype == torch.bfloat16
@@ -249,7 +249,7 @@ def test_dropped_ids_contribute_nothing(backend: DeepGemmMoE, contiguous: bool) 
     x = torch.randn(t, SPEC.hidden_size, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     ids = _ids(t, ROUTER.top_k, ROUTER.num_experts, seed=5, dropped=7)
     weights = torch.rand(t, ROUTER.top_k, generator=torch.Generator().manual_seed(6))
-    packed = backend.prepare(*(w.to(DEVICE) for w in (w13, w2, s13, s2)))
+    packed = backend.prepare(MoEWeights(*(w.to(DEVICE) for w in (w13, w2, s13, s2))))
     out = backend.forward(x.to(DEVICE), packed, ids.to(DEVICE), weights.to(DEVICE), RSF)
     dropped = (ids < 0) | (ids >= ROUTER.num_experts)
     expected = fused_experts_reference(x, w13, w2, ids.masked_fill(dropped, 0), weights.masked_fill(dropped, 0), RSF,
@@ -270,16 +270,16 @@ def test_route_is_the_fused_router(backend: DeepGemmMoE) -> None:
 
 def test_empty_batch_and_argument_checks(backend: DeepGemmMoE) -> None:
     w13, w2, s13, s2 = _experts(SPEC)
-    packed = backend.prepare(*(w.to(DEVICE) for w in (w13, w2, s13, s2)))
+    packed = backend.prepare(MoEWeights(*(w.to(DEVICE) for w in (w13, w2, s13, s2))))
     empty = torch.empty(0, SPEC.hidden_size, dtype=torch.bfloat16, device=DEVICE)
     no_ids = torch.empty(0, ROUTER.top_k, dtype=torch.int32, device=DEVICE)
     assert backend.forward(empty, packed, no_ids, no_ids.float(), RSF).shape == (0, SPEC.hidden_size)
     with pytest.raises(ValueError, match="x must be"):
         backend.forward(empty.float(), packed, no_ids, no_ids.float(), RSF)
     with pytest.raises(ValueError, match="need w13_scale_inv and w2_scale_inv"):
-        backend.prepare(w13, w2)
+        backend.prepare(MoEWeights(w13, w2))
     with pytest.raises(ValueError, match="w13 must be"):
-        backend.prepare(w13.float(), w2, s13, s2)
+        backend.prepare(MoEWeights(w13.float(), w2, s13, s2))
 
 
 def test_layout_follows_the_batch_size(backend: DeepGemmMoE, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -289,7 +289,7 @@ def test_layout_follows_the_batch_size(backend: DeepGemmMoE, monkeypatch: pytest
         monkeypatch.setattr(fake_deep_gemm, name,
                             lambda a, b, d, *args, name=name, **kwargs: (calls.append(name), d.zero_()))
     w13, w2, s13, s2 = _experts(SPEC)
-    packed = backend.prepare(*(w.to(DEVICE) for w in (w13, w2, s13, s2)))
+    packed = backend.prepare(MoEWeights(*(w.to(DEVICE) for w in (w13, w2, s13, s2))))
     for t in (MASKED_MAX_TOKENS, MASKED_MAX_TOKENS + 1):
         x = torch.zeros(t, SPEC.hidden_size, dtype=torch.bfloat16, device=DEVICE)
         ids = _ids(t, ROUTER.top_k, ROUTER.num_experts).to(DEVICE)

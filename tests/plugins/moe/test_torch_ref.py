@@ -12,7 +12,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE, 
 
 from plugserve.core.forward_batch import Phase
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import GemmSpec, MoESpec, RouterConfig
+from plugserve.core.interfaces import GemmSpec, MoESpec, MoEWeights, RouterConfig
 from plugserve.core.layers.quant import quantize_block_fp8
 from plugserve.plugins.gemm.torch_ref import TorchRefFp8Gemm
 from plugserve.plugins.moe.torch_ref import TorchRefMoE, select_experts
@@ -181,7 +181,8 @@ def test_routed_experts_match_hf_moe(make_config, moe_cls, dtype: torch.dtype) -
     router_logits = F.linear(x, moe.gate.weight)
     bias = getattr(moe.gate, "e_score_correction_bias", None)
     weights, ids = backend.route(router_logits, bias)
-    packed = backend.prepare(moe.experts.gate_up_proj.detach().to(dtype), moe.experts.down_proj.detach().to(dtype))
+    packed = backend.prepare(MoEWeights(moe.experts.gate_up_proj.detach().to(dtype),
+                                        moe.experts.down_proj.detach().to(dtype)))
     out = backend.forward(x.to(dtype), packed, ids, weights, config.routed_scaling_factor)
 
     assert out.dtype == dtype and out.shape == x.shape
@@ -198,7 +199,7 @@ def test_routed_scaling_factor_scales_output() -> None:
     backend = TorchRefMoE(_unquantized_spec(_router_config(config)), CPU)
     x = _hidden()
     weights, ids = backend.route(F.linear(x, moe.gate.weight), moe.gate.e_score_correction_bias)
-    packed = backend.prepare(moe.experts.gate_up_proj.detach(), moe.experts.down_proj.detach())
+    packed = backend.prepare(MoEWeights(moe.experts.gate_up_proj.detach(), moe.experts.down_proj.detach()))
     unscaled = backend.forward(x, packed, ids, weights, 1.0)
     scaled = backend.forward(x, packed, ids, weights, 2.5)
     assert unscaled.abs().max() > 0
@@ -234,12 +235,12 @@ def test_fp8_experts_close_to_unquantized(dtype: torch.dtype) -> None:
     fp8 = TorchRefMoE(spec, CPU)
     w13_q, w13_s = _quantize_experts(w13)
     w2_q, w2_s = _quantize_experts(w2)
-    packed = fp8.prepare(w13_q, w2_q, w13_s, w2_s)
+    packed = fp8.prepare(MoEWeights(w13_q, w2_q, w13_s, w2_s))
     out = fp8.forward(x.to(dtype), packed, ids, weights, 2.5)
 
     dense = TorchRefMoE(MoESpec(hidden_size=FP8_H, intermediate_size=FP8_I, dtype=torch.float32,
                                 weight_dtype=None, router=FP8_ROUTER), CPU)
-    reference = dense.forward(x, dense.prepare(w13, w2), ids, weights, 2.5)
+    reference = dense.forward(x, dense.prepare(MoEWeights(w13, w2)), ids, weights, 2.5)
     assert out.dtype == dtype
     assert _cosine(out, reference) > 0.99
 
@@ -252,7 +253,7 @@ def test_fp8_experts_match_composed_fp8_gemms() -> None:
     w2_q, w2_s = _quantize_experts(w2)
     spec = MoESpec(hidden_size=FP8_H, intermediate_size=FP8_I, dtype=torch.float32, router=FP8_ROUTER)
     backend = TorchRefMoE(spec, CPU)
-    out = backend.forward(x, backend.prepare(w13_q, w2_q, w13_s, w2_s), ids, weights, 2.5)
+    out = backend.forward(x, backend.prepare(MoEWeights(w13_q, w2_q, w13_s, w2_s)), ids, weights, 2.5)
 
     gemm = TorchRefFp8Gemm(GemmSpec(dtype=torch.float32), CPU)
     up_gemms = [gemm.prepare(w13_q[e], w13_s[e]) for e in range(FP8_E)]
@@ -278,21 +279,21 @@ def test_prepare_rejects_bad_weights() -> None:
     fp8 = TorchRefMoE(MoESpec(hidden_size=FP8_H, intermediate_size=FP8_I, dtype=torch.bfloat16,
                               router=FP8_ROUTER), CPU)
     with pytest.raises(ValueError, match=r"w13 must be .*\(8, 384, 256\), got .*\(8, 256, 256\)"):
-        fp8.prepare(w13_q[:, :256], w2_q, w13_s, w2_s)
+        fp8.prepare(MoEWeights(w13_q[:, :256], w2_q, w13_s, w2_s))
     with pytest.raises(ValueError, match=r"w2 must be torch.float8_e4m3fn .*got torch.float32"):
-        fp8.prepare(w13_q, w2, w13_s, w2_s)
+        fp8.prepare(MoEWeights(w13_q, w2, w13_s, w2_s))
     with pytest.raises(ValueError, match="need w13_scale_inv and w2_scale_inv"):
-        fp8.prepare(w13_q, w2_q)
+        fp8.prepare(MoEWeights(w13_q, w2_q))
     with pytest.raises(ValueError, match=r"w2_scale_inv must be .*\(8, 2, 2\), got .*\(8, 2, 1\)"):
-        fp8.prepare(w13_q, w2_q, w13_s, w2_s[:, :, :1])
+        fp8.prepare(MoEWeights(w13_q, w2_q, w13_s, w2_s[:, :, :1]))
 
     dense = TorchRefMoE(MoESpec(hidden_size=FP8_H, intermediate_size=FP8_I, dtype=torch.float32,
                                 weight_dtype=None, router=FP8_ROUTER), CPU)
     with pytest.raises(ValueError, match="take no w13_scale_inv"):
-        dense.prepare(w13, w2, w13_s, w2_s)
+        dense.prepare(MoEWeights(w13, w2, w13_s, w2_s))
     with pytest.raises(ValueError, match=r"w13 must be torch.float32 .*got torch.float8_e4m3fn"):
-        dense.prepare(w13_q, w2_q)
-    packed = dense.prepare(w13, w2)
+        dense.prepare(MoEWeights(w13_q, w2_q))
+    packed = dense.prepare(MoEWeights(w13, w2))
     ids = torch.full((4, 2), -1, dtype=torch.int32)
     with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, 8\)"):
         dense.forward(torch.randn(4, FP8_H), packed, ids, torch.ones(4, 2), 1.0)

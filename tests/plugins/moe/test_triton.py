@@ -23,7 +23,7 @@ from plugserve.conformance.tolerances import W8A8_MOE_ATOL, assert_close
 from plugserve.core.config import preset_config
 from plugserve.core.forward_batch import Phase
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import MoESpec, RouterConfig
+from plugserve.core.interfaces import MoESpec, MoEWeights, RouterConfig
 from plugserve.core.layers.quant import per_token_group_quant_fp8, quantize_block_fp8
 from plugserve.plugins import triton_support
 from plugserve.plugins.moe import configs
@@ -39,7 +39,11 @@ RSF = 2.5  # routed_scaling_factor
 REPO = Path(__file__).resolve().parents[3]
 
 
-kernels = kernels_fixture("plugserve.plugins.moe.triton_kernels")
+router_kernels = kernels_fixture("plugserve.plugins.moe.router")
+align_kernels = kernels_fixture("plugserve.plugins.moe.align")
+quant_kernels = kernels_fixture("plugserve.plugins.moe.quant")
+gemm_kernels = kernels_fixture("plugserve.plugins.moe.grouped_gemm")
+experts_kernels = kernels_fixture("plugserve.plugins.moe.experts")
 
 
 test_kernels_in_the_interpreter = interpreter_child(__file__)
@@ -120,14 +124,14 @@ def _align_ids(t: int, k: int, e: int, kind: str) -> torch.Tensor:
      (70, 8, 256, 128, "routed")],
 )
 def test_align_block_size_matches_oracle(
-    kernels, monkeypatch: pytest.MonkeyPatch, path: str, t: int, k: int, e: int, block_m: int, kind: str
+    align_kernels, monkeypatch: pytest.MonkeyPatch, path: str, t: int, k: int, e: int, block_m: int, kind: str
 ) -> None:
     if path == "three_kernels":
-        monkeypatch.setattr(kernels, "_ALIGN_SINGLE_MAX_PAIRS", 0)
+        monkeypatch.setattr(align_kernels, "_ALIGN_SINGLE_MAX_PAIRS", 0)
     elif path == "one_program_chunked":  # several sorted chunks, each continuing its experts' runs
-        monkeypatch.setattr(kernels, "_ALIGN_SORT", 16)
+        monkeypatch.setattr(align_kernels, "_ALIGN_SORT", 16)
     ids = _align_ids(t, k, e, kind)
-    a = kernels.moe_align_block_size(ids.to(DEVICE), e, block_m)
+    a = align_kernels.moe_align_block_size(ids.to(DEVICE), e, block_m)
     sorted_ids, expert_ids, num_padded = _align_oracle(ids, e, block_m)
     assert a.num_pairs == t * k and a.block_m == block_m
     assert torch.equal(a.sorted_ids.cpu(), sorted_ids)
@@ -135,27 +139,27 @@ def test_align_block_size_matches_oracle(
     assert a.num_padded.shape == (1,) and int(a.num_padded) == num_padded
 
 
-def test_align_block_size_beyond_one_program(kernels) -> None:
+def test_align_block_size_beyond_one_program(align_kernels) -> None:
     """More pairs than one program takes (prefill): the three-kernel path, several chunks of pairs."""
     t, k, e, block_m = 520, 8, 64, 32
-    assert t * k > kernels._ALIGN_SINGLE_MAX_PAIRS
+    assert t * k > align_kernels._ALIGN_SINGLE_MAX_PAIRS
     ids = _align_ids(t, k, e, "routed")
-    a = kernels.moe_align_block_size(ids.to(DEVICE), e, block_m)
+    a = align_kernels.moe_align_block_size(ids.to(DEVICE), e, block_m)
     sorted_ids, expert_ids, num_padded = _align_oracle(ids, e, block_m)
     assert torch.equal(a.sorted_ids.cpu(), sorted_ids) and torch.equal(a.expert_ids.cpu(), expert_ids)
     assert int(a.num_padded) == num_padded
 
 
-def test_one_token_takes_a_block_per_pair_without_sorting(kernels) -> None:
+def test_one_token_takes_a_block_per_pair_without_sorting(align_kernels) -> None:
     """Decode at batch 1: the k distinct experts of the token each get their own M-block, with no kernel."""
     ids = torch.tensor([[5, 2, 9]], dtype=torch.int32, device=DEVICE)
-    one = kernels.align_pairs(ids, 16, 16)
+    one = align_kernels.align_pairs(ids, 16, 16)
     assert one.per_pair and one.num_blocks == 3 and one.expert_ids.tolist() == [5, 2, 9]
-    assert not kernels.align_pairs(ids.repeat(2, 1), 16, 16).per_pair
+    assert not align_kernels.align_pairs(ids.repeat(2, 1), 16, 16).per_pair
 
 
-def test_align_block_size_empty(kernels) -> None:
-    a = kernels.moe_align_block_size(torch.empty(0, 4, dtype=torch.int32, device=DEVICE), 16, 16)
+def test_align_block_size_empty(align_kernels) -> None:
+    a = align_kernels.moe_align_block_size(torch.empty(0, 4, dtype=torch.int32, device=DEVICE), 16, 16)
     assert a.num_blocks == 0 and a.sorted_ids.numel() == 0 and int(a.num_padded) == 0
 
 
@@ -171,7 +175,7 @@ def test_align_block_size_empty(kernels) -> None:
      RouterConfig(32, 4, "sigmoid", "noaux_tc", 4, 2, norm_topk_prob=False)],
     ids=lambda r: f"e{r.num_experts}top{r.top_k}-{r.topk_method}-{r.scoring_func}-norm{int(r.norm_topk_prob)}",
 )
-def test_route_matches_reference(kernels, router: RouterConfig, t: int) -> None:
+def test_route_matches_reference(router_kernels, router: RouterConfig, t: int) -> None:
     backend = TritonMoE(MoESpec(dtype=torch.float16, router=router), DEVICE)
     logits = torch.randn(t, router.num_experts, device=DEVICE)
     bias = torch.randn(router.num_experts, device=DEVICE) * 0.1 if router.topk_method == "noaux_tc" else None
@@ -190,7 +194,8 @@ def test_route_matches_reference(kernels, router: RouterConfig, t: int) -> None:
                                                                                   True)],
                          ids=lambda r: f"e{r.num_experts}-{r.topk_method}")
 @pytest.mark.parametrize("num_shared", [0, 2])
-def test_route_hidden_matches_the_gate_then_route(kernels, router: RouterConfig, t: int, num_shared: int) -> None:
+def test_route_hidden_matches_the_gate_then_route(router_kernels, router: RouterConfig, t: int,
+                                                  num_shared: int) -> None:
     """Up to four tokens in the one-launch router (5: the GEMM and `route`), repeated (the arrival count is back at
     0 after each launch), against the reference router on the float64 logits."""
     backend = TritonMoE(MoESpec(dtype=torch.float16, router=router, num_shared_experts=num_shared), DEVICE)
@@ -213,20 +218,20 @@ def test_route_hidden_matches_the_gate_then_route(kernels, router: RouterConfig,
         assert torch.equal(ids[:, router.top_k :], shared.expand(t, num_shared))
 
 
-def test_route_hidden_takes_one_launch_only_at_decode_sizes(kernels, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_route_hidden_takes_one_launch_only_at_decode_sizes(router_kernels, monkeypatch: pytest.MonkeyPatch) -> None:
     backend = TritonMoE(MoESpec(dtype=torch.float16, router=SMALL_V3), DEVICE)
     fused: list[int] = []
-    real = kernels.fused_router
-    monkeypatch.setattr(kernels, "fused_router", lambda x, *args: fused.append(x.shape[0]) or real(x, *args))
+    real = router_kernels.fused_router
+    monkeypatch.setattr(router_kernels, "fused_router", lambda x, *args: fused.append(x.shape[0]) or real(x, *args))
     gate, bias = torch.randn(16, 32, device=DEVICE), torch.zeros(16, device=DEVICE)
-    for t in (1, kernels.FUSED_ROUTER_MAX_TOKENS, kernels.FUSED_ROUTER_MAX_TOKENS + 1):
+    for t in (1, router_kernels.FUSED_ROUTER_MAX_TOKENS, router_kernels.FUSED_ROUTER_MAX_TOKENS + 1):
         backend.route_hidden(torch.randn(t, 32, device=DEVICE), gate, bias)
-    assert fused == [1, kernels.FUSED_ROUTER_MAX_TOKENS]
+    assert fused == [1, router_kernels.FUSED_ROUTER_MAX_TOKENS]
     with pytest.raises(ValueError, match="gate must be"):
         backend.route_hidden(torch.randn(1, 32, device=DEVICE), gate[:, :16], bias)
 
 
-def test_route_rejects_misused_bias(kernels) -> None:
+def test_route_rejects_misused_bias(router_kernels) -> None:
     backend = TritonMoE(MoESpec(dtype=torch.float16, router=V2_LITE_ROUTER), DEVICE)
     with pytest.raises(ValueError, match="correction_bias"):
         backend.route(torch.randn(2, 64, device=DEVICE), torch.zeros(64, device=DEVICE))
@@ -236,10 +241,10 @@ def test_route_rejects_misused_bias(kernels) -> None:
 # Activation quantization
 
 
-def test_per_token_group_quant_is_bit_exact(kernels) -> None:
+def test_per_token_group_quant_is_bit_exact(quant_kernels) -> None:
     x = torch.randn(5, 320) * torch.logspace(-4, 3, 5).unsqueeze(1)  # K not a multiple of 128
     x[2] = 0.0  # all-zero groups: scale floored at SCALE_EPS
-    q, scales = kernels.per_token_group_quant(x.to(DEVICE), 128)
+    q, scales = quant_kernels.per_token_group_quant(x.to(DEVICE), 128)
     ref_q, ref_scales = per_token_group_quant_fp8(x, 128)
     assert q.dtype == torch.float8_e4m3fn and scales.shape == (5, 3)
     assert torch.equal(q.cpu().view(torch.uint8), ref_q.view(torch.uint8))
@@ -292,18 +297,18 @@ def _config_id(p) -> str:
     ],
     ids=_config_id,
 )
-def test_fused_experts_match_reference(kernels, t: int, dtype: torch.dtype, fp8: bool, config) -> None:
+def test_fused_experts_match_reference(experts_kernels, t: int, dtype: torch.dtype, fp8: bool, config) -> None:
     h, i = 256, 192  # T = 37 fills no 16- or 32-row block exactly; I not a multiple of 128
     spec = MoESpec(h, i, dtype, torch.float8_e4m3fn if fp8 else None, router=SMALL_V3)
     backend = TritonMoE(spec, DEVICE)
     w13, w2, s13, s2 = _experts(SMALL_V3.num_experts, h, i, dtype, fp8)
-    packed = backend.prepare(w13, w2, s13, s2)
+    packed = backend.prepare(MoEWeights(w13, w2, s13, s2))
     weights, ids = _routing(t, SMALL_V3)
     x = torch.randn(t, h, generator=torch.Generator().manual_seed(t)).to(DEVICE, dtype)
     if config is None:
         out = backend.forward(x, packed, ids, weights, RSF)
     else:
-        out = kernels.fused_experts(x, packed.w13, packed.w2, s13, s2, ids, weights, RSF, config)
+        out = experts_kernels.fused_experts(x, packed.w13, packed.w2, s13, s2, ids, weights, RSF, config)
     expected = fused_experts_reference(x, w13, w2, ids, weights, RSF, s13, s2)
     assert out.dtype == dtype
     # Block-FP8: the kit's bound, since the e4m3 intermediate may round to the neighbouring value on either side.
@@ -311,64 +316,66 @@ def test_fused_experts_match_reference(kernels, t: int, dtype: torch.dtype, fp8:
     assert not any(arrivals.any() for arrivals in triton_support._arrivals.values())  # re-armed for the next launch
 
 
-def test_split_k_results_do_not_depend_on_arrival_order(kernels) -> None:
+def test_split_k_results_do_not_depend_on_arrival_order(experts_kernels) -> None:
     """The last program of a block adds the splits' slices in split order: two launches give the same bits."""
     h, i = 256, 192
     w13, w2, _, _ = _experts(16, h, i, torch.float32, False)
     weights, ids = _routing(9, SMALL_V3)
     x = torch.randn(9, h, generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    runs = [kernels.fused_experts(x, w13.to(DEVICE), w2.to(DEVICE), None, None, ids, weights, RSF, SPLIT_TILES)
+    runs = [experts_kernels.fused_experts(x, w13.to(DEVICE), w2.to(DEVICE), None, None, ids, weights, RSF, SPLIT_TILES)
             for _ in range(2)]
     assert torch.equal(runs[0], runs[1])
 
 
-def test_split_k_refuses_the_in_pass_pair_sum(kernels) -> None:
+def test_split_k_refuses_the_in_pass_pair_sum(align_kernels, gemm_kernels) -> None:
     ids = torch.tensor([[0, 1]], dtype=torch.int32, device=DEVICE)
     a = torch.zeros(1, 64, device=DEVICE)
     with pytest.raises(ValueError, match="pair_sum needs SPLIT_K 1"):
-        kernels.grouped_gemm(a, None, torch.zeros(2, 32, 64, device=DEVICE), None, torch.empty(2, 32, device=DEVICE),
-                             kernels.pair_blocks(ids, 16), SPLIT_TILES.w2, a_row_div=1, silu_mul=False,
-                             pair_sum=(torch.empty(32, device=DEVICE), torch.zeros(4, dtype=torch.int32,
-                                                                                   device=DEVICE)))
+        gemm_kernels.grouped_gemm(a, None, torch.zeros(2, 32, 64, device=DEVICE), None,
+                                  torch.empty(2, 32, device=DEVICE), align_kernels.pair_blocks(ids, 16), SPLIT_TILES.w2,
+                                  a_row_div=1, silu_mul=False,
+                                  pair_sum=(torch.empty(32, device=DEVICE), torch.zeros(4, dtype=torch.int32,
+                                                                                        device=DEVICE)))
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_column_blocks_give_the_general_kernels_bits(kernels, fp8: bool) -> None:
+def test_column_blocks_give_the_general_kernels_bits(align_kernels, gemm_kernels, quant_kernels, fp8: bool) -> None:
     """A program running several column blocks adds each block's K steps in the order one program a block does:
     the w2 pass gives the same bits either way (here with a last program of fewer blocks and a K not a multiple
     of 128)."""
     h, i, t = 256, 192, 37
     _, w2, _, s2 = _experts(16, h, i, torch.float16, fp8)
     weights, ids = _routing(t, SMALL_V3)
-    alignment = kernels.align_pairs(ids.to(torch.int32), 16, COLUMN_TILES.block_m)
+    alignment = align_kernels.align_pairs(ids.to(torch.int32), 16, COLUMN_TILES.block_m)
     g = torch.Generator().manual_seed(5)
     hidden = (torch.randn(t * 4, i, generator=g) / 4).to(DEVICE, torch.float16)
-    a, a_scale = kernels.per_token_group_quant(hidden, 128) if fp8 else (hidden, None)
+    a, a_scale = quant_kernels.per_token_group_quant(hidden, 128) if fp8 else (hidden, None)
     outs = []
     for tile in (replace(COLUMN_TILES.w2, column_blocks=1), COLUMN_TILES.w2):
         out = torch.full((t * 4, h), float("nan"), device=DEVICE, dtype=torch.float16)
-        kernels.grouped_gemm(a, a_scale, w2, s2, out, alignment, tile, a_row_div=1, silu_mul=False,
-                             topk_weights=weights.float().view(-1).contiguous(), routed_scaling_factor=RSF)
+        gemm_kernels.grouped_gemm(a, a_scale, w2, s2, out, alignment, tile, a_row_div=1, silu_mul=False,
+                                  topk_weights=weights.float().view(-1).contiguous(), routed_scaling_factor=RSF)
         outs.append(out)
     assert not outs[1].isnan().any() and torch.equal(outs[0], outs[1])
 
 
-def test_column_blocks_are_a_short_w2_option(kernels) -> None:
-    alignment = kernels.align_pairs(torch.tensor([[0, 1], [1, 0]], dtype=torch.int32, device=DEVICE), 2, 16)
+def test_column_blocks_are_a_short_w2_option(align_kernels, gemm_kernels) -> None:
+    alignment = align_kernels.align_pairs(torch.tensor([[0, 1], [1, 0]], dtype=torch.int32, device=DEVICE), 2, 16)
     with pytest.raises(ValueError, match="COLUMN_BLOCKS is the w2 pass's"):
-        kernels.grouped_gemm(torch.zeros(4, 64, device=DEVICE), None, torch.zeros(2, 64, 64, device=DEVICE), None,
-                             torch.empty(4, 32, device=DEVICE), alignment, COLUMN_TILES.w2, a_row_div=2, silu_mul=True)
-    k = kernels.COLUMN_MAX_K + 64
-    with pytest.raises(ValueError, match=f"K <= {kernels.COLUMN_MAX_K}, got a_row_div 1 and K {k}"):
-        kernels.grouped_gemm(torch.zeros(4, k, device=DEVICE), None, torch.zeros(2, 32, k, device=DEVICE), None,
-                             torch.empty(4, 32, device=DEVICE), alignment, COLUMN_TILES.w2, a_row_div=1,
-                             silu_mul=False)
+        gemm_kernels.grouped_gemm(torch.zeros(4, 64, device=DEVICE), None, torch.zeros(2, 64, 64, device=DEVICE),
+                                  None, torch.empty(4, 32, device=DEVICE), alignment, COLUMN_TILES.w2, a_row_div=2,
+                                  silu_mul=True)
+    k = gemm_kernels.COLUMN_MAX_K + 64
+    with pytest.raises(ValueError, match=f"K <= {gemm_kernels.COLUMN_MAX_K}, got a_row_div 1 and K {k}"):
+        gemm_kernels.grouped_gemm(torch.zeros(4, k, device=DEVICE), None, torch.zeros(2, 32, k, device=DEVICE),
+                                  None, torch.empty(4, 32, device=DEVICE), alignment, COLUMN_TILES.w2, a_row_div=1,
+                                  silu_mul=False)
 
 
 @pytest.mark.parametrize("config", [None, TMA_TILES, SPLIT_TILES, COLUMN_TILES],
                          ids=["default", "tma_tiles", "split_tiles", "column_tiles"])
 @pytest.mark.parametrize("t", [1, 6])  # one token: one M-block per pair (pair_blocks), no alignment kernel
-def test_dropped_ids_contribute_nothing(kernels, t: int, config) -> None:
+def test_dropped_ids_contribute_nothing(experts_kernels, t: int, config) -> None:
     h, i = 128, 64
     backend = TritonMoE(MoESpec(h, i, torch.float32, None, router=SMALL_V3), DEVICE)
     w13, w2, _, _ = _experts(16, h, i, torch.float32, False)
@@ -377,8 +384,8 @@ def test_dropped_ids_contribute_nothing(kernels, t: int, config) -> None:
     dropped[::2, 1] = -1
     dropped[0, 2] = SMALL_V3.num_experts  # past the experts this rank holds
     x = torch.randn(t, h, device=DEVICE)
-    packed = backend.prepare(w13, w2)
-    out = (backend.forward(x, packed, dropped, weights, RSF) if config is None else kernels.fused_experts(
+    packed = backend.prepare(MoEWeights(w13, w2))
+    out = (backend.forward(x, packed, dropped, weights, RSF) if config is None else experts_kernels.fused_experts(
         x, packed.w13, packed.w2, None, None, dropped, weights, RSF, config, arrived=backend._pair_sum_arrived))
     kept = torch.where((dropped >= 0) & (dropped < SMALL_V3.num_experts), weights, 0.0)
     assert_close(out, fused_experts_reference(x, w13, w2, ids, kept, RSF), torch.float32, "dropped ids")
@@ -386,34 +393,35 @@ def test_dropped_ids_contribute_nothing(kernels, t: int, config) -> None:
 
 
 @pytest.mark.parametrize("config", [None, SMALL_TILES, TMA_TILES], ids=["default", "small_tiles", "tma_tiles"])
-def test_one_token_sums_its_pairs_in_the_w2_pass(kernels, monkeypatch: pytest.MonkeyPatch, config) -> None:
+def test_one_token_sums_its_pairs_in_the_w2_pass(experts_kernels, monkeypatch: pytest.MonkeyPatch, config) -> None:
     """One token: the w2 pass's last program of each column block adds the pairs (no top-k sum launch), the
     arrival counts are back at 0 after each call, and too few counts fall back to the sum kernel."""
     h, i = 256, 192
     backend = TritonMoE(MoESpec(h, i, torch.float16, None, router=SMALL_V3), DEVICE)
     w13, w2, _, _ = _experts(16, h, i, torch.float16, False)
-    packed = backend.prepare(w13, w2)
+    packed = backend.prepare(MoEWeights(w13, w2))
     config = config or backend.config(1)
     sums: list[int] = []
-    real_sum = kernels._topk_sum_kernel
-    monkeypatch.setattr(kernels, "_topk_sum_kernel", type("Counted", (), {
+    real_sum = experts_kernels._topk_sum_kernel
+    monkeypatch.setattr(experts_kernels, "_topk_sum_kernel", type("Counted", (), {
         "__getitem__": lambda self, grid: sums.append(1) or real_sum[grid]})())
     for seed, arrived in ((0, backend._pair_sum_arrived), (1, backend._pair_sum_arrived), (2, None),
                           (3, torch.zeros(1, dtype=torch.int32, device=DEVICE))):
         weights, ids = _routing(1, SMALL_V3, seed)
         x = torch.randn(1, h, device=DEVICE).to(torch.float16)
-        out = kernels.fused_experts(x, packed.w13, packed.w2, None, None, ids, weights, RSF, config, arrived=arrived)
+        out = experts_kernels.fused_experts(x, packed.w13, packed.w2, None, None, ids, weights, RSF, config,
+                                            arrived=arrived)
         assert_close(out, fused_experts_reference(x, w13, w2, ids, weights, RSF), torch.float16, f"seed {seed}")
         assert not backend._pair_sum_arrived.any()
     assert len(sums) == 2  # the calls without enough arrival counts
 
 
-def test_empty_batch(kernels) -> None:
+def test_empty_batch(experts_kernels) -> None:
     backend = TritonMoE(MoESpec(128, 64, torch.float16, None, router=SMALL_V3), DEVICE)
     w13, w2, _, _ = _experts(16, 128, 64, torch.float16, False)
     ids = torch.empty(0, 4, dtype=torch.int32, device=DEVICE)
-    out = backend.forward(torch.empty(0, 128, device=DEVICE, dtype=torch.float16), backend.prepare(w13, w2), ids,
-                          torch.empty(0, 4, device=DEVICE), RSF)
+    out = backend.forward(torch.empty(0, 128, device=DEVICE, dtype=torch.float16),
+                          backend.prepare(MoEWeights(w13, w2)), ids, torch.empty(0, 4, device=DEVICE), RSF)
     assert out.shape == (0, 128)
 
 
@@ -422,18 +430,18 @@ def test_empty_batch(kernels) -> None:
 
 
 # The fused shared experts' results: the kit's test_forward_with_fused_shared_experts (against the oracle).
-def test_shared_fusion_takes_shared_experts_exactly_when_the_spec_has_them(kernels) -> None:
+def test_shared_fusion_takes_shared_experts_exactly_when_the_spec_has_them(experts_kernels) -> None:
     w13, w2, _, _ = _experts(16, 128, 64, torch.float32, False)
     shared_w13, shared_w2 = torch.zeros(128, 128, device=DEVICE), torch.zeros(128, 64, device=DEVICE)
     fused = TritonMoE(MoESpec(128, 64, torch.float32, None, router=SMALL_V3, num_shared_experts=1), DEVICE)
     with pytest.raises(ValueError, match="shared_w13"):
-        fused.prepare(w13, w2, shared_w13=torch.zeros(100, 128, device=DEVICE), shared_w2=shared_w2)
+        fused.prepare(MoEWeights(w13, w2, shared_w13=torch.zeros(100, 128, device=DEVICE), shared_w2=shared_w2))
     with pytest.raises(ValueError, match="needs both"):
-        fused.prepare(w13, w2)
-    assert fused.prepare(w13, w2, shared_w13=shared_w13, shared_w2=shared_w2).w13.shape[0] == 17
+        fused.prepare(MoEWeights(w13, w2))
+    assert fused.prepare(MoEWeights(w13, w2, shared_w13=shared_w13, shared_w2=shared_w2)).w13.shape[0] == 17
     plain = TritonMoE(MoESpec(128, 64, torch.float32, None, router=SMALL_V3), DEVICE)
     with pytest.raises(ValueError, match="num_shared_experts 0"):
-        plain.prepare(w13, w2, shared_w13=shared_w13, shared_w2=shared_w2)
+        plain.prepare(MoEWeights(w13, w2, shared_w13=shared_w13, shared_w2=shared_w2))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -568,7 +576,7 @@ def test_tuner_quick_prefill_space_widens_the_quick_one() -> None:
 
 
 @pytest.mark.parametrize("dtype,fp8", [(torch.float32, False), (torch.float16, True)], ids=["float32", "fp8"])
-def test_tuner_checks_each_winner_against_the_reference(kernels, monkeypatch: pytest.MonkeyPatch,
+def test_tuner_checks_each_winner_against_the_reference(experts_kernels, monkeypatch: pytest.MonkeyPatch,
                                                         dtype: torch.dtype, fp8: bool) -> None:
     from benchmarks.tune.tune_fused_moe import Experts, check_config
 
@@ -577,12 +585,12 @@ def test_tuner_checks_each_winner_against_the_reference(kernels, monkeypatch: py
     weights, ids = _routing(9, SMALL_V3)
     x = torch.randn(9, 256, generator=torch.Generator().manual_seed(0)).to(DEVICE, dtype)
     check_config(experts, TMA_TILES, x, ids, weights)
-    monkeypatch.setattr(kernels, "fused_experts", lambda x, *args, **kwargs: torch.zeros_like(x))
+    monkeypatch.setattr(experts_kernels, "fused_experts", lambda x, *args, **kwargs: torch.zeros_like(x))
     with pytest.raises(AssertionError, match=r"tuned MoE config .* at M=9"):
         check_config(experts, TMA_TILES, x, ids, weights)
 
 
-def test_tuner_times_the_files_config_beside_the_candidates(kernels, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tuner_times_the_files_config_beside_the_candidates(experts_kernels, monkeypatch: pytest.MonkeyPatch) -> None:
     """Under --update a count's configuration in the file is timed too, and kept when no candidate beats it."""
     import benchmarks.tune.tune_fused_moe as tuner
 
@@ -596,7 +604,7 @@ def test_tuner_times_the_files_config_beside_the_candidates(kernels, monkeypatch
     assert best == MoEConfig(16, SMALL_TILES.w13, SMALL_TILES.w13) and total == 4.0
 
 
-def test_tuner_cuts_the_w13_pass_at_decode(kernels, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tuner_cuts_the_w13_pass_at_decode(experts_kernels, monkeypatch: pytest.MonkeyPatch) -> None:
     """At decode sizes the w13 pass's fastest uncut tiles are timed again with K cut into DECODE_SPLITS runs; the
     w2 pass is never cut. The winner passes the reference check (tune_batch's check_config)."""
     import benchmarks.tune.tune_fused_moe as tuner
@@ -614,7 +622,8 @@ def test_tuner_cuts_the_w13_pass_at_decode(kernels, monkeypatch: pytest.MonkeyPa
     assert all(tile.block_n in (32, 64) for tile in timed if tile.split_k > 1)
 
 
-def test_tuner_loops_the_w2_pass_over_column_blocks_at_prefill(kernels, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tuner_loops_the_w2_pass_over_column_blocks_at_prefill(experts_kernels,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """From the prefill sizes on, the w2 pass's fastest tiles are timed again with PREFILL_COLUMN_BLOCKS column
     blocks a program; the w13 pass never loops. The winner passes the reference check."""
     import benchmarks.tune.tune_fused_moe as tuner
