@@ -273,8 +273,6 @@ def test_core_imports_nothing_above_it(graph):
     assert not offenders, _report("imports from plugserve/core/ of modules above it", offenders)
 
 
-@pytest.mark.xfail(strict=True, reason="circles at the base: plugins/attention triton_kernels <-> gluon_mla / "
-                   "gluon_mha, runtime model_runner <-> speculative (being fixed)")
 def test_no_import_circles(graph):
     edges = graph.edges()
     found = [" -> ".join(_circle_in(group, edges)) + f"  (the group: {', '.join(sorted(group))})"
@@ -282,8 +280,6 @@ def test_no_import_circles(graph):
     assert not found, _report("import circles", found)
 
 
-@pytest.mark.xfail(strict=True, reason="private imports at the base: gluon_mla/gluon_mha from triton_kernels, "
-                   "moe/deepgemm_kernels from gemm/triton_kernels (being fixed)")
 def test_no_private_name_imported_across_files(graph):
     offenders = private_imports(graph)
     assert not offenders, _report("private names taken from another file", offenders)
@@ -294,14 +290,11 @@ def test_layers_import_downwards(graph):
     assert not offenders, _report("imports against the layering", offenders)
 
 
-@pytest.mark.xfail(strict=True, reason="files over 600 lines at the base: core/interfaces, runtime model_runner and "
-                   "scheduler, attention and MoE triton_kernels (being split)")
 def test_no_file_over_the_line_limit():
     offenders = long_files()
     assert not offenders, _report(f"files in plugserve/ over {MAX_LINES} lines", offenders)
 
 
-@pytest.mark.xfail(strict=True, reason="session / call numbers in docstrings at the base (being moved to docs)")
 def test_no_session_or_call_numbers_in_the_code():
     offenders = lab_notes()
     assert not offenders, _report("lines naming a session or a call", offenders)

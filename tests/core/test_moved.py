@@ -13,15 +13,8 @@ import pytest
 from plugserve.core.moved import MOVED_MODULES, MOVED_NAMES
 
 ROOT = Path(__file__).resolve().parents[2]
-# At the base, runtime/cuda_graph_runner.py still imports GraphInputs and padded_size for itself (so taking them
-# from it does not warn) and has no `__getattr__ = moved_names(__name__)` (so capture_sizes is not there).
-NOT_YET = pytest.mark.xfail(strict=True, reason="runtime/cuda_graph_runner.py keeps GraphInputs / padded_size as "
-                            "its own names and has no moved_names __getattr__ (being fixed in runtime/)")
-MOVED_NAME_ENTRIES = [
-    pytest.param(old, name, new, id=f"{old}.{name}",
-                 marks=[NOT_YET] if old == "plugserve.runtime.cuda_graph_runner" else [])
-    for old, names in MOVED_NAMES.items() for name, new in names.items()
-]
+MOVED_NAME_ENTRIES = [pytest.param(old, name, new, id=f"{old}.{name}")
+                      for old, names in MOVED_NAMES.items() for name, new in names.items()]
 
 
 @pytest.mark.parametrize(("old", "new"), sorted(MOVED_MODULES.items()))
