@@ -74,8 +74,8 @@ HELP = {
     "torch_compile_max_bs": "largest batch (in tokens) that runs the compiled ops; larger ones run eagerly",
     "disable_shared_experts_overlap": "run the shared experts on the main CUDA stream instead of a second one",
     "enable_shared_experts_fusion": "run the shared experts as extra experts inside the MoE backend's GEMMs (one that "
-                                    "can: triton) instead of their own MLP; off by default: slower on the H100 for "
-                                    "V2-Lite and V3 (benchmarks/results/.../fast_path/session3)",
+                                    "can: triton) instead of their own MLP; off by default, as the split MLP "
+                                    "runs faster on the GPUs measured",
     "speculative_algorithm": "NEXTN (or EAGLE, its alias here): speculative decoding with the model's NextN (MTP) "
                              "layer as the draft; runs the non-overlap scheduler",
     "speculative_draft_model_path": "a checkpoint whose NextN layer drafts instead of the target's own (a NextN-only "
