@@ -157,8 +157,8 @@ def serve(args: ServerArgs) -> None:
         engine.shutdown()
     if engine.error is not None:
         print(f"plugserve serve: {engine.error}", file=sys.stderr)
-    # Not through the interpreter's teardown of torch and the model: 1.5 s on a CPU, more under load, past the
-    # grace period, where the watchdog (a daemon thread) could no longer end the process.
+    # Not through the interpreter's teardown of torch and the model, which can outlast the grace period, where
+    # the watchdog (a daemon thread) could no longer end the process.
     _exit(0 if engine.error is None else 1)
 
 

@@ -2,9 +2,9 @@
 absorbed MLA's norm + rope + KV cache write + W_UK absorption), as plain functions, eager or compiled.
 
 At decode every one of them is a handful of tiny kernels per layer; under a CUDA graph the launches are
-free but each kernel still costs a few microseconds, which at batch 1 adds up to more than the weight
-reads. On CUDA, `with_fused_kernels` swaps in hand-written Triton kernels (`triton_small_ops`) for the norms,
-SiLU-and-mul and absorbed MLA's preparation, one launch each at every batch size (the last also doing what
+free but each kernel still has its fixed cost, which at batch 1 adds up to more than the weight reads. On
+CUDA, `with_fused_kernels` swaps in hand-written Triton kernels (`triton_small_ops`) for the norms, SiLU-and-mul
+and absorbed MLA's preparation, one launch each at every batch size (the last also doing what
 compiled torch cannot fuse, such as the write into the KV pool). `--enable-torch-compile` replaces the others
 (rope's cos / sin, the MHA path's rope) by their torch.compile versions (Inductor fuses each into one or two
 kernels) for inputs of at most `--torch-compile-max-bs` rows; larger inputs (prefill) run the eager versions,
