@@ -322,7 +322,7 @@ def _fake_quant(x: torch.Tensor, group: int) -> torch.Tensor:
 
 # Hopper's FP8 tensor cores add a K block's products with about 14 mantissa bits before a backend adds the block into
 # float32 (DeepSeek-V3's report, 3.3.2), so its gate and up may differ from the float64 ones by up to about this
-# times the sum of the products' magnitudes (measured: `benchmarks/dev/moe_rounding_flips.py`); h inherits the error.
+# times the sum of the products' magnitudes (`moe_rounding_flips.py` in benchmarks/ checks it); h inherits the error.
 ACCUMULATION_REL = 2.0**-16
 
 

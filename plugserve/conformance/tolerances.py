@@ -32,8 +32,8 @@ TOLERANCES: dict[torch.dtype, Tolerance] = {
 # Block-FP8 MoE (w8a8) quantizes the SiLU-and-mul intermediate, which backend and oracle compute in different
 # precisions (float32 against float64): an element within that difference of an e4m3 rounding boundary rounds
 # one way in each, one e4m3 step apart (up to 1/8 of it), and at a few hundred tokens some do. Each moves its
-# outputs by w2's column times that step, past float32's and float16's bounds (H200, 512 tokens, E = 64: 0.6 %
-# of max |ref|). The output bound then admits 1 % of max |ref|; the cosine floor still catches a systematic error.
+# outputs by w2's column times that step, past float32's and float16's bounds. The output bound then admits 1 % of
+# max |ref|; the cosine floor still catches a systematic error.
 W8A8_MOE_ATOL = 1e-2
 
 

@@ -1,8 +1,7 @@
 """The running requests' page lists, kept on the device: each request owns one row of a persistent
 [rows, max_pages] int32 table (SGLang's req_to_token, at page granularity), written only where its page
 list changed. A batch's block table is then one gather of its rows, instead of a [B, pages] table built
-from Python lists and uploaded every step (at batch 64 that cost more host time than the decode
-step's GPU work).
+from Python lists and uploaded every step, which costs host time that grows with the batch.
 
 Uploads are stream-ordered copies from pinned memory: building a batch never waits for the device.
 """

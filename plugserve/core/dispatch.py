@@ -1,6 +1,6 @@
 """How each batch runs MLA: MHA over de-compressed K/V, MHA with the prefix in chunks, or absorbed MLA.
 
-The rule (SGLang's, measured there on DeepSeek-V3): with no cached prefix, prefill is plain MHA on the
+The rule (SGLang's, for DeepSeek-V3): with no cached prefix, prefill is plain MHA on the
 new tokens, which is cheaper than MQA over 576-wide latents. With a long cached prefix, re-expanding
 the prefix through kv_b_proj pays off too, so MHA stays, one shot when everything fits one chunk of
 de-compressed K/V, otherwise chunk by chunk merged by log-sum-exp. With a short prefix, absorbed MLA

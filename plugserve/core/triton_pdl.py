@@ -5,9 +5,8 @@ still runs. Each such kernel starts with `programmatic_prologue`: it waits for t
 (griddepcontrol.wait), then lets the next kernel launch (griddepcontrol.launch_dependents), which waits in turn.
 A chain of them (quantization, GEMM; the MoE's alignment, quantizations and grouped GEMMs; MLA's decode and its
 split merge) keeps at most two grids resident and hides part of each launch's latency behind the previous
-kernel's tail: measured in session 12, about 1-2 us a block-FP8 GEMM call at decode sizes and 1-2 % of a V3-shaped
-decode step at batch 8-32 (results:benchmarks/results/NVIDIA_H200/session12). A kernel launched the usual way waits for
-the whole previous kernel, whether that one let dependents launch or not.
+kernel's tail. A kernel launched the usual way waits for the whole previous kernel, whether that one let
+dependents launch or not.
 
 Imported lazily with the kernels (see plugserve.plugins.gemm.triton_kernels): `triton.jit` reads TRITON_INTERPRET
 when a function is defined. In the interpreter, and on older GPUs, kernels run with PDL off.

@@ -74,8 +74,8 @@ HELP = {
     "torch_compile_max_bs": "largest batch (in tokens) that runs the compiled ops; larger ones run eagerly",
     "disable_shared_experts_overlap": "run the shared experts on the main CUDA stream instead of a second one",
     "enable_shared_experts_fusion": "run the shared experts as extra experts inside the MoE backend's GEMMs (one that "
-                                    "can: triton) instead of their own MLP; off by default: slower on the H100 for "
-                                    "V2-Lite and V3 (results:benchmarks/results/.../fast_path/session3)",
+                                    "can: triton) instead of their own MLP; off by default, as the split MLP "
+                                    "runs faster on the GPUs measured",
     "speculative_algorithm": "NEXTN (or EAGLE, its alias here): speculative decoding with the model's NextN (MTP) "
                              "layer as the draft; runs the non-overlap scheduler",
     "speculative_draft_model_path": "a checkpoint whose NextN layer drafts instead of the target's own (a NextN-only "
@@ -157,8 +157,8 @@ def serve(args: ServerArgs) -> None:
         engine.shutdown()
     if engine.error is not None:
         print(f"plugserve serve: {engine.error}", file=sys.stderr)
-    # Not through the interpreter's teardown of torch and the model: 1.5 s on a CPU, more under load, past the
-    # grace period, where the watchdog (a daemon thread) could no longer end the process.
+    # Not through the interpreter's teardown of torch and the model, which can outlast the grace period, where
+    # the watchdog (a daemon thread) could no longer end the process.
     _exit(0 if engine.error is None else 1)
 
 

@@ -1,20 +1,13 @@
 """Tensor-parallel layers: each rank of a `ParallelGroup` holds a slice of a layer and reads only that
-slice of the checkpoint tensor.
+slice of the checkpoint tensor (`load_shard` takes the full tensor or a lazy safetensors slice).
 
 - `ColumnParallelLinear`: the output dim split; rank r holds rows r of every fused shard (gate_r ++ up_r).
 - `RowParallelLinear`: the input dim split; the ranks' partial outputs are summed (all-reduce).
 - `VocabParallelEmbedding` / `ParallelLMHead`: the vocabulary split; lookups all-reduced, logits gathered.
 
-The linear layers are `Linear`s of their local shape (model dtype, or block-FP8 through the GEMM
-backend, `finalize` as usual) whose `load_shard` takes the full checkpoint tensor, or a lazy slice of it
-(`safe_open(...).get_slice(name)`: then only this rank's rows or columns are read from the file).
-
-Block-FP8 slices: a slice that starts on a (bn, bk) block boundary keeps the checkpoint's e4m3 values and
-their scales (a last, partial block keeps its whole block's scale, which is exact). A slice that starts
-inside a block (e.g. 192 rows per rank) cannot keep them, since its blocks straddle the checkpoint's:
-it is dequantized to float32 and quantized again in its own blocks, as `Linear` does with fused shards
-that share blocks. That costs a second e4m3 rounding of those weights, not a refusal; DeepSeek-V3's
-splits at TP 2..16 fall on block boundaries.
+Block-FP8 slices: one that starts on a (bn, bk) block boundary keeps the checkpoint's e4m3 values and scales
+(DeepSeek-V3's splits at TP 2..16 do); one that starts inside a block is dequantized to float32 and quantized
+again in its own blocks, as `Linear` does with fused shards that share blocks.
 """
 
 from __future__ import annotations

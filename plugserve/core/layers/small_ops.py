@@ -1,16 +1,13 @@
 """The model's element-wise ops between backend calls (RMSNorm with the residual add, rope, SiLU-and-mul,
 absorbed MLA's norm + rope + KV cache write + W_UK absorption), as plain functions, eager or compiled.
 
-At decode every one of them is a handful of tiny kernels per layer; under a CUDA graph the launches are
-free but each kernel still costs a few microseconds, which at batch 1 adds up to more than the weight
-reads. On CUDA, `with_fused_kernels` swaps in hand-written Triton kernels (`triton_small_ops`) for the norms,
-SiLU-and-mul and absorbed MLA's preparation, one launch each at every batch size (the last also doing what
-compiled torch cannot fuse, such as the write into the KV pool). `--enable-torch-compile` replaces the others
-(rope's cos / sin, the MHA path's rope) by their torch.compile versions (Inductor fuses each into one or two
-kernels) for inputs of at most `--torch-compile-max-bs` rows; larger inputs (prefill) run the eager versions,
-so no prompt length ever triggers a recompile. The model's modules call the functions of the `SmallOps` they
-are given (`DeepseekForCausalLM.use_small_ops`). The eager functions live in `eager_ops` (re-exported here),
-which the Triton kernels import too, so that the imports run one way.
+At decode each is a handful of tiny kernels per layer whose fixed costs, at batch 1, outweigh the weight reads.
+On CUDA `with_fused_kernels` swaps in one Triton kernel each (`triton_small_ops`) for the norms, SiLU-and-mul and
+MLA's preparation; `--enable-torch-compile` compiles the others (rope's cos / sin, the MHA path's rope) for
+inputs of at most `--torch-compile-max-bs` rows, larger ones running eagerly so that no prompt length
+recompiles. The model's modules call the functions of the `SmallOps` they are given
+(`DeepseekForCausalLM.use_small_ops`). The eager functions live in
+`eager_ops` (re-exported here), which the Triton kernels import too, so that the imports run one way.
 """
 
 from __future__ import annotations

@@ -6,25 +6,15 @@ for each, its shape and where it goes (q_a_proj and kv_a_proj_with_mqa fill one 
 gate_proj and up_proj one; experts are stacked for the MoE backend; kv_b_proj is also split into
 W_UK / W_UV for the absorbed path at `finalize`).
 
-Tensor parallelism over a `ParallelGroup` of P ranks (P = 1: one process, no collectives): each rank holds
-H / P attention heads (q_b_proj, or q_proj, and kv_b_proj split by heads, o_proj by its input columns)
-over the whole latent (q_a_proj and kv_a_proj_with_mqa replicated, so every rank caches the same latent
-KV); dense MLPs, shared experts and every routed expert split their intermediate width (gate_up by rows,
-down by columns); the embedding and LM head split the vocabulary. One all-reduce after attention and one
-after each MLP or MoE block (routed and shared experts summed first); the logits are all-gathered.
-Each rank reads only its slices of the checkpoint tensors.
-
-Expert parallelism (`expert_parallel`, over the same ranks): each rank holds E / P whole routed experts
-instead of every expert's 1/P. The router still runs on every rank over all E (every rank has every token
-after attention's all-reduce); each rank adds its own experts' terms for all tokens, and the MoE block's
-all-reduce, the one tensor parallelism has anyway, combines them with the shared experts' partial sums.
-
-DP attention (`dp_attention`, one DP group per rank): each rank holds the whole attention and embedding and
-runs them on its own requests' tokens only (its batch, with its own KV pool; an IDLE batch when it has
-none). Before each MLP / MoE block, which stays split as above, the ranks' hidden states are all-gathered
-(padded to the largest rank's token count, `ForwardBatch.dp_tokens`); after it each rank keeps its own
-rows. The sampled rows are gathered the same way before the vocabulary-split LM head, so every rank gets
-every group's logits.
+Parallelism over a `ParallelGroup` of P ranks (P = 1: one process, no collectives; docs/parallelism.md):
+- tensor parallelism: H / P attention heads over the whole latent (every rank caches the same latent KV), MLPs
+  and experts split by intermediate width, the vocabulary split; one all-reduce after attention and one after
+  each MLP or MoE block (routed and shared experts summed first); each rank reads only its slices;
+- expert parallelism (`expert_parallel`): E / P whole routed experts per rank, the router on every rank over
+  all E, the MoE block's all-reduce combining the ranks' terms;
+- DP attention (`dp_attention`): the whole attention and embedding on this rank's own requests; the hidden
+  states all-gathered before each MLP / MoE block (padded to `ForwardBatch.dp_tokens`' largest count) and
+  this rank's rows kept after it; the sampled rows gathered the same way before the LM head.
 """
 
 from __future__ import annotations
