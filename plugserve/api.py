@@ -17,6 +17,7 @@ from plugserve.core.interfaces import (
     MoEBackend,
     MoECapabilities,
     MoESpec,
+    MoEWeights,
     RouterConfig,
     check_tensor,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "MoEBackend",
     "MoECapabilities",
     "MoESpec",
+    "MoEWeights",
     "Phase",
     "PrefixChunk",
     "RouterConfig",
