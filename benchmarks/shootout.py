@@ -41,8 +41,9 @@ from plugserve.core.config import ModelConfig, ModelConfigError, preset_config
 from plugserve.core.dispatch import prepare_attention
 from plugserve.core.forward_batch import ForwardMode, Phase
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import AttentionSpec, GemmSpec, MoESpec, MoEWeights
+from plugserve.core.interfaces import MoEWeights
 from plugserve.core.layers.quant import quantize_block_fp8
+from plugserve.core.specs import AttentionSpec, GemmSpec, MoESpec
 from plugserve.registry import BATCH_BUCKETS, get_registry
 
 # The models whose shapes the shootout measures: GEMMs of the first, MoE layers of each (--quick: "tiny").

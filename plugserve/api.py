@@ -7,18 +7,14 @@ from plugserve.core.interfaces import (
     OK,
     AttentionBackend,
     AttentionCapabilities,
-    AttentionSpec,
     Availability,
     Backend,
     Capabilities,
     Fp8GemmBackend,
     GemmCapabilities,
-    GemmSpec,
     MoEBackend,
     MoECapabilities,
-    MoESpec,
     MoEWeights,
-    RouterConfig,
     check_tensor,
 )
 from plugserve.core.kv_cache import MLAKVPool, pages_needed, sequence_slots, store_rows, token_slots
@@ -32,6 +28,7 @@ from plugserve.core.layers.quant import (
     quantize_block_fp8,
     scale_grid,
 )
+from plugserve.core.specs import AttentionSpec, GemmSpec, MoESpec, RouterConfig
 from plugserve.registry import hookimpl
 
 __all__ = [

@@ -19,7 +19,7 @@ from plugserve.core.dispatch import (
 )
 from plugserve.core.forward_batch import AttnForwardMethod, ForwardMode, Phase
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import KINDS, Kind
+from plugserve.core.specs import KINDS, Kind
 from plugserve.registry import (
     BATCH_BUCKETS,
     Registry,

@@ -35,15 +35,8 @@ from pydantic import BaseModel
 from plugserve.core.device_match import DeviceMatch, closest_measured
 from plugserve.core.forward_batch import Phase
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import (
-    BACKEND_BASES,
-    KINDS,
-    OK,
-    SPEC_TYPES,
-    Availability,
-    Backend,
-    Kind,
-)
+from plugserve.core.interfaces import BACKEND_BASES, OK, Availability, Backend
+from plugserve.core.specs import KINDS, SPEC_TYPES, Kind
 
 logger = logging.getLogger(__name__)
 

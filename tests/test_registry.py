@@ -6,7 +6,8 @@ import torch
 
 from plugserve.core.forward_batch import AttnForwardMethod, Phase
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import OK, AttentionCapabilities, AttentionSpec, Availability
+from plugserve.core.interfaces import OK, AttentionCapabilities, Availability
+from plugserve.core.specs import AttentionSpec
 from plugserve.plugins.attention.torch_ref import TorchRefAttention
 from plugserve.registry import TABLES_ENV, Registry, RegistryError, SelectionError, hookimpl
 

@@ -20,8 +20,9 @@ import torch
 from plugserve.conformance import oracle
 from plugserve.conformance.cases import V3_ROUTER
 from plugserve.conformance.tolerances import W8A8_MOE_ATOL, assert_close
-from plugserve.core.interfaces import MoESpec, MoEWeights
+from plugserve.core.interfaces import MoEWeights
 from plugserve.core.layers.quant import quantize_block_fp8
+from plugserve.core.specs import MoESpec
 from plugserve.plugins.moe.align import align_pairs
 from plugserve.plugins.moe.grouped_gemm import grouped_gemm
 from plugserve.plugins.moe.quant import per_token_group_quant

@@ -17,8 +17,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.gpu_timing import FLUSH_BYTES, time_cold_graph_ms
 from benchmarks.tune.tune_fp8_gemm import V3_SHAPES
-from plugserve.core.interfaces import GemmSpec
 from plugserve.core.layers.quant import quantize_block_fp8
+from plugserve.core.specs import GemmSpec
 from plugserve.registry import get_registry
 
 

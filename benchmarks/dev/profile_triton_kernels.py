@@ -17,8 +17,9 @@ import torch
 from plugserve.conformance.batches import random_batch
 from plugserve.conformance.cases import V3_ROUTER
 from plugserve.core.forward_batch import ForwardMode
-from plugserve.core.interfaces import AttentionSpec, GemmSpec, MoESpec, MoEWeights
+from plugserve.core.interfaces import MoEWeights
 from plugserve.core.layers.quant import quantize_block_fp8
+from plugserve.core.specs import AttentionSpec, GemmSpec, MoESpec
 from plugserve.plugins.attention.mha_prefill import mha_varlen
 from plugserve.plugins.attention.triton import TritonAttention
 from plugserve.plugins.gemm.triton import TritonFp8Gemm

@@ -29,7 +29,7 @@ import torch
 from benchmarks.shootout import measure_ceilings, timed
 from plugserve.conformance.batches import random_batch
 from plugserve.core.forward_batch import ForwardMode
-from plugserve.core.interfaces import AttentionSpec
+from plugserve.core.specs import AttentionSpec
 from plugserve.plugins.attention import mla_decode as kernels
 from plugserve.plugins.attention.triton import TritonAttention
 

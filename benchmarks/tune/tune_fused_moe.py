@@ -41,8 +41,8 @@ import torch
 
 from plugserve.conformance.cases import V2_LITE_ROUTER, V2_ROUTER, V3_ROUTER
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import MoESpec, RouterConfig
 from plugserve.core.layers.quant import FP8_DTYPE
+from plugserve.core.specs import MoESpec, RouterConfig
 from plugserve.plugins.moe import configs
 from plugserve.plugins.moe.configs import GemmConfig, MoEConfig
 

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 import torch
 
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode
-from plugserve.core.interfaces import AttentionSpec
 from plugserve.core.kv_cache import MLAKVPool, token_slots
+from plugserve.core.specs import AttentionSpec
 
 
 def random_batch(

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from plugserve.core.forward_batch import AttnForwardMethod, ForwardMode
-from plugserve.core.interfaces import RouterConfig
+from plugserve.core.specs import RouterConfig
 
 PROFILES = ("small", "full")
 DEFAULT_HEADS = 16  # attention cases' heads unless a grid says otherwise (or --plugserve-heads)

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from plugserve.core.forward_batch import AttnForwardMethod, ForwardBatch
-from plugserve.core.interfaces import AttentionSpec, RouterConfig
+from plugserve.core.specs import AttentionSpec, RouterConfig
 
 NEG_INF = float("-inf")
 # Float64 score elements of one block of queries: 2^26 x 8 bytes = 512 MiB, whatever the heads and keys

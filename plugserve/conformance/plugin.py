@@ -14,7 +14,8 @@ import torch
 
 from plugserve.conformance import cases
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import KINDS, Backend, Kind
+from plugserve.core.interfaces import Backend
+from plugserve.core.specs import KINDS, Kind
 from plugserve.registry import BackendEntry, get_registry
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -17,17 +17,9 @@ from plugserve.conformance.batches import random_batch
 from plugserve.conformance.tolerances import assert_close, assert_lse_close
 from plugserve.core.dispatch import prepare_attention
 from plugserve.core.forward_batch import AttnForwardMethod, ForwardMode, Phase
-from plugserve.core.interfaces import (
-    AttentionBackend,
-    AttentionSpec,
-    Backend,
-    Fp8GemmBackend,
-    GemmSpec,
-    MoEBackend,
-    MoESpec,
-    MoEWeights,
-)
+from plugserve.core.interfaces import AttentionBackend, Backend, Fp8GemmBackend, MoEBackend, MoEWeights
 from plugserve.core.layers.quant import quantize_block_fp8
+from plugserve.core.specs import AttentionSpec, GemmSpec, MoESpec
 
 # Small enough to cost nothing, large enough to cross a page and a 128-wide FP8 block.
 CHECK_SEQ_LENS = (70, 5)

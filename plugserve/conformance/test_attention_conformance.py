@@ -16,8 +16,9 @@ from plugserve.core.dispatch import prepare_attention
 from plugserve.core.forward_batch import AttnForwardMethod, DraftTree, ForwardBatch, ForwardMode, Phase
 from plugserve.core.graph_inputs import GraphInputs, padded_size
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import AttentionBackend, AttentionSpec
+from plugserve.core.interfaces import AttentionBackend
 from plugserve.core.kv_cache import MLAKVPool, pages_needed
+from plugserve.core.specs import AttentionSpec
 
 LAYER = 1  # not 0, so that a backend ignoring layer_id is caught
 

@@ -10,8 +10,9 @@ from plugserve.conformance.cases import GemmCase
 from plugserve.conformance.plugin import Target, require_available
 from plugserve.conformance.tolerances import assert_close
 from plugserve.core.forward_batch import Phase
-from plugserve.core.interfaces import Fp8GemmBackend, GemmSpec
+from plugserve.core.interfaces import Fp8GemmBackend
 from plugserve.core.layers.quant import quantize_block_fp8
+from plugserve.core.specs import GemmSpec
 
 E4M3_MANTISSA_BITS = 3
 

@@ -14,8 +14,9 @@ from plugserve.conformance.cases import MoECase
 from plugserve.conformance.plugin import Target, require_available
 from plugserve.conformance.tolerances import W8A8_MOE_ATOL, assert_close
 from plugserve.core.forward_batch import Phase
-from plugserve.core.interfaces import MoEBackend, MoESpec, MoEWeights
+from plugserve.core.interfaces import MoEBackend, MoEWeights
 from plugserve.core.layers.quant import quantize_block_fp8
+from plugserve.core.specs import MoESpec
 
 ROUTED_SCALING_FACTOR = 2.5  # DeepSeek-V3's; != 1 so that a backend ignoring it fails
 

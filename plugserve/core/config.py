@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import torch
 
-from plugserve.core.interfaces import AttentionSpec, GemmSpec, MoESpec, RouterConfig
+from plugserve.core.specs import AttentionSpec, GemmSpec, MoESpec, RouterConfig
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 

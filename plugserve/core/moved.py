@@ -26,6 +26,8 @@ MOVED_MODULES: dict[str, str] = {
 # Names that left a module: old module -> {name: new module}. An old module that no longer exists (split
 # in several) is made of these names alone.
 MOVED_NAMES: dict[str, dict[str, str]] = {
+    "plugserve.core.interfaces": {name: "plugserve.core.specs" for name in ("AttentionSpec", "GemmSpec", "RouterConfig",
+                                                                             "MoESpec", "SPEC_TYPES", "KINDS")},
     "plugserve.core.dispatch": {"AttnForwardMethod": "plugserve.core.forward_batch",
                                 "PrefixChunk": "plugserve.core.forward_batch"},
     "plugserve.runtime.scheduler": {"SchedulerGauges": "plugserve.runtime.metrics"},

@@ -15,8 +15,9 @@ from plugserve.core.config import ModelConfig
 from plugserve.core.distributed import ParallelGroup
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode, Phase
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import AttentionBackend, AttentionSpec, MoESpec
+from plugserve.core.interfaces import AttentionBackend
 from plugserve.core.models.deepseek import ModelBackends
+from plugserve.core.specs import AttentionSpec, MoESpec
 from plugserve.registry import SelectionError, get_registry, load_selection_table
 from plugserve.runtime.server_args import ServerArgs, flag
 

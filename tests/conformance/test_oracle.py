@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 from plugserve.conformance import oracle
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode
-from plugserve.core.interfaces import RouterConfig
 from plugserve.core.kv_cache import MLAKVPool
 from plugserve.core.layers.quant import quantize_block_fp8
+from plugserve.core.specs import RouterConfig
 
 TESTING = Path(oracle.__file__).parent
 F64 = torch.float64

@@ -5,7 +5,7 @@ import torch
 
 from plugserve.conformance.self_check import self_check
 from plugserve.core.forward_batch import Phase
-from plugserve.core.interfaces import AttentionSpec, GemmSpec, MoESpec, RouterConfig
+from plugserve.core.specs import AttentionSpec, GemmSpec, MoESpec, RouterConfig
 from plugserve.plugins.attention.triton import TritonAttention
 from plugserve.plugins.gemm.torch_ref import TorchRefFp8Gemm
 from plugserve.plugins.gemm.triton import TritonFp8Gemm

@@ -43,8 +43,9 @@ import torch
 
 from plugserve.core.forward_batch import AttnForwardMethod, ForwardBatch, ForwardMode, Phase
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import OK, AttentionBackend, AttentionCapabilities, AttentionSpec, Availability
+from plugserve.core.interfaces import OK, AttentionBackend, AttentionCapabilities, Availability
 from plugserve.core.kv_cache import pages_needed
+from plugserve.core.specs import AttentionSpec
 from plugserve.registry import hookimpl
 
 KERNEL_HEADS = 128

@@ -46,7 +46,8 @@ import torch
 
 from plugserve.core.forward_batch import AttnForwardMethod, ForwardBatch, ForwardMode
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import OK, AttentionBackend, AttentionCapabilities, AttentionSpec, Availability
+from plugserve.core.interfaces import OK, AttentionBackend, AttentionCapabilities, Availability
+from plugserve.core.specs import AttentionSpec
 from plugserve.plugins.triton_support import triton_availability
 from plugserve.registry import hookimpl
 

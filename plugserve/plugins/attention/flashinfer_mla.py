@@ -52,8 +52,9 @@ import torch
 
 from plugserve.core.forward_batch import AttnForwardMethod, ForwardBatch, ForwardMode
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import OK, AttentionBackend, AttentionCapabilities, AttentionSpec, Availability
+from plugserve.core.interfaces import OK, AttentionBackend, AttentionCapabilities, Availability
 from plugserve.core.kv_cache import MLAKVPool
+from plugserve.core.specs import AttentionSpec
 from plugserve.registry import hookimpl
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace

@@ -39,7 +39,8 @@ import torch
 
 from plugserve.core.forward_batch import AttnForwardMethod, ForwardBatch, ForwardMode
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import OK, AttentionBackend, AttentionCapabilities, AttentionSpec, Availability
+from plugserve.core.interfaces import OK, AttentionBackend, AttentionCapabilities, Availability
+from plugserve.core.specs import AttentionSpec
 from plugserve.registry import hookimpl
 
 PAGE_SIZE = 64  # FlashMLA's dense kernel reads pages of 64 tokens only

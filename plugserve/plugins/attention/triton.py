@@ -26,7 +26,8 @@ import torch
 
 from plugserve.core.forward_batch import AttnForwardMethod, ForwardBatch, ForwardMode
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import AttentionBackend, AttentionCapabilities, AttentionSpec, Availability
+from plugserve.core.interfaces import AttentionBackend, AttentionCapabilities, Availability
+from plugserve.core.specs import AttentionSpec
 from plugserve.plugins.triton_support import triton_availability
 from plugserve.registry import hookimpl
 

@@ -27,8 +27,9 @@ from typing import ClassVar
 import torch
 
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import Availability, Fp8GemmBackend, GemmCapabilities, GemmSpec
+from plugserve.core.interfaces import Availability, Fp8GemmBackend, GemmCapabilities
 from plugserve.core.layers.quant import FP8_DTYPE, scale_grid
+from plugserve.core.specs import GemmSpec
 from plugserve.plugins.triton_support import triton_availability
 from plugserve.registry import hookimpl
 

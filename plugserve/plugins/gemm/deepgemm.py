@@ -26,8 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import Availability, Fp8GemmBackend, GemmCapabilities, GemmSpec
+from plugserve.core.interfaces import Availability, Fp8GemmBackend, GemmCapabilities
 from plugserve.core.layers.quant import ceil_div
+from plugserve.core.specs import GemmSpec
 from plugserve.plugins.deepgemm_support import deepgemm_availability, import_deep_gemm
 from plugserve.plugins.triton_support import triton_availability
 from plugserve.registry import hookimpl

@@ -28,8 +28,9 @@ import torch
 
 from plugserve.core.device_match import DeviceMatch, closest_measured, measured_device_keys
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import Availability, Fp8GemmBackend, GemmCapabilities, GemmSpec
+from plugserve.core.interfaces import Availability, Fp8GemmBackend, GemmCapabilities
 from plugserve.core.layers.quant import ceil_div
+from plugserve.core.specs import GemmSpec
 from plugserve.plugins.triton_support import triton_availability
 from plugserve.registry import hookimpl
 

@@ -31,8 +31,9 @@ import torch
 
 from plugserve.core.forward_batch import Phase
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import Availability, MoEBackend, MoECapabilities, MoESpec, MoEWeights, check_tensor
+from plugserve.core.interfaces import Availability, MoEBackend, MoECapabilities, MoEWeights, check_tensor
 from plugserve.core.layers.quant import FP8_DTYPE, ceil_div
+from plugserve.core.specs import MoESpec
 from plugserve.plugins.deepgemm_support import deepgemm_availability, import_deep_gemm
 from plugserve.plugins.moe.triton import TritonMoE
 from plugserve.plugins.triton_support import triton_availability

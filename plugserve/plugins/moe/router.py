@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from plugserve.core.interfaces import RouterConfig
+from plugserve.core.specs import RouterConfig
 from plugserve.core.triton_pdl import launch_options, programmatic_prologue
 
 # `_select_experts`' GROUPING: how experts are grouped before the top-k.

@@ -15,8 +15,9 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from plugserve.core.interfaces import MoEBackend, MoECapabilities, MoEWeights, RouterConfig, check_tensor
+from plugserve.core.interfaces import MoEBackend, MoECapabilities, MoEWeights, check_tensor
 from plugserve.core.layers.quant import FP8_DTYPE, ceil_div, dequantize_block_fp8, per_token_group_quant_fp8
+from plugserve.core.specs import RouterConfig
 from plugserve.registry import hookimpl
 
 

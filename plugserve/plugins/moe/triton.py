@@ -29,16 +29,9 @@ import torch
 
 from plugserve.core.forward_batch import Phase
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import (
-    OK,
-    Availability,
-    MoEBackend,
-    MoECapabilities,
-    MoESpec,
-    MoEWeights,
-    check_tensor,
-)
+from plugserve.core.interfaces import OK, Availability, MoEBackend, MoECapabilities, MoEWeights, check_tensor
 from plugserve.core.layers.quant import FP8_DTYPE, ceil_div
+from plugserve.core.specs import MoESpec
 from plugserve.plugins.moe.configs import MoEConfig, get_config
 from plugserve.plugins.triton_support import triton_availability
 from plugserve.registry import hookimpl

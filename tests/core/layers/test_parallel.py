@@ -13,7 +13,6 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from plugserve.core.distributed import SINGLE, ParallelGroup
-from plugserve.core.interfaces import GemmSpec
 from plugserve.core.layers.linear import Linear, WeightLoadError
 from plugserve.core.layers.parallel import (
     ColumnParallelLinear,
@@ -22,6 +21,7 @@ from plugserve.core.layers.parallel import (
     VocabParallelEmbedding,
 )
 from plugserve.core.layers.quant import FP8_DTYPE, dequantize_block_fp8, quantize_block_fp8
+from plugserve.core.specs import GemmSpec
 from plugserve.plugins.gemm.torch_ref import TorchRefFp8Gemm
 from tests.multiprocess import run_ranks
 

@@ -19,8 +19,8 @@ from plugserve.core.dispatch import prepare_attention
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode, Phase
 from plugserve.core.graph_inputs import GraphInputs
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import AttentionSpec
 from plugserve.core.kv_cache import MLAKVPool, pages_needed
+from plugserve.core.specs import AttentionSpec
 from plugserve.plugins.attention.cutlass_mla import (
     KERNEL_HEADS,
     KERNEL_SM_SCALE,

@@ -17,8 +17,8 @@ from plugserve.core.dispatch import prepare_attention
 from plugserve.core.forward_batch import AttnForwardMethod, ForwardBatch, ForwardMode, Phase
 from plugserve.core.graph_inputs import GraphInputs
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import AttentionSpec
 from plugserve.core.kv_cache import MLAKVPool, pages_needed
+from plugserve.core.specs import AttentionSpec
 from plugserve.plugins.attention import fa3
 from plugserve.plugins.attention.fa3 import (
     CUTE,

@@ -20,8 +20,8 @@ from plugserve.core.dispatch import prepare_attention
 from plugserve.core.forward_batch import AttnForwardMethod, ForwardBatch, ForwardMode, Phase
 from plugserve.core.graph_inputs import GraphInputs
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import AttentionSpec
 from plugserve.core.kv_cache import MLAKVPool, pages_needed, sequence_slots
+from plugserve.core.specs import AttentionSpec
 from plugserve.plugins.attention import flashinfer_mla
 from plugserve.plugins.attention.flashinfer_mla import (
     LN2,

@@ -20,8 +20,8 @@ from plugserve.conformance.tolerances import assert_close
 from plugserve.core.forward_batch import AttnForwardMethod, ForwardBatch, ForwardMode, Phase
 from plugserve.core.graph_inputs import GraphInputs
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import AttentionSpec
 from plugserve.core.kv_cache import MLAKVPool, pages_needed, token_slots
+from plugserve.core.specs import AttentionSpec
 from plugserve.plugins.attention import flashmla
 from plugserve.plugins.attention.flashmla import (
     FlashMLAAttention,

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from plugserve.core.dispatch import prepare_attention
 from plugserve.core.forward_batch import AttnForwardMethod, ForwardBatch, ForwardMode
-from plugserve.core.interfaces import AttentionSpec
 from plugserve.core.kv_cache import MLAKVPool
+from plugserve.core.specs import AttentionSpec
 from plugserve.plugins.attention.torch_ref import TorchRefAttention, merge_attn_states, ragged_attention
 from plugserve.registry import Registry
 

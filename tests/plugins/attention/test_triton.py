@@ -28,7 +28,7 @@ from plugserve.conformance.tolerances import assert_close, assert_lse_close
 from plugserve.core.dispatch import prepare_attention
 from plugserve.core.forward_batch import AttnForwardMethod, DraftTree, ForwardBatch, ForwardMode
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import AttentionSpec
+from plugserve.core.specs import AttentionSpec
 from plugserve.plugins.attention.torch_ref import TorchRefAttention, merge_attn_states, ragged_attention
 from plugserve.plugins.attention.triton import TritonAttention
 

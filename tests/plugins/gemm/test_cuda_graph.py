@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import Fp8GemmBackend, GemmSpec
+from plugserve.core.interfaces import Fp8GemmBackend
 from plugserve.core.layers.quant import dequantize_block_fp8, quantize_block_fp8
+from plugserve.core.specs import GemmSpec
 from plugserve.plugins.gemm.triton import TritonFp8Gemm, default_config
 from plugserve.registry import Registry
 from tests.plugins import fake_deep_gemm

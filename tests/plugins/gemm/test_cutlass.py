@@ -14,8 +14,9 @@ import torch
 from plugserve.conformance.tolerances import assert_close
 from plugserve.core.forward_batch import Phase
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import Fp8GemmBackend, GemmSpec
+from plugserve.core.interfaces import Fp8GemmBackend
 from plugserve.core.layers.quant import per_token_group_quant_fp8, quantize_block_fp8
+from plugserve.core.specs import GemmSpec
 from plugserve.plugins.gemm import cutlass
 from plugserve.plugins.gemm.cutlass import (
     CSRC,

@@ -17,8 +17,8 @@ import torch
 from plugserve.conformance.tolerances import assert_close
 from plugserve.core.forward_batch import Phase
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import GemmSpec
 from plugserve.core.layers.quant import per_token_group_quant_fp8, quantize_block_fp8
+from plugserve.core.specs import GemmSpec
 from plugserve.plugins import deepgemm_support
 from plugserve.plugins.deepgemm_support import (
     libstdcxx_check,

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from plugserve.conformance.tolerances import assert_close
-from plugserve.core.interfaces import GemmSpec
 from plugserve.core.layers.quant import per_token_group_quant_fp8, quantize_block_fp8
+from plugserve.core.specs import GemmSpec
 from plugserve.plugins.gemm import gluon_gemm
 from plugserve.plugins.gemm.torch_ref import block_fp8_matmul
 from plugserve.plugins.gemm.triton import TritonFp8Gemm

@@ -8,8 +8,8 @@ import torch
 
 from plugserve.core.forward_batch import Phase
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import GemmSpec
 from plugserve.core.layers.quant import dequantize_block_fp8, per_token_group_quant_fp8, quantize_block_fp8
+from plugserve.core.specs import GemmSpec
 from plugserve.plugins.gemm.torch_ref import TorchRefFp8Gemm, block_fp8_matmul
 from plugserve.registry import Registry
 

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from plugserve.conformance.tolerances import assert_close
 from plugserve.core.forward_batch import Phase
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import GemmSpec
 from plugserve.core.layers.quant import per_token_group_quant_fp8, quantize_block_fp8
+from plugserve.core.specs import GemmSpec
 from plugserve.plugins.gemm import torch_scaled_mm
 from plugserve.plugins.gemm.torch_ref import block_fp8_matmul
 from plugserve.plugins.gemm.torch_scaled_mm import (

@@ -22,9 +22,9 @@ from plugserve.core.config import preset_config
 from plugserve.core.distributed import ParallelGroup
 from plugserve.core.forward_batch import Phase
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import GemmSpec
 from plugserve.core.layers.quant import per_token_group_quant_fp8, quantize_block_fp8
 from plugserve.core.models.deepseek import DeepseekForCausalLM
+from plugserve.core.specs import GemmSpec
 from plugserve.plugins import triton_support
 from plugserve.plugins.gemm.torch_ref import block_fp8_matmul
 from plugserve.plugins.gemm.triton import (

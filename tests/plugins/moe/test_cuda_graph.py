@@ -15,8 +15,9 @@ import torch
 
 from plugserve.core.forward_batch import Phase
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import MoEBackend, MoESpec, MoEWeights, RouterConfig
+from plugserve.core.interfaces import MoEBackend, MoEWeights
 from plugserve.core.layers.quant import quantize_block_fp8
+from plugserve.core.specs import MoESpec, RouterConfig
 from plugserve.plugins.moe.configs import GemmConfig, MoEConfig
 from plugserve.plugins.moe.deepgemm import DeepGemmMoE
 from plugserve.plugins.moe.torch_ref import TorchRefMoE

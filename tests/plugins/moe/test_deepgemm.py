@@ -17,8 +17,9 @@ import torch.nn.functional as F
 from plugserve.conformance.tolerances import assert_close
 from plugserve.core.forward_batch import Phase
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import MoESpec, MoEWeights, RouterConfig
+from plugserve.core.interfaces import MoEWeights
 from plugserve.core.layers.quant import per_token_group_quant_fp8, quantize_block_fp8
+from plugserve.core.specs import MoESpec, RouterConfig
 from plugserve.plugins import deepgemm_support
 from plugserve.plugins.moe.deepgemm import MASKED_MAX_TOKENS, DeepGemmMoE
 from plugserve.plugins.moe.torch_ref import fused_experts_reference, select_experts

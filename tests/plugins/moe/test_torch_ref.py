@@ -12,8 +12,9 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE, 
 
 from plugserve.core.forward_batch import Phase
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import GemmSpec, MoESpec, MoEWeights, RouterConfig
+from plugserve.core.interfaces import MoEWeights
 from plugserve.core.layers.quant import quantize_block_fp8
+from plugserve.core.specs import GemmSpec, MoESpec, RouterConfig
 from plugserve.plugins.gemm.torch_ref import TorchRefFp8Gemm
 from plugserve.plugins.moe.torch_ref import TorchRefMoE, select_experts
 from plugserve.registry import Registry

@@ -23,8 +23,9 @@ from plugserve.conformance.tolerances import W8A8_MOE_ATOL, assert_close
 from plugserve.core.config import preset_config
 from plugserve.core.forward_batch import Phase
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import MoESpec, MoEWeights, RouterConfig
+from plugserve.core.interfaces import MoEWeights
 from plugserve.core.layers.quant import per_token_group_quant_fp8, quantize_block_fp8
+from plugserve.core.specs import MoESpec, RouterConfig
 from plugserve.plugins import triton_support
 from plugserve.plugins.moe import configs
 from plugserve.plugins.moe.configs import GemmConfig, MoEConfig

@@ -1,0 +1,134 @@
+"""What a model asks a backend to solve: the shapes and dtypes of its attention, block-FP8 linears and MoE
+layers, per rank."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+Kind = Literal["attention", "gemm", "moe"]
+KINDS: tuple[Kind, ...] = ("attention", "gemm", "moe")
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """MLA shapes of one model (defaults: DeepSeek-V3 on one GPU). `page_size` None lets the decode
+    backend choose. `sm_scale` None is 1/sqrt(qk_nope + qk_rope); YaRN models pass their own."""
+
+    num_heads: int = 128
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    dtype: torch.dtype = torch.bfloat16
+    kv_cache_dtype: torch.dtype | None = None  # None: same as dtype
+    page_size: int | None = None
+    sm_scale: float | None = None
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.sm_scale if self.sm_scale is not None else 1.0 / math.sqrt(self.qk_head_dim)
+
+
+@dataclass(frozen=True)
+class GemmSpec:
+    """Block-FP8 linear: e4m3 weights in `block_shape` blocks, activations quantized per
+    1 x block_shape[1] token group, output in `dtype`."""
+
+    dtype: torch.dtype = torch.bfloat16
+    block_shape: tuple[int, int] = (128, 128)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """DeepSeek's gate. `topk_method`: "greedy" (V2-Lite), "group_limited_greedy" (V2: best experts of
+    the `topk_group` groups with the highest max score), "noaux_tc" (V3: sigmoid scores, plus
+    `e_score_correction_bias` for choosing only, groups ranked by the sum of their top-2)."""
+
+    num_experts: int = 256
+    top_k: int = 8
+    scoring_func: Literal["softmax", "sigmoid"] = "sigmoid"
+    topk_method: Literal["greedy", "group_limited_greedy", "noaux_tc"] = "noaux_tc"
+    n_group: int = 8
+    topk_group: int = 4
+    norm_topk_prob: bool = True
+    # Applied by `MoEBackend.forward`; `route` reads it only to weight fused shared experts.
+    routed_scaling_factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """Routed experts of one MoE layer (defaults: DeepSeek-V3). `weight_dtype` float8_e4m3fn: block-FP8
+    with `block_shape` scales; None: unquantized, in `dtype`.
+
+    `num_shared_experts` S > 0 (only for backends whose capabilities declare `shared_experts_fusion`):
+    the layer's shared MLP, S x intermediate_size wide, runs inside the backend as S more experts that
+    every token uses. `prepare` gets its weights, `route` returns k + S columns (the shared ids E .. E+S-1
+    last, weighted 1 / routed_scaling_factor, which `forward`'s factor cancels), and `forward` returns
+    routed + shared: one set of GEMMs instead of the routed ones plus a dense MLP.
+
+    `ep_size` > 1 (expert parallelism; only for backends whose capabilities declare `expert_parallel`): this
+    rank, `ep_rank`, holds the E / ep_size whole experts [first_expert, first_expert + num_local_experts).
+    `route` still ranks all E and returns their global ids; `prepare` gets the local experts only, and
+    `forward` adds only their terms (a slot naming another rank's expert contributes zero), so that the
+    ranks' outputs sum to the whole layer's."""
+
+    hidden_size: int = 7168
+    intermediate_size: int = 2048
+    dtype: torch.dtype = torch.bfloat16
+    weight_dtype: torch.dtype | None = torch.float8_e4m3fn
+    block_shape: tuple[int, int] = (128, 128)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    num_shared_experts: int = 0
+    ep_size: int = 1
+    ep_rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_experts % self.ep_size or not 0 <= self.ep_rank < self.ep_size:
+            raise ValueError(f"ep_rank {self.ep_rank} of ep_size {self.ep_size}: the {self.num_experts} experts "
+                             "must split evenly and the rank lie in [0, ep_size)")
+        if self.ep_size > 1 and self.num_shared_experts:
+            # Shared experts are split by width over the ranks, routed ones by expert: no common GEMM.
+            raise ValueError("fused shared experts (num_shared_experts) do not combine with ep_size > 1")
+
+    @property
+    def num_experts(self) -> int:
+        """E: all the layer's routed experts (the router's)."""
+        return self.router.num_experts
+
+    @property
+    def num_local_experts(self) -> int:
+        """The experts this rank holds: E / ep_size."""
+        return self.num_experts // self.ep_size
+
+    @property
+    def first_expert(self) -> int:
+        """The global id of this rank's first expert."""
+        return self.ep_rank * self.num_local_experts
+
+    @property
+    def top_k(self) -> int:
+        return self.router.top_k
+
+    @property
+    def routed_width(self) -> int:
+        """Columns of `route`'s output: top_k, plus the fused shared experts."""
+        return self.router.top_k + self.num_shared_experts
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.weight_dtype == torch.float8_e4m3fn
+
+    @property
+    def weight_format(self) -> str:
+        return "fp8_block" if self.is_fp8 else "unquantized"
+
+
+SPEC_TYPES: dict[Kind, type] = {"attention": AttentionSpec, "gemm": GemmSpec, "moe": MoESpec}
