@@ -46,8 +46,7 @@ class DPScheduler:
             scheduler.gauges = self
             self.groups.append(scheduler)
         self.spec = None  # refused with DP attention (ServerArgs)
-        self.overlap = self.groups[0].overlap
-        self.loop: OverlapLoop[Batches, Results] = OverlapLoop(self.overlap)
+        self.loop: OverlapLoop[Batches, Results] = OverlapLoop(self.groups[0].overlap)
 
     # -- requests ------------------------------------------------------------------------------------
 

@@ -48,11 +48,12 @@ class BatchResult:
 
 class OverlapLoop(Generic[Work, Handle]):
     """Steps of plan, launch and finish. With `overlap` a step launches its work on the worker thread and then
-    finishes the previous step's; without, it finishes its own at once. `in_flight`: the work launched and not
-    finished yet, with its handle."""
+    finishes the previous step's; without, it finishes its own at once (`overlap` may change between steps).
+    `in_flight`: the work launched and not finished yet, with its handle."""
 
     def __init__(self, overlap: bool) -> None:
         self.overlap = overlap
+        # The worker thread, when the loop starts overlapped; otherwise launches run at once on the caller's.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="plugserve-forward") if overlap else None
         self.in_flight: tuple[Work, Handle] | None = None
 

@@ -2,11 +2,9 @@
 of every running request, retraction when the KV pool runs dry, and overlap of the CPU's scheduling
 with the device's forward.
 
-One thread owns a Scheduler. `step()` plans one batch, runs it and processes what came out. With
-overlap on, the forward of batch i runs on a worker thread while this thread processes batch i-1's
-tokens and plans batch i+1, whose decode inputs are batch i's sampled tokens still on the device.
-Requests batch i finishes ride along in batch i+1 once more; that extra token is dropped, so the
-outputs are the same with and without overlap.
+One thread owns a Scheduler. `step()` plans a batch (`schedule`), runs it (`run`) and processes what came out
+(`process`), through `OverlapLoop`: with overlap, batch i+1's decode inputs are batch i's sampled tokens still
+on the device, and requests batch i finishes ride along in batch i+1 once more (that token is dropped).
 
 With speculative decoding (`runtime/speculative.py`) a decode step is a TARGET_VERIFY batch that drafts, verifies
 and accepts one to k + 1 tokens per request; it runs the non-overlap loop, as the next step's layout depends
@@ -92,8 +90,8 @@ class Scheduler:
         # length that step writes KV at (the drafts, and a tree's draft steps).
         self.verify_width = spec.num_draft_tokens if spec is not None else 1
         self.lookahead = spec.lookahead if spec is not None else 0
-        self.overlap = not args.disable_overlap_schedule and self.spec is None
-        self.loop: OverlapLoop[ScheduledBatch, Future[BatchResult]] = OverlapLoop(self.overlap)
+        self.loop: OverlapLoop[ScheduledBatch, Future[BatchResult]] = OverlapLoop(
+            not args.disable_overlap_schedule and self.spec is None)
 
     # -- requests ------------------------------------------------------------------------------------
 
@@ -126,6 +124,15 @@ class Scheduler:
     @property
     def cache_hit_rate(self) -> float:
         return self.radix.hit_rate
+
+    @property
+    def overlap(self) -> bool:
+        """Whether the next steps overlap the forward with processing (settable between steps)."""
+        return self.loop.overlap
+
+    @overlap.setter
+    def overlap(self, on: bool) -> None:
+        self.loop.overlap = on
 
     @property
     def overlap_status(self) -> str:
