@@ -359,15 +359,15 @@ class Registry:
         requested: str = "auto",
         fit_spec: Callable[[type[Backend], Any], Any] | None = None,
         built: Mapping[str, Backend] | None = None,
+        *,
+        check: Callable[[Backend, Phase], None],
     ) -> tuple[Backend, Selection]:
-        """Construct the first candidate whose start-up self-check passes (plugserve.conformance.self_check),
-        and return it with its selection; the reason names every candidate that failed before it, and
-        why. Each candidate is built with `fit_spec(cls, spec)` (a decode backend may force the page
-        size). A candidate named in `built` (instances passed before, e.g. for another batch size) is
-        returned as it is. A requested backend that fails raises SelectionError: there is nothing to fall
-        back to."""
-        from plugserve.conformance.self_check import self_check
-
+        """Construct the first candidate that passes `check(backend, phase)`, the start-up self-check (the
+        runtime passes `plugserve.conformance.self_check.self_check`), and return it with its selection; the
+        reason names every candidate that failed before it, and why. Each candidate is built with
+        `fit_spec(cls, spec)` (a decode backend may force the page size). A candidate named in `built` (instances
+        passed before, e.g. for another batch size) is returned as it is. A requested backend that fails raises
+        SelectionError: there is nothing to fall back to."""
         hardware = Hardware.detect(device)
         failures: list[str] = []
         for selection in self.candidates(kind, phase, batch_size, hardware, requested, spec):
@@ -377,7 +377,7 @@ class Registry:
             else:
                 try:
                     backend = cls(fit_spec(cls, spec) if fit_spec else spec, device)  # type: ignore[call-arg]
-                    self_check(backend, phase)
+                    check(backend, phase)
                 except Exception as exc:
                     failures.append(f"{cls.name}: self-check failed: {type(exc).__name__}: {str(exc).strip()[:300]}")
                     logger.warning("%s %s backend %s failed its self-check: %s", kind, phase.value, cls.name, exc)

@@ -4,6 +4,7 @@ import json
 import pytest
 import torch
 
+from plugserve.conformance.self_check import self_check
 from plugserve.core.forward_batch import AttnForwardMethod, Phase
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import OK, AttentionCapabilities, Availability
@@ -259,7 +260,7 @@ def _off_by_a_bit(name: str, priority: int) -> type[TorchRefAttention]:
 
 def test_build_falls_back_past_a_backend_failing_its_self_check_and_says_so():
     registry = _registry(_off_by_a_bit("wrong", 10), _backend("right", {"cpu": 5}))
-    backend, selection = registry.build("attention", Phase.DECODE, 1, torch.device("cpu"), SMALL)
+    backend, selection = registry.build("attention", Phase.DECODE, 1, torch.device("cpu"), SMALL, check=self_check)
     assert backend.name == "right" and isinstance(backend, TorchRefAttention)
     assert "fell back from wrong: self-check failed: AssertionError" in selection.reason
 
@@ -267,14 +268,15 @@ def test_build_falls_back_past_a_backend_failing_its_self_check_and_says_so():
 def test_build_of_a_requested_backend_failing_its_self_check_raises():
     registry = _registry(_off_by_a_bit("wrong", 10), _backend("right", {"cpu": 5}))
     with pytest.raises(SelectionError, match=r"no attention backend passed its start-up self-check.*wrong"):
-        registry.build("attention", Phase.DECODE, 1, torch.device("cpu"), SMALL, requested="wrong")
+        registry.build("attention", Phase.DECODE, 1, torch.device("cpu"), SMALL, requested="wrong",
+                       check=self_check)
 
 
 def test_build_gives_each_candidate_the_spec_it_fits():
     forced = _backend("paged64", {"cpu": 10}, page_sizes=frozenset({64}))
     registry = _registry(forced)
     backend, _ = registry.build("attention", Phase.DECODE, 1, torch.device("cpu"), SMALL,
-                                fit_spec=lambda cls, spec: dataclasses.replace(spec, page_size=64))
+                                fit_spec=lambda cls, spec: dataclasses.replace(spec, page_size=64), check=self_check)
     assert backend.spec.page_size == 64
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from plugserve.conformance.self_check import self_check
 from plugserve.core.config import ModelConfig
 from plugserve.core.distributed import ParallelGroup
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode, Phase
@@ -125,7 +126,7 @@ class RunnerBackends:
         logged with why."""
         try:
             backend, selection = get_registry().build(kind, phase, batch_size, self.device, spec, requested,  # type: ignore[arg-type]
-                                                      fit_spec, built)
+                                                      fit_spec, built, check=self_check)
         except SelectionError as exc:
             raise SelectionError(f"{flag_name}: {exc}") from None
         logger.info("%s %s backend up to %d: %s (%s)", kind, phase.value, batch_size, backend.name, selection.reason)
