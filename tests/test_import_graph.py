@@ -202,7 +202,8 @@ def _private_attributes(module: str, path: Path, modules: dict[str, Path]) -> li
 # conformance/ > core/ (DESIGN.md's layout); plugserve.api is the plugin authors' view of registry and core.
 FORBIDDEN: dict[str, tuple[str, ...]] = {
     "plugserve.runtime": ("plugserve.server", "plugserve.cli"),
-    "plugserve.registry": ("plugserve.runtime", "plugserve.server", "plugserve.cli", "plugserve.api"),
+    "plugserve.registry": ("plugserve.runtime", "plugserve.server", "plugserve.cli", "plugserve.api",
+                           "plugserve.conformance"),
     "plugserve.api": ("plugserve.runtime", "plugserve.server", "plugserve.cli", "plugserve.plugins",
                       "plugserve.conformance"),
     "plugserve.plugins": ("plugserve.runtime", "plugserve.server", "plugserve.cli", "plugserve.conformance"),
