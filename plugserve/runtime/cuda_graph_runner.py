@@ -161,9 +161,8 @@ class GraphPlan:
     """A forward captured at every captured batch size. `label` names it in logs, in `CudaGraphs.status` and for
     lookups; `reads_hidden`: it reads hidden states [N, H] beside the token ids (the NextN layer does);
     `logits` / `hidden`: its outputs keep logits [N, vocab] float32 / hidden states [N, H] (what the graphs'
-    memory holds);
-    `modes`: every mode it runs attention in (default: `mode`); `plans_inside`: it plans attention for several
-    sub-batches inside one graph, so every decode backend must plan on the device."""
+    memory holds); `modes`: every mode it runs attention in (default: `mode`); `plans_inside`: it plans
+    attention for several sub-batches inside one graph, so every decode backend must plan on the device."""
 
     label: str
     mode: ForwardMode
@@ -174,6 +173,13 @@ class GraphPlan:
     hidden: bool = False
     modes: tuple[ForwardMode, ...] = ()
     plans_inside: bool = False
+
+    @classmethod
+    def of_model(cls, label: str, mode: ForwardMode, tokens_per_request: int, *, nextn: bool = False,
+                 logits: bool = True, greedy: bool = False, hidden: bool = False) -> GraphPlan:
+        """One forward of the target (or with `nextn` its NextN layer), its outputs as `model_forward` gives them."""
+        return cls(label, mode, tokens_per_request, model_forward(nextn, logits, greedy, hidden), reads_hidden=nextn,
+                   logits=logits, hidden=hidden)
 
 
 class GraphPlans(NamedTuple):
@@ -206,8 +212,7 @@ def model_forward(nextn: bool, logits: bool, greedy: bool, hidden: bool) -> Forw
 
 def decode_graph_plans() -> GraphPlans:
     """Without speculative decoding: the target's DECODE, keeping its logits."""
-    return GraphPlans([GraphPlan(ForwardMode.DECODE.name, ForwardMode.DECODE, 1,
-                                 model_forward(nextn=False, logits=True, greedy=False, hidden=False))])
+    return GraphPlans([GraphPlan.of_model(ForwardMode.DECODE.name, ForwardMode.DECODE, 1)])
 
 
 def output_bytes(plans: Sequence[GraphPlan], vocab_size: int, hidden_size: int, dtype: torch.dtype) -> int:

@@ -69,7 +69,7 @@ from plugserve.core.forward_batch import DraftTree, ForwardBatch, ForwardMode
 from plugserve.core.interfaces import AttentionBackend
 from plugserve.core.moved import moved_names
 from plugserve.runtime import acceptance
-from plugserve.runtime.cuda_graph_runner import CudaGraphRunner, GraphForward, GraphPlan, GraphPlans, model_forward
+from plugserve.runtime.cuda_graph_runner import CudaGraphRunner, GraphForward, GraphPlan, GraphPlans
 from plugserve.runtime.model_runner import ModelRunner
 from plugserve.runtime.sampling import SampleOutput, SamplingParams, draw, filtered_probs
 from plugserve.runtime.server_args import ServerArgs, SpeculativeConfig, flag
@@ -90,18 +90,15 @@ def graph_plans(config: SpeculativeConfig) -> GraphPlans:
     round, all of them in one graph. Draft trees verify and draft in tree form, eagerly, and share DRAFT_EXTEND
     with chains."""
     n = config.num_draft_tokens
-    extend = GraphPlan(DRAFT_EXTEND, ForwardMode.DRAFT_EXTEND, n,
-                       model_forward(nextn=True, logits=False, greedy=True, hidden=True),
-                       reads_hidden=True, logits=False, hidden=True)
+    extend = GraphPlan.of_model(DRAFT_EXTEND, ForwardMode.DRAFT_EXTEND, n, nextn=True, logits=False, greedy=True,
+                                hidden=True)
     if config.topk > 1:
         return GraphPlans([extend], ("draft trees verify and draft eagerly: no attention backend runs tree attention "
                                      "under CUDA graphs",))
     num_steps = config.num_steps
     return GraphPlans([
-        GraphPlan(VERIFY, ForwardMode.TARGET_VERIFY, n, model_forward(nextn=False, logits=True, greedy=False,
-                                                                      hidden=True), hidden=True),
-        GraphPlan(DRAFT_STEP, ForwardMode.DECODE, 1, model_forward(nextn=True, logits=True, greedy=False, hidden=True),
-                  reads_hidden=True, hidden=True),
+        GraphPlan.of_model(VERIFY, ForwardMode.TARGET_VERIFY, n, hidden=True),
+        GraphPlan.of_model(DRAFT_STEP, ForwardMode.DECODE, 1, nextn=True, hidden=True),
         extend,
         GraphPlan(ROUND, ForwardMode.TARGET_VERIFY, n,
                   lambda model, sample_vocab: greedy_round_forward(model, num_steps, sample_vocab, plan_in_graph),
