@@ -92,7 +92,8 @@ def _check_gemm(backend: Fp8GemmBackend) -> None:
 
 def _check_moe(backend: MoEBackend) -> None:
     # The model's router (expert count, top-k, grouping) with small experts; the routed ones only (the
-    # kit's test_forward_with_fused_shared_experts checks fused shared experts).
+    # kit's test_forward_with_fused_shared_experts checks fused shared experts). Under expert parallelism the
+    # backend holds this rank's experts, as the model gives them, and adds only their terms.
     spec: MoESpec = dataclasses.replace(backend.spec, hidden_size=CHECK_MOE_HIDDEN,
                                         intermediate_size=CHECK_MOE_INTERMEDIATE, num_shared_experts=0)
     device, e, h, i = backend.device, spec.num_experts, spec.hidden_size, spec.intermediate_size
@@ -112,7 +113,11 @@ def _check_moe(backend: MoEBackend) -> None:
     routing = oracle.route(logits, spec.router, bias)
     topk_ids, topk_weights = routing.ids.to(torch.int32), routing.weights.float()
     x = torch.randn(CHECK_TOKENS, h, device=device, dtype=spec.dtype)
-    out = small.forward(x, small.prepare(MoEWeights(*weights)), topk_ids, topk_weights, ROUTED_SCALING_FACTOR)
+    local = slice(spec.first_expert, spec.first_expert + spec.num_local_experts)
+    packed = small.prepare(MoEWeights(*(None if w is None else w[local] for w in weights)))
+    out = small.forward(x, packed, topk_ids, topk_weights, ROUTED_SCALING_FACTOR)
     w13, w2, s13, s2 = weights
-    expected = oracle.moe(x, w13, w2, topk_ids, topk_weights, ROUTED_SCALING_FACTOR, s13, s2, spec.block_shape)
+    mine = (topk_ids >= local.start) & (topk_ids < local.stop)
+    expected = oracle.moe(x, w13, w2, topk_ids, topk_weights.masked_fill(~mine, 0), ROUTED_SCALING_FACTOR, s13, s2,
+                          spec.block_shape)
     assert_close(out, expected, spec.dtype, f"{backend.name} self-check: routed experts")

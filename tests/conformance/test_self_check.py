@@ -36,3 +36,11 @@ def test_a_gemm_dropping_the_weight_scales_fails():
 
     with pytest.raises(AssertionError, match="no_scales self-check: block-FP8 GEMM"):
         self_check(NoScales(GemmSpec(dtype=torch.float32), CPU), Phase.DECODE)
+
+
+@pytest.mark.parametrize("ep_rank", [0, 1])
+def test_triton_moe_passes_holding_one_ranks_experts(ep_rank):
+    """Under expert parallelism the backend holds E / ep_size experts: the self-check prepares those, as the
+    model does, and expects only their terms."""
+    router = RouterConfig(16, 4, "sigmoid", "noaux_tc", 4, 2, True)
+    self_check(TritonMoE(MoESpec(dtype=torch.float16, router=router, ep_size=2, ep_rank=ep_rank), CPU), Phase.DECODE)
