@@ -36,6 +36,7 @@ from plugserve.core.distributed import SINGLE
 from plugserve.core.tokenizer import EMBEDDED_MODEL_DIR, load_tokenizer
 from plugserve.plugins.attention.cutlass_mla import PAGE_SIZE as LARGEST_PAGE  # the largest a built-in backend asks
 from plugserve.runtime import speculative
+from plugserve.runtime.dp_scheduler import DPScheduler
 from plugserve.runtime.model_runner import ModelRunner
 from plugserve.runtime.radix_cache import RadixCache
 from plugserve.runtime.ranks import Ranks
@@ -90,8 +91,11 @@ def run_once(runner: ModelRunner, batch_size: int, input_len: int, output_len: i
     """One static batch; `overlap`: decode under the overlap scheduler (the runner's scheduler flags must
     allow it: see build_runner); `text_tokens`: prompts are its consecutive `input_len`-token windows instead of
     random tokens (what speculative decoding's acceptance depends on)."""
-    radix = RadixCache(runner.allocator, runner.page_size, enabled=False)
-    scheduler = Scheduler(runner, radix, _NoText())
+    # Under DP attention the requests spread over the groups, as the engine spreads them.
+    scheduler: Scheduler | DPScheduler = (
+        DPScheduler(runner, _NoText(), None, radix_cache=False) if runner.dp_size > 1
+        else Scheduler(runner, RadixCache(runner.allocator, runner.page_size, enabled=False), _NoText()))
+    groups = scheduler.groups if isinstance(scheduler, DPScheduler) else [scheduler]
     scheduler.overlap = False  # the prefill timed alone in either mode
     generator = torch.Generator().manual_seed(seed)
     vocab = runner.config.vocab_size
@@ -108,7 +112,7 @@ def run_once(runner: ModelRunner, batch_size: int, input_len: int, output_len: i
     scheduler.step()
     _sync(runner)
     prefill = time.perf_counter() - start
-    if scheduler.waiting or scheduler.chunked:
+    if any(g.waiting or g.chunked for g in groups):
         raise SystemExit("the batch did not fit one prefill: raise --chunked-prefill-size or --max-total-tokens")
     print(f"Prefill. latency: {prefill:.5f} s, throughput: {batch_size * input_len / prefill:9.2f} token/s")
     decode = _decode_overlapped(scheduler) if overlap else _decode_one_by_one(scheduler, runner, output_len - 1)

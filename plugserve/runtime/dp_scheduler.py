@@ -80,6 +80,15 @@ class DPScheduler:
         return sum(g.radix.hit_tokens for g in self.groups) / queried if queried else 0.0
 
     @property
+    def overlap(self) -> bool:
+        """Whether the next steps overlap the forward with processing (settable between steps)."""
+        return self.loop.overlap
+
+    @overlap.setter
+    def overlap(self, on: bool) -> None:
+        self.loop.overlap = on
+
+    @property
     def overlap_status(self) -> str:
         return self.groups[0].overlap_status
 

@@ -214,8 +214,10 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, sample_rows: torch.Tensor) -> torch.Tensor:
         """input_ids [T] int64 -> logits [len(sample_rows), sample_vocab] float32 at the token rows to sample.
-        On rank 0 of several: the other ranks (in `follow`) run it too. Without DP attention."""
-        return self.forward_groups([rank_protocol.Part(input_ids, batch, sample_rows)])[0]
+        On rank 0 of several: the other ranks (in `follow`) run it too; under DP attention the batch is DP group
+        0's and the other groups idle."""
+        parts = [rank_protocol.Part(input_ids, batch, sample_rows), *[None] * (self.dp_size - 1)]
+        return self.forward_groups(parts)[0]
 
     @torch.inference_mode()
     def forward_groups(self, parts: list[rank_protocol.Part | None]) -> list[torch.Tensor]:

@@ -69,6 +69,17 @@ def test_bench_one_batch_runs_tensor_parallel_ranks(tmp_path, capsys):
     assert row["backends"]["moe:decode"] == "torch_ref"
 
 
+def test_bench_one_batch_runs_dp_attention_groups(tmp_path):
+    """--enable-dp-attention --dp-size 2: the requests spread over both groups (rank 1 a worker over gloo), whose
+    follower ran group 1's part of every forward (it died on the first one when rank 0 sent group 0's alone)."""
+    out = tmp_path / "one_batch.jsonl"
+    bench_one_batch.main(["--model-preset", "tiny", "--load-format", "dummy", "--tp-size", "2", "--enable-dp-attention",
+                          "--dp-size", "2", "--batch-size", "2", "--input-len", "8", "--output-len", "3",
+                          "--result-filename", str(out)])
+    [row] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["server_args"]["dp_size"] == 2 and row["batch_size"] == 2 and row["decode_steps"] == 2
+
+
 def test_bench_serving_against_the_running_server(server, tmp_path, capsys):
     out = tmp_path / "serving.jsonl"
     code = bench_serving.main(["--base-url", server.base_url, "--api-key", API_KEY, "--num-prompts", "12",
