@@ -200,6 +200,7 @@ def build_runner(namespace: argparse.Namespace, parser: argparse.ArgumentParser)
         for c in runner.backends.chosen:
             print(f"{c.kind} {c.phase}: {c.name} ({c.reason})")
         print(f"cuda_graph: {runner.graphs.status}")
+        print(f"all_reduce: {runner.all_reduce_status}")
         print("Warmup ...")
         run_once(runner, max(namespace.batch_size), min(namespace.input_len), 4, args.seed, verbose=False)
         yield runner
@@ -231,7 +232,7 @@ def benchmark(runner: ModelRunner, namespace: argparse.Namespace) -> None:
                                   overlap=namespace.overlap, text_tokens=text_tokens)
                 if namespace.result_filename:
                     result |= {"run_name": namespace.run_name, "device": runner.hardware.name,
-                               "cuda_graph": runner.graphs.status,
+                               "cuda_graph": runner.graphs.status, "all_reduce": runner.all_reduce_status,
                                "backends": {f"{c.kind}:{c.phase}": c.name for c in runner.backends.chosen},
                                "server_args": runner.args.model_dump(mode="json")}
                     with open(namespace.result_filename, "a") as f:

@@ -1,10 +1,11 @@
-"""Runs a test function on several ranks: spawned processes joined over gloo on the CPU."""
+"""Runs a test function on several ranks: spawned processes joined over gloo on the CPU, or over NCCL with rank r
+on cuda:r; `multi_gpu(n)` marks a test that needs n GPUs."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -16,23 +17,45 @@ from plugserve.core.distributed import destroy_parallel_group, init_parallel_gro
 # that is slow to start on a loaded 2-core machine.
 COLLECTIVE_TIMEOUT_S = 15.0
 JOIN_TIMEOUT_S = 60.0
+F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _rank_main(rank: int, fn: Callable[..., None], world_size: int, init_method: str, args: tuple[Any, ...]) -> None:
+def multi_gpu(count: int) -> list[pytest.MarkDecorator]:
+    """The marks of a test that needs `count` GPUs: `multigpu` (`pytest -m multigpu` selects them on a lent
+    machine of several GPUs), and a skip where fewer are visible. For `pytest.param(..., marks=...)`."""
+    return [pytest.mark.multigpu, pytest.mark.skipif(torch.cuda.device_count() < count, reason=f"needs {count} GPUs")]
+
+
+def needs_gpus(count: int) -> Callable[[F], F]:
+    """Decorates a test with `multi_gpu(count)`'s marks."""
+    def mark(test: F) -> F:
+        for decorator in multi_gpu(count):
+            test = decorator(test)
+        return test
+
+    return mark
+
+
+def _rank_main(rank: int, fn: Callable[..., None], world_size: int, init_method: str, device: str,
+               timeout_s: float, args: tuple[Any, ...]) -> None:
     torch.set_num_threads(1)  # the ranks share the machine's cores
-    group = init_parallel_group(rank, world_size, init_method, "cpu", timeout_s=COLLECTIVE_TIMEOUT_S)
+    group = init_parallel_group(rank, world_size, init_method, f"cuda:{rank}" if device == "cuda" else device,
+                                timeout_s=timeout_s)
     try:
         fn(group, *args)
     finally:
         destroy_parallel_group()
 
 
-def run_ranks(fn: Callable[..., None], *args: Any, world_size: int = 2) -> None:
+def run_ranks(fn: Callable[..., None], *args: Any, world_size: int = 2, device: str = "cpu",
+              timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:
     """fn(group: ParallelGroup, *args) on `world_size` spawned ranks (fn and args must pickle: a module-level
-    function). A rank's exception fails the test with its traceback; ranks that outlast JOIN_TIMEOUT_S are
-    killed and the test fails."""
+    function), on the CPU or (`device` "cuda") rank r on cuda:r. `timeout_s`: the world's collective timeout. A
+    rank's exception fails the test with its traceback; ranks that outlast JOIN_TIMEOUT_S are killed and the test
+    fails."""
     init_method = f"tcp://127.0.0.1:{pick_free_port()}"
-    context = mp.spawn(_rank_main, args=(fn, world_size, init_method, args), nprocs=world_size, join=False)
+    context = mp.spawn(_rank_main, args=(fn, world_size, init_method, device, timeout_s, args), nprocs=world_size,
+                       join=False)
     deadline = time.monotonic() + JOIN_TIMEOUT_S
     while not context.join(timeout=max(0.0, deadline - time.monotonic())):
         if time.monotonic() >= deadline:

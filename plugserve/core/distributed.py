@@ -2,42 +2,59 @@
 
 A `ParallelGroup` is the set of ranks a layer splits its work over (the tensor-parallel group). Its
 collectives return their input untouched at world size 1, so single-device code that goes through
-them pays one integer comparison and no communication.
+them pays one integer comparison and no communication. Python objects (rank 0's batch headers) travel
+over a gloo group of the same ranks: host to host, so no rank waits on its GPU to receive one.
 """
 
 from __future__ import annotations
 
 import socket
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from plugserve.core.symmetric_all_reduce import SymmetricAllReduce
+
 # torch 2.13 renamed all_gather_into_tensor (the old name warns on every call); torch 2.4 has only the old one.
 _all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# How long a rank waits for rank 0's next object: as long as the server may sit idle.
+CONTROL_TIMEOUT = timedelta(days=365)
 
 
 @dataclass(frozen=True)
 class ParallelGroup:
     """Rank `rank` of `world_size` ranks. `group`: their torch.distributed process group (None: the
-    default group, or no torch.distributed at all at world size 1)."""
+    default group, or no torch.distributed at all at world size 1). `control`: a gloo group of the same
+    ranks for `broadcast_object` (None: `group`). `small_all_reduce`: the all-reduce of small messages
+    (None: `group`'s for every size)."""
 
     rank: int = 0
     world_size: int = 1
     group: dist.ProcessGroup | None = None
+    control: dist.ProcessGroup | None = None
+    small_all_reduce: SymmetricAllReduce | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside a world of size {self.world_size}")
 
     def all_reduce(self, x: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
-        """Sum (or `op`) x over the ranks, in place; returns x (any shape and dtype, the same on every rank)."""
-        if self.world_size > 1:
-            dist.all_reduce(x, op=op, group=self.group)
+        """Sum (or `op`) x over the ranks (any shape and dtype, the same on every rank) -> the result: x itself,
+        reduced in place, or a new tensor where `small_all_reduce` takes it."""
+        if self.world_size == 1:
+            return x
+        if op == dist.ReduceOp.SUM and self.small_all_reduce is not None and self.small_all_reduce.applies(x):
+            return self.small_all_reduce(x)
+        dist.all_reduce(x, op=op, group=self.group)
         return x
+
+    def with_small_all_reduce(self, small_all_reduce: SymmetricAllReduce | None) -> ParallelGroup:
+        """This group, its small all-reduces through `small_all_reduce`."""
+        return replace(self, small_all_reduce=small_all_reduce)
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's x into x on every rank, in place; returns x (the same shape and dtype on every rank)."""
@@ -49,8 +66,8 @@ class ParallelGroup:
         """Rank 0's picklable `obj` (what the others pass is ignored), returned on every rank."""
         if self.world_size == 1:
             return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=self._global(0), group=self.group)
+        box, control = [obj], self.control if self.control is not None else self.group
+        dist.broadcast_object_list(box, src=self._global(0), group=control)
         return box[0]
 
     def _global(self, rank: int) -> int:
@@ -113,7 +130,9 @@ def init_parallel_group(
     `init_method`: "tcp://addr:port" of rank 0's store (every rank, on every node, passes the same one).
     `backend`: None picks `default_backend(device)`. `timeout_s` bounds the rendezvous and, on gloo,
     every collective: a rank that died makes the others fail after it rather than hang. The process
-    group is initialized at world size 1 too, so that one rank runs the code path of many.
+    group is initialized at world size 1 too, so that one rank runs the code path of many. Its
+    `control` group waits for objects up to CONTROL_TIMEOUT: a worker waits for the next batch while the
+    server idles.
     """
     backend = backend or default_backend(device)
     if backend == "nccl":
@@ -123,12 +142,25 @@ def init_parallel_group(
         torch.cuda.set_device(device.index if device.index is not None else torch.cuda.current_device())
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
-    return ParallelGroup(rank, world_size, dist.group.WORLD)
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    return ParallelGroup(rank, world_size, dist.group.WORLD, control)
 
 
 def destroy_parallel_group() -> None:
-    """Leave the world joined by `init_parallel_group` (nothing if none was joined)."""
+    """Leave the world joined by `init_parallel_group` (nothing if none was joined). On NCCL every rank must
+    call it: each waits for the others."""
     if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def abort_parallel_group() -> None:
+    """Leave the world without the other ranks (they exited, or died): NCCL's communicators are aborted, where
+    destroying them would wait for the others; gloo's are destroyed (nothing to wait for)."""
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() == "nccl":
+        dist.distributed_c10d._abort_process_group()
+    else:
         dist.destroy_process_group()
 
 

@@ -25,6 +25,7 @@ from plugserve.core.kv_cache import MLAKVPool, PageAllocator, pages_needed
 from plugserve.core.layers.small_ops import EAGER, SmallOps
 from plugserve.core.loader import load_model, read_config, resolve_dtype
 from plugserve.core.moved import moved_names
+from plugserve.core.symmetric_all_reduce import build_symmetric_all_reduce
 from plugserve.runtime import rank_protocol
 from plugserve.runtime.backends import RunnerBackends
 from plugserve.runtime.cuda_graph_runner import CudaGraphs, GraphPlans, decode_graph_plans, output_bytes
@@ -58,13 +59,14 @@ class ModelRunner:
         if group.world_size != args.tp_size:
             raise ValueError(f"{flag('tp_size')} {args.tp_size} needs one ModelRunner per rank, in a world of that "
                              f"size (the Engine starts them), not one in a world of {group.world_size}")
-        self.args, self.group = args, group
+        self.args = args
         # DP attention: rank r runs group r's attention (--dp-size is --tp-size); else one group of every rank.
         self.dp_size = args.dp_attention_size
         self.dp_rank = group.rank if self.dp_size > 1 else 0
         self.device = rank_device(args, group.rank)
         self.hardware = Hardware.detect(self.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
+        self.group = group = self._with_small_all_reduce(group)
         self.kv_dtype = self.dtype if args.kv_cache_dtype == "auto" else KV_DTYPES[args.kv_cache_dtype]
         self.config, checkpoint_layers = read_config(args.model_dir, args.model_preset, args.quantization,
                                                      args.num_layers)
@@ -112,6 +114,27 @@ class ModelRunner:
                                  "no CUDA graphs on the CPU" if self.device.type != "cuda" else
                                  "decode runs eagerly under --enable-dp-attention (no graphs for it yet)"
                                  if self.dp_size > 1 else "not captured yet")
+
+    def _with_small_all_reduce(self, group: ParallelGroup) -> ParallelGroup:
+        """`group`, its small all-reduces in the symmetric-memory one-shot kernel where all its ranks share this
+        node's NVLink (every rank decides alike: the build is collective)."""
+        self.all_reduce_status = "one rank: no all-reduce"
+        if group.world_size == 1:
+            return group
+        if self.device.type != "cuda":
+            if self.args.disable_custom_all_reduce:
+                raise ValueError(f"{flag('disable_custom_all_reduce')} needs CUDA devices: the CPU's ranks use gloo "
+                                 "for every all-reduce")
+            self.all_reduce_status = "gloo"
+            return group
+        if self.args.disable_custom_all_reduce or self.args.nnodes > 1:
+            why = flag("disable_custom_all_reduce") if self.args.disable_custom_all_reduce else "ranks on several nodes"
+            self.all_reduce_status = f"NCCL ({why})"
+            return group
+        fast, self.all_reduce_status = build_symmetric_all_reduce(group.group or dist.group.WORLD, group.world_size,
+                                                                  self.device, self.dtype)
+        logger.info("all-reduce: %s", self.all_reduce_status)
+        return group.with_small_all_reduce(fast)
 
     def _check_gpu_flags(self) -> int:
         """The largest CUDA-graph batch (0: no graphs); GPU-only flags on the CPU are errors."""

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
+import sys
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import wait
@@ -19,7 +20,7 @@ from multiprocessing.process import BaseProcess
 
 from plugserve.core.distributed import (
     ParallelGroup,
-    destroy_parallel_group,
+    abort_parallel_group,
     init_parallel_group,
     pick_free_port,
 )
@@ -58,7 +59,12 @@ def _worker_main(rank: int, args: ServerArgs, address: str) -> None:
     runner = build_runner(args, group)
     warm_up(runner)
     runner.follow()
-    destroy_parallel_group()
+    # Released: leave at once. NCCL's process-group teardown waits on the other ranks (and was seen hanging with
+    # CUDA graphs alive); rank 0 aborts its side instead (`Ranks.stop`).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _exit_with_parent() -> None:
@@ -94,6 +100,7 @@ class Ranks:
         address = init_address(args)
         self.workers = start_workers(args, address)
         self._stopping = threading.Event()
+        self._watcher: threading.Thread | None = None
         try:
             self.group: ParallelGroup = init_parallel_group(0, args.tp_size, address, rank_device(args, 0))
         except BaseException:
@@ -103,25 +110,31 @@ class Ranks:
     def watch(self, on_exit: Callable[[str], None]) -> None:
         def run() -> None:
             exited = first_exit(self.workers, self._stopping)
-            if exited is not None:
+            if exited is not None and not self._stopping.is_set():
                 rank, code = exited
                 on_exit(f"tensor-parallel rank {rank} exited (exit code {code}): the model cannot run without it")
 
-        threading.Thread(target=run, name="plugserve-rank-watch", daemon=True).start()
+        self._watcher = threading.Thread(target=run, name="plugserve-rank-watch", daemon=True)
+        self._watcher.start()
 
     def stop(self, runner: ModelRunner | None) -> None:
         """Release the workers through `runner` (None: they cannot be released, e.g. the forwards broke off),
-        wait for them, kill those left, and leave the world."""
+        wait for them to exit, kill those left, and leave the world (aborting NCCL's communicators, whose
+        collective teardown would wait on ranks that are gone)."""
         self._stopping.set()
+        if self._watcher is not None:
+            self._watcher.join()  # one thread at a time waits on the workers
+        released = False
         if runner is not None:
             with contextlib.suppress(Exception):  # a worker already gone: the others are killed below
                 runner.release_followers()
+                released = True
         for process in self.workers.values():
-            process.join(STOP_TIMEOUT_S if runner is not None else 0)
+            process.join(STOP_TIMEOUT_S if released else 0)
             if process.is_alive():
                 process.kill()
                 process.join()
-        destroy_parallel_group()
+        abort_parallel_group()
 
 
 def run_node(args: ServerArgs) -> str | None:

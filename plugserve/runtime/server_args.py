@@ -77,6 +77,7 @@ class ServerArgs(BaseModel):
     nnodes: int = Field(1, ge=1)
     node_rank: int = Field(0, ge=0)
     dist_init_addr: str | None = None
+    disable_custom_all_reduce: bool = False
     # backends
     attention_backend: str = "auto"
     prefill_attention_backend: str | None = None
@@ -156,6 +157,8 @@ class ServerArgs(BaseModel):
             raise ValueError(f"{flag('enable_shared_experts_fusion')} does not combine with {flag('ep_size')} "
                              f"{self.ep_size}: the shared experts are split by width, the routed ones by expert")
         self._check_dp_attention()
+        if self.disable_custom_all_reduce and self.tp_size == 1:
+            raise ValueError(f"{flag('disable_custom_all_reduce')} is for several ranks: give {flag('tp_size')} > 1")
         if self.tp_size > 1 and self.device.startswith("cuda:"):
             raise ValueError(f"{flag('device')} {self.device} names one GPU: with {flag('tp_size')} {self.tp_size} "
                              "rank r of a node takes cuda:r (give auto or cuda)")

@@ -113,6 +113,7 @@ def create_app(engine: Engine) -> FastAPI:
             "kernels": {f"{c.kind}:{c.name}": get_registry().kernels(c.kind, c.name, runner.hardware)
                         for c in runner.backends.chosen},
             "cuda_graph": runner.graphs.status,
+            "all_reduce": runner.all_reduce_status,
             "overlap_schedule": engine.scheduler.overlap_status,
             "speculative": _speculative_info(engine),
             "shared_experts": runner.backends.shared_experts_mode,

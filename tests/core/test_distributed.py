@@ -110,3 +110,20 @@ def test_one_nccl_rank_runs_the_model_as_one_process_does() -> None:
         assert torch.equal(_last_logits(ModelRunner(args, group), ids), _last_logits(ModelRunner(args), ids))
     finally:
         destroy_parallel_group()
+
+
+def _objects_outwait_the_collective_timeout(group: ParallelGroup) -> None:
+    if group.rank == 0:
+        time.sleep(IDLE_S)  # a server with nothing to do
+    assert group.broadcast_object(["next batch"] if group.rank == 0 else None) == ["next batch"]
+    x = torch.full((2,), group.rank + 1.0)
+    assert torch.equal(group.all_reduce(x), torch.full((2,), 3.0))  # the collectives still run
+
+
+IDLE_S = 3.0
+
+
+def test_a_worker_waits_for_the_next_batch_longer_than_the_collective_timeout() -> None:
+    """Workers wait for rank 0's next batch as long as the server idles: objects go over the `control` group,
+    whose timeout is not the collectives' (a rank failing at the timeout killed an idle server)."""
+    run_ranks(_objects_outwait_the_collective_timeout, timeout_s=IDLE_S / 2)

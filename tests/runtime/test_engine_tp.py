@@ -4,21 +4,23 @@ naming it."""
 
 from __future__ import annotations
 
-import time
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from plugserve.core.distributed import pick_free_port
 from plugserve.core.tokenizer import EMBEDDED_MODEL_DIR
 from plugserve.runtime.dp_scheduler import DPScheduler
-from plugserve.runtime.engine import Engine, EngineStopped
+from plugserve.runtime.engine import Engine
 from plugserve.runtime.sampling import SamplingParams
 from plugserve.runtime.server_args import ServerArgs
 from tests.checkpoints import random_hf_model, save_hf_model, tiny_v3_config
+from tests.engine_checks import assert_killing_rank_1_ends_the_engine
 
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
 PROMPTS = [[5, 17, 250, 3, 99, 42, 7], [300, 1, 64], list(range(40, 80))]  # ids of the tiny model's vocabulary
-DEATH_TIMEOUT_S = 30.0
 
 
 @pytest.fixture(scope="module")
@@ -36,48 +38,43 @@ def _tokens(engine: Engine, prompts: list[list[int]] = PROMPTS) -> list[list[int
     return [r.token_ids for r in engine.generate(prompts, GREEDY)]
 
 
-@pytest.mark.parametrize("ep_size", [1, 2], ids=["tp2", "tp2-ep2"])
-def test_tp2_greedy_tokens_equal_tp1(model_dir: Path, ep_size: int) -> None:
+@pytest.fixture(scope="module")
+def tp1_tokens(model_dir: Path) -> list[list[int]]:
     single = Engine(_args(model_dir, 1))
     try:
-        expected = _tokens(single)
+        return _tokens(single)
     finally:
         single.shutdown()
+
+
+@pytest.mark.parametrize("ep_size", [1, 2], ids=["tp2", "tp2-ep2"])
+def test_tp2_greedy_tokens_equal_tp1(model_dir: Path, tp1_tokens: list[list[int]], ep_size: int) -> None:
     engine = Engine(_args(model_dir, 2, ep_size))
     try:
-        assert _tokens(engine) == expected
+        assert _tokens(engine) == tp1_tokens
         assert engine.runner.model.backends.moe.spec.num_local_experts == 8 // ep_size  # type: ignore[union-attr]
+        assert engine.runner.all_reduce_status == "gloo"
+        assert [c for c in engine.runner.backends.chosen if "fell back" in c.reason] == []
     finally:
         engine.shutdown()
-    assert engine.ranks is not None and all(p.exitcode == 0 for p in engine.ranks.workers.values())
+    assert engine.ranks is not None and [p.exitcode for p in engine.ranks.workers.values()] == [0]
 
 
 def test_a_killed_rank_ends_the_engine_with_an_error_naming_it(model_dir: Path) -> None:
     engine = Engine(_args(model_dir, 2))
     try:
         _tokens(engine)  # serving
-        assert engine.ranks is not None
-        engine.ranks.workers[1].kill()
-        deadline = time.monotonic() + DEATH_TIMEOUT_S
-        while engine.error is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert engine.error is not None and "tensor-parallel rank 1 exited" in engine.error
-        assert not engine.alive
-        with pytest.raises(EngineStopped, match="tensor-parallel rank 1 exited"):
-            engine.generate(PROMPTS[:1], GREEDY)
+        assert_killing_rank_1_ends_the_engine(engine, PROMPTS[0])
     finally:
         engine.shutdown()
 
 
 @pytest.mark.parametrize(("ep_size", "overlap"), [(1, True), (2, False)], ids=["dp2", "dp2-ep2-no-overlap"])
-def test_dp_attention_greedy_tokens_equal_tp1(model_dir: Path, ep_size: int, overlap: bool) -> None:
+def test_dp_attention_greedy_tokens_equal_tp1(model_dir: Path, tp1_tokens: list[list[int]], ep_size: int,
+                                              overlap: bool) -> None:
     """Three concurrent requests spread over both DP groups, then one alone (the other group idles): the tokens
     of --tp-size 1, every group's pages given back."""
-    single = Engine(_args(model_dir, 1))
-    try:
-        expected = _tokens(single)
-    finally:
-        single.shutdown()
+    expected = tp1_tokens
     engine = Engine(_args(model_dir, 2, ep_size, enable_dp_attention=True, dp_size=2,
                           disable_overlap_schedule=not overlap))
     try:
@@ -90,3 +87,27 @@ def test_dp_attention_greedy_tokens_equal_tp1(model_dir: Path, ep_size: int, ove
     finally:
         engine.shutdown()
     assert engine.ranks is not None and all(p.exitcode == 0 for p in engine.ranks.workers.values())
+
+
+def test_disable_custom_all_reduce_on_the_cpu_is_refused_naming_the_flag(model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="--disable-custom-all-reduce needs CUDA devices"):
+        Engine(_args(model_dir, 2, disable_custom_all_reduce=True))
+
+
+def test_two_nodes_give_one_rank_tokens(model_dir: Path, tp1_tokens: list[list[int]]) -> None:
+    """--nnodes 2 as on two hosts: node 1 is `plugserve serve --node-rank 1` in its own process, node 0 the Engine;
+    node 1 exits 0 once node 0 shuts down."""
+    address = f"127.0.0.1:{pick_free_port()}"
+    node_flags = ["--model-path", str(model_dir), "--tokenizer-path", str(EMBEDDED_MODEL_DIR), "--device", "cpu",
+                  "--max-total-tokens", "2048", "--tp-size", "2", "--nnodes", "2", "--dist-init-addr", address]
+    node1 = subprocess.Popen([sys.executable, "-m", "plugserve", "serve", *node_flags, "--node-rank", "1"])
+    try:
+        engine = Engine(_args(model_dir, 2, nnodes=2, dist_init_addr=address))
+        try:
+            assert engine.ranks is not None and not engine.ranks.workers  # node 0's only rank is the engine's
+            assert _tokens(engine) == tp1_tokens
+        finally:
+            engine.shutdown()
+        assert node1.wait(timeout=60) == 0
+    finally:
+        node1.kill()

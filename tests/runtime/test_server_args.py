@@ -108,3 +108,9 @@ def test_dp_attention_takes_a_dp_size_of_the_tp_size(ep_size):
 )
 def test_bad_dp_attention_flags_are_refused_naming_the_flag(flags, message):
     assert message in _error(**flags)
+
+
+def test_disable_custom_all_reduce_is_for_several_ranks():
+    assert ServerArgs(tp_size=2, disable_custom_all_reduce=True).disable_custom_all_reduce
+    assert "--disable-custom-all-reduce is for several ranks: give --tp-size > 1" in _error(
+        disable_custom_all_reduce=True)

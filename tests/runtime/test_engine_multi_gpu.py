@@ -1,0 +1,130 @@
+"""The engine over several GPUs (`pytest -m multigpu tests`, on a lent machine of 2 or 4): TP, EP, DP attention and
+their mixes on the tiny V3 in float32 give one GPU's greedy tokens, which are HF transformers'; aborts under DP
+attention leave every page owned; a killed rank ends the engine with an error naming it."""
+
+from __future__ import annotations
+
+import queue
+from pathlib import Path
+
+import pytest
+import torch
+
+from plugserve.core.tokenizer import EMBEDDED_MODEL_DIR
+from plugserve.runtime.engine import Engine
+from plugserve.runtime.request import RequestOutput
+from plugserve.runtime.sampling import SamplingParams
+from plugserve.runtime.server_args import ServerArgs
+from tests.checkpoints import random_hf_model, save_hf_model, tiny_v3_config
+from tests.engine_checks import assert_killing_rank_1_ends_the_engine
+from tests.multiprocess import multi_gpu, needs_gpus
+
+GREEDY = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+PROMPTS = [[5, 17, 250, 3, 99, 42, 7], [300, 1, 64], list(range(40, 80)), [11] * 20]
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs GPUs")
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    return random_hf_model(tiny_v3_config())
+
+
+@pytest.fixture(scope="module")
+def model_dir(hf_model, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_hf_model(hf_model, tmp_path_factory.mktemp("v3"))
+
+
+@pytest.fixture(scope="module")
+def hf_tokens(hf_model) -> list[list[int]]:
+    """HF transformers' greedy continuation of each prompt on one GPU, float32."""
+    model = hf_model.to("cuda", torch.float32).eval()
+    tokens = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids = torch.tensor([prompt], device="cuda")
+            out = model.generate(ids, max_new_tokens=GREEDY.max_new_tokens, do_sample=False, attention_mask=None)
+            tokens.append(out[0, len(prompt):].tolist())
+    model.to("cpu")
+    return tokens
+
+
+def _args(model_dir: Path, tp_size: int = 1, **flags: object) -> ServerArgs:
+    return ServerArgs(model_path=str(model_dir), tokenizer_path=str(EMBEDDED_MODEL_DIR), device="cuda",
+                      dtype="float32", max_total_tokens=4096, max_running_requests=16, tp_size=tp_size, **flags)
+
+
+def _tokens(engine: Engine, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
+    return [r.token_ids for r in engine.generate(prompts, GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def one_gpu_tokens(model_dir: Path, hf_tokens: list[list[int]]) -> list[list[int]]:
+    engine = Engine(_args(model_dir))
+    try:
+        tokens = _tokens(engine)
+    finally:
+        engine.shutdown()
+    assert tokens == hf_tokens
+    return tokens
+
+
+def _layouts() -> list[object]:
+    layouts = []
+    for world in (2, 4):
+        dp = {"enable_dp_attention": True, "dp_size": world}
+        for name, flags in [("tp", {}), ("tp-ep", {"ep_size": world}), ("dp", dp), ("dp-ep", dp | {"ep_size": world}),
+                            ("tp-nccl", {"disable_custom_all_reduce": True})]:
+            layouts.append(pytest.param(world, flags, id=f"{name}{world}", marks=multi_gpu(world)))
+    return layouts
+
+
+@pytest.mark.parametrize(("world", "flags"), _layouts())
+def test_ranks_give_one_gpus_greedy_tokens(model_dir: Path, one_gpu_tokens: list[list[int]], world: int,
+                                           flags: dict[str, object]) -> None:
+    engine = Engine(_args(model_dir, world, **flags))
+    try:
+        assert _tokens(engine) == one_gpu_tokens
+        assert _tokens(engine, PROMPTS[1:2]) == one_gpu_tokens[1:2]  # one request: under DP, the other groups idle
+        # No backend fell back from its start-up self-check (as the triton MoE once did under EP).
+        assert [c for c in engine.runner.backends.chosen if "fell back" in c.reason] == []
+        engine.check_pool_accounting()
+    finally:
+        engine.shutdown()
+    assert engine.ranks is not None and all(p.exitcode == 0 for p in engine.ranks.workers.values())
+
+
+@needs_gpus(2)
+def test_aborts_under_dp_attention_leave_every_page_owned(model_dir: Path, one_gpu_tokens: list[list[int]]) -> None:
+    """Twelve requests over two DP groups with a pool small enough to retract; every third aborted after its first
+    token: the others get one GPU's tokens, and every group's pages come back."""
+    engine = Engine(_args(model_dir, 2, enable_dp_attention=True, dp_size=2, max_total_tokens=64))
+    mix = [0, 1, 3]  # PROMPTS that fit the pool with their 24 tokens
+    try:
+        long = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+        outputs: list[queue.SimpleQueue[RequestOutput]] = [queue.SimpleQueue() for _ in range(12)]
+        rids = [engine.submit(PROMPTS[mix[i % 3]], long, outputs[i].put) for i in range(12)]
+        for i in range(0, 12, 3):
+            outputs[i].get(timeout=60)  # its first token
+            engine.abort(rids[i])
+        for i in range(12):
+            if i % 3:
+                tokens: list[int] = []
+                while not (output := outputs[i].get(timeout=60)).finished:
+                    tokens += output.token_ids
+                tokens += output.token_ids
+                assert tokens[: GREEDY.max_new_tokens] == one_gpu_tokens[mix[i % 3]]
+        assert engine.metrics.retractions._value.get() > 0
+        engine.check_pool_accounting()
+    finally:
+        engine.shutdown()
+
+
+@needs_gpus(2)
+def test_a_killed_rank_ends_the_engine_with_an_error_naming_it(model_dir: Path) -> None:
+    engine = Engine(_args(model_dir, 2))
+    try:
+        _tokens(engine, PROMPTS[:1])
+        assert_killing_rank_1_ends_the_engine(engine, PROMPTS[0])
+    finally:
+        engine.shutdown()
