@@ -213,13 +213,18 @@ class Engine:
             try:
                 request.on_output(RequestOutput(request.rid, "", [], [], True, FinishReason.ERROR,
                                                 prompt_tokens=len(request.prompt_ids), error=error))
-            except Exception:
+            except BaseException:
                 logger.exception("could not report the failure of request %s", request.rid)
-        with contextlib.suppress(Exception):  # let a forward in flight end before the process goes
-            self.scheduler.shutdown()
-        self._outbox.flush()
-        if self.on_death is not None:
-            self.on_death(error)
+        try:
+            self.scheduler.shutdown()  # let a forward in flight end before the process goes
+        except BaseException:  # it may raise what killed the loop again: its requests have their error already
+            logger.exception("the scheduler's shutdown failed too")
+        finally:
+            try:
+                self._outbox.flush()
+            finally:
+                if self.on_death is not None:
+                    self.on_death(error)
 
     def _rank_exited(self, error: str) -> None:
         if not self.ready.is_set():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -66,7 +66,9 @@ class ServerArgs(BaseModel):
     # HTTP
     host: str = "127.0.0.1"
     port: int = Field(30000, ge=0, le=65535)
-    api_key: str | None = None
+    # Excluded from every dump (/server_info, benchmark JSON): a secret.
+    api_key: str | None = Field(None, exclude=True, repr=False)
+    api_key_file: str | None = None
     served_model_name: str | None = None
     graceful_shutdown_timeout: float = Field(20.0, ge=0)
     # parallelism
@@ -162,6 +164,24 @@ class ServerArgs(BaseModel):
         if self.tp_size > 1 and self.device.startswith("cuda:"):
             raise ValueError(f"{flag('device')} {self.device} names one GPU: with {flag('tp_size')} {self.tp_size} "
                              "rank r of a node takes cuda:r (give auto or cuda)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_api_key_file(cls, values: Any) -> Any:
+        """--api-key-file: the key is the file's first line (so that it stays out of `ps` and shell history)."""
+        if not isinstance(values, dict) or values.get("api_key_file") is None:
+            return values
+        path = values["api_key_file"]
+        if values.get("api_key") is not None:
+            raise ValueError(f"give {flag('api_key')} or {flag('api_key_file')}, not both")
+        try:
+            key = Path(path).read_text(encoding="utf-8").splitlines()[0].strip()
+        except (OSError, UnicodeDecodeError, IndexError) as exc:
+            raise ValueError(f"{flag('api_key_file')} {path}: cannot read a key from it ({type(exc).__name__})"
+                             ) from None
+        if not key:
+            raise ValueError(f"{flag('api_key_file')} {path}: its first line is empty")
+        return values | {"api_key": key}
 
     def _check_dp_attention(self) -> None:
         if self.enable_dp_attention and self.dp_size == 1:

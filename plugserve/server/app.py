@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import itertools
 import json
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -199,8 +200,7 @@ class Gate:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             path, key = scope["path"], self.engine.args.api_key
-            authorization = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            if key and path != "/health" and authorization != f"Bearer {key}":
+            if key and path != "/health" and not _authorized(dict(scope["headers"]).get(b"authorization", b""), key):
                 body = error_body("invalid or missing API key", "authentication_error", code=401)
                 await JSONResponse(body, 401)(scope, receive, send)
                 return
@@ -208,6 +208,13 @@ class Gate:
                 await _not_serving(self.engine)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _authorized(authorization: bytes, key: str) -> bool:
+    """Whether an Authorization header carries `key` as a bearer token (the scheme in any case, as RFC 7235 has
+    it), compared in constant time."""
+    scheme, _, token = authorization.strip().partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key.encode())
 
 
 def _speculative_info(engine: Engine) -> dict[str, Any] | None:

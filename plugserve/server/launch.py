@@ -34,7 +34,9 @@ HELP = {
     "dtype": "activation and weight dtype (auto: bfloat16 on a GPU, float32 on the CPU)",
     "device": "auto, cpu, cuda or cuda:N",
     "context_length": "cap the context below the model's max_position_embeddings",
-    "api_key": "require 'Authorization: Bearer KEY' on every endpoint but /health",
+    "api_key": "require 'Authorization: Bearer KEY' on every endpoint but /health (default: the PLUGSERVE_API_KEY "
+               "environment variable; a key given here shows in `ps`: prefer --api-key-file or the variable)",
+    "api_key_file": "read the API key from the first line of this file",
     "served_model_name": "the model id /v1/models reports",
     "graceful_shutdown_timeout": "seconds from SIGTERM (or Ctrl-C) to exit: new requests get 503 at once, running "
                                  "ones may finish until 2 s before it, then end with an error; a second signal "
@@ -94,6 +96,8 @@ HELP = {
 
 # SGLang's other spellings of a flag.
 ALIASES = {"seed": ("--random-seed",)}
+# Where the API key comes from when no flag gives it.
+API_KEY_VARIABLE = "PLUGSERVE_API_KEY"
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -123,6 +127,8 @@ def _parser_for(kind):
 
 def server_args_from(namespace: argparse.Namespace, parser: argparse.ArgumentParser) -> ServerArgs:
     values = {name: getattr(namespace, name) for name in ServerArgs.model_fields}
+    if values["api_key"] is None and values["api_key_file"] is None:
+        values["api_key"] = os.environ.get(API_KEY_VARIABLE) or None
     try:
         return ServerArgs(**values)
     except ValidationError as exc:

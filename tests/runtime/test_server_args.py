@@ -114,3 +114,27 @@ def test_disable_custom_all_reduce_is_for_several_ranks():
     assert ServerArgs(tp_size=2, disable_custom_all_reduce=True).disable_custom_all_reduce
     assert "--disable-custom-all-reduce is for several ranks: give --tp-size > 1" in _error(
         disable_custom_all_reduce=True)
+
+
+def test_the_api_key_comes_from_a_file_and_stays_out_of_dumps(tmp_path):
+    key_file = tmp_path / "key"
+    key_file.write_text("sk-from-file\n")
+    args = ServerArgs(api_key_file=str(key_file))
+    assert args.api_key == "sk-from-file"
+    assert "sk-from-file" not in repr(args) and "sk-from-file" not in str(args.model_dump(mode="json"))
+    assert "give --api-key or --api-key-file, not both" in _error(api_key="k", api_key_file=str(key_file))
+    (tmp_path / "empty").write_text("\n")
+    assert "its first line is empty" in _error(api_key_file=str(tmp_path / "empty"))
+    assert "cannot read a key from it" in _error(api_key_file=str(tmp_path / "missing"))
+
+
+def test_the_cli_takes_the_api_key_from_the_environment(monkeypatch):
+    import argparse
+
+    from plugserve.server.launch import API_KEY_VARIABLE, add_server_args, server_args_from
+
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    monkeypatch.setenv(API_KEY_VARIABLE, "sk-from-env")
+    assert server_args_from(parser.parse_args([]), parser).api_key == "sk-from-env"
+    assert server_args_from(parser.parse_args(["--api-key", "sk-flag"]), parser).api_key == "sk-flag"

@@ -74,6 +74,37 @@ def test_a_dead_scheduler_loop_fails_every_caller_at_once_and_health_says_why(mo
         engine.shutdown()
 
 
+class _Fatal(BaseException):
+    """What no `except Exception` catches (as a KeyboardInterrupt or a CUDA-side abort in a forward would)."""
+
+
+def _fatal(*_args, **_kwargs):
+    raise _Fatal("injected fatal error")
+
+
+def test_a_base_exception_in_a_forward_fails_every_caller_and_reports_the_death(monkeypatch):
+    """The step raises a BaseException, and so does the scheduler's shutdown, which waits on the forward in
+    flight: every caller still gets its error and the owner hears of the death (it hung every client before)."""
+    engine = Engine(ServerArgs(model_preset="tiny", max_total_tokens=256))
+    try:
+        assert engine.ready.wait(30)
+        deaths = []
+        engine.on_death = deaths.append
+        monkeypatch.setattr(engine.scheduler, "step", _fatal)
+        monkeypatch.setattr(engine.scheduler, "shutdown", _fatal)
+        results = []
+        caller = threading.Thread(target=lambda: results.extend(engine.generate(["Hello", "Hi"], SamplingParams())))
+        caller.start()
+        caller.join(10)
+        assert not caller.is_alive(), "a caller hung after a BaseException in the loop"
+        assert [r.finish_reason for r in results] == [FinishReason.ERROR] * 2
+        assert deaths == [results[0].error] and "_Fatal: injected fatal error" in deaths[0]
+        assert not engine.alive
+    finally:
+        monkeypatch.undo()
+        engine.shutdown()
+
+
 # -- the process (a subprocess server on the tiny preset, whose context holds the long requests) ----------
 
 SERVE = "import sys; from plugserve.server.launch import main; main(sys.argv[1:])"

@@ -192,11 +192,23 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
 
 
 def test_wrong_or_missing_api_key_is_401(server):
-    for headers in ({}, {"Authorization": "Bearer wrong"}):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {API_KEY}"},
+                    {"Authorization": f"Bearer {API_KEY}x"}, {"Authorization": API_KEY}):
         response = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": PROMPT}, headers=headers)
         assert response.status_code == 401
         assert response.json()["error"]["type"] == "authentication_error"
     assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
+def test_the_bearer_scheme_is_case_insensitive(server):
+    for scheme in ("bearer", "BEARER"):
+        response = httpx.get(f"{server.base_url}/v1/models", headers={"Authorization": f"{scheme} {API_KEY}"})
+        assert response.status_code == 200
+
+
+def test_server_info_never_shows_the_api_key(server):
+    response = httpx.get(f"{server.base_url}/server_info", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert response.status_code == 200 and API_KEY not in response.text and "api_key" not in response.json()["args"]
 
 
 def test_bad_requests_during_a_stream_do_not_disturb_it(server, client):
