@@ -71,6 +71,7 @@ class ServerArgs(BaseModel):
     api_key_file: str | None = None
     served_model_name: str | None = None
     graceful_shutdown_timeout: float = Field(20.0, ge=0)
+    max_request_body_bytes: int = Field(32 << 20, ge=1)
     # parallelism
     tp_size: int = Field(1, ge=1)
     ep_size: int = Field(1, ge=1)

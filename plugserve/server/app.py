@@ -11,17 +11,18 @@ import json
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from plugserve.registry import get_registry
 from plugserve.runtime.engine import Engine, EngineStopped, GenerateResult
 from plugserve.runtime.request import FinishReason, RequestOutput, TokenLogprob
 from plugserve.runtime.sampling import SamplingParams
+from plugserve.runtime.server_args import flag
 from plugserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -131,8 +132,9 @@ def create_app(engine: Engine) -> FastAPI:
             raise BadRequest("echo is not supported", "echo")
         prompts = _prompt_list(body.prompt)
         top = body.logprobs or 0
-        jobs = _jobs(engine, [_tokenize(engine, p) for p in prompts], body, body.max_tokens, body.logprobs is not None,
-                     top)
+        # Off the event loop: a long prompt takes seconds to tokenize (the tokenizer releases the GIL).
+        token_lists = await asyncio.to_thread(lambda: [_tokenize(engine, p) for p in prompts])
+        jobs = _jobs(engine, token_lists, body, body.max_tokens, body.logprobs is not None, top)
         rid, model = new_id("cmpl"), body.model or engine.model_name
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -147,15 +149,11 @@ def create_app(engine: Engine) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         _check_model(engine, body.model)
         messages = [{"role": m.role, "content": _content(m.content)} for m in body.messages]
-        try:
-            ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                       return_dict=False)
-        except Exception as exc:  # the template's own checks (roles, ordering) speak to the client
-            raise BadRequest(f"the chat template rejected the messages: {exc}", "messages") from None
+        ids = await asyncio.to_thread(_apply_chat_template, engine, messages)
         if body.top_logprobs is not None and not body.logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        jobs = _jobs(engine, [_tokenize(engine, list(ids))], body, max_tokens, body.logprobs, body.top_logprobs or 0)
+        jobs = _jobs(engine, [_tokenize(engine, ids)], body, max_tokens, body.logprobs, body.top_logprobs or 0)
         rid, model = new_id("chatcmpl"), body.model or engine.model_name
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -172,7 +170,7 @@ def create_app(engine: Engine) -> FastAPI:
         if (body.text is None) == (body.input_ids is None):
             raise BadRequest("give exactly one of text and input_ids", "text")
         params = body.sampling_params.to_params()
-        ids = _tokenize(engine, body.text if body.text is not None else body.input_ids)  # type: ignore[arg-type]
+        ids = await asyncio.to_thread(_tokenize, engine, body.text if body.text is not None else body.input_ids)
         _validate(params, len(ids), engine, _generate_name)
         if params.n != 1:
             raise BadRequest("/generate takes n = 1; send several requests", "sampling_params.n")
@@ -189,25 +187,56 @@ def create_app(engine: Engine) -> FastAPI:
 
 
 class Gate:
-    """What every HTTP request passes first: the API key (but for /health), then only the read-only endpoints
-    until the engine has warmed up, and again once it is shutting down or dead. Plain ASGI, because
-    Starlette's BaseHTTPMiddleware would keep a client's disconnect from the endpoints (which abort the
-    client's requests on it)."""
+    """What every HTTP request passes first: the API key (but for /health), the body's size (a 413 past
+    --max-request-body-bytes), then only the read-only endpoints until the engine has warmed up, and again once it
+    is shutting down or dead. Plain ASGI, because Starlette's BaseHTTPMiddleware would keep a client's disconnect
+    from the endpoints (which abort the client's requests on it)."""
 
     def __init__(self, app: ASGIApp, engine: Engine) -> None:
         self.app, self.engine = app, engine
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            path, key = scope["path"], self.engine.args.api_key
-            if key and path != "/health" and not _authorized(dict(scope["headers"]).get(b"authorization", b""), key):
+            path, key, headers = scope["path"], self.engine.args.api_key, dict(scope["headers"])
+            if key and path != "/health" and not _authorized(headers.get(b"authorization", b""), key):
                 body = error_body("invalid or missing API key", "authentication_error", code=401)
                 await JSONResponse(body, 401)(scope, receive, send)
                 return
+            limit = self.engine.args.max_request_body_bytes
+            declared = headers.get(b"content-length", b"")
+            if declared.isdigit() and int(declared) > limit:
+                await _too_large(limit)(scope, receive, send)
+                return
+            receive = _limited(receive, limit)
             if not _serving(self.engine) and path not in READY_FREE_PATHS:
                 await _not_serving(self.engine)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _limited(receive: Receive, limit: int) -> Receive:
+    """`receive`, failing with a 413 once the body's bytes pass `limit` (a body sent without a Content-Length, or
+    with a false one): FastAPI lets an HTTPException from the body's reading through, to `http_error`."""
+    seen = 0
+
+    async def limited() -> Message:
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise HTTPException(413, _too_large_message(limit))
+        return message
+
+    return limited
+
+
+def _too_large_message(limit: int) -> str:
+    return f"the request body is larger than {flag('max_request_body_bytes')} ({limit} bytes)"
+
+
+def _too_large(limit: int) -> JSONResponse:
+    return JSONResponse(error_body(_too_large_message(limit), code=413), 413)
 
 
 def _authorized(authorization: bytes, key: str) -> bool:
@@ -275,6 +304,15 @@ def _content(content: str | list | None) -> str:
     if content is None:
         return ""
     return content if isinstance(content, str) else "".join(part.text for part in content)
+
+
+def _apply_chat_template(engine: Engine, messages: list[dict[str, str]]) -> list[int]:
+    """The chat's prompt ids (run in a worker thread: templating and tokenizing a long chat take a while)."""
+    try:
+        return list(engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                         return_dict=False))
+    except Exception as exc:  # the template's own checks (roles, ordering) speak to the client
+        raise BadRequest(f"the chat template rejected the messages: {exc}", "messages") from None
 
 
 def _tokenize(engine: Engine, prompt: str | Sequence[int]) -> list[int]:

@@ -37,6 +37,7 @@ HELP = {
     "api_key": "require 'Authorization: Bearer KEY' on every endpoint but /health (default: the PLUGSERVE_API_KEY "
                "environment variable; a key given here shows in `ps`: prefer --api-key-file or the variable)",
     "api_key_file": "read the API key from the first line of this file",
+    "max_request_body_bytes": "largest request body taken (a larger one is a 413 before it is parsed)",
     "served_model_name": "the model id /v1/models reports",
     "graceful_shutdown_timeout": "seconds from SIGTERM (or Ctrl-C) to exit: new requests get 503 at once, running "
                                  "ones may finish until 2 s before it, then end with an error; a second signal "

@@ -92,11 +92,19 @@ def test_a_base_exception_in_a_forward_fails_every_caller_and_reports_the_death(
         engine.on_death = deaths.append
         monkeypatch.setattr(engine.scheduler, "step", _fatal)
         monkeypatch.setattr(engine.scheduler, "shutdown", _fatal)
-        results = []
-        caller = threading.Thread(target=lambda: results.extend(engine.generate(["Hello", "Hi"], SamplingParams())))
+        results, raised = [], []
+
+        def call() -> None:
+            try:
+                results.extend(engine.generate(["Hello", "Hi"], SamplingParams()))
+            except BaseException as exc:
+                raised.append(exc)
+
+        caller = threading.Thread(target=call)
         caller.start()
         caller.join(10)
         assert not caller.is_alive(), "a caller hung after a BaseException in the loop"
+        assert raised == []
         assert [r.finish_reason for r in results] == [FinishReason.ERROR] * 2
         assert deaths == [results[0].error] and "_Fatal: injected fatal error" in deaths[0]
         assert not engine.alive

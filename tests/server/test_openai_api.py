@@ -323,3 +323,45 @@ def test_a_job_that_fails_to_run_is_an_error_not_a_partial_answer(server, monkey
         assert events[-1] == "[DONE]" and "RuntimeError: job bug" in json.loads(events[-2])["error"]["message"]
     else:
         assert response.status_code == 500 and "RuntimeError: job bug" in response.json()["error"]["message"]
+
+
+def test_a_body_over_the_limit_is_a_413_naming_the_flag(server):
+    limit = server.engine.args.max_request_body_bytes
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    declared = httpx.post(f"{server.base_url}/v1/completions", headers=headers, content=b" " * (limit + 1))
+
+    def chunks():  # no Content-Length: the size shows only while the body is read
+        yield b'{"prompt": "'
+        for _ in range(limit // (1 << 20) + 1):
+            yield b"a" * (1 << 20)
+        yield b'"}'
+
+    streamed = httpx.post(f"{server.base_url}/v1/completions", headers=headers, content=chunks(), timeout=60)
+    for response in (declared, streamed):
+        assert response.status_code == 413
+        assert "--max-request-body-bytes" in response.json()["error"]["message"]
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
+def test_health_answers_at_once_while_a_long_prompt_is_tokenized(server):
+    """Tokenizing a 1.5 MB prompt takes seconds: it ran on the event loop, which answered nothing meanwhile."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"prompt": "To reset a user password in Django, " * 42_000, "max_tokens": 1}
+    latencies: list[float] = []
+
+    async def probe() -> float:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
+            long = asyncio.create_task(client.post("/v1/completions", json=body, headers=headers))
+            start = time.monotonic()
+            await asyncio.sleep(0.2)  # the body is parsed and its tokenizing begun
+            while not long.done():
+                sent = time.monotonic()
+                assert (await client.get("/health")).status_code == 200
+                latencies.append(time.monotonic() - sent)
+                await asyncio.sleep(0.02)
+            assert (await long).status_code == 400  # far past the tiny model's context
+            return time.monotonic() - start
+
+    duration = asyncio.run(probe())
+    assert duration > 0.5 and len(latencies) >= 5
+    assert sorted(latencies)[int(0.9 * len(latencies))] < 0.1, latencies
