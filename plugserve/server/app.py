@@ -22,6 +22,7 @@ from plugserve.runtime.engine import Engine, EngineStopped, GenerateResult
 from plugserve.runtime.request import FinishReason, RequestOutput, TokenLogprob
 from plugserve.runtime.sampling import SamplingParams
 from plugserve.server.protocol import (
+    INVALID_UNICODE,
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
@@ -69,6 +70,8 @@ def create_app(engine: Engine) -> FastAPI:
                 problems.append(f"the request body is not valid JSON ({e.get('ctx', {}).get('error', e['msg'])})")
                 continue
             loc = [str(p) for p in e["loc"] if p != "body"]
+            if e["type"] == INVALID_UNICODE:  # the field's check names where inside it the string lies
+                loc += [str(p) for p in e["ctx"]["at"]]
             locs.append(loc)
             problems.append(f"{'.'.join(loc)}: {e['msg']}" if loc else e["msg"])
         return JSONResponse(error_body("; ".join(problems), param=_field_of(locs), code=400), 400)
@@ -81,6 +84,14 @@ def create_app(engine: Engine) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(error_body(str(exc.detail), code=exc.status_code), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        """A bug: a JSON 500 like every other error, not Starlette's plain text. Starlette re-raises the exception
+        after this response (uvicorn logs it) and uvicorn then drops the connection: `Connection: close` tells the
+        client so, which would otherwise send its next request on a dead keep-alive connection."""
+        message = f"internal server error: {type(exc).__name__}: {exc}"
+        return JSONResponse(error_body(message, "internal_error", code=500), 500, headers={"Connection": "close"})
 
     @app.get("/health")
     async def health() -> Response:
