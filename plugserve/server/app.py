@@ -141,8 +141,8 @@ def create_app(engine: Engine) -> FastAPI:
             raise BadRequest("echo is not supported", "echo")
         prompts = _prompt_list(body.prompt)
         top = body.logprobs or 0
-        jobs = _jobs(engine, [_tokenize(engine, p) for p in prompts], body, body.max_tokens, body.logprobs is not None,
-                     top)
+        jobs = _jobs(engine, [_tokenize(engine, p, "prompt") for p in prompts], body, body.max_tokens,
+                     body.logprobs is not None, top)
         rid, model = new_id("cmpl"), body.model or engine.model_name
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -165,7 +165,8 @@ def create_app(engine: Engine) -> FastAPI:
         if body.top_logprobs is not None and not body.logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        jobs = _jobs(engine, [_tokenize(engine, list(ids))], body, max_tokens, body.logprobs, body.top_logprobs or 0)
+        jobs = _jobs(engine, [_tokenize(engine, list(ids), "messages")], body, max_tokens, body.logprobs,
+                     body.top_logprobs or 0)
         rid, model = new_id("chatcmpl"), body.model or engine.model_name
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -182,7 +183,8 @@ def create_app(engine: Engine) -> FastAPI:
         if (body.text is None) == (body.input_ids is None):
             raise BadRequest("give exactly one of text and input_ids", "text")
         params = body.sampling_params.to_params()
-        ids = _tokenize(engine, body.text if body.text is not None else body.input_ids)  # type: ignore[arg-type]
+        field = "text" if body.text is not None else "input_ids"
+        ids = _tokenize(engine, getattr(body, field), field)
         _validate(params, len(ids), engine, _generate_name)
         if params.n != 1:
             raise BadRequest("/generate takes n = 1; send several requests", "sampling_params.n")
@@ -281,11 +283,13 @@ def _content(content: str | list | None) -> str:
     return content if isinstance(content, str) else "".join(part.text for part in content)
 
 
-def _tokenize(engine: Engine, prompt: str | Sequence[int]) -> list[int]:
+def _tokenize(engine: Engine, prompt: str | Sequence[int], field: str) -> list[int]:
+    """The prompt's token ids; a 400 names the request's own `field` (/generate has no `prompt`, only `text` or
+    `input_ids`; chat's prompt is its `messages`), as the engine's message cannot."""
     try:
         return engine.tokenize(prompt)
     except ValueError as exc:
-        raise BadRequest(str(exc), "prompt") from None
+        raise BadRequest(f"{field}: {exc}", field) from None
 
 
 def _validate(params: SamplingParams, prompt_len: int, engine: Engine,

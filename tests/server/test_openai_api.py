@@ -190,6 +190,12 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "model": "\\ud800"}', "model"),
     ("/generate", '{"text": "\\ud800"}', "text"),
     ("/generate", '{"text": "hi", "rid": "\\ud800"}', "rid"),
+    # /generate has no `prompt`: its errors about the prompt name the field it came in (they named `prompt`).
+    ("/generate", {"input_ids": []}, "input_ids"),
+    ("/generate", {"input_ids": [999999]}, "input_ids"),
+    ("/generate", {"input_ids": [1] * 9000}, "input_ids"),
+    ("/generate", {"text": "token " * 9000}, "text"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "token " * 9000}]}, "messages"),
 ]
 
 
