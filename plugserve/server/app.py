@@ -24,6 +24,7 @@ from plugserve.runtime.request import FinishReason, RequestOutput, TokenLogprob
 from plugserve.runtime.sampling import SamplingParams
 from plugserve.runtime.server_args import flag
 from plugserve.server.protocol import (
+    INVALID_UNICODE,
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
@@ -71,6 +72,8 @@ def create_app(engine: Engine) -> FastAPI:
                 problems.append(f"the request body is not valid JSON ({e.get('ctx', {}).get('error', e['msg'])})")
                 continue
             loc = [str(p) for p in e["loc"] if p != "body"]
+            if e["type"] == INVALID_UNICODE:  # the field's check names where inside it the string lies
+                loc += [str(p) for p in e["ctx"]["at"]]
             locs.append(loc)
             problems.append(f"{'.'.join(loc)}: {e['msg']}" if loc else e["msg"])
         return JSONResponse(error_body("; ".join(problems), param=_field_of(locs), code=400), 400)
@@ -83,6 +86,14 @@ def create_app(engine: Engine) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(error_body(str(exc.detail), code=exc.status_code), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        """A bug: a JSON 500 like every other error, not Starlette's plain text. Starlette re-raises the exception
+        after this response (uvicorn logs it) and uvicorn then drops the connection: `Connection: close` tells the
+        client so, which would otherwise send its next request on a dead keep-alive connection."""
+        message = f"internal server error: {type(exc).__name__}: {exc}"
+        return JSONResponse(error_body(message, "internal_error", code=500), 500, headers={"Connection": "close"})
 
     @app.get("/health")
     async def health() -> Response:
@@ -133,7 +144,7 @@ def create_app(engine: Engine) -> FastAPI:
         prompts = _prompt_list(body.prompt)
         top = body.logprobs or 0
         # Off the event loop: a long prompt takes seconds to tokenize (the tokenizer releases the GIL).
-        token_lists = await asyncio.to_thread(lambda: [_tokenize(engine, p) for p in prompts])
+        token_lists = await asyncio.to_thread(lambda: [_tokenize(engine, p, "prompt") for p in prompts])
         jobs = _jobs(engine, token_lists, body, body.max_tokens, body.logprobs is not None, top)
         rid, model = new_id("cmpl"), body.model or engine.model_name
         if body.stream:
@@ -153,7 +164,8 @@ def create_app(engine: Engine) -> FastAPI:
         if body.top_logprobs is not None and not body.logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        jobs = _jobs(engine, [_tokenize(engine, ids)], body, max_tokens, body.logprobs, body.top_logprobs or 0)
+        jobs = _jobs(engine, [_tokenize(engine, ids, "messages")], body, max_tokens, body.logprobs,
+                     body.top_logprobs or 0)
         rid, model = new_id("chatcmpl"), body.model or engine.model_name
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -170,7 +182,8 @@ def create_app(engine: Engine) -> FastAPI:
         if (body.text is None) == (body.input_ids is None):
             raise BadRequest("give exactly one of text and input_ids", "text")
         params = body.sampling_params.to_params()
-        ids = await asyncio.to_thread(_tokenize, engine, body.text if body.text is not None else body.input_ids)
+        field = "text" if body.text is not None else "input_ids"
+        ids = await asyncio.to_thread(_tokenize, engine, getattr(body, field), field)
         _validate(params, len(ids), engine, _generate_name)
         if params.n != 1:
             raise BadRequest("/generate takes n = 1; send several requests", "sampling_params.n")
@@ -315,11 +328,13 @@ def _apply_chat_template(engine: Engine, messages: list[dict[str, str]]) -> list
         raise BadRequest(f"the chat template rejected the messages: {exc}", "messages") from None
 
 
-def _tokenize(engine: Engine, prompt: str | Sequence[int]) -> list[int]:
+def _tokenize(engine: Engine, prompt: str | Sequence[int], field: str) -> list[int]:
+    """The prompt's token ids; a 400 names the request's own `field` (/generate has no `prompt`, only `text` or
+    `input_ids`; chat's prompt is its `messages`), as the engine's message cannot."""
     try:
         return engine.tokenize(prompt)
     except ValueError as exc:
-        raise BadRequest(str(exc), "prompt") from None
+        raise BadRequest(f"{field}: {exc}", field) from None
 
 
 def _validate(params: SamplingParams, prompt_len: int, engine: Engine,

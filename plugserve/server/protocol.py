@@ -7,7 +7,18 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from plugserve.runtime.sampling import SamplingParams
 
@@ -15,6 +26,8 @@ SEED_LIMIT = 2**63  # int64, as OpenAI's; n samples take seed + i, which stays b
 MAX_N = 64
 MAX_STOPS = 16
 MAX_TOP_LOGPROBS = 20
+# The error type of a string UTF-8 cannot encode; its ctx `at` is where inside the field (indices, field names).
+INVALID_UNICODE = "invalid_unicode"
 # JSON types are strict: "0.5", "hot" or true where a number belongs is refused, never coerced (a strict float
 # takes JSON integers: temperature 1 is 1.0); so are NaN and Infinity, which Python's JSON parser accepts.
 Number = Annotated[StrictFloat, Field(allow_inf_nan=False)]
@@ -36,6 +49,43 @@ def _stop_list(stop: object) -> object:
 
 # Typed as a list; the schema states what clients may send: a string, a list of strings, or null.
 Stop = Annotated[StopList, BeforeValidator(_stop_list, json_schema_input_type=StopString | StopList | None)]
+
+
+def _unencodable_at(value: object) -> list[str | int] | None:
+    """Where in a field's value (nested lists and models) a string UTF-8 cannot encode lies, or None if none."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return []
+        return None
+    if isinstance(value, BaseModel):
+        items: Any = ((name, getattr(value, name)) for name in type(value).model_fields)
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        at = _unencodable_at(item)
+        if at is not None:
+            return [key, *at]
+    return None
+
+
+class RequestBody(BaseModel):
+    """A request's whole body: every string in it, at any depth, is valid Unicode. JSON's `\\ud800` escapes parse to
+    lone surrogates, which UTF-8 cannot encode: the tokenizer, or the response that echoes them, would fail deep
+    inside (a 500), so one check here refuses them with a 400 that names where they are."""
+
+    @field_validator("*")
+    @classmethod
+    def check_unicode(cls, value: Any) -> Any:
+        """Every field's value, at any depth: one check for all the body's strings, whatever fields come."""
+        at = _unencodable_at(value)
+        if at is not None:
+            raise PydanticCustomError(INVALID_UNICODE, "not valid Unicode: a lone surrogate (\\ud800-\\udfff), "
+                                      "which UTF-8 cannot encode", {"at": at})
+        return value
 
 
 class SamplingFields(BaseModel):
@@ -70,7 +120,7 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-class OpenAIRequest(SamplingFields):
+class OpenAIRequest(SamplingFields, RequestBody):
     """What completions and chat completions share. Unknown fields are ignored, as OpenAI does."""
 
     model_config = ConfigDict(extra="ignore")
@@ -118,7 +168,7 @@ class GenerateSamplingParams(SamplingFields):
         return self.sampling_params(self.max_new_tokens)
 
 
-class GenerateRequest(BaseModel):
+class GenerateRequest(RequestBody):
     """plugserve's native endpoint, shaped like SGLang's /generate."""
 
     model_config = ConfigDict(extra="forbid")
@@ -153,4 +203,7 @@ def now() -> int:
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
                code: int | str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    """OpenAI's error object. What UTF-8 cannot encode in the message (a lone surrogate in an exception's text) is
+    escaped: the error must serialize, never become another 500 itself."""
+    encodable = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    return {"error": {"message": encodable, "type": kind, "param": param, "code": code}}

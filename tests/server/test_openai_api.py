@@ -176,6 +176,26 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": PROMPT, "stop": ""}, "stop.0"),
     ("/v1/completions", {"prompt": PROMPT, "stop": 5}, "stop"),
     ("/v1/completions", '{"prompt": "hi", "repetition_penalty": Infinity}', "repetition_penalty"),
+    # A lone surrogate (JSON's "\\ud800") UTF-8 cannot encode: it used to be a plain-text 500 (the tokenizer or the
+    # response failed on it) that left the client a dead keep-alive connection, or a 400 with the tokenizer's
+    # internal TypeError; now a 400 names where it is, in every kind of field. (Pydantic refused it already in
+    # strings with constraints, as `stop`'s, and in keys.)
+    ("/v1/completions", '{"prompt": "hi \\ud800"}', "prompt"),
+    ("/v1/completions", '{"prompt": ["hi", "\\udc00 there"]}', "prompt.1"),
+    ("/v1/completions", '{"prompt": "hi", "model": "\\ud800"}', "model"),
+    ("/v1/completions", '{"prompt": "hi", "user": "\\ud800"}', "user"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages.0.content"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}, '
+     '{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}', "messages.1.content.0.text"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "model": "\\ud800"}', "model"),
+    ("/generate", '{"text": "\\ud800"}', "text"),
+    ("/generate", '{"text": "hi", "rid": "\\ud800"}', "rid"),
+    # /generate has no `prompt`: its errors about the prompt name the field it came in (they named `prompt`).
+    ("/generate", {"input_ids": []}, "input_ids"),
+    ("/generate", {"input_ids": [999999]}, "input_ids"),
+    ("/generate", {"input_ids": [1] * 9000}, "input_ids"),
+    ("/generate", {"text": "token " * 9000}, "text"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "token " * 9000}]}, "messages"),
 ]
 
 
@@ -188,6 +208,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["message"] and error["param"] == param, error
+    assert param is None or param in error["message"], error  # the message says where, too
     assert client.completions.create(model="m", prompt=PROMPT, max_tokens=2).choices[0].text is not None
 
 
@@ -365,3 +386,30 @@ def test_health_answers_at_once_while_a_long_prompt_is_tokenized(server):
     duration = asyncio.run(probe())
     assert duration > 0.5 and len(latencies) >= 5
     assert sorted(latencies)[int(0.9 * len(latencies))] < 0.1, latencies
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/generate"])
+def test_a_bug_is_a_json_500_that_closes_its_connection_and_the_client_goes_on(server, monkeypatch, path):
+    """An unexpected exception used to be Starlette's plain-text 500 on a connection uvicorn then dropped without
+    `Connection: close`: the client's next request on it failed with a reset."""
+    real = server.engine.tokenize
+
+    def tokenize(prompt):
+        if prompt == "boom":
+            raise RuntimeError("tokenizer bug")
+        return real(prompt)
+
+    monkeypatch.setattr(server.engine, "tokenize", tokenize)
+
+    def body(prompt: str) -> dict:
+        if path == "/generate":
+            return {"text": prompt, "sampling_params": {"max_new_tokens": 2}}
+        return {"prompt": prompt, "max_tokens": 2}
+
+    with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as client:
+        response = client.post(path, json=body("boom"))
+        assert response.status_code == 500 and response.headers["connection"] == "close", response.text
+        error = response.json()["error"]
+        assert error["type"] == "internal_error" and "RuntimeError: tokenizer bug" in error["message"], error
+        for _ in range(2):  # the same client (its connection pool): each request is served
+            assert client.post(path, json=body(PROMPT)).status_code == 200
