@@ -114,3 +114,17 @@ def test_disable_custom_all_reduce_is_for_several_ranks():
     assert ServerArgs(tp_size=2, disable_custom_all_reduce=True).disable_custom_all_reduce
     assert "--disable-custom-all-reduce is for several ranks: give --tp-size > 1" in _error(
         disable_custom_all_reduce=True)
+
+
+def test_max_sequences_per_request_defaults_to_256_and_takes_the_cli_flag():
+    import argparse
+
+    from plugserve.server.launch import HELP, add_server_args, server_args_from
+
+    assert ServerArgs().max_sequences_per_request == 256
+    assert "--max-sequences-per-request" in _error(max_sequences_per_request=0)
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    namespace = parser.parse_args(["--max-sequences-per-request", "1024"])
+    assert server_args_from(namespace, parser).max_sequences_per_request == 1024
+    assert "n" in HELP["max_sequences_per_request"]
