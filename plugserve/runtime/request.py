@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -103,3 +104,77 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def sendable_len(self) -> int:
+        """How much of `text` may be reported: while it runs, less a trailing partial character and what may
+        become a stop string."""
+        text, safe = self.text, len(self.text)
+        if self.finished:
+            return safe
+        if text.endswith("\ufffd"):
+            safe = len(text.rstrip("\ufffd"))
+        for stop in self.params.stop:
+            for keep in range(min(len(stop) - 1, safe), 0, -1):
+                if stop.startswith(text[safe - keep : safe]):
+                    safe -= keep
+                    break
+        return safe
+
+    def output(self, text: str, token_ids: list[int], logprobs: list[TokenLogprob], error: str | None = None
+               ) -> RequestOutput:
+        """An increment to report: new text, ids and logprobs, with the request's state now."""
+        return RequestOutput(
+            rid=self.rid, text=text, token_ids=token_ids, logprobs=logprobs, finished=self.finished,
+            finish_reason=self.finish_reason, matched_stop=self.matched_stop, prompt_tokens=len(self.prompt_ids),
+            completion_tokens=self.num_resolved, cached_tokens=self.cached_tokens, error=error,
+        )
+
+
+class RequestQueue:
+    """Requests in order, any of them removed in O(1): an abort among thousands of waiting ones used to scan them."""
+
+    def __init__(self, requests: Iterable[Request] = ()) -> None:
+        self._order: OrderedDict[Request, None] = OrderedDict.fromkeys(requests)
+
+    def append(self, request: Request) -> None:
+        self._order[request] = None
+
+    def appendleft(self, request: Request) -> None:
+        self._order[request] = None
+        self._order.move_to_end(request, last=False)
+
+    def remove(self, request: Request) -> None:
+        del self._order[request]
+
+    def __contains__(self, request: object) -> bool:
+        return request in self._order
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._order)
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+
+class RequestIndex:
+    """Requests by rid (several may share one), so that an abort finds its own without a scan."""
+
+    def __init__(self) -> None:
+        self._by_rid: dict[str, list[Request]] = {}
+
+    def add(self, request: Request) -> None:
+        self._by_rid.setdefault(request.rid, []).append(request)
+
+    def pop(self, rid: str) -> list[Request]:
+        return self._by_rid.pop(rid, [])
+
+    def discard(self, request: Request) -> None:
+        held = self._by_rid.get(request.rid, [])
+        if request in held:
+            held.remove(request)
+            if not held:
+                del self._by_rid[request.rid]
+
+    def __len__(self) -> int:
+        return len(self._by_rid)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -34,7 +33,14 @@ from plugserve.runtime.model_runner import ModelRunner
 from plugserve.runtime.overlap import OverlapLoop
 from plugserve.runtime.page_owners import check_pool_accounting
 from plugserve.runtime.radix_cache import RadixCache
-from plugserve.runtime.request import PENDING, FinishReason, Request, RequestOutput, TokenLogprob
+from plugserve.runtime.request import (
+    PENDING,
+    FinishReason,
+    Request,
+    RequestIndex,
+    RequestQueue,
+    TokenLogprob,
+)
 from plugserve.runtime.sampling import SampleOutput, sample
 from plugserve.runtime.speculative import SpeculativeWorker
 
@@ -81,9 +87,10 @@ class Scheduler:
         self.page_size = runner.page_size
         self.max_running = runner.max_running_requests
         self.chunk_size = args.chunked_prefill_size if args.chunked_prefill_size > 0 else None
-        self.waiting: deque[Request] = deque()
+        self.waiting = RequestQueue()
         self.running: list[Request] = []
         self.chunked: Request | None = None  # mid chunked prefill: first in the next prefill batch
+        self.by_rid = RequestIndex()  # every request in waiting, running or chunked: what an abort looks in
         spec = args.speculative
         self.spec = SpeculativeWorker(runner, spec) if spec is not None else None
         # Tokens a request's speculative decode step verifies (its last and its drafts), and the positions past its
@@ -97,12 +104,16 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+        self.by_rid.add(request)
 
     def abort(self, rid: str) -> None:
-        for request in [*self.waiting, *self.running, *([self.chunked] if self.chunked else [])]:
-            if request.rid == rid and not request.finished:
+        """End the requests with this id, found without a scan of the queue (a client may leave thousands)."""
+        for request in self.by_rid.pop(rid):
+            if request in self.waiting:
+                self.waiting.remove(request)
+            if not request.finished:
                 self._finish(request, FinishReason.ABORT)
-        self._drop_finished()
+        self._drop_finished(scan_waiting=False)
 
     @property
     def has_work(self) -> bool:
@@ -466,16 +477,7 @@ class Scheduler:
 
     def _emit(self, request: Request) -> None:
         """Report new text: decoded output minus a trailing partial character or partial stop string."""
-        params, text = request.params, request.text
-        safe = len(text)
-        if not request.finished:
-            if text.endswith("\ufffd"):
-                safe = len(text.rstrip("\ufffd"))
-            for stop in params.stop:  # hold back what may become a stop string
-                for keep in range(min(len(stop) - 1, safe), 0, -1):
-                    if stop.startswith(text[safe - keep : safe]):
-                        safe -= keep
-                        break
+        text, safe = request.text, request.sendable_len
         now = time.perf_counter()
         if request.first_token_time is None:
             request.first_token_time = now
@@ -494,16 +496,7 @@ class Scheduler:
             self._release(request)
             if self.metrics:
                 self.metrics.observe_finish(request)
-        request.on_output(self._output(request, new_text, new_tokens, new_logprobs))
-
-    def _output(self, request: Request, text: str, token_ids: list[int], logprobs: list[TokenLogprob],
-                error: str | None = None) -> RequestOutput:
-        return RequestOutput(
-            rid=request.rid, text=text, token_ids=token_ids, logprobs=logprobs, finished=request.finished,
-            finish_reason=request.finish_reason, matched_stop=request.matched_stop,
-            prompt_tokens=len(request.prompt_ids), completion_tokens=request.num_resolved,
-            cached_tokens=request.cached_tokens, error=error,
-        )
+        request.on_output(request.output(new_text, new_tokens, new_logprobs))
 
     def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
         """End a request outside normal sampling (abort, error, no room) and tell its owner."""
@@ -511,7 +504,7 @@ class Scheduler:
         self._release(request)
         if self.metrics:
             self.metrics.observe_finish(request)
-        request.on_output(self._output(request, "", [], [], error))
+        request.on_output(request.output("", [], [], error))
 
     def _fail(self, request: Request, stage: str, exc: Exception) -> None:
         """End one request whose own handling raised (planning it, its stop rules, its callback): it alone gets
@@ -590,9 +583,14 @@ class Scheduler:
         request.pages = []
         request.computed_len = 0
 
-    def _drop_finished(self) -> None:
+    def _drop_finished(self, scan_waiting: bool = True) -> None:
+        """Let go of finished requests; `scan_waiting` False spares the O(waiting) scan (an abort's are out)."""
+        for request in [*self.running, *(self.waiting if scan_waiting else ()), self.chunked]:
+            if request is not None and request.finished:
+                self.by_rid.discard(request)
         self.running = [r for r in self.running if not r.finished]
-        self.waiting = deque(r for r in self.waiting if not r.finished)
+        if scan_waiting:
+            self.waiting = RequestQueue(r for r in self.waiting if not r.finished)
         if self.chunked is not None and self.chunked.finished:
             self.chunked = None
 

@@ -72,6 +72,8 @@ class ServerArgs(BaseModel):
     served_model_name: str | None = None
     graceful_shutdown_timeout: float = Field(20.0, ge=0)
     max_request_body_bytes: int = Field(32 << 20, ge=1)
+    # prompts x n of one request: each is a sequence the scheduler holds (and aborts when its client leaves)
+    max_sequences_per_request: int = Field(256, ge=1)
     # parallelism
     tp_size: int = Field(1, ge=1)
     ep_size: int = Field(1, ge=1)

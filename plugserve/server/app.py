@@ -144,8 +144,8 @@ def create_app(engine: Engine) -> FastAPI:
         prompts = _prompt_list(body.prompt)
         top = body.logprobs or 0
         # Off the event loop: a long prompt takes seconds to tokenize (the tokenizer releases the GIL).
-        token_lists = await asyncio.to_thread(lambda: [_tokenize(engine, p, "prompt") for p in prompts])
-        jobs = _jobs(engine, token_lists, body, body.max_tokens, body.logprobs is not None, top)
+        jobs = await asyncio.to_thread(_jobs, engine, prompts, "prompt", body, body.max_tokens,
+                                       body.logprobs is not None, top)
         rid, model = new_id("cmpl"), body.model or engine.model_name
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -164,8 +164,7 @@ def create_app(engine: Engine) -> FastAPI:
         if body.top_logprobs is not None and not body.logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        jobs = _jobs(engine, [_tokenize(engine, ids, "messages")], body, max_tokens, body.logprobs,
-                     body.top_logprobs or 0)
+        jobs = _jobs(engine, [ids], "messages", body, max_tokens, body.logprobs, body.top_logprobs or 0)
         rid, model = new_id("chatcmpl"), body.model or engine.model_name
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -355,13 +354,33 @@ def _validate(params: SamplingParams, prompt_len: int, engine: Engine,
     if prompt_len + params.max_new_tokens > context:
         raise BadRequest(f"this model's context length is {context} tokens; the prompt has {prompt_len} and "
                          f"{name('max_new_tokens')} asks for {params.max_new_tokens} more", name("max_new_tokens"))
+    pool = engine.runner.max_total_tokens
+    if prompt_len + params.max_new_tokens > pool:  # else the scheduler would stop it short, finish_reason "length"
+        raise BadRequest(f"the KV cache holds {pool} tokens (--max-total-tokens); the prompt has {prompt_len} and "
+                         f"{name('max_new_tokens')} asks for {params.max_new_tokens} more, which could never fit "
+                         "(refused by the maximum, even where EOS or a stop might end it sooner)",
+                         name("max_new_tokens"))
 
 
-def _jobs(engine: Engine, prompts: list[list[int]], body: OpenAIRequest, max_tokens: int | None, logprobs: bool,
-          top_logprobs: int) -> list[Job]:
+def _check_fan_out(engine: Engine, num_prompts: int, n: int) -> None:
+    """Bound the sequences one request makes: each is held, and aborted one by one, by the scheduler."""
+    limit = engine.args.max_sequences_per_request
+    if num_prompts * n > limit:
+        raise BadRequest(f"the request asks for {num_prompts} prompt(s) x n = {n}, {num_prompts * n} sequences; "
+                         f"this server takes at most {limit} per request (--max-sequences-per-request)",
+                         "n" if num_prompts == 1 else "prompt")
+
+
+def _jobs(engine: Engine, prompts: Sequence[str | Sequence[int]], field: str, body: OpenAIRequest,
+          max_tokens: int | None, logprobs: bool, top_logprobs: int) -> list[Job]:
+    """The sequences of an OpenAI request, n per prompt, prompt-major; checked before any prompt is tokenized.
+    `field`: where the prompts came from, for a 400's name."""
+    _check_fan_out(engine, len(prompts), body.n)
     jobs: list[Job] = []
-    for ids in prompts:
-        budget = max_tokens if max_tokens is not None else engine.runner.context_length - len(ids)
+    room = min(engine.runner.context_length, engine.runner.max_total_tokens)
+    for prompt in prompts:
+        ids = _tokenize(engine, prompt, field)
+        budget = max_tokens if max_tokens is not None else room - len(ids)
         params = body.sampling_params(budget, logprobs, top_logprobs)
         _validate(params, len(ids), engine)
         jobs += [(len(jobs) + i, ids, p) for i, p in enumerate(Engine.expand(params))]

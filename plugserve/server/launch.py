@@ -42,6 +42,7 @@ HELP = {
     "graceful_shutdown_timeout": "seconds from SIGTERM (or Ctrl-C) to exit: new requests get 503 at once, running "
                                  "ones may finish until 2 s before it, then end with an error; a second signal "
                                  "exits at once",
+    "max_sequences_per_request": "most sequences one request may ask for (its prompts times n); more is a 400",
     "tp_size": "tensor-parallel size: one process and device per rank, attention heads, MLP and expert widths and "
                "the vocabulary split over them",
     "ep_size": "expert-parallel size, 1 or --tp-size: each rank holds 1/ep_size of the routed experts whole "

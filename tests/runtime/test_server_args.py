@@ -138,3 +138,17 @@ def test_the_cli_takes_the_api_key_from_the_environment(monkeypatch):
     monkeypatch.setenv(API_KEY_VARIABLE, "sk-from-env")
     assert server_args_from(parser.parse_args([]), parser).api_key == "sk-from-env"
     assert server_args_from(parser.parse_args(["--api-key", "sk-flag"]), parser).api_key == "sk-flag"
+
+
+def test_max_sequences_per_request_defaults_to_256_and_takes_the_cli_flag():
+    import argparse
+
+    from plugserve.server.launch import HELP, add_server_args, server_args_from
+
+    assert ServerArgs().max_sequences_per_request == 256
+    assert "--max-sequences-per-request" in _error(max_sequences_per_request=0)
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    namespace = parser.parse_args(["--max-sequences-per-request", "1024"])
+    assert server_args_from(namespace, parser).max_sequences_per_request == 1024
+    assert "n" in HELP["max_sequences_per_request"]

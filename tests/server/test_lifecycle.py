@@ -88,8 +88,8 @@ def test_a_base_exception_in_a_forward_fails_every_caller_and_reports_the_death(
     engine = Engine(ServerArgs(model_preset="tiny", max_total_tokens=256))
     try:
         assert engine.ready.wait(30)
-        deaths = []
-        engine.on_death = deaths.append
+        deaths, died = [], threading.Event()
+        engine.on_death = lambda error: (deaths.append(error), died.set())
         monkeypatch.setattr(engine.scheduler, "step", _fatal)
         monkeypatch.setattr(engine.scheduler, "shutdown", _fatal)
         results, raised = [], []
@@ -106,6 +106,7 @@ def test_a_base_exception_in_a_forward_fails_every_caller_and_reports_the_death(
         assert not caller.is_alive(), "a caller hung after a BaseException in the loop"
         assert raised == []
         assert [r.finish_reason for r in results] == [FinishReason.ERROR] * 2
+        assert died.wait(10), "the owner never heard of the death"  # reported after the callers' errors
         assert deaths == [results[0].error] and "_Fatal: injected fatal error" in deaths[0]
         assert not engine.alive
     finally:

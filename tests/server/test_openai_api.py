@@ -6,13 +6,15 @@ import asyncio
 import json
 import random
 import time
+from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 
 from plugserve.runtime.sampling import SamplingParams
-from tests.live_server import API_KEY, SERVED_MODEL, RunningServer
+from plugserve.runtime.server_args import ServerArgs
+from tests.live_server import API_KEY, SERVED_MODEL, RunningServer, start_server
 
 PROMPT = "The quick brown fox"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]
@@ -21,6 +23,21 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 @pytest.fixture(scope="module")
 def client(server: RunningServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY)
+
+
+SMALL_POOL, SMALL_FAN_OUT = 512, 8
+
+
+@pytest.fixture(scope="module")
+def small_server() -> Iterator[RunningServer]:
+    """A server whose KV pool is smaller than the context, and which takes few sequences per request."""
+    yield from start_server(ServerArgs(model_preset="tiny", api_key=API_KEY, served_model_name=SERVED_MODEL,
+                                       max_total_tokens=SMALL_POOL, max_sequences_per_request=SMALL_FAN_OUT))
+
+
+def _post(server: RunningServer, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.base_url}{path}", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                      timeout=60)
 
 
 def _engine_text(server: RunningServer, prompt, max_tokens: int) -> str:
@@ -413,3 +430,51 @@ def test_a_bug_is_a_json_500_that_closes_its_connection_and_the_client_goes_on(s
         assert error["type"] == "internal_error" and "RuntimeError: tokenizer bug" in error["message"], error
         for _ in range(2):  # the same client (its connection pool): each request is served
             assert client.post(path, json=body(PROMPT)).status_code == 200
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/completions", {"prompt": [PROMPT] * 3, "n": 3}, "prompt"),
+    ("/v1/completions", {"prompt": [[5, 6]] * 9}, "prompt"),
+    ("/v1/completions", {"prompt": PROMPT, "n": 9}, "n"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "n": 9}, "n"),
+])
+def test_more_sequences_than_the_flag_allows_are_refused(small_server, path, body, param):
+    """`n` was capped but the prompt array was not: 200 prompts x n = 64 made 12,800 sequences in one request."""
+    response = _post(small_server, path, body | {"max_tokens": 2})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
+    assert "--max-sequences-per-request" in error["message"] and f"at most {SMALL_FAN_OUT}" in error["message"]
+    allowed = _post(small_server, "/v1/completions", {"prompt": [PROMPT] * 2, "n": 4, "max_tokens": 2})
+    assert allowed.status_code == 200 and len(allowed.json()["choices"]) == SMALL_FAN_OUT
+
+
+def test_the_default_fan_out_bound_refuses_the_probe_s_request(server):
+    response = _post(server, "/v1/completions", {"prompt": [PROMPT] * 200, "n": 64, "max_tokens": 2})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+    assert "12800 sequences" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/completions", {"prompt": [5] * 450, "max_tokens": 200, "ignore_eos": True}, "max_tokens"),
+    ("/v1/completions", {"prompt": [5] * 450, "max_tokens": SMALL_POOL - 450 + 1}, "max_tokens"),
+    ("/generate", {"input_ids": [5] * 450, "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}},
+     "sampling_params.max_new_tokens"),
+])
+def test_a_request_the_kv_pool_can_never_hold_is_refused(small_server, path, body, param):
+    """It fit the context but not the pool: a 200 with 62 tokens and finish_reason "length", cut short silently."""
+    response = _post(small_server, path, body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
+    assert f"holds {SMALL_POOL} tokens" in error["message"] and "--max-total-tokens" in error["message"]
+
+
+def test_a_request_that_just_fits_the_kv_pool_runs_to_its_max_tokens(small_server):
+    body = {"prompt": [5] * 450, "max_tokens": SMALL_POOL - 450, "ignore_eos": True, "temperature": 0}
+    response = _post(small_server, "/v1/completions", body).json()
+    assert response["choices"][0]["finish_reason"] == "length"
+    assert response["usage"]["completion_tokens"] == SMALL_POOL - 450
+    # Without max_tokens, chat's budget is what the pool leaves the prompt (the context's would be refused).
+    chat = _post(small_server, "/v1/chat/completions", {"messages": MESSAGES, "ignore_eos": True})
+    assert chat.status_code == 200 and chat.json()["usage"]["total_tokens"] == SMALL_POOL
