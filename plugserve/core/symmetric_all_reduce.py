@@ -7,12 +7,8 @@ barrier, and is captured in CUDA graphs like any kernel. Larger messages stay wi
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.distributed as dist
-
-logger = logging.getLogger(__name__)
 
 # The largest message (bytes) the one-shot kernel takes, by the number of ranks, where measured: up to it one-shot
 # beat NCCL in CUDA-graph replay over NVLink (benchmarks/dev/bench_allreduce.py; docs/kernels.md). Worlds not
