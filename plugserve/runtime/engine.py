@@ -200,6 +200,7 @@ class Engine:
                 finally:
                     self._outbox.flush()
             else:
+                self.metrics.observe_idle(self.scheduler)
                 self._wake.wait(0.05)
                 self._wake.clear()
 

@@ -12,14 +12,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from plugserve.core.forward_batch import ForwardMode
-
 if TYPE_CHECKING:
     from plugserve.runtime.request import Request
 
 
 class SchedulerGauges(Protocol):
-    """What the metrics' gauges read after each batch."""
+    """What the metrics' gauges read whenever requests come and go, and when the engine is idle."""
 
     @property
     def num_running(self) -> int: ...
@@ -44,7 +42,8 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("plugserve_requests", "Finished requests", ["finish_reason"], registry=r)
-        self.prompt_tokens = Counter("plugserve_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.prompt_tokens = Counter("plugserve_prompt_tokens",
+                                     "Prompt tokens of the requests prefilled (cached ones included)", registry=r)
         self.generation_tokens = Counter("plugserve_generation_tokens", "Tokens generated", registry=r)
         self.cached_prompt_tokens = Counter("plugserve_cached_prompt_tokens",
                                             "Prompt tokens served from the prefix cache", registry=r)
@@ -76,20 +75,33 @@ class Metrics:
         self._window_tokens = 0
         self._spec_requests = self._spec_tokens = 0
 
-    def observe_batch(self, mode: ForwardMode, num_tokens: int, scheduler: SchedulerGauges) -> None:
-        if mode is ForwardMode.EXTEND:
-            self.prompt_tokens.inc(num_tokens)
-        else:
-            self.generation_tokens.inc(num_tokens)
-            self._window_tokens += num_tokens
+    def observe_batch(self, generated: int) -> None:
+        """A batch's tokens appended to its requests (prefill's first tokens and every accepted draft included),
+        so that the counter adds up to the requests' completion tokens."""
+        self.generation_tokens.inc(generated)
+        self._window_tokens += generated
         now = time.perf_counter()
         if now - self._window_start >= 1.0:
             self.throughput.set(self._window_tokens / (now - self._window_start))
             self._window_start, self._window_tokens = now, 0
+
+    def observe_first_token(self, request: Request, now: float) -> None:
+        """A request's first token: its prompt is through prefill (counted once, whatever a retraction re-runs)."""
+        self.ttft.observe(now - request.arrival_time)
+        self.prompt_tokens.inc(len(request.prompt_ids))
+
+    def refresh_gauges(self, scheduler: SchedulerGauges) -> None:
+        """Read the scheduler's state into the gauges: called whenever requests come and go, not only per batch."""
         self.running.set(scheduler.num_running)
         self.waiting.set(scheduler.num_waiting)
         self.kv_usage.set(scheduler.kv_usage)
         self.cache_hit_rate.set(scheduler.cache_hit_rate)
+
+    def observe_idle(self, scheduler: SchedulerGauges) -> None:
+        """Nothing to run: the gauges read an idle server (no throughput) rather than the last busy batch."""
+        self.refresh_gauges(scheduler)
+        self.throughput.set(0)
+        self._window_start, self._window_tokens = time.perf_counter(), 0
 
     def observe_verify(self, tokens_per_request: list[int]) -> None:
         """One speculative verify: the tokens each of its requests got from it (drafts accepted + 1)."""

@@ -439,7 +439,7 @@ class Scheduler:
                 self._fail(request, "its output was processed", exc)
             row += was_sampled
         if self.metrics:
-            self.metrics.observe_batch(batch.mode, appended if verified else sum(batch.extend_lens), self.gauges)
+            self.metrics.observe_batch(appended)
             if verified:
                 self.metrics.observe_verify(counts)
         self._drop_finished()
@@ -482,7 +482,7 @@ class Scheduler:
         if request.first_token_time is None:
             request.first_token_time = now
             if self.metrics:
-                self.metrics.ttft.observe(now - request.arrival_time)
+                self.metrics.observe_first_token(request, now)
         elif self.metrics and request.last_token_time is not None:
             self.metrics.itl.observe(now - request.last_token_time)
         request.last_token_time = now
@@ -593,6 +593,8 @@ class Scheduler:
             self.waiting = RequestQueue(r for r in self.waiting if not r.finished)
         if self.chunked is not None and self.chunked.finished:
             self.chunked = None
+        if self.metrics:
+            self.metrics.refresh_gauges(self.gauges)
 
 
 __getattr__ = moved_names(__name__)

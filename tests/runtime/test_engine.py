@@ -339,3 +339,47 @@ def test_pool_accounting_catches_a_leaked_page_and_a_stray_lock(engine):
         engine.check_pool_accounting()
     engine.runner.block_table.release(row)
     engine.check_pool_accounting()
+
+
+def _sample(engine: Engine, name: str) -> float:
+    return engine.metrics.registry.get_sample_value(name) or 0.0
+
+
+IDLE_GAUGES = ("plugserve_num_running_requests", "plugserve_num_waiting_requests", "plugserve_gen_throughput")
+
+
+def _assert_idle(engine: Engine, deadline: float) -> None:
+    """The idle gauges read zero once the loop has seen it has nothing to run (a few 50 ms ticks)."""
+    while any(_sample(engine, g) for g in IDLE_GAUGES) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert {g: _sample(engine, g) for g in IDLE_GAUGES} == dict.fromkeys(IDLE_GAUGES, 0.0)
+
+
+def test_idle_gauges_read_zero_and_token_counters_match_usage():
+    """After a mix of requests ends (batched, n > 1, streamed, aborted), the gauges read an idle server and the
+    token counters match the usage the requests reported: the running gauge used to keep the last batch's
+    requests, throughput its last busy value, and the generated-token counter missed each first token."""
+    engine = Engine(ServerArgs(model_preset="tiny"))
+    try:
+        finals = list(engine.generate(PROMPTS, GREEDY))
+        finals += engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=6, temperature=1.0, seed=3, n=3))
+        finals.append(list(engine.stream(PROMPTS[2], GREEDY))[-1])
+        deadline = time.monotonic() + 30
+        _assert_idle(engine, time.monotonic() + 5)
+        outputs: list = []
+        rid = engine.submit(PROMPTS[1], SamplingParams(max_new_tokens=2000, ignore_eos=True), outputs.append)
+        # Running past a throughput window (1 s) before the abort, so that the gauge had a busy value.
+        while (sum(len(o.token_ids) for o in outputs) < 3 or _sample(engine, "plugserve_gen_throughput") == 0) \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _sample(engine, "plugserve_gen_throughput") > 0
+        engine.abort(rid)
+        while not (outputs and outputs[-1].finished) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert outputs[-1].finish_reason is FinishReason.ABORT
+        finals.append(outputs[-1])
+        _assert_idle(engine, deadline)
+        assert _sample(engine, "plugserve_generation_tokens_total") == sum(f.completion_tokens for f in finals)
+        assert _sample(engine, "plugserve_prompt_tokens_total") == sum(f.prompt_tokens for f in finals)
+    finally:
+        engine.shutdown()

@@ -363,7 +363,10 @@ def test_accept_length_is_in_metrics_and_server_info(plain, spec, monkeypatch):
     expected = plain.generate(PROMPTS, GREEDY)
     by_prompt = {tuple(p): r.token_ids + [0] * 8 for p, r in zip(PROMPTS, expected, strict=True)}
     monkeypatch.setattr(spec.scheduler.spec, "_draft", _copying_draft(by_prompt))
-    spec.generate(PROMPTS, GREEDY)
+    generated = spec.metrics.generation_tokens._value.get()
+    results = spec.generate(PROMPTS, GREEDY)
+    # Prefill's sampled token and each verify's accepted tokens count once each: the usage's completion tokens.
+    assert spec.metrics.generation_tokens._value.get() - generated == sum(r.completion_tokens for r in results)
     client = TestClient(create_app(spec))
     info = client.get("/server_info").json()
     assert info["speculative"]["algorithm"] == "NEXTN" and info["speculative"]["num_steps"] == STEPS
