@@ -8,6 +8,7 @@ import dataclasses
 import hmac
 import itertools
 import json
+import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -23,6 +24,7 @@ from plugserve.runtime.engine import Engine, EngineStopped, GenerateResult
 from plugserve.runtime.request import FinishReason, RequestOutput, TokenLogprob
 from plugserve.runtime.sampling import SamplingParams
 from plugserve.runtime.server_args import flag
+from plugserve.server.offsets import TextOffsets
 from plugserve.server.protocol import (
     INVALID_UNICODE,
     ChatCompletionRequest,
@@ -151,8 +153,10 @@ def create_app(engine: Engine) -> FastAPI:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _sse(_completion_chunks(engine, jobs, rid, model, include_usage, body.n))
         results = await _run_all(engine, jobs, request)
-        choices = [{"index": i, "text": r.text, "logprobs": _completion_logprobs(engine, r.logprobs) if top or
-                    body.logprobs is not None else None, "finish_reason": _reason(r)} for i, r in enumerate(results)]
+        choices = [{"index": i, "text": r.text, "finish_reason": _reason(r), "logprobs": _completion_logprobs(
+                    engine, r.logprobs, TextOffsets(engine, params).add(r.logprobs, len(r.text)))
+                    if body.logprobs is not None else None}
+                   for i, (r, (_, _, params)) in enumerate(zip(results, jobs, strict=True))]
         return JSONResponse({"id": rid, "object": "text_completion", "created": now(), "model": model,
                              "choices": choices, "usage": _usage(results, len(prompts), body.n).model_dump()})
 
@@ -471,14 +475,9 @@ def _token_text(engine: Engine, token_id: int) -> str:
     return engine.tokenizer.decode([token_id])
 
 
-def _completion_logprobs(engine: Engine, logprobs: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
-    tokens = [_token_text(engine, lp.token_id) for lp in logprobs]
-    offsets = []
-    for token in tokens:
-        offsets.append(offset)
-        offset += len(token)
+def _completion_logprobs(engine: Engine, logprobs: list[TokenLogprob], offsets: list[int]) -> dict[str, Any]:
     return {
-        "tokens": tokens,
+        "tokens": [_token_text(engine, lp.token_id) for lp in logprobs],
         "token_logprobs": [lp.logprob for lp in logprobs],
         "top_logprobs": [{_token_text(engine, t): v for t, v in lp.top} for lp in logprobs],
         "text_offset": offsets,
@@ -512,17 +511,22 @@ def _error_chunk(output: RequestOutput) -> dict[str, Any]:
 
 async def _completion_chunks(engine: Engine, jobs: list[Job], rid: str, model: str, include_usage: bool, n: int
                              ) -> AsyncIterator[dict[str, Any]]:
+    """Every token with logprobs gets its entry, in a chunk of its own step even when it adds no text yet (vLLM's
+    way): a special token, or one held back by a partial stop string or character, used to lose it."""
     totals: dict[int, RequestOutput] = {}
-    offsets = [0] * len(jobs)
+    sent = [0] * len(jobs)
+    offsets = [TextOffsets(engine, params) for _, _, params in jobs]
     async for index, output in _merged(engine, jobs):
         if output.finish_reason is FinishReason.ERROR:
             yield _error_chunk(output)
             return
         totals[index] = output
+        sent[index] += len(output.text)
         wants = jobs[index][2].logprobs
-        logprobs = _completion_logprobs(engine, output.logprobs, offsets[index]) if wants else None
-        offsets[index] += len(output.text)
-        if output.text or output.finished:
+        limit = sent[index] if output.finished else sys.maxsize
+        logprobs = _completion_logprobs(engine, output.logprobs, offsets[index].add(output.logprobs, limit)) \
+            if wants else None
+        if output.text or output.finished or (wants and output.logprobs):
             yield {"id": rid, "object": "text_completion", "created": now(), "model": model,
                    "choices": [{"index": index, "text": output.text, "logprobs": logprobs,
                                 "finish_reason": _reason(output)}]}
@@ -532,6 +536,8 @@ async def _completion_chunks(engine: Engine, jobs: list[Job], rid: str, model: s
 
 async def _chat_chunks(engine: Engine, jobs: list[Job], rid: str, model: str, include_usage: bool, n: int
                        ) -> AsyncIterator[dict[str, Any]]:
+    """As `_completion_chunks`: a token's logprobs go out in its step's chunk, with or without text."""
+
     def chunk(index: int, delta: dict[str, Any], finish: str | None, logprobs=None) -> dict[str, Any]:
         return {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": model,
                 "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
@@ -544,8 +550,9 @@ async def _chat_chunks(engine: Engine, jobs: list[Job], rid: str, model: str, in
             yield _error_chunk(output)
             return
         totals[index] = output
-        logprobs = _chat_logprobs(engine, output.logprobs) if jobs[index][2].logprobs else None
-        if output.text or output.finished:
+        wants = jobs[index][2].logprobs
+        logprobs = _chat_logprobs(engine, output.logprobs) if wants else None
+        if output.text or output.finished or (wants and output.logprobs):
             yield chunk(index, {"content": output.text} if output.text else {}, _reason(output), logprobs)
     if include_usage:
         yield _usage_chunk(rid, "chat.completion.chunk", model, n, totals)

@@ -478,3 +478,57 @@ def test_a_request_that_just_fits_the_kv_pool_runs_to_its_max_tokens(small_serve
     # Without max_tokens, chat's budget is what the pool leaves the prompt (the context's would be refused).
     chat = _post(small_server, "/v1/chat/completions", {"messages": MESSAGES, "ignore_eos": True})
     assert chat.status_code == 200 and chat.json()["usage"]["total_tokens"] == SMALL_POOL
+
+
+def _streamed_completion(client, **kwargs) -> tuple[str, list, int]:
+    """Text, logprobs entries (token, logprob, top, offset) and completion tokens of a streamed completion."""
+    text, entries, used = "", [], 0
+    for chunk in client.completions.create(model="m", stream=True, stream_options={"include_usage": True}, **kwargs):
+        if chunk.usage:
+            used = chunk.usage.completion_tokens
+        for choice in chunk.choices:
+            text += choice.text
+            if choice.logprobs:
+                lp = choice.logprobs
+                entries += zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset, strict=True)
+    return text, entries, used
+
+
+@pytest.mark.parametrize("stop", [None, ["ovTest"]])  # "ov" is held back (it may start the stop), then matched
+def test_streamed_logprobs_have_one_entry_per_token_equal_to_the_non_streamed(client, stop):
+    """A token that added no text in its step used to lose its entry; text_offset indexes the returned text."""
+    kwargs = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "logprobs": 2, "stop": stop}
+    whole = client.completions.create(model="m", **kwargs)
+    choice = whole.choices[0]
+    lp = choice.logprobs
+    expected = list(zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset, strict=True))
+    assert len(expected) == whole.usage.completion_tokens
+    text, entries, used = _streamed_completion(client, **kwargs)
+    assert (text, used) == (choice.text, whole.usage.completion_tokens)
+    assert [(e[0], list(e[2]), e[3]) for e in entries] == [(e[0], list(e[2]), e[3]) for e in expected]
+    for got, want in zip(entries, expected, strict=True):  # a prefix-cache hit may move a logprob by float noise
+        assert got[1] == pytest.approx(want[1], abs=1e-4) and list(got[2].values()) == pytest.approx(
+            list(want[2].values()), abs=1e-4)
+    in_text = [(token, offset) for token, _, _, offset in entries if offset + len(token) <= len(text)]
+    assert in_text[0][1] == 0 and all(text[offset:].startswith(token) for token, offset in in_text)
+    chat = {"messages": MESSAGES, "max_tokens": 40, "temperature": 0, "logprobs": True, "top_logprobs": 2, "stop": stop}
+    whole_chat = client.chat.completions.create(model="m", **chat)
+    streamed = [(t.token, t.logprob) for c in client.chat.completions.create(model="m", stream=True, **chat)
+                for ch in c.choices if ch.logprobs for t in ch.logprobs.content]
+    expected_chat = [(t.token, t.logprob) for t in whole_chat.choices[0].logprobs.content]
+    assert len(streamed) == len(expected_chat) == whole_chat.usage.completion_tokens
+    assert [t for t, _ in streamed] == [t for t, _ in expected_chat]
+    assert [v for _, v in streamed] == pytest.approx([v for _, v in expected_chat], abs=1e-4)
+
+
+def test_text_offset_counts_characters_of_the_returned_text(client, server):
+    """A skipped special token (EOS, ignore_eos) used to count its own text: offsets ran past the returned text."""
+    special = set(server.engine.tokenizer.all_special_tokens)
+    response = client.completions.create(model="m", prompt=PROMPT, max_tokens=200, temperature=50, seed=3, n=8,
+                                         logprobs=0, extra_body={"ignore_eos": True})
+    assert any(t in special for c in response.choices for t in c.logprobs.tokens)  # the case this is about
+    for choice in response.choices:
+        text, lp = choice.text, choice.logprobs
+        assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+        for token, offset in zip(lp.tokens, lp.text_offset, strict=True):
+            assert offset <= len(text) and (token in special or "\ufffd" in token or text[offset:].startswith(token))
