@@ -11,6 +11,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from plugserve.core.block_table import to_device
 from plugserve.runtime.sampling import SampleOutput
 
 Work = TypeVar("Work")  # what one step plans: a batch, or one batch per DP group
@@ -44,6 +45,26 @@ class BatchResult:
         if self.ready is not None:
             self.ready.synchronize()
         return self.host
+
+
+def fill_pending(input_ids: torch.Tensor, resolve: list[tuple[int, int]], prior: Future[BatchResult] | None
+                 ) -> torch.Tensor:
+    """`input_ids` [T] int64 on the device with the rows `resolve` names ((input row, sampled row of `prior`)) taken
+    from `prior`'s sampled tokens. If `prior`'s forward failed, those rows get a placeholder token and the batch
+    runs all the same: they belong to `prior`'s requests, which end with its error before this batch's tokens are
+    processed (theirs are dropped), while its other requests' inputs never depended on `prior`."""
+    if not resolve:
+        return input_ids
+    assert prior is not None, "PENDING inputs without a batch in flight"
+    # Launched on the one worker thread after `prior`, or not overlapped: `prior` is done, this does not wait.
+    if prior.exception() is not None:
+        return input_ids.clamp(min=0)
+    rows, sources = zip(*resolve, strict=True)
+    filled = input_ids.clone()
+    # Stream-ordered index uploads: a blocking one would wait for the batch in flight.
+    filled[to_device(torch.tensor(rows), filled.device)] = prior.result().token_ids[
+        to_device(torch.tensor(sources), filled.device)]
+    return filled
 
 
 class OverlapLoop(Generic[Work, Handle]):

@@ -373,15 +373,7 @@ class Scheduler:
 
     def inputs(self, batch: ScheduledBatch, prior: Future[BatchResult] | None) -> torch.Tensor:
         """The batch's input ids [T] int64 on the device, those the batch in flight (`prior`) samples filled in."""
-        if not batch.resolve:
-            return batch.input_ids
-        assert prior is not None, "PENDING inputs without a batch in flight"
-        rows, sources = zip(*batch.resolve, strict=True)
-        input_ids = batch.input_ids.clone()
-        # Stream-ordered index uploads: a blocking one would wait for the batch in flight.
-        input_ids[to_device(torch.tensor(rows), input_ids.device)] = prior.result().token_ids[
-            to_device(torch.tensor(sources), input_ids.device)]
-        return input_ids
+        return overlap.fill_pending(batch.input_ids, batch.resolve, prior)
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampleOutput:
         """Tokens of the sampled `requests` from their logits [len(requests), vocab] float32."""

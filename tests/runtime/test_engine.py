@@ -297,6 +297,48 @@ def test_a_failed_forward_leaves_none_of_its_kv_in_the_prefix_cache(solo, overla
         engine.shutdown()
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_a_failing_forward_ends_only_its_request_while_others_decode(overlap):
+    """With overlap, the decode batch planned while a newcomer's prefill ran took that prefill's failed tokens as
+    inputs and re-raised its error: every request decoding at that moment ended with it (issue 41)."""
+    engine = Engine(ServerArgs(model_preset="tiny", disable_overlap_schedule=not overlap))
+    try:
+        assert engine.ready.wait(60)
+        long = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
+        clean = [r.token_ids for r in engine.generate(PROMPTS[:2], long)]
+        bad_ids = engine.tokenize("A prompt whose forward raises")
+        tail = bad_ids[-4:]  # past any prefix the cache holds (a leading BOS)
+        real = engine.runner.forward
+
+        def forward(input_ids, batch, *args, **kwargs):
+            ids = input_ids.tolist()
+            if batch.mode is ForwardMode.EXTEND and any(
+                    ids[i : i + len(tail)] == tail for i in range(len(ids) - len(tail) + 1)):
+                raise RuntimeError("forward failure")
+            return real(input_ids, batch, *args, **kwargs)
+
+        engine.runner.forward = forward
+        done, results = threading.Event(), {}
+        for i, prompt in enumerate(PROMPTS[:2]):
+            engine.submit(prompt, long, _collector(results, f"running{i}", 3, done))
+        deadline = time.monotonic() + 30
+        while (min(sum(len(o.token_ids) for o in results.get(f"running{i}", [])) for i in range(2)) < 2
+               and time.monotonic() < deadline):
+            time.sleep(0.005)
+        engine.submit(bad_ids, GREEDY, _collector(results, "bad", 3, done))
+        assert done.wait(60), "a request hung"
+        assert results["bad"][-1].finish_reason is FinishReason.ERROR
+        assert results["bad"][-1].error == "RuntimeError: forward failure"
+        for i in range(2):
+            outputs = results[f"running{i}"]
+            assert outputs[-1].finish_reason is FinishReason.LENGTH, outputs[-1].error
+            assert [t for o in outputs for t in o.token_ids] == clean[i]
+        engine.check_pool_accounting()
+        assert_every_page_is_back(engine)
+    finally:
+        engine.shutdown()
+
+
 def test_a_request_may_name_the_model_by_its_listed_id_or_a_launch_name():
     listed, names = served_model_names(ServerArgs(model_path="/models/DeepSeek-V3", served_model_name="ds"))
     assert listed == "ds" and names == {"ds", "/models/DeepSeek-V3"}
