@@ -1,7 +1,9 @@
 """Soak: a few hundred mixed requests against a KV pool far too small for them (retraction all along): streamed
-and not, n > 1, stop strings, logprobs, /generate, clients that leave mid-stream or before a non-streamed answer.
-Afterwards every request finished, or was ended by its client; none hung or failed; the greedy ones equal their
-solo runs; and every KV page is back (free, or held only by evictable prefix-cache nodes), each with one owner."""
+and not, n > 1, stop strings, logprobs, /generate, clients that leave mid-stream or before a non-streamed answer,
+and hostile ones (a 10 MB body, a 200 x 64 fan-out, a lone surrogate), refused with their 4xx. Afterwards every
+request finished, was ended by its client or refused; none hung or failed; the greedy ones equal their solo runs;
+/health answered within 100 ms (99th percentile) all along; and every KV page is back (free, or held only by
+evictable prefix-cache nodes), each with one owner."""
 
 from __future__ import annotations
 
@@ -26,6 +28,10 @@ HANG_S = 120  # the whole soak; one request never waits this long unless somethi
 WORDS = ["red", "fox", "jumps", "over", "the", "lazy", "dog", "7", "and", "then", "sleeps"]
 KINDS = ["greedy", "greedy stream", "sampled n", "stop and logprobs", "chat", "generate", "leave stream",
          "leave waiting"]
+# Hostile requests and the status each must get: a body over --max-request-body-bytes, more sequences than
+# --max-sequences-per-request, a string UTF-8 cannot encode.
+HOSTILE = {"huge body": 413, "fan-out": 400, "lone surrogate": 400}
+BODY_LIMIT = 1 << 20
 
 
 @dataclass
@@ -35,12 +41,13 @@ class Outcome:
     texts: tuple[str, ...] = ()  # per choice
     finish_reasons: tuple[str | None, ...] = ()
     key: tuple[str, int] | None = None  # the greedy request's (prompt, max_tokens), to compare with its solo run
+    status: int | None = None  # a hostile request's answer
 
 
 @pytest.fixture(scope="module")
 def soak_server():
     yield from start_server(ServerArgs(model_preset="tiny", api_key=API_KEY, served_model_name=SERVED_MODEL,
-                                       max_total_tokens=POOL_TOKENS,
+                                       max_total_tokens=POOL_TOKENS, max_request_body_bytes=BODY_LIMIT,
                                        max_running_requests=CONCURRENCY, chunked_prefill_size=64))
 
 
@@ -53,7 +60,22 @@ async def _events(response: httpx.Response) -> list[dict]:
             if line.startswith("data: ") and line != "data: [DONE]"]
 
 
+async def _hostile(client: httpx.AsyncClient, kind: str) -> Outcome:
+    if kind == "huge body":
+        body = json.dumps({"model": SERVED_MODEL, "prompt": "a" * (10 << 20)}).encode()
+        response = await client.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    elif kind == "fan-out":
+        response = await client.post("/v1/completions", json={"model": SERVED_MODEL, "prompt": ["hi"] * 200, "n": 64})
+    else:
+        response = await client.post("/v1/completions", content=b'{"prompt": "\\ud800 the fox", "max_tokens": 2}',
+                                     headers={"Content-Type": "application/json"})
+    assert response.json()["error"]["message"], response.text
+    return Outcome(kind, status=response.status_code)
+
+
 async def _one(client: httpx.AsyncClient, kind: str, rng: random.Random, greedy: list[tuple[str, int]]) -> Outcome:
+    if kind in HOSTILE:
+        return await _hostile(client, kind)
     if kind in ("greedy", "greedy stream"):
         prompt, max_tokens = rng.choice(greedy)
         body = {"model": SERVED_MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
@@ -111,6 +133,16 @@ def test_soak_with_a_far_too_small_kv_pool(soak_server: RunningServer, capsys):
     rng = random.Random(0)
     greedy = [(_prompt(rng), rng.randint(4, 24)) for _ in range(12)]
     plan = [rng.choice(KINDS) for _ in range(REQUESTS)]
+    for i, kind in enumerate(HOSTILE):  # each once, early, while the pool is busiest
+        plan.insert(10 + 20 * i, kind)
+    health: list[float] = []
+
+    async def probe_health(client: httpx.AsyncClient, done: asyncio.Event) -> None:
+        while not done.is_set():
+            sent = time.monotonic()
+            assert (await client.get("/health")).status_code == 200
+            health.append(time.monotonic() - sent)
+            await asyncio.sleep(0.05)
 
     async def run() -> list[Outcome]:
         gate = asyncio.Semaphore(CONCURRENCY)
@@ -121,7 +153,13 @@ def test_soak_with_a_far_too_small_kv_pool(soak_server: RunningServer, capsys):
                 async with gate:
                     return await _one(client, kind, random.Random(i), greedy)
 
-            return await asyncio.wait_for(asyncio.gather(*(guarded(i, k) for i, k in enumerate(plan))), HANG_S)
+            done = asyncio.Event()
+            prober = asyncio.create_task(probe_health(client, done))
+            try:
+                return await asyncio.wait_for(asyncio.gather(*(guarded(i, k) for i, k in enumerate(plan))), HANG_S)
+            finally:
+                done.set()
+                await prober
 
     errors_before = soak_server.metric("plugserve_requests_total", '{finish_reason="error"}')
     started = time.monotonic()
@@ -134,18 +172,23 @@ def test_soak_with_a_far_too_small_kv_pool(soak_server: RunningServer, capsys):
     kinds = Counter(o.kind for o in outcomes)
     left = sum(o.ended_by_client for o in outcomes)
     allocator = engine.runner.allocator
+    p99 = sorted(health)[int(0.99 * len(health))] if health else float("inf")
     # Idle, every page is free or in the prefix cache: the rest leaked.
     leaked = allocator.num_pages - allocator.num_free - engine.radix.cached_pages
     with capsys.disabled():
         print(f"\nsoak: {len(outcomes)} requests in {elapsed:.0f} s ({dict(kinds)}); {left} clients left early, "
               f"{aborted:.0f} requests aborted; {engine.metrics.retractions._value.get():.0f} retractions; "
-              f"{leaked} pages leaked")
+              f"{leaked} pages leaked; /health p99 {p99 * 1e3:.0f} ms over {len(health)} probes")
 
     assert engine.num_outstanding == 0, "requests still running after their clients were done"
     assert soak_server.metric("plugserve_requests_total", '{finish_reason="error"}') == errors_before
     assert 0 < aborted <= left  # a client that left after its last token aborted nothing
     assert engine.metrics.retractions._value.get() > 0, "the pool was not too small: nothing was retracted"
+    assert {o.kind: o.status for o in outcomes if o.kind in HOSTILE} == HOSTILE
+    assert len(health) > 20 and p99 < 0.1, sorted(health)[-10:]
     for outcome in outcomes:
+        if outcome.kind in HOSTILE:
+            continue
         if not outcome.ended_by_client:
             assert outcome.finish_reasons and all(r in ("stop", "length") for r in outcome.finish_reasons), outcome
     solo = {key: engine.generate(key[0], SamplingParams(max_new_tokens=key[1], temperature=0, ignore_eos=True))[0].text
