@@ -24,9 +24,11 @@ import argparse
 import contextlib
 import itertools
 import json
+import os
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -240,4 +242,16 @@ def benchmark(runner: ModelRunner, namespace: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    # Ended with os._exit: a multi-GPU run's NCCL world is left to the process's exit, where NCCL's own teardown can
+    # hang (docs/parallelism.md, "Leaving").
+    status = 0
+    try:
+        main(sys.argv[1:])
+    except SystemExit as exit_:
+        status = exit_.code if isinstance(exit_.code, int) else 1 if exit_.code else 0
+    except BaseException:
+        traceback.print_exc()
+        status = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

@@ -1,9 +1,14 @@
 """Runs a test function on several ranks: spawned processes joined over gloo on the CPU, or over NCCL with rank r
-on cuda:r; `multi_gpu(n)` marks a test that needs n GPUs."""
+on cuda:r; or in one spawned process of its own (`run_in_process`: a multi-GPU engine, whose NCCL world lives until
+its process exits); `multi_gpu(n)` marks a test that needs n GPUs."""
 
 from __future__ import annotations
 
+import os
+import queue
+import sys
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -63,3 +68,34 @@ def run_ranks(fn: Callable[..., None], *args: Any, world_size: int = 2, device: 
                 process.kill()
             pytest.fail(f"ranks still running after {JOIN_TIMEOUT_S} s")
 
+
+
+def _returning(fn: Callable[..., Any], args: tuple[Any, ...], results: Any) -> None:
+    try:
+        results.put((True, fn(*args)))
+    except BaseException:
+        results.put((False, traceback.format_exc()))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # no NCCL teardown at exit (docs/parallelism.md, "Leaving")
+
+
+def run_in_process(fn: Callable[..., Any], *args: Any, timeout_s: float = 300.0) -> Any:
+    """fn(*args) in a spawned process of its own, and its return value (fn, args and the value must pickle). Its
+    exception fails the test with its traceback; a process that outlasts `timeout_s` is killed and the test fails."""
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    process = context.Process(target=_returning, args=(fn, args, results))
+    process.start()
+    try:
+        ok, value = results.get(timeout=timeout_s)
+    except queue.Empty:
+        process.kill()
+        pytest.fail(f"{fn.__name__} still running after {timeout_s} s (exit code {process.exitcode})")
+    finally:
+        process.join(10)
+        if process.is_alive():
+            process.kill()
+    if not ok:
+        pytest.fail(f"{fn.__name__} failed in its process:\n{value}")
+    return value

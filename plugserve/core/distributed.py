@@ -153,15 +153,17 @@ def destroy_parallel_group() -> None:
         dist.destroy_process_group()
 
 
-def abort_parallel_group() -> None:
-    """Leave the world without the other ranks (they exited, or died): NCCL's communicators are aborted, where
-    destroying them would wait for the others; gloo's are destroyed (nothing to wait for)."""
-    if not dist.is_initialized():
-        return
-    if dist.get_backend() == "nccl":
-        dist.distributed_c10d._abort_process_group()
-    else:
+def leave_parallel_group() -> None:
+    """Leave the world without the other ranks (they exited, or died). gloo's groups are destroyed (nothing to wait
+    for); NCCL's communicators are left to this process's exit: destroying them waits for ranks that are gone, and
+    aborting them hung on the GPUs measured (docs/parallelism.md), so a process joins one NCCL world at most."""
+    if dist.is_initialized() and dist.get_backend() != "nccl":
         dist.destroy_process_group()
+
+
+def joined_nccl_world() -> bool:
+    """Whether this process still holds an NCCL world (left to its exit by `leave_parallel_group`)."""
+    return dist.is_initialized() and dist.get_backend() == "nccl"
 
 
 def pick_free_port(host: str = "127.0.0.1") -> int:

@@ -20,8 +20,9 @@ from multiprocessing.process import BaseProcess
 
 from plugserve.core.distributed import (
     ParallelGroup,
-    abort_parallel_group,
     init_parallel_group,
+    joined_nccl_world,
+    leave_parallel_group,
     pick_free_port,
 )
 from plugserve.runtime.model_runner import ModelRunner, rank_device
@@ -97,6 +98,9 @@ class Ranks:
     `watch(on_exit)` reports a worker that exits before `stop` ("tensor-parallel rank 1 exited ...")."""
 
     def __init__(self, args: ServerArgs) -> None:
+        if joined_nccl_world():
+            raise RuntimeError("this process already ran a multi-GPU engine, whose NCCL world lives until the process "
+                               "exits: start each multi-GPU engine in its own process")
         address = init_address(args)
         self.workers = start_workers(args, address)
         self._stopping = threading.Event()
@@ -119,8 +123,8 @@ class Ranks:
 
     def stop(self, runner: ModelRunner | None) -> None:
         """Release the workers through `runner` (None: they cannot be released, e.g. the forwards broke off),
-        wait for them to exit, kill those left, and leave the world (aborting NCCL's communicators, whose
-        collective teardown would wait on ranks that are gone)."""
+        wait for them to exit, kill those left, and leave the world (NCCL's: at this process's exit, see
+        `leave_parallel_group`)."""
         self._stopping.set()
         if self._watcher is not None:
             self._watcher.join()  # one thread at a time waits on the workers
@@ -134,7 +138,7 @@ class Ranks:
             if process.is_alive():
                 process.kill()
                 process.join()
-        abort_parallel_group()
+        leave_parallel_group()
 
 
 def run_node(args: ServerArgs) -> str | None:

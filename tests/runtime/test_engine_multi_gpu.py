@@ -1,6 +1,7 @@
 """The engine over several GPUs (`pytest -m multigpu tests`, on a lent machine of 2 or 4): TP, EP, DP attention and
 their mixes on the tiny V3 in float32 give one GPU's greedy tokens, which are HF transformers'; aborts under DP
-attention leave every page owned; a killed rank ends the engine with an error naming it."""
+attention leave every page owned; a killed rank ends the engine with an error naming it. Each multi-GPU engine runs
+in a process of its own (its NCCL world lives until that process exits)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from plugserve.runtime.sampling import SamplingParams
 from plugserve.runtime.server_args import ServerArgs
 from tests.checkpoints import random_hf_model, save_hf_model, tiny_v3_config
 from tests.engine_checks import assert_killing_rank_1_ends_the_engine
-from tests.multiprocess import multi_gpu, needs_gpus
+from tests.multiprocess import multi_gpu, needs_gpus, run_in_process
 
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
 PROMPTS = [[5, 17, 250, 3, 99, 42, 7], [300, 1, 64], list(range(40, 80)), [11] * 20]
@@ -79,25 +80,32 @@ def _layouts() -> list[object]:
     return layouts
 
 
-@pytest.mark.parametrize(("world", "flags"), _layouts())
-def test_ranks_give_one_gpus_greedy_tokens(model_dir: Path, one_gpu_tokens: list[list[int]], world: int,
-                                           flags: dict[str, object]) -> None:
+def _layout_tokens(model_dir: Path, world: int, flags: dict[str, object]) -> tuple[list[list[int]], ...]:
+    """In its own process: the greedy tokens of PROMPTS and of PROMPTS[1] alone, the backends that fell back from
+    their self-check, and the workers' exit codes."""
     engine = Engine(_args(model_dir, world, **flags))
     try:
-        assert _tokens(engine) == one_gpu_tokens
-        assert _tokens(engine, PROMPTS[1:2]) == one_gpu_tokens[1:2]  # one request: under DP, the other groups idle
-        # No backend fell back from its start-up self-check (as the triton MoE once did under EP).
-        assert [c for c in engine.runner.backends.chosen if "fell back" in c.reason] == []
+        tokens = _tokens(engine)
+        alone = _tokens(engine, PROMPTS[1:2])  # one request: under DP, the other groups idle
+        fell_back = [c.name for c in engine.runner.backends.chosen if "fell back" in c.reason]
         engine.check_pool_accounting()
     finally:
         engine.shutdown()
-    assert engine.ranks is not None and all(p.exitcode == 0 for p in engine.ranks.workers.values())
+    assert engine.ranks is not None
+    return tokens, alone, fell_back, [p.exitcode for p in engine.ranks.workers.values()]
 
 
-@needs_gpus(2)
-def test_aborts_under_dp_attention_leave_every_page_owned(model_dir: Path, one_gpu_tokens: list[list[int]]) -> None:
-    """Twelve requests over two DP groups with a pool small enough to retract; every third aborted after its first
-    token: the others get one GPU's tokens, and every group's pages come back."""
+@pytest.mark.parametrize(("world", "flags"), _layouts())
+def test_ranks_give_one_gpus_greedy_tokens(model_dir: Path, one_gpu_tokens: list[list[int]], world: int,
+                                           flags: dict[str, object]) -> None:
+    tokens, alone, fell_back, exit_codes = run_in_process(_layout_tokens, model_dir, world, flags)
+    assert tokens == one_gpu_tokens
+    assert alone == one_gpu_tokens[1:2]
+    assert fell_back == []  # no backend fell back from its start-up self-check (as the triton MoE once did under EP)
+    assert exit_codes == [0] * (world - 1)
+
+
+def _aborts_under_dp_attention(model_dir: Path, one_gpu_tokens: list[list[int]]) -> None:
     engine = Engine(_args(model_dir, 2, enable_dp_attention=True, dp_size=2, max_total_tokens=64))
     mix = [0, 1, 3]  # PROMPTS that fit the pool with their 24 tokens
     try:
@@ -121,10 +129,23 @@ def test_aborts_under_dp_attention_leave_every_page_owned(model_dir: Path, one_g
 
 
 @needs_gpus(2)
-def test_a_killed_rank_ends_the_engine_with_an_error_naming_it(model_dir: Path) -> None:
+def test_aborts_under_dp_attention_leave_every_page_owned(model_dir: Path, one_gpu_tokens: list[list[int]]) -> None:
+    """Twelve requests over two DP groups with a pool small enough to retract; every third aborted after its first
+    token: the others get one GPU's tokens, and every group's pages come back."""
+    run_in_process(_aborts_under_dp_attention, model_dir, one_gpu_tokens)
+
+
+def _killed_rank(model_dir: Path) -> None:
     engine = Engine(_args(model_dir, 2))
     try:
         _tokens(engine, PROMPTS[:1])
         assert_killing_rank_1_ends_the_engine(engine, PROMPTS[0])
     finally:
         engine.shutdown()
+    with pytest.raises(RuntimeError, match="start each multi-GPU engine in its own process"):
+        Engine(_args(model_dir, 2))
+
+
+@needs_gpus(2)
+def test_a_killed_rank_ends_the_engine_with_an_error_naming_it(model_dir: Path) -> None:
+    run_in_process(_killed_rank, model_dir)
