@@ -5,11 +5,11 @@ its process exits); `multi_gpu(n)` marks a test that needs n GPUs."""
 from __future__ import annotations
 
 import os
-import queue
 import sys
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
 import pytest
@@ -70,11 +70,11 @@ def run_ranks(fn: Callable[..., None], *args: Any, world_size: int = 2, device: 
 
 
 
-def _returning(fn: Callable[..., Any], args: tuple[Any, ...], results: Any) -> None:
+def _returning(fn: Callable[..., Any], args: tuple[Any, ...], results: Connection) -> None:
     try:
-        results.put((True, fn(*args)))
+        results.send((True, fn(*args)))  # a pipe's send is done when it returns (a Queue's put is not)
     except BaseException:
-        results.put((False, traceback.format_exc()))
+        results.send((False, traceback.format_exc()))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # no NCCL teardown at exit (docs/parallelism.md, "Leaving")
@@ -84,14 +84,16 @@ def run_in_process(fn: Callable[..., Any], *args: Any, timeout_s: float = 300.0)
     """fn(*args) in a spawned process of its own, and its return value (fn, args and the value must pickle). Its
     exception fails the test with its traceback; a process that outlasts `timeout_s` is killed and the test fails."""
     context = mp.get_context("spawn")
-    results = context.Queue()
-    process = context.Process(target=_returning, args=(fn, args, results))
+    reader, writer = context.Pipe(duplex=False)
+    process = context.Process(target=_returning, args=(fn, args, writer))
     process.start()
+    writer.close()
     try:
-        ok, value = results.get(timeout=timeout_s)
-    except queue.Empty:
-        process.kill()
-        pytest.fail(f"{fn.__name__} still running after {timeout_s} s (exit code {process.exitcode})")
+        if not reader.poll(timeout_s):
+            pytest.fail(f"{fn.__name__} still running after {timeout_s} s")
+        ok, value = reader.recv()
+    except EOFError:
+        pytest.fail(f"{fn.__name__}'s process ended without an answer")
     finally:
         process.join(10)
         if process.is_alive():

@@ -21,6 +21,7 @@ from tests.engine_checks import assert_killing_rank_1_ends_the_engine
 from tests.multiprocess import multi_gpu, needs_gpus, run_in_process
 
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+ENGINE_TIMEOUT_S = 150.0  # one engine's start, requests and shutdown in its process
 PROMPTS = [[5, 17, 250, 3, 99, 42, 7], [300, 1, 64], list(range(40, 80)), [11] * 20]
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs GPUs")
@@ -98,7 +99,8 @@ def _layout_tokens(model_dir: Path, world: int, flags: dict[str, object]) -> tup
 @pytest.mark.parametrize(("world", "flags"), _layouts())
 def test_ranks_give_one_gpus_greedy_tokens(model_dir: Path, one_gpu_tokens: list[list[int]], world: int,
                                            flags: dict[str, object]) -> None:
-    tokens, alone, fell_back, exit_codes = run_in_process(_layout_tokens, model_dir, world, flags)
+    tokens, alone, fell_back, exit_codes = run_in_process(_layout_tokens, model_dir, world, flags,
+                                                              timeout_s=ENGINE_TIMEOUT_S)
     assert tokens == one_gpu_tokens
     assert alone == one_gpu_tokens[1:2]
     assert fell_back == []  # no backend fell back from its start-up self-check (as the triton MoE once did under EP)
@@ -132,7 +134,7 @@ def _aborts_under_dp_attention(model_dir: Path, one_gpu_tokens: list[list[int]])
 def test_aborts_under_dp_attention_leave_every_page_owned(model_dir: Path, one_gpu_tokens: list[list[int]]) -> None:
     """Twelve requests over two DP groups with a pool small enough to retract; every third aborted after its first
     token: the others get one GPU's tokens, and every group's pages come back."""
-    run_in_process(_aborts_under_dp_attention, model_dir, one_gpu_tokens)
+    run_in_process(_aborts_under_dp_attention, model_dir, one_gpu_tokens, timeout_s=ENGINE_TIMEOUT_S)
 
 
 def _killed_rank(model_dir: Path) -> None:
@@ -148,4 +150,4 @@ def _killed_rank(model_dir: Path) -> None:
 
 @needs_gpus(2)
 def test_a_killed_rank_ends_the_engine_with_an_error_naming_it(model_dir: Path) -> None:
-    run_in_process(_killed_rank, model_dir)
+    run_in_process(_killed_rank, model_dir, timeout_s=ENGINE_TIMEOUT_S)
