@@ -52,8 +52,9 @@ def hf_tokens(hf_model) -> list[list[int]]:
 
 
 def _args(model_dir: Path, tp_size: int = 1, **flags: object) -> ServerArgs:
-    return ServerArgs(model_path=str(model_dir), tokenizer_path=str(EMBEDDED_MODEL_DIR), device="cuda",
-                      dtype="float32", max_total_tokens=4096, max_running_requests=16, tp_size=tp_size, **flags)
+    return ServerArgs(**{"model_path": str(model_dir), "tokenizer_path": str(EMBEDDED_MODEL_DIR), "device": "cuda",
+                         "dtype": "float32", "max_total_tokens": 4096, "max_running_requests": 16, "tp_size": tp_size}
+                      | flags)
 
 
 def _tokens(engine: Engine, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
