@@ -70,11 +70,12 @@ class GraphInputs:
         )
 
     def load(self, input_ids: torch.Tensor, batch: ForwardBatch, batch_size: int,
-             hidden: torch.Tensor | None = None) -> ForwardBatch:
+             hidden: torch.Tensor | None = None, mode: ForwardMode | None = None) -> ForwardBatch:
         """Copy a real batch (b <= batch_size requests of tokens_per_request tokens each; `hidden` [R, H] with
         the `hidden` buffer, else None: R = T, one row per token, or b for a forward that reads one per request)
         into the first rows and make rows b..batch_size-1 padding (their hidden rows keep whatever they held:
-        padding rows' outputs are never read). Returns the static batch of `batch_size` rows."""
+        padding rows' outputs are never read). Returns the static batch of `batch_size` rows, in `mode` (default:
+        the batch's; an IDLE batch of no requests loads as all padding in the graph's mode)."""
         b, n = batch.batch_size, batch.num_tokens
         padded_n = batch_size * self.tokens_per_request
         if any(e != self.tokens_per_request for e in batch.extend_lens_cpu):
@@ -99,6 +100,6 @@ class GraphInputs:
             self.seq_lens[b:batch_size].fill_(self.tokens_per_request)
             self.block_table[b:batch_size].fill_(self.padding_page)
         pad = [self.tokens_per_request] * (batch_size - b)
-        static = self.batch(batch.mode, batch_size, batch.seq_lens_cpu + pad)
+        static = self.batch(mode or batch.mode, batch_size, batch.seq_lens_cpu + pad)
         static.attn_method = batch.attn_method
         return static

@@ -14,6 +14,12 @@ place (`plan_replay`: on the host before the replay, or recorded in the graph wh
 is one GEMM whether the batch is padded or not) and, where the round needs them, hidden states. Sampling and
 acceptance run outside, because they depend on per-request parameters.
 
+Under DP attention (`dp_size` > 1) each rank captures its DP group's DECODE with every group padded to the same
+size: the MLP's gathers then move `dp_size` equal blocks, fixed at capture, and the logits hold every group's
+rows ([dp_size * size, vocab]). Every rank picks the same graph for a step from the groups' headers
+(`dp_graph_size`: the largest group's batch, padded; an idle group replays it on padding rows alone), since the
+graphs hold collectives.
+
 What is captured is a list of `GraphPlan`s: the target's DECODE by default (`decode_graph_plans`), the
 speculative forwards when speculative decoding supplies its own (`speculative.graph_plans`). A decode backend that
 does not declare a plan's mode in `capabilities.graph_modes`, or a batch larger than the largest graph, runs
@@ -40,6 +46,7 @@ from plugserve.runtime.backends import RunnerBackends, in_bucket
 
 if TYPE_CHECKING:
     from plugserve.core.models.deepseek import DeepseekForCausalLM
+    from plugserve.runtime.rank_protocol import Header
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +84,9 @@ class CudaGraphRunner:
 
     def __init__(self, mode: ForwardMode, sizes: list[int], tokens_per_request: int, max_pages: int,
                  pool: MLAKVPool, padding_page: int, backend_for_size: Callable[[int], AttentionBackend],
-                 hidden: tuple[int, torch.dtype] | None = None) -> None:
+                 hidden: tuple[int, torch.dtype] | None = None, dp_size: int = 1) -> None:
         self.mode, self.sizes, self.tokens_per_request = mode, sorted(sizes), tokens_per_request
+        self.dp_size = dp_size
         self.inputs = graph_inputs.GraphInputs(self.sizes[-1], tokens_per_request, max_pages, pool, padding_page,
                                                hidden)
         self.backend_for_size = backend_for_size
@@ -103,6 +111,8 @@ class CudaGraphRunner:
         for size in reversed(self.sizes):
             attention = self.backend_for_size(size)
             batch = self.inputs.batch(self.mode, size)
+            if self.dp_size > 1:
+                batch.dp_tokens = [size * self.tokens_per_request] * self.dp_size
             n = size * self.tokens_per_request
             hidden = None if self.inputs.hidden is None else self.inputs.hidden[:n]
             attention.plan_capture(batch)
@@ -141,6 +151,15 @@ class CudaGraphRunner:
         static = self.inputs.load(input_ids, batch, size, hidden)
         return tuple(out[: batch.batch_size if out.shape[0] == size else batch.num_tokens]
                      for out in self._launch(size, static))
+
+    def replay_dp(self, input_ids: torch.Tensor, batch: ForwardBatch, size: int) -> tuple[torch.Tensor, ...]:
+        """Under DP attention: this rank's group's batch (b <= size requests, or an IDLE one of none) in the graph of
+        `size` that every rank replays in the same step -> the graph's whole outputs (logits [dp_size * size,
+        vocab]: each group's `size` rows in group order, its first rows its real requests'; valid until the next
+        replay)."""
+        if batch.mode is not ForwardMode.IDLE and not self.can_run(batch):
+            raise ValueError(f"no graph for a {batch.mode.name} batch of {batch.batch_size} requests")
+        return self._launch(size, self.inputs.load(input_ids, batch, size, mode=self.mode))
 
     def _launch(self, size: int, static: ForwardBatch) -> tuple[torch.Tensor, ...]:
         """Replay the graph of `size` on the loaded static batch; its full output buffers."""
@@ -200,7 +219,7 @@ def model_forward(nextn: bool, logits: bool, greedy: bool, hidden: bool) -> Forw
                     attention: AttentionBackend) -> tuple[torch.Tensor, ...]:
             out = (model.forward_nextn(input_ids, states, batch, attention) if nextn  # type: ignore[arg-type]
                    else model(input_ids, batch, attention))
-            scores = model.compute_logits(out) if logits or greedy else None
+            scores = model.compute_logits(out, batch.dp_tokens) if logits or greedy else None
             return (*((scores,) if logits else ()),
                     *((scores[:, :sample_vocab].argmax(dim=-1),) if greedy else ()),  # type: ignore[index]
                     *((out,) if hidden else ()))
@@ -215,9 +234,11 @@ def decode_graph_plans() -> GraphPlans:
     return GraphPlans([GraphPlan.of_model(ForwardMode.DECODE.name, ForwardMode.DECODE, 1)])
 
 
-def output_bytes(plans: Sequence[GraphPlan], vocab_size: int, hidden_size: int, dtype: torch.dtype) -> int:
-    """Bytes the plans' graphs keep as outputs per captured request."""
-    logits_row = vocab_size * 4  # float32
+def output_bytes(plans: Sequence[GraphPlan], vocab_size: int, hidden_size: int, dtype: torch.dtype,
+                 dp_size: int = 1) -> int:
+    """Bytes the plans' graphs keep as outputs per captured request (under DP attention the logits hold every
+    group's rows)."""
+    logits_row = vocab_size * 4 * dp_size  # float32
     hidden_row = hidden_size * torch.empty(0, dtype=dtype).element_size()
     return sum(p.tokens_per_request * (logits_row * p.logits + hidden_row * p.hidden) for p in plans)
 
@@ -237,11 +258,11 @@ class CudaGraphs:
 
     def capture(self, planned: GraphPlans, sizes: list[int], backends: RunnerBackends, model: DeepseekForCausalLM,
                 sample_vocab: int, hidden: tuple[int, torch.dtype], pool: MLAKVPool, padding_page: int,
-                max_pages: int) -> None:
+                max_pages: int, dp_size: int = 1) -> None:
         """Capture every plan whose forwards the decode buckets' attention backends (in every mode it runs) and
         the MoE and GEMM backends can run under graphs, at `sizes`. A plan that cannot be captured, or all of
         them when a capture fails, runs eagerly, and `status` says which and why. `hidden`: (H, dtype) of the hidden
-        states the NextN layer's plans read."""
+        states the NextN layer's plans read; `dp_size`: DP attention's groups (`CudaGraphRunner`)."""
         plans, eager = [], []
         for plan in planned.plans:
             if reason := _blocker(plan, backends):
@@ -252,7 +273,7 @@ class CudaGraphs:
         eager += planned.eager
         backend_for_size = functools.partial(in_bucket, backends.decode_buckets)
         runners = [CudaGraphRunner(p.mode, sizes, p.tokens_per_request, max_pages, pool, padding_page,
-                                   backend_for_size, hidden if p.reads_hidden else None)
+                                   backend_for_size, hidden if p.reads_hidden else None, dp_size)
                    for p in plans]
         captured = ""
         if runners:
@@ -275,6 +296,18 @@ class CudaGraphs:
                 bar.close()
         self.status = "; ".join(filter(None, [captured, *eager]))
         logger.info("CUDA graphs: %s", self.status)
+
+
+def dp_graph_size(graph: CudaGraphRunner, headers: Sequence[Header | None]) -> int | None:
+    """The size of `graph` (a DECODE one of DP attention) that every rank replays for a step of these DP groups'
+    headers (None: an idle group), or None when the step runs eagerly: a group's batch is not DECODE, is larger
+    than the largest graph, is wider than its block table, or does not sample each of its requests' one token
+    (the graph's logits are read as each group's first rows)."""
+    live = [h for h in headers if h is not None]
+    if not live or any(h.mode is not graph.mode or h.width > graph.inputs.max_pages or h.num_sampled != len(h.seq_lens)
+                       or any(e != graph.tokens_per_request for e in h.extend_lens) for h in live):
+        return None
+    return graph_inputs.padded_size(graph.sizes, max(len(h.seq_lens) for h in live))
 
 
 def _blocker(plan: GraphPlan, backends: RunnerBackends) -> str:

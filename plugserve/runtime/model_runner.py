@@ -28,7 +28,13 @@ from plugserve.core.moved import moved_names
 from plugserve.core.symmetric_all_reduce import build_symmetric_all_reduce
 from plugserve.runtime import rank_protocol
 from plugserve.runtime.backends import RunnerBackends
-from plugserve.runtime.cuda_graph_runner import CudaGraphs, GraphPlans, decode_graph_plans, output_bytes
+from plugserve.runtime.cuda_graph_runner import (
+    CudaGraphs,
+    GraphPlans,
+    decode_graph_plans,
+    dp_graph_size,
+    output_bytes,
+)
 from plugserve.runtime.server_args import ServerArgs, flag
 
 logger = logging.getLogger(__name__)
@@ -111,9 +117,7 @@ class ModelRunner:
         logger.info("KV pool: %d pages of %d tokens (%d tokens, %.2f GiB)", num_pages, self.page_size,
                     num_pages * self.page_size, self.pool_bytes / 2**30)
         self.graphs = CudaGraphs("disabled by --disable-cuda-graph" if args.disable_cuda_graph else
-                                 "no CUDA graphs on the CPU" if self.device.type != "cuda" else
-                                 "decode runs eagerly under --enable-dp-attention (no graphs for it yet)"
-                                 if self.dp_size > 1 else "not captured yet")
+                                 "no CUDA graphs on the CPU" if self.device.type != "cuda" else "not captured yet")
 
     def _with_small_all_reduce(self, group: ParallelGroup) -> ParallelGroup:
         """`group`, its small all-reduces in the symmetric-memory one-shot kernel where all its ranks share this
@@ -144,8 +148,7 @@ class ModelRunner:
                 raise ValueError(f"{flag('cuda_graph_max_bs')} needs a CUDA device: there are no CUDA graphs on "
                                  f"{self.device.type}")
             return 0
-        # DP attention's gathers are not captured yet.
-        if args.disable_cuda_graph or self.dp_size > 1:
+        if args.disable_cuda_graph:
             return 0
         return min(args.cuda_graph_max_bs or self.max_running_requests, self.max_running_requests)
 
@@ -194,6 +197,8 @@ class ModelRunner:
         # Every page of every row is the scratch page: n tokens fit any page size.
         inputs = GraphInputs(batch_size, n, pages_needed(n, self.page_size), scratch, padding_page=0)
         batch = inputs.batch(mode, batch_size)
+        if self.dp_size > 1:  # the MLP over every group's rows, as captured
+            batch.dp_tokens = [batch.num_tokens] * self.dp_size
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -201,7 +206,7 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         kept = sum(capture_sizes(batch_size)) * output_bytes(self.graph_plans.plans, self.config.vocab_size,
-                                                             self.config.hidden_size, self.dtype)
+                                                             self.config.hidden_size, self.dtype, self.dp_size)
         logger.info("%s activations at batch %d: %.1f MiB, graph outputs %.1f MiB (reserved for CUDA graphs)",
                     mode.name, batch_size, peak / 2**20, kept / 2**20)
         return peak + kept
@@ -212,7 +217,7 @@ class ModelRunner:
         """Capture `graph_plans` at every size up to the largest graph batch (`CudaGraphs.capture`)."""
         self.graphs.capture(self.graph_plans, capture_sizes(self.graph_max_bs), self.backends, self.model,
                             self.sample_vocab, (self.config.hidden_size, self.dtype), self.pool, self.padding_page,
-                            min(self.block_table.max_pages, self.allocator.num_pages))
+                            min(self.block_table.max_pages, self.allocator.num_pages), self.dp_size)
 
     # -- running -------------------------------------------------------------------------------------
 
@@ -271,15 +276,19 @@ class ModelRunner:
             part = rank_protocol.idle_part(self.pool)
         if self.dp_size == 1:
             return [self._forward(*part)]
-        part.batch.dp_tokens = [0 if h is None else h.sizes[0] for h in headers]
         sampled = [0 if h is None else h.num_sampled for h in headers]
+        graph = self.graphs.runners.get(ForwardMode.DECODE.name)
+        if graph is not None and (size := dp_graph_size(graph, headers)) is not None:  # alike on every rank
+            logits = graph.replay_dp(part.input_ids, part.batch, size)[0]
+            return [logits[g * size : g * size + n, : self.sample_vocab] for g, n in enumerate(sampled)]
+        part.batch.dp_tokens = [0 if h is None else h.sizes[0] for h in headers]
         return list(self._forward(*part, dp_sampled=sampled).split(sampled))
 
     def _forward(self, input_ids: torch.Tensor, batch: ForwardBatch, sample_rows: torch.Tensor,
                  dp_sampled: list[int] | None = None) -> torch.Tensor:
         """This rank's forward -> logits [len(sample_rows), sample_vocab] float32, or under DP attention every
         group's sampled rows, [sum(dp_sampled), sample_vocab] in group order."""
-        graph = self.graphs.get(batch.mode.name, batch)
+        graph = self.graphs.get(batch.mode.name, batch) if dp_sampled is None else None  # DP's: `_forward_own`
         if graph is not None:
             return graph.replay(input_ids, batch)[0][sample_rows, : self.sample_vocab]
         attention = None

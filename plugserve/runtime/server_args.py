@@ -199,9 +199,6 @@ class ServerArgs(BaseModel):
             raise ValueError(f"{flag('dp_size')} {self.dp_size} must equal {flag('tp_size')} ({self.tp_size}): "
                              "each DP attention group is one rank (attention tensor parallelism within a group, "
                              f"{flag('tp_size')} / {flag('dp_size')} > 1, is not supported)")
-        if self.cuda_graph_max_bs is not None:
-            raise ValueError(f"{flag('cuda_graph_max_bs')} does not combine with {flag('enable_dp_attention')}: "
-                             "decode runs eagerly under DP attention (no CUDA graphs for it yet)")
 
     @property
     def dp_attention_size(self) -> int:

@@ -10,8 +10,9 @@ from plugserve.core.forward_batch import ForwardBatch, ForwardMode
 from plugserve.core.graph_inputs import GraphInputs, capture_sizes, padded_size
 from plugserve.core.kv_cache import MLAKVPool
 from plugserve.runtime import warmup
-from plugserve.runtime.cuda_graph_runner import CudaGraphRunner, _Graph
+from plugserve.runtime.cuda_graph_runner import CudaGraphRunner, _Graph, dp_graph_size
 from plugserve.runtime.model_runner import ModelRunner
+from plugserve.runtime.rank_protocol import Header, idle_part
 from plugserve.runtime.server_args import ServerArgs
 
 
@@ -107,6 +108,44 @@ def test_a_replay_plans_on_the_host_unless_the_plan_was_captured(plan_in_graph: 
                                (output,), plan_in_graph)
     (out,) = graphs.replay(torch.tensor([4]), _real_batch(pool, [3], [[5]]))
     assert recorder.calls == expected and out.tolist() == [0.0]
+
+
+def _decode(batch_size: int, width: int = 1, sampled: int | None = None) -> Header:
+    return Header(ForwardMode.DECODE, [5] * batch_size, [1] * batch_size, width,
+                  batch_size if sampled is None else sampled)
+
+
+@pytest.mark.parametrize(("headers", "expected"), [
+    ([_decode(3), None], 4),  # the largest group's batch, padded; the idle group replays it too
+    ([_decode(1), _decode(5)], 8),
+    ([_decode(9), _decode(1)], None),  # larger than the largest graph
+    ([_decode(2), Header(ForwardMode.EXTEND, [7], [7], 1, 1)], None),  # a prefill anywhere: eager everywhere
+    ([_decode(2, width=4), _decode(1)], None),  # wider than the graphs' block table
+    ([_decode(2, sampled=1), None], None),  # not every request's token sampled
+    ([None, None], None),
+])
+def test_every_dp_group_replays_the_graph_of_the_largest_groups_batch(headers: list[Header | None],
+                                                                      expected: int | None):
+    graphs = CudaGraphRunner(ForwardMode.DECODE, [1, 2, 4, 8], 1, 3, _pool(), 8, lambda size: None,  # type: ignore
+                             dp_size=2)
+    assert dp_graph_size(graphs, headers) == expected
+
+
+def test_an_idle_dp_group_replays_padding_rows_and_gets_every_groups_logits():
+    pool = _pool()
+    recorder = _Recorder()
+    graphs = CudaGraphRunner(ForwardMode.DECODE, [4], 1, 3, pool, 8, lambda size: recorder,  # type: ignore[arg-type]
+                             dp_size=2)
+    output = torch.arange(8.0)  # two groups' 4 rows
+    graphs._graphs[4] = _Graph(recorder, graphs.inputs.batch(ForwardMode.DECODE, 4), recorder,  # type: ignore[arg-type]
+                               (output,), False)
+    graphs.inputs.out_cache_loc.fill_(0)
+    idle = idle_part(pool)
+    (out,) = graphs.replay_dp(idle.input_ids, idle.batch, 4)
+    assert recorder.calls == ["plan [1, 1, 1, 1]", "replay"] and out.tolist() == list(range(8))
+    assert graphs.inputs.out_cache_loc.tolist() == [8 * pool.page_size] * 4  # every row on the padding page
+    (out,) = graphs.replay_dp(torch.tensor([4, 5]), _real_batch(pool, [3, 6], [[5], [6, 7]]), 4)
+    assert recorder.calls[2:] == ["plan [3, 6, 1, 1]", "replay"] and graphs.inputs.input_ids[:2].tolist() == [4, 5]
 
 
 @pytest.fixture(scope="module")

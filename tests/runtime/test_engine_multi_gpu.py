@@ -84,27 +84,29 @@ def _layouts() -> list[object]:
 
 def _layout_tokens(model_dir: Path, world: int, flags: dict[str, object]) -> tuple[list[list[int]], ...]:
     """In its own process: the greedy tokens of PROMPTS and of PROMPTS[1] alone, the backends that fell back from
-    their self-check, and the workers' exit codes."""
+    their self-check, the CUDA graphs' status and the workers' exit codes."""
     engine = Engine(_args(model_dir, world, **flags))
     try:
         tokens = _tokens(engine)
         alone = _tokens(engine, PROMPTS[1:2])  # one request: under DP, the other groups idle
         fell_back = [c.name for c in engine.runner.backends.chosen if "fell back" in c.reason]
+        graphs = engine.runner.graphs.status
         engine.check_pool_accounting()
     finally:
         engine.shutdown()
     assert engine.ranks is not None
-    return tokens, alone, fell_back, [p.exitcode for p in engine.ranks.workers.values()]
+    return tokens, alone, fell_back, graphs, [p.exitcode for p in engine.ranks.workers.values()]
 
 
 @pytest.mark.parametrize(("world", "flags"), _layouts())
 def test_ranks_give_one_gpus_greedy_tokens(model_dir: Path, one_gpu_tokens: list[list[int]], world: int,
                                            flags: dict[str, object]) -> None:
-    tokens, alone, fell_back, exit_codes = run_in_process(_layout_tokens, model_dir, world, flags,
+    tokens, alone, fell_back, graphs, exit_codes = run_in_process(_layout_tokens, model_dir, world, flags,
                                                               timeout_s=ENGINE_TIMEOUT_S)
     assert tokens == one_gpu_tokens
     assert alone == one_gpu_tokens[1:2]
     assert fell_back == []  # no backend fell back from its start-up self-check (as the triton MoE once did under EP)
+    assert graphs.startswith("DECODE captured at batch sizes [1, 2, 4, 8, 12, 16]"), graphs  # DP attention's too
     assert exit_codes == [0] * (world - 1)
 
 

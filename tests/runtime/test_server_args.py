@@ -100,8 +100,6 @@ def test_dp_attention_takes_a_dp_size_of_the_tp_size(ep_size):
         ({"tp_size": 2, "dp_size": 2}, "--dp-size 2 needs --enable-dp-attention"),
         ({"tp_size": 4, "dp_size": 2, "enable_dp_attention": True}, "--dp-size 2 must equal --tp-size (4)"),
         ({"tp_size": 2, "dp_size": 4, "enable_dp_attention": True}, "--dp-size 4 must equal --tp-size (2)"),
-        ({"tp_size": 2, "dp_size": 2, "enable_dp_attention": True, "cuda_graph_max_bs": 8},
-         "--cuda-graph-max-bs does not combine with --enable-dp-attention"),
         ({"tp_size": 2, "dp_size": 2, "enable_dp_attention": True, "speculative_algorithm": "NEXTN"},
          "--speculative-algorithm does not combine with --enable-dp-attention"),
     ],
