@@ -2,8 +2,9 @@
 
 A `ParallelGroup` is the set of ranks a layer splits its work over (the tensor-parallel group). Its
 collectives return their input untouched at world size 1, so single-device code that goes through
-them pays one integer comparison and no communication. Python objects (rank 0's batch headers) travel
-over a gloo group of the same ranks: host to host, so no rank waits on its GPU to receive one.
+them pays one integer comparison and no communication. Rank 0's batch headers travel host to host, so no rank
+waits on its GPU to receive one: as bytes through a shared-memory channel where every rank runs on one host
+(`core/shm_broadcast.py`), else, and Python objects always, over a gloo group of the same ranks.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from plugserve.core.shm_broadcast import ShmChannel
 from plugserve.core.symmetric_all_reduce import SymmetricAllReduce
 
 # torch 2.13 renamed all_gather_into_tensor (the old name warns on every call); torch 2.4 has only the old one.
@@ -30,13 +32,15 @@ class ParallelGroup:
     """Rank `rank` of `world_size` ranks. `group`: their torch.distributed process group (None: the
     default group, or no torch.distributed at all at world size 1). `control`: a gloo group of the same
     ranks for `broadcast_object` (None: `group`). `small_all_reduce`: the all-reduce of small messages
-    (None: `group`'s for every size)."""
+    (None: `group`'s for every size). `channel`: rank 0's shared-memory channel to the others for
+    `broadcast_bytes` (None: the control group)."""
 
     rank: int = 0
     world_size: int = 1
     group: dist.ProcessGroup | None = None
     control: dist.ProcessGroup | None = None
     small_all_reduce: SymmetricAllReduce | None = None
+    channel: ShmChannel | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -69,6 +73,17 @@ class ParallelGroup:
         box, control = [obj], self.control if self.control is not None else self.group
         dist.broadcast_object_list(box, src=self._global(0), group=control)
         return box[0]
+
+    def broadcast_bytes(self, data: bytes | None) -> bytes:
+        """Rank 0's `data` (the others pass None) on every rank, without pickling where the ranks share a host."""
+        if self.world_size == 1:
+            return data  # type: ignore[return-value]
+        if self.channel is not None:
+            if self.rank == 0 and self.channel.send(data):  # type: ignore[arg-type]
+                return data  # type: ignore[return-value]
+            if self.rank != 0 and (received := self.channel.receive()) is not None:
+                return received
+        return self.broadcast_object(data)  # no channel, or too big for its slots
 
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
@@ -124,6 +139,7 @@ def init_parallel_group(
     device: torch.device | str,
     backend: str | None = None,
     timeout_s: float = 600.0,
+    one_host: bool = True,
 ) -> ParallelGroup:
     """Join the world of `world_size` processes as `rank` and return it as one group.
 
@@ -132,7 +148,7 @@ def init_parallel_group(
     every collective: a rank that died makes the others fail after it rather than hang. The process
     group is initialized at world size 1 too, so that one rank runs the code path of many. Its
     `control` group waits for objects up to CONTROL_TIMEOUT: a worker waits for the next batch while the
-    server idles.
+    server idles. `one_host`: every rank runs on this host, so rank 0's bytes go through shared memory.
     """
     backend = backend or default_backend(device)
     if backend == "nccl":
@@ -143,12 +159,35 @@ def init_parallel_group(
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    return ParallelGroup(rank, world_size, dist.group.WORLD, control)
+    channel = _host_channel(rank, world_size, control) if one_host and world_size > 1 else None
+    return ParallelGroup(rank, world_size, dist.group.WORLD, control, channel=channel)
+
+
+def _host_channel(rank: int, world_size: int, control: dist.ProcessGroup) -> ShmChannel:
+    """Rank 0's shared-memory channel to the other ranks of its host (collective: rank 0 creates it, the others
+    attach by the name it sends)."""
+    box: list[str | None] = [None]
+    if rank == 0:
+        _CHANNELS.append(ShmChannel.create(readers=world_size - 1))
+        box = [_CHANNELS[-1].name]
+    dist.broadcast_object_list(box, src=0, group=control)
+    if rank:
+        _CHANNELS.append(ShmChannel.attach(box[0], reader=rank - 1))  # type: ignore[arg-type]
+    return _CHANNELS[-1]
+
+
+_CHANNELS: list[ShmChannel] = []  # this process's, closed when it leaves the world
+
+
+def _close_channels() -> None:
+    while _CHANNELS:
+        _CHANNELS.pop().close()
 
 
 def destroy_parallel_group() -> None:
     """Leave the world joined by `init_parallel_group` (nothing if none was joined). On NCCL every rank must
     call it: each waits for the others."""
+    _close_channels()
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -157,6 +196,7 @@ def leave_parallel_group() -> None:
     """Leave the world without the other ranks (they exited, or died). gloo's groups are destroyed (nothing to wait
     for); NCCL's communicators are left to this process's exit: destroying them waits for ranks that are gone, and
     aborting them hung on the GPUs measured (docs/parallelism.md), so a process joins one NCCL world at most."""
+    _close_channels()
     if dist.is_initialized() and dist.get_backend() != "nccl":
         dist.destroy_process_group()
 

@@ -1,10 +1,12 @@
 """What rank 0 sends the other ranks before each forward, so that every rank runs it: per DP group, the
-batch's lengths (one small object) and one device tensor of its input ids, sampled rows and block table
-(stream-ordered: the ids may still be being sampled). Without DP attention there is one group, every rank's."""
+batch's lengths (int64 words, host to host: `ParallelGroup.broadcast_bytes`) and one device tensor of its input
+ids, sampled rows and block table (stream-ordered: the ids may still be being sampled). Without DP attention there
+is one group, every rank's."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -46,6 +48,39 @@ class Header(NamedTuple):
         return [sum(self.extend_lens), self.num_sampled, len(self.seq_lens) * self.width]
 
 
+MODES = list(ForwardMode)
+
+
+def encode_headers(headers: Sequence[Header | None]) -> bytes:
+    """Every group's header as int64 words: [groups, then per group -1 (idle) or mode, requests, width, sampled,
+    seq_lens..., extend_lens...] (no pickling on the step's path)."""
+    words = array("q", [len(headers)])
+    for h in headers:
+        if h is None:
+            words.append(-1)
+        else:
+            words.extend([MODES.index(h.mode), len(h.seq_lens), h.width, h.num_sampled, *h.seq_lens, *h.extend_lens])
+    return words.tobytes()
+
+
+def decode_headers(data: bytes) -> list[Header | None]:
+    """The headers `encode_headers` wrote."""
+    words = array("q")
+    words.frombytes(data)
+    headers: list[Header | None] = []
+    at = 1
+    for _ in range(words[0]):
+        if words[at] < 0:
+            headers.append(None)
+            at += 1
+            continue
+        mode, n, width, sampled = words[at : at + 4]
+        seq_lens, extend_lens = words[at + 4 : at + 4 + n].tolist(), words[at + 4 + n : at + 4 + 2 * n].tolist()
+        headers.append(Header(MODES[mode], seq_lens, extend_lens, width, sampled))
+        at += 4 + 2 * n
+    return headers
+
+
 def idle_part(pool: MLAKVPool) -> Part:
     """The part of a rank whose DP group has no batch this forward: an IDLE one (the MLP's collectives need
     every rank)."""
@@ -56,23 +91,24 @@ def idle_part(pool: MLAKVPool) -> Part:
 
 def send(group: ParallelGroup, headers: list[Header | None], parts: list[Part | None]) -> None:
     """Rank 0: every group's batch to the other ranks."""
-    group.broadcast_object(headers)
+    group.broadcast_bytes(encode_headers(headers))
     group.broadcast(torch.cat([t for p in parts if p is not None for t in
                                (p.input_ids, p.sample_rows, p.batch.block_table.flatten().to(torch.int64))]))
 
 
 def release(group: ParallelGroup) -> None:
     """Rank 0, once its forwards are over: the other ranks' `receive` returns None."""
-    group.broadcast_object(None)
+    group.broadcast_bytes(b"")
 
 
 def receive(group: ParallelGroup, dp_rank: int, pool: MLAKVPool, prepare: Callable[[ForwardBatch], ForwardBatch]
             ) -> tuple[Part | None, list[Header | None]] | None:
     """Ranks 1..P-1: this rank's group's part of the next forward (None when its group idles; the batch passed
     through `prepare` as rank 0 prepared it) and every group's header, or None once rank 0 releases them."""
-    headers: list[Header | None] | None = group.broadcast_object(None)
-    if headers is None:
+    data = group.broadcast_bytes(None)
+    if not data:
         return None
+    headers = decode_headers(data)
     sizes = [[0, 0, 0] if h is None else h.sizes for h in headers]
     payload = group.broadcast(torch.empty(sum(map(sum, sizes)), dtype=torch.int64, device=pool.device))
     header, start = headers[dp_rank], sum(map(sum, sizes[:dp_rank]))

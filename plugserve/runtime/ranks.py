@@ -56,7 +56,7 @@ def _worker_main(rank: int, args: ServerArgs, address: str) -> None:
     _exit_with_parent()
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s")
-    group = init_parallel_group(rank, args.tp_size, address, rank_device(args, rank))
+    group = init_parallel_group(rank, args.tp_size, address, rank_device(args, rank), one_host=args.nnodes == 1)
     runner = build_runner(args, group)
     warm_up(runner)
     runner.follow()
@@ -106,7 +106,8 @@ class Ranks:
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
         try:
-            self.group: ParallelGroup = init_parallel_group(0, args.tp_size, address, rank_device(args, 0))
+            self.group: ParallelGroup = init_parallel_group(0, args.tp_size, address, rank_device(args, 0),
+                                                            one_host=args.nnodes == 1)
         except BaseException:
             self.stop(None)
             raise

@@ -58,6 +58,10 @@ def _collectives(group: ParallelGroup) -> None:
     # Rank 0's values, whatever the others hold.
     assert torch.equal(group.broadcast(torch.full((3,), float(group.rank))), torch.zeros(3))
     assert group.broadcast_object(("batch", [group.rank])) == ("batch", [0])
+    # Bytes: through the host's shared-memory channel (both ranks run here), or over gloo when too big for a slot.
+    assert group.channel is not None
+    for data in (b"header", b"", bytes(range(256)) * 2000, b"next"):
+        assert group.broadcast_bytes(data if group.rank == 0 else None) == data
     # Variable row counts (rank 0: 3 rows, rank 1: 1 row; DP attention's tokens): padded to 3, then each keeps its own.
     counts = [3, 1]
     rows = torch.arange(counts[group.rank] * 2.0).view(-1, 2) + 10 * group.rank
@@ -120,7 +124,7 @@ def _objects_outwait_the_collective_timeout(group: ParallelGroup) -> None:
     assert torch.equal(group.all_reduce(x), torch.full((2,), 3.0))  # the collectives still run
 
 
-IDLE_S = 3.0
+IDLE_S = 8.0  # its half, the collectives' timeout, also bounds the rendezvous of ranks slow to start
 
 
 def test_a_worker_waits_for_the_next_batch_longer_than_the_collective_timeout() -> None:
