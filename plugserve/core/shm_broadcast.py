@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 WORD = 8
 SLOTS = 4
@@ -51,10 +51,13 @@ class ShmChannel:
 
     @classmethod
     def attach(cls, name: str, reader: int) -> ShmChannel:
-        """Reader `reader` (0..readers-1) of the channel `name`. The writer owns the memory: this process's
-        resource tracker must not remove it when this process exits."""
-        memory = shared_memory.SharedMemory(name=name)
-        resource_tracker.unregister(memory._name, "shared_memory")  # type: ignore[attr-defined]
+        """Reader `reader` (0..readers-1) of the channel `name`. The writer owns the memory. Before Python 3.13 an
+        attach registers it with the resource tracker, which this process shares with the writer (a spawned
+        child uses its parent's): the writer's unlink then unregisters it once for both."""
+        try:
+            memory = shared_memory.SharedMemory(name=name, track=False)  # type: ignore[call-arg]
+        except TypeError:  # Python < 3.13
+            memory = shared_memory.SharedMemory(name=name)
         channel = cls(memory, reader)
         channel.words[4 + reader] = os.getpid()
         return channel
