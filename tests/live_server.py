@@ -12,6 +12,7 @@ import httpx
 import uvicorn
 
 from plugserve.runtime.engine import Engine
+from plugserve.runtime.isolation import FaultHook
 from plugserve.runtime.server_args import ServerArgs
 from plugserve.server.app import create_app
 
@@ -38,8 +39,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args: ServerArgs) -> Iterator[RunningServer]:
-    engine = Engine(args)
+def start_server(args: ServerArgs, fault_hook: FaultHook | None = None) -> Iterator[RunningServer]:
+    """A server of `args`; `fault_hook`: its engine's (`Engine`), to make chosen forwards fail."""
+    engine = Engine(args, fault_hook=fault_hook)
     assert engine.ready.wait(60), "the engine did not warm up"
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))

@@ -8,22 +8,30 @@ fewest requests, running and waiting, and stays there: its KV is on that rank.
 A step plans every group's batch, then runs them in one `ModelRunner.forward_groups` (each rank its group's,
 an idle group an IDLE batch, since the MLP layers' collectives need every rank), samples each group's rows on
 rank 0 and lets each group's scheduler process its tokens, through the same `OverlapLoop` as one `Scheduler`.
+If that forward raises, each group's batch runs alone (the others idle), and a failing one in parts
+(`runtime/isolation.py`): only requests whose own forward raises fail.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from concurrent.futures import Future
 
 from plugserve.core.block_table import DeviceBlockTable
 from plugserve.core.kv_cache import PageAllocator
+from plugserve.runtime import isolation
 from plugserve.runtime.metrics import Metrics
 from plugserve.runtime.model_runner import ModelRunner
 from plugserve.runtime.overlap import BatchResult, OverlapLoop
 from plugserve.runtime.radix_cache import RadixCache
 from plugserve.runtime.rank_protocol import Part
 from plugserve.runtime.request import Request
-from plugserve.runtime.scheduler import ScheduledBatch, Scheduler
+from plugserve.runtime.sampling import SampleOutput
+from plugserve.runtime.scheduled_batch import ScheduledBatch
+from plugserve.runtime.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
 
 Batches = list[ScheduledBatch | None]  # one step's batch of each group (None: it idles)
 Results = list[Future[BatchResult] | None]  # their sampled tokens
@@ -33,7 +41,8 @@ class DPScheduler:
     """The Engine's scheduler under DP attention: the same interface as `Scheduler`, over `runner.dp_size`
     groups."""
 
-    def __init__(self, runner: ModelRunner, tokenizer, metrics: Metrics | None, radix_cache: bool) -> None:
+    def __init__(self, runner: ModelRunner, tokenizer, metrics: Metrics | None, radix_cache: bool,
+                 fault_hook: isolation.FaultHook | None = None) -> None:
         self.runner = runner
         self.groups: list[Scheduler] = []
         for group in range(runner.dp_size):
@@ -42,7 +51,7 @@ class DPScheduler:
             if group:
                 table = DeviceBlockTable(table.num_rows, table.max_pages, runner.device)
             scheduler = Scheduler(runner, RadixCache(allocator, runner.page_size, enabled=radix_cache), tokenizer,
-                                  metrics, table)
+                                  metrics, table, fault_hook)
             scheduler.gauges = self
             self.groups.append(scheduler)
         self.spec = None  # refused with DP attention (ServerArgs)
@@ -105,31 +114,55 @@ class DPScheduler:
 
     def _launch(self, batches: Batches, prior: Results | None) -> Results:
         """Run the step's forward (on the worker thread with overlap): each group's future gets its sampled
-        tokens, or the forward's exception (every group's batch fails with it)."""
+        tokens, or the exception that failed every one of its requests."""
         futures: Results = [None if b is None else Future() for b in batches]
         priors = prior if prior is not None else [None] * len(self.groups)
 
         def run() -> None:
             try:
                 results = self._run(batches, priors)
-            except Exception as exc:
-                for future in futures:
-                    if future is not None:
-                        future.set_exception(exc)
-                return
+            except Exception as exc:  # before any forward (the inputs): no request to pin it on
+                results = [exc] * len(batches)
             for future, result in zip(futures, results, strict=True):
-                if future is not None:
+                if future is None:
+                    continue
+                if isinstance(result, Exception):
+                    future.set_exception(result)
+                else:
                     future.set_result(result)  # type: ignore[arg-type]
 
         self.loop.submit(run)
         return futures
 
-    def _run(self, batches: Batches, priors: Results) -> list[BatchResult | None]:
-        parts = [None if b is None else Part(g.inputs(b, prior), b.forward_batch, b.sample_rows)
-                 for g, b, prior in zip(self.groups, batches, priors, strict=True)]
-        logits = self.runner.forward_groups(parts)
-        return [None if b is None else BatchResult.of(g.sample(rows, b.sampled_requests))
-                for g, b, rows in zip(self.groups, batches, logits, strict=True)]
+    def _run(self, batches: Batches, priors: Results) -> list[BatchResult | Exception | None]:
+        full = [None if b is None else b.with_inputs(g.inputs(b, prior))
+                for g, b, prior in zip(self.groups, batches, priors, strict=True)]
+        try:
+            for group, batch in zip(self.groups, full, strict=True):
+                if batch is not None:
+                    group.check_faults(batch)
+            logits = self.runner.forward_groups([None if b is None else Part(b.input_ids, b.forward_batch,
+                                                                             b.sample_rows) for b in full])
+            return [None if b is None else BatchResult.of(g.sample(rows, b.sampled_requests))
+                    for g, b, rows in zip(self.groups, full, logits, strict=True)]
+        except Exception as exc:
+            logger.warning("a DP step failed (%s: %s): each group's batch runs alone", type(exc).__name__, exc)
+        results: list[BatchResult | Exception | None] = []
+        for index, batch in enumerate(full):
+            try:
+                results.append(None if batch is None else isolation.run_alone(
+                    batch, lambda part, index=index: self._alone(index, part), self.runner.prepare))
+            except Exception as exc:
+                results.append(exc)
+        return results
+
+    def _alone(self, index: int, batch: ScheduledBatch) -> SampleOutput:
+        """Group `index`'s batch (or part of it) in a forward of its own, the other groups idle."""
+        group = self.groups[index]
+        group.check_faults(batch)
+        parts = [Part(batch.input_ids, batch.forward_batch, batch.sample_rows) if i == index else None
+                 for i in range(len(self.groups))]
+        return group.sample(self.runner.forward_groups(parts)[index], batch.sampled_requests)
 
     def _finish(self, batches: Batches, futures: Results) -> None:
         for group, batch, future in zip(self.groups, batches, futures, strict=True):

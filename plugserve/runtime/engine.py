@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, replace
 from plugserve.core.distributed import SINGLE
 from plugserve.core.tokenizer import EMBEDDED_MODEL_DIR, load_tokenizer
 from plugserve.runtime.dp_scheduler import DPScheduler
+from plugserve.runtime.isolation import FaultHook
 from plugserve.runtime.metrics import Metrics
 from plugserve.runtime.radix_cache import RadixCache
 from plugserve.runtime.ranks import Ranks
@@ -116,7 +117,9 @@ class EngineStopped(RuntimeError):
 
 
 class Engine:
-    def __init__(self, args: ServerArgs | None = None) -> None:
+    def __init__(self, args: ServerArgs | None = None, fault_hook: FaultHook | None = None) -> None:
+        """`fault_hook`: called with each batch about to run, before its forward; what it raises fails that forward
+        (tests inject failures through it, `runtime/isolation.py`)."""
         self.args = args = args or ServerArgs()
         self.ready = threading.Event()  # before the ranks' watch, which reads it
         if args.node_rank:
@@ -141,12 +144,13 @@ class Engine:
         self.metrics = Metrics()
         self.scheduler: Scheduler | DPScheduler
         if self.runner.dp_size > 1:
-            self.scheduler = DPScheduler(self.runner, self.tokenizer, self.metrics, not args.disable_radix_cache)
+            self.scheduler = DPScheduler(self.runner, self.tokenizer, self.metrics, not args.disable_radix_cache,
+                                         fault_hook)
             self.radix = self.scheduler.groups[0].radix  # rank 0's own group's
         else:
             self.radix = RadixCache(self.runner.allocator, self.runner.page_size,
                                     enabled=not args.disable_radix_cache)
-            self.scheduler = Scheduler(self.runner, self.radix, self.tokenizer, self.metrics)
+            self.scheduler = Scheduler(self.runner, self.radix, self.tokenizer, self.metrics, fault_hook=fault_hook)
         self.model_name, self.model_names = served_model_names(args)
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -21,22 +21,26 @@ Handle = TypeVar("Handle")  # what launching it gives: the future(s) of its samp
 @dataclass
 class BatchResult:
     """A batch's sampled tokens: `token_ids` [sum(sampled)] int64 on the device (the next batch's inputs
-    under overlap), and the whole SampleOutput copied to (pinned) host memory, valid once `ready` fired."""
+    under overlap), and the whole SampleOutput copied to (pinned) host memory, valid once `ready` fired.
+    `failed`: the requests (by position in the batch) whose own forward raised, with its exception; their rows
+    hold placeholders (`runtime/isolation.py`)."""
 
     token_ids: torch.Tensor
     host: SampleOutput
     ready: torch.cuda.Event | None
+    failed: dict[int, Exception] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, sampled: SampleOutput) -> BatchResult:
+    def of(cls, sampled: SampleOutput, failed: dict[int, Exception] | None = None) -> BatchResult:
         """Start the copy to the host without waiting for it."""
+        failed = failed or {}
         if sampled.token_ids.device.type != "cuda":
-            return cls(sampled.token_ids, sampled, None)
+            return cls(sampled.token_ids, sampled, None, failed)
         tensors = (getattr(sampled, f.name) for f in fields(SampleOutput))
         host = SampleOutput(*(None if t is None else t.to("cpu", non_blocking=True) for t in tensors))
         ready = torch.cuda.Event()
         ready.record()
-        return cls(sampled.token_ids, host, ready)
+        return cls(sampled.token_ids, host, ready, failed)
 
     def wait(self) -> SampleOutput:
         """The host copy, once the batch has run. Waiting on the event releases the GIL; Tensor.tolist on a
@@ -52,7 +56,8 @@ def fill_pending(input_ids: torch.Tensor, resolve: list[tuple[int, int]], prior:
     """`input_ids` [T] int64 on the device with the rows `resolve` names ((input row, sampled row of `prior`)) taken
     from `prior`'s sampled tokens. If `prior`'s forward failed, those rows get a placeholder token and the batch
     runs all the same: they belong to `prior`'s requests, which end with its error before this batch's tokens are
-    processed (theirs are dropped), while its other requests' inputs never depended on `prior`."""
+    processed (theirs are dropped), while its other requests' inputs never depended on `prior`. The same holds
+    for the placeholder rows of requests `prior.failed` names."""
     if not resolve:
         return input_ids
     assert prior is not None, "PENDING inputs without a batch in flight"

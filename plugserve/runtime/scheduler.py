@@ -18,7 +18,6 @@ import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,7 +26,7 @@ from plugserve.core.block_table import DeviceBlockTable, to_device
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode
 from plugserve.core.kv_cache import pages_needed
 from plugserve.core.moved import moved_names
-from plugserve.runtime import overlap
+from plugserve.runtime import isolation, overlap
 from plugserve.runtime.metrics import Metrics
 from plugserve.runtime.model_runner import ModelRunner
 from plugserve.runtime.overlap import OverlapLoop
@@ -42,6 +41,7 @@ from plugserve.runtime.request import (
     TokenLogprob,
 )
 from plugserve.runtime.sampling import SampleOutput, sample
+from plugserve.runtime.scheduled_batch import ScheduledBatch
 from plugserve.runtime.speculative import SpeculativeWorker
 
 if TYPE_CHECKING:
@@ -51,35 +51,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class ScheduledBatch:
-    mode: ForwardMode
-    requests: list[Request]
-    extend_lens: list[int]  # new tokens per request
-    sampled: list[bool]  # whether each request gets a token from this forward (False mid chunked prefill)
-    forward_batch: ForwardBatch
-    input_ids: torch.Tensor  # [T] int64 on the device (TARGET_VERIFY: each request's last token, then k zeros)
-    sample_rows: torch.Tensor  # [sum(sampled)] rows of the new tokens whose logits are sampled
-    ends: list[int]  # each request's cached_len once this batch has run
-    # Overlap: (input row, sampled row of the batch in flight) for inputs that batch is still producing
-    resolve: list[tuple[int, int]]
-    # Speculative prefill: [T] int64 on the device, the token after each new one (0 where it is being sampled)
-    next_ids: torch.Tensor | None = None
-
-    @property
-    def sampled_requests(self) -> list[Request]:
-        """The requests this batch samples a token for, in the order of `sample_rows`."""
-        return [r for r, s in zip(self.requests, self.sampled, strict=True) if s]
-
-
 class Scheduler:
     """One KV space's requests: its pages (`radix.allocator`, the prefix cache `radix`) and `block_table` (the
-    runner's, when None). Under DP attention each DP group has one (`runtime/dp_scheduler.py`)."""
+    runner's, when None). Under DP attention each DP group has one (`runtime/dp_scheduler.py`). `fault_hook`: called
+    with each batch about to run (`isolation.FaultHook`)."""
 
     def __init__(self, runner: ModelRunner, radix: RadixCache, tokenizer, metrics: Metrics | None = None,
-                 block_table: DeviceBlockTable | None = None) -> None:
+                 block_table: DeviceBlockTable | None = None, fault_hook: isolation.FaultHook | None = None) -> None:
         args = runner.args
         self.runner, self.radix, self.tokenizer, self.metrics = runner, radix, tokenizer, metrics
+        self.fault_hook = fault_hook
         self.allocator = radix.allocator
         self.block_table = block_table or runner.block_table
         # Whose totals the metrics' gauges report: this scheduler's, or the DP scheduler's over every group.
@@ -161,13 +142,18 @@ class Scheduler:
         self.loop.step(self.schedule, lambda batch, prior: self.loop.submit(self.run, batch, prior), self.process)
 
     def process(self, batch: ScheduledBatch, future: Future[BatchResult]) -> None:
-        """A batch's outcome to its requests: its tokens, or the error its forward raised (to them alone)."""
+        """A batch's outcome to its requests: its tokens, or the error its forward raised (to those whose own
+        forward raised: `runtime/isolation.py`)."""
         try:
             result = future.result()
         except Exception as exc:
             logger.exception("a %s batch of %d requests failed", batch.mode.name, len(batch.requests))
             self.fail_batch(batch.requests, f"{type(exc).__name__}: {exc}")
             return
+        for i, exc in result.failed.items():
+            logger.error("the forward of request %s failed", batch.requests[i].rid, exc_info=exc)
+            if not batch.requests[i].finished:
+                self._end_with_error(batch.requests[i], f"{type(exc).__name__}: {exc}")
         self._take_tokens(batch, result)
 
     def shutdown(self) -> None:
@@ -358,9 +344,19 @@ class Scheduler:
     # -- running -------------------------------------------------------------------------------------
 
     def run(self, batch: ScheduledBatch, prior: Future[BatchResult] | None) -> BatchResult:
-        """Run a batch and sample its tokens; `prior`: the batch in flight, whose tokens may be its inputs."""
-        input_ids = self.inputs(batch, prior)
-        requests, forward = batch.sampled_requests, batch.forward_batch
+        """Run a batch and sample its tokens; `prior`: the batch in flight, whose tokens may be its inputs. If
+        the forward raises, its requests are re-run in parts, and only those failing alone fail."""
+        return isolation.run_alone(batch.with_inputs(self.inputs(batch, prior)), self.forward, self.runner.prepare)
+
+    def check_faults(self, batch: ScheduledBatch) -> None:
+        """Call the fault hook (if any) with a batch about to run: what it raises fails that forward."""
+        if self.fault_hook is not None:
+            self.fault_hook(batch.mode, batch.requests)
+
+    def forward(self, batch: ScheduledBatch) -> SampleOutput:
+        """The sampled tokens of a batch whose inputs are complete (`ScheduledBatch.with_inputs`)."""
+        self.check_faults(batch)
+        input_ids, requests, forward = batch.input_ids, batch.sampled_requests, batch.forward_batch
         if self.spec is None:
             sampled = self.sample(self.runner.forward(input_ids, forward, batch.sample_rows), requests)
         elif batch.mode is ForwardMode.TARGET_VERIFY:
@@ -369,7 +365,7 @@ class Scheduler:
             assert batch.next_ids is not None
             sampled = self.spec.extend(forward, input_ids, batch.next_ids, batch.sample_rows,
                                        [r.table_row for r in requests], lambda logits: self.sample(logits, requests))
-        return overlap.BatchResult.of(sampled)
+        return sampled
 
     def inputs(self, batch: ScheduledBatch, prior: Future[BatchResult] | None) -> torch.Tensor:
         """The batch's input ids [T] int64 on the device, those the batch in flight (`prior`) samples filled in."""

@@ -512,21 +512,29 @@ def _error_chunk(output: RequestOutput) -> dict[str, Any]:
 async def _completion_chunks(engine: Engine, jobs: list[Job], rid: str, model: str, include_usage: bool, n: int
                              ) -> AsyncIterator[dict[str, Any]]:
     """Every token with logprobs gets its entry, in a chunk of its own step even when it adds no text yet (vLLM's
-    way): a special token, or one held back by a partial stop string or character, used to lose it."""
+    way): a special token, or one held back by a partial character, used to lose it. A token that starts past
+    the text sent so far (inside text held back as a possible stop string) waits for that text or the end: a
+    stop string may cut it off, and its offset then is the returned text's end."""
     totals: dict[int, RequestOutput] = {}
     sent = [0] * len(jobs)
     offsets = [TextOffsets(engine, params) for _, _, params in jobs]
+    held: list[list[tuple[TokenLogprob, int]]] = [[] for _ in jobs]  # entries whose offset passes `sent`
     async for index, output in _merged(engine, jobs):
         if output.finish_reason is FinishReason.ERROR:
             yield _error_chunk(output)
             return
         totals[index] = output
         sent[index] += len(output.text)
-        wants = jobs[index][2].logprobs
-        limit = sent[index] if output.finished else sys.maxsize
-        logprobs = _completion_logprobs(engine, output.logprobs, offsets[index].add(output.logprobs, limit)) \
-            if wants else None
-        if output.text or output.finished or (wants and output.logprobs):
+        entries = held[index] + list(zip(output.logprobs, offsets[index].add(output.logprobs, sys.maxsize),
+                                         strict=True))
+        ready = len(entries) if output.finished else next(
+            (i for i, (_, offset) in enumerate(entries) if offset > sent[index]), len(entries))
+        held[index] = entries[ready:]
+        logprobs = None
+        if jobs[index][2].logprobs:
+            logprobs = _completion_logprobs(engine, [lp for lp, _ in entries[:ready]],
+                                            [min(offset, sent[index]) for _, offset in entries[:ready]])
+        if output.text or output.finished or (logprobs and ready):
             yield {"id": rid, "object": "text_completion", "created": now(), "model": model,
                    "choices": [{"index": index, "text": output.text, "logprobs": logprobs,
                                 "finish_reason": _reason(output)}]}

@@ -276,18 +276,17 @@ def test_a_batch_that_cannot_be_built_ends_its_requests_alone(engine, monkeypatc
 def test_a_failed_forward_leaves_none_of_its_kv_in_the_prefix_cache(solo, overlap):
     """A failed batch used to give the prefix cache the pages it never wrote: the same prompt then reused them
     and was answered from garbage KV (a 200 with wrong text)."""
-    engine = Engine(ServerArgs(model_preset="tiny", max_total_tokens=1024, disable_overlap_schedule=not overlap))
+    calls: list[ForwardMode] = []
+
+    def fault_hook(mode, requests):
+        calls.append(mode)
+        if len(calls) == 1:
+            raise RuntimeError("forward failure")
+
+    engine = Engine(ServerArgs(model_preset="tiny", max_total_tokens=1024, disable_overlap_schedule=not overlap),
+                    fault_hook=fault_hook)
     try:
         assert engine.ready.wait(60)
-        real, calls = engine.runner.forward, []
-
-        def forward(*args, **kwargs):
-            calls.append(1)
-            if len(calls) == 1:
-                raise RuntimeError("forward failure")
-            return real(*args, **kwargs)
-
-        engine.runner.forward = forward
         [failed] = engine.generate(PROMPTS[3], GREEDY)
         assert failed.finish_reason is FinishReason.ERROR and failed.error == "RuntimeError: forward failure"
         [again] = engine.generate(PROMPTS[3], GREEDY)
@@ -300,24 +299,19 @@ def test_a_failed_forward_leaves_none_of_its_kv_in_the_prefix_cache(solo, overla
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 def test_a_failing_forward_ends_only_its_request_while_others_decode(overlap):
     """With overlap, the decode batch planned while a newcomer's prefill ran took that prefill's failed tokens as
-    inputs and re-raised its error: every request decoding at that moment ended with it (issue 41)."""
-    engine = Engine(ServerArgs(model_preset="tiny", disable_overlap_schedule=not overlap))
+    inputs and re-raised its error: every request decoding at that moment ended with it."""
+    bad_ids: list[int] = []
+
+    def fault_hook(mode, requests):
+        if mode is ForwardMode.EXTEND and any(r.prompt_ids == bad_ids for r in requests):
+            raise RuntimeError("forward failure")
+
+    engine = Engine(ServerArgs(model_preset="tiny", disable_overlap_schedule=not overlap), fault_hook=fault_hook)
     try:
         assert engine.ready.wait(60)
         long = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
         clean = [r.token_ids for r in engine.generate(PROMPTS[:2], long)]
-        bad_ids = engine.tokenize("A prompt whose forward raises")
-        tail = bad_ids[-4:]  # past any prefix the cache holds (a leading BOS)
-        real = engine.runner.forward
-
-        def forward(input_ids, batch, *args, **kwargs):
-            ids = input_ids.tolist()
-            if batch.mode is ForwardMode.EXTEND and any(
-                    ids[i : i + len(tail)] == tail for i in range(len(ids) - len(tail) + 1)):
-                raise RuntimeError("forward failure")
-            return real(input_ids, batch, *args, **kwargs)
-
-        engine.runner.forward = forward
+        bad_ids += engine.tokenize("A prompt whose forward raises")
         done, results = threading.Event(), {}
         for i, prompt in enumerate(PROMPTS[:2]):
             engine.submit(prompt, long, _collector(results, f"running{i}", 3, done))

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from plugserve.core.distributed import pick_free_port
+from plugserve.core.forward_batch import ForwardMode
 from plugserve.core.tokenizer import EMBEDDED_MODEL_DIR
 from plugserve.runtime.dp_scheduler import DPScheduler
 from plugserve.runtime.engine import Engine
@@ -87,6 +88,27 @@ def test_dp_attention_greedy_tokens_equal_tp1(model_dir: Path, tp1_tokens: list[
     finally:
         engine.shutdown()
     assert engine.ranks is not None and all(p.exitcode == 0 for p in engine.ranks.workers.values())
+
+
+def test_a_failing_forward_under_dp_attention_fails_only_its_request(model_dir: Path,
+                                                                     tp1_tokens: list[list[int]]) -> None:
+    """One request's prefill raises in a step of both groups (the fault hook): each group's batch runs alone, the
+    failing one in parts; every other request gives --tp-size 1's tokens."""
+    bad = [9, 8, 7, 6]
+
+    def fault_hook(mode: ForwardMode, requests) -> None:
+        if mode is ForwardMode.EXTEND and any(r.prompt_ids == bad for r in requests):
+            raise RuntimeError("injected fault")
+
+    engine = Engine(_args(model_dir, 2, enable_dp_attention=True, dp_size=2), fault_hook=fault_hook)
+    try:
+        results = engine.generate([*PROMPTS, bad], GREEDY)
+        assert [r.token_ids for r in results[:-1]] == tp1_tokens
+        assert results[-1].error == "RuntimeError: injected fault"
+        assert _tokens(engine) == tp1_tokens
+        engine.check_pool_accounting()
+    finally:
+        engine.shutdown()
 
 
 def test_disable_custom_all_reduce_on_the_cpu_is_refused_naming_the_flag(model_dir: Path) -> None:

@@ -237,6 +237,33 @@ def test_abort_between_rounds_frees_the_request(spec, monkeypatch):
     assert_every_page_is_back(spec)
 
 
+def test_a_failing_round_or_prefill_fails_only_its_own_request(checkpoint, plain):
+    """One request's verify round raises mid-decode, another's prefill raises: their batch-mates are re-run
+    without them (the greedy round's graph or eager, at the part's size) and give the tokens of plain decoding."""
+    failing = {tuple(PROMPTS[1]): ForwardMode.TARGET_VERIFY, tuple(PROMPTS[3]): ForwardMode.EXTEND}
+
+    def fault_hook(mode, requests):
+        if any(failing.get(tuple(r.prompt_ids)) is mode and (mode is ForwardMode.EXTEND or r.num_resolved >= 3)
+               for r in requests):
+            raise RuntimeError("injected fault")
+
+    engine = Engine(_args(checkpoint, speculative_algorithm="NEXTN", speculative_num_steps=STEPS),
+                    fault_hook=fault_hook)
+    try:
+        results, expected = engine.generate(PROMPTS, GREEDY), plain.generate(PROMPTS, GREEDY)
+        for prompt, result, want in zip(PROMPTS, results, expected, strict=True):
+            if tuple(prompt) in failing:
+                assert result.finish_reason is FinishReason.ERROR and result.error == "RuntimeError: injected fault"
+            else:
+                assert _outputs([result]) == _outputs([want])
+        assert len(results[1].token_ids) >= 3  # it failed in a verify round, after the rounds it passed
+        assert _outputs(engine.generate(PROMPTS[1:2], GREEDY)) != _outputs(expected[1:2])  # it fails again
+        assert _outputs(engine.generate([PROMPTS[0], PROMPTS[2]], GREEDY)) == _outputs([expected[0], expected[2]])
+        assert_every_page_is_back(engine)
+    finally:
+        engine.shutdown()
+
+
 def test_a_model_without_a_nextn_layer_is_refused_naming_the_flag():
     with pytest.raises(ValueError, match=r"--speculative-algorithm NEXTN: the model has no NextN layer .*: give one "
                        r"with --speculative-draft-model-path"):

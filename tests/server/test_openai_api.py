@@ -521,6 +521,25 @@ def test_streamed_logprobs_have_one_entry_per_token_equal_to_the_non_streamed(cl
     assert [v for _, v in streamed] == pytest.approx([v for _, v in expected_chat], abs=1e-4)
 
 
+def test_streamed_text_offsets_stay_in_the_text_when_a_held_stop_string_is_cut(client):
+    """A stop string of three tokens: the first two are held back (they may start it) and their entries go out
+    before the third cuts them off. The second's offset used to point past the returned text."""
+    whole = client.completions.create(model="m", prompt=PROMPT, max_tokens=40, temperature=0, logprobs=0)
+    text, lp = whole.choices[0].text, whole.choices[0].logprobs
+    k = next(k for k in range(1, len(lp.tokens) - 3)
+             if all(t.strip() and "\ufffd" not in t for t in lp.tokens[k : k + 3])
+             and text.find("".join(lp.tokens[k : k + 3])) == lp.text_offset[k]
+             and lp.text_offset[k] < lp.text_offset[k + 1] < lp.text_offset[k + 2])
+    stop = "".join(lp.tokens[k : k + 3])
+    streamed, entries, _ = _streamed_completion(client, prompt=PROMPT, max_tokens=40, temperature=0, logprobs=0,
+                                                stop=[stop])
+    cut = client.completions.create(model="m", prompt=PROMPT, max_tokens=40, temperature=0, logprobs=0, stop=[stop])
+    assert streamed == cut.choices[0].text == text[: lp.text_offset[k]]
+    offsets = [e[3] for e in entries]
+    assert max(offsets) <= len(streamed), (offsets, len(streamed))
+    assert offsets == cut.choices[0].logprobs.text_offset
+
+
 def test_text_offset_counts_characters_of_the_returned_text(client, server):
     """A skipped special token (EOS, ignore_eos) used to count its own text: offsets ran past the returned text."""
     special = set(server.engine.tokenizer.all_special_tokens)

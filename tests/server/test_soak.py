@@ -1,9 +1,10 @@
-"""Soak: a few hundred mixed requests against a KV pool far too small for them (retraction all along): streamed
-and not, n > 1, stop strings, logprobs, /generate, clients that leave mid-stream or before a non-streamed answer,
-and hostile ones (a 10 MB body, a 200 x 64 fan-out, a lone surrogate), refused with their 4xx. Afterwards every
-request finished, was ended by its client or refused; none hung or failed; the greedy ones equal their solo runs;
-/health answered within 100 ms (99th percentile) all along; and every KV page is back (free, or held only by
-evictable prefix-cache nodes), each with one owner."""
+"""Soak: a few hundred mixed requests, 64 at once, against a KV pool far too small for them (retraction all
+along): streamed and not, n > 1, stop strings, logprobs, /generate, clients that leave mid-stream or before a
+non-streamed answer, hostile ones (a 10 MB body, a 200 x 64 fan-out, a lone surrogate), refused with their 4xx,
+and requests whose forward fails (the engine's fault hook), answered with a JSON 500. Afterwards every other
+request finished, was ended by its client or refused; none hung or failed; the greedy ones equal their solo runs
+(batch-mates of the failing ones included); /health answered within 100 ms (99th percentile) all along; and every
+KV page is back (free, or held only by evictable prefix-cache nodes), each with one owner."""
 
 from __future__ import annotations
 
@@ -12,26 +13,48 @@ import json
 import random
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import httpx
 import pytest
 
+from plugserve.core.forward_batch import ForwardMode
+from plugserve.runtime.request import Request
 from plugserve.runtime.sampling import SamplingParams
 from plugserve.runtime.server_args import ServerArgs
 from tests.live_server import API_KEY, SERVED_MODEL, RunningServer, start_server
 
 REQUESTS = 300
-CONCURRENCY = 32
-POOL_TOKENS = 256  # ~6 of the longest requests at once; 32 are in flight
+CONCURRENCY = 64
+POOL_TOKENS = 256  # ~6 of the longest requests at once; 64 are in flight
 HANG_S = 120  # the whole soak; one request never waits this long unless something hangs
 WORDS = ["red", "fox", "jumps", "over", "the", "lazy", "dog", "7", "and", "then", "sleeps"]
 KINDS = ["greedy", "greedy stream", "sampled n", "stop and logprobs", "chat", "generate", "leave stream",
          "leave waiting"]
 # Hostile requests and the status each must get: a body over --max-request-body-bytes, more sequences than
-# --max-sequences-per-request, a string UTF-8 cannot encode.
-HOSTILE = {"huge body": 413, "fan-out": 400, "lone surrogate": 400}
+# --max-sequences-per-request, a string UTF-8 cannot encode, and prompts whose forward fails.
+HOSTILE = {"huge body": 413, "fan-out": 400, "lone surrogate": 400, "failing prefill": 500, "failing decode": 500}
 BODY_LIMIT = 1 << 20
+FAILING = {"failing prefill": "the fox fails at once", "failing decode": "the dog fails later"}
+
+
+class Faults:
+    """The server's fault hook: a forward fails if it holds a request with a FAILING prompt (in its prefill, or
+    once it has a few tokens), whose ids the test sets once the server runs."""
+
+    def __init__(self) -> None:
+        self.prefill: list[int] | None = None
+        self.decode: list[int] | None = None
+
+    def __call__(self, mode: ForwardMode, requests: Sequence[Request]) -> None:
+        for request in requests:
+            if ((request.prompt_ids == self.prefill and mode is ForwardMode.EXTEND)
+                    or (request.prompt_ids == self.decode and len(request.output_ids) > 3)):
+                raise RuntimeError("injected fault")
+
+
+FAULTS = Faults()
 
 
 @dataclass
@@ -48,7 +71,7 @@ class Outcome:
 def soak_server():
     yield from start_server(ServerArgs(model_preset="tiny", api_key=API_KEY, served_model_name=SERVED_MODEL,
                                        max_total_tokens=POOL_TOKENS, max_request_body_bytes=BODY_LIMIT,
-                                       max_running_requests=CONCURRENCY, chunked_prefill_size=64))
+                                       max_running_requests=CONCURRENCY, chunked_prefill_size=64), FAULTS)
 
 
 def _prompt(rng: random.Random) -> str:
@@ -66,6 +89,10 @@ async def _hostile(client: httpx.AsyncClient, kind: str) -> Outcome:
         response = await client.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
     elif kind == "fan-out":
         response = await client.post("/v1/completions", json={"model": SERVED_MODEL, "prompt": ["hi"] * 200, "n": 64})
+    elif kind in FAILING:
+        response = await client.post("/v1/completions", json={"model": SERVED_MODEL, "prompt": FAILING[kind],
+                                                              "max_tokens": 12, "ignore_eos": True})
+        assert "injected fault" in response.json()["error"]["message"]
     else:
         response = await client.post("/v1/completions", content=b'{"prompt": "\\ud800 the fox", "max_tokens": 2}',
                                      headers={"Content-Type": "application/json"})
@@ -130,6 +157,7 @@ async def _one(client: httpx.AsyncClient, kind: str, rng: random.Random, greedy:
 
 def test_soak_with_a_far_too_small_kv_pool(soak_server: RunningServer, capsys):
     engine = soak_server.engine
+    FAULTS.prefill, FAULTS.decode = (engine.tokenize(FAILING[k]) for k in ("failing prefill", "failing decode"))
     rng = random.Random(0)
     greedy = [(_prompt(rng), rng.randint(4, 24)) for _ in range(12)]
     plan = [rng.choice(KINDS) for _ in range(REQUESTS)]
@@ -181,7 +209,7 @@ def test_soak_with_a_far_too_small_kv_pool(soak_server: RunningServer, capsys):
               f"{leaked} pages leaked; /health p99 {p99 * 1e3:.0f} ms over {len(health)} probes")
 
     assert engine.num_outstanding == 0, "requests still running after their clients were done"
-    assert soak_server.metric("plugserve_requests_total", '{finish_reason="error"}') == errors_before
+    assert soak_server.metric("plugserve_requests_total", '{finish_reason="error"}') == errors_before + len(FAILING)
     assert 0 < aborted <= left  # a client that left after its last token aborted nothing
     assert engine.metrics.retractions._value.get() > 0, "the pool was not too small: nothing was retracted"
     assert {o.kind: o.status for o in outcomes if o.kind in HOSTILE} == HOSTILE
