@@ -354,6 +354,9 @@ def _validate(params: SamplingParams, prompt_len: int, engine: Engine,
     if any(not 0 <= t < vocab for t in params.stop_token_ids):
         raise BadRequest(f"{name('stop_token_ids')} must lie in [0, {vocab}), the model's vocabulary, got "
                          f"{params.stop_token_ids}", name("stop_token_ids"))
+    if any(not 0 <= t < vocab for t in params.logit_bias):
+        raise BadRequest(f"{name('logit_bias')} keys must be token ids in [0, {vocab}), the model's vocabulary, "
+                         f"got {sorted(t for t in params.logit_bias if not 0 <= t < vocab)}", name("logit_bias"))
     context = engine.runner.context_length
     if prompt_len + params.max_new_tokens > context:
         raise BadRequest(f"this model's context length is {context} tokens; the prompt has {prompt_len} and "

@@ -36,6 +36,23 @@ TokenId = Annotated[StrictInt, Field(ge=0)]  # the vocabulary's upper bound is c
 Penalty = Annotated[Number, Field(ge=-2, le=2)]
 StopString = Annotated[StrictStr, Field(min_length=1)]
 StopList = Annotated[list[StopString], Field(max_length=MAX_STOPS)]
+Bias = Annotated[Number, Field(ge=-100, le=100)]
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias (OpenAI takes 300)
+
+
+def _bias_map(bias: object) -> object:
+    """OpenAI's `logit_bias`: JSON object keys are strings, token ids written in decimal."""
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict):
+        raise ValueError("logit_bias must be an object of token id -> bias")
+    if not all(isinstance(k, str) and k.isascii() and k.isdigit() for k in bias):
+        raise ValueError("logit_bias keys must be token ids (decimal integers)")
+    return {int(k): v for k, v in bias.items()}
+
+
+LogitBias = Annotated[dict[StrictInt, Bias], Field(max_length=MAX_LOGIT_BIAS),
+                      BeforeValidator(_bias_map, json_schema_input_type=dict[str, Bias] | None)]
 
 
 def _stop_list(stop: object) -> object:
@@ -108,6 +125,7 @@ class SamplingFields(BaseModel):
     seed: Seed | None = None
     n: StrictInt = Field(1, ge=1, le=MAX_N)
     skip_special_tokens: StrictBool = True
+    logit_bias: LogitBias = Field(default_factory=dict)
 
     def sampling_params(self, max_new_tokens: int, logprobs: bool = False, top_logprobs: int = 0
                         ) -> SamplingParams:

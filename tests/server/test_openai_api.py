@@ -65,6 +65,18 @@ def test_an_unknown_model_is_404_model_not_found(server, path):
         assert response.status_code == 200 and response.json()["model"] == SERVED_MODEL
 
 
+def test_logit_bias_moves_the_greedy_output(client, server):
+    """It used to be ignored: a -100 bias on the greedy token left the output as it was."""
+    first = server.engine.generate(PROMPT, SamplingParams(max_new_tokens=1, temperature=0))[0].token_ids[0]
+    banned = client.completions.create(model="m", prompt=PROMPT, max_tokens=1, temperature=0,
+                                       logit_bias={str(first): -100}, extra_body={"skip_special_tokens": False})
+    assert banned.choices[0].text != server.engine.tokenizer.decode([first])
+    forced = server.engine.tokenizer.encode(" zebra", add_special_tokens=False)[0]
+    chat = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=3, temperature=1,
+                                          logit_bias={str(forced): 100})
+    assert chat.choices[0].message.content == server.engine.tokenizer.decode([forced] * 3)
+
+
 def test_completions_streamed_or_not_match_engine_generate(client, server):
     expected = _engine_text(server, PROMPT, 16)
     response = client.completions.create(model="m", prompt=PROMPT, max_tokens=16, temperature=0)
@@ -213,6 +225,10 @@ BAD_REQUESTS = [
     ("/generate", {"input_ids": [1] * 9000}, "input_ids"),
     ("/generate", {"text": "token " * 9000}, "text"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "token " * 9000}]}, "messages"),
+    ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"5": 101}}, "logit_bias.5"),
+    ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"x": 1}}, "logit_bias"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "logit_bias": {"999999": 1}}, "logit_bias"),
+    ("/generate", {"text": "hi", "sampling_params": {"logit_bias": {"999999": 1}}}, "sampling_params.logit_bias"),
 ]
 
 
