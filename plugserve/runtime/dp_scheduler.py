@@ -128,7 +128,7 @@ class DPScheduler:
         parts = [None if b is None else Part(g.inputs(b, prior), b.forward_batch, b.sample_rows)
                  for g, b, prior in zip(self.groups, batches, priors, strict=True)]
         logits = self.runner.forward_groups(parts)
-        return [None if b is None else BatchResult.of(g.sample(rows, b.sampled_requests))
+        return [None if b is None else BatchResult.of(g.sample(rows, b.sampled_requests, b.masks))
                 for g, b, rows in zip(self.groups, batches, logits, strict=True)]
 
     def _finish(self, batches: Batches, futures: Results) -> None:

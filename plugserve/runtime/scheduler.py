@@ -27,20 +27,13 @@ from plugserve.core.block_table import DeviceBlockTable, to_device
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode
 from plugserve.core.kv_cache import pages_needed
 from plugserve.core.moved import moved_names
-from plugserve.runtime import overlap
+from plugserve.runtime import grammar, overlap
 from plugserve.runtime.metrics import Metrics
 from plugserve.runtime.model_runner import ModelRunner
 from plugserve.runtime.overlap import OverlapLoop
 from plugserve.runtime.page_owners import check_pool_accounting
 from plugserve.runtime.radix_cache import RadixCache
-from plugserve.runtime.request import (
-    PENDING,
-    FinishReason,
-    Request,
-    RequestIndex,
-    RequestQueue,
-    TokenLogprob,
-)
+from plugserve.runtime.request import PENDING, FinishReason, Request, RequestIndex, RequestQueue, TokenLogprob
 from plugserve.runtime.sampling import SampleOutput, sample
 from plugserve.runtime.speculative import SpeculativeWorker
 
@@ -65,6 +58,7 @@ class ScheduledBatch:
     resolve: list[tuple[int, int]]
     # Speculative prefill: [T] int64 on the device, the token after each new one (0 where it is being sampled)
     next_ids: torch.Tensor | None = None
+    masks: grammar.BatchGrammar | None = None  # the sampled requests' structured-output masks (None: none)
 
     @property
     def sampled_requests(self) -> list[Request]:
@@ -99,6 +93,7 @@ class Scheduler:
         self.lookahead = spec.lookahead if spec is not None else 0
         self.loop: OverlapLoop[ScheduledBatch, Future[BatchResult]] = OverlapLoop(
             not args.disable_overlap_schedule and self.spec is None)
+        self.unfilled: list[grammar.BatchGrammar] = []  # masks that wait for the batch in flight's tokens
 
     # -- requests ------------------------------------------------------------------------------------
 
@@ -167,8 +162,9 @@ class Scheduler:
         except Exception as exc:
             logger.exception("a %s batch of %d requests failed", batch.mode.name, len(batch.requests))
             self.fail_batch(batch.requests, f"{type(exc).__name__}: {exc}")
-            return
-        self._take_tokens(batch, result)
+        else:
+            self._take_tokens(batch, result)
+        grammar.fill_all(self.unfilled)  # the batch in flight's masks waited for these tokens
 
     def shutdown(self) -> None:
         self.loop.shutdown(self.process)
@@ -343,6 +339,8 @@ class Scheduler:
         rows = [row for row, is_sampled in zip(ends, sampled, strict=True) if is_sampled]
         # Inputs still being sampled by the batch in flight: the last token of a decoding request.
         resolve = [(ends[i], r.pending_row) for i, r in enumerate(requests) if r.last_id == PENDING]
+        masks = grammar.BatchGrammar.plan([r for r, s in zip(requests, sampled, strict=True) if s],
+                                          self.runner.config.vocab_size, self.unfilled if resolve else None)
         sample_row = 0
         for request, n, is_sampled in zip(requests, lens, sampled, strict=True):
             request.cached_len += n  # the KV of these tokens exists once the forward has run
@@ -353,7 +351,7 @@ class Scheduler:
         return ScheduledBatch(mode, requests, lens, sampled, batch, to_device(input_ids, device),
                               to_device(torch.tensor(rows, dtype=torch.int64), device),
                               [r.cached_len for r in requests], resolve,
-                              None if next_ids is None else to_device(next_ids, device))
+                              None if next_ids is None else to_device(next_ids, device), masks)
 
     # -- running -------------------------------------------------------------------------------------
 
@@ -362,7 +360,7 @@ class Scheduler:
         input_ids = self.inputs(batch, prior)
         requests, forward = batch.sampled_requests, batch.forward_batch
         if self.spec is None:
-            sampled = self.sample(self.runner.forward(input_ids, forward, batch.sample_rows), requests)
+            sampled = self.sample(self.runner.forward(input_ids, forward, batch.sample_rows), requests, batch.masks)
         elif batch.mode is ForwardMode.TARGET_VERIFY:
             sampled = self.spec.verify(forward, input_ids, requests, self.runner.sampling_generator)
         else:
@@ -375,8 +373,10 @@ class Scheduler:
         """The batch's input ids [T] int64 on the device, those the batch in flight (`prior`) samples filled in."""
         return overlap.fill_pending(batch.input_ids, batch.resolve, prior)
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampleOutput:
-        """Tokens of the sampled `requests` from their logits [len(requests), vocab] float32."""
+    def sample(self, logits: torch.Tensor, requests: list[Request], masks: grammar.BatchGrammar | None = None
+               ) -> SampleOutput:
+        """Tokens of the sampled `requests` from their logits [len(requests), vocab] float32, under
+        their grammars' `masks` (filled by the scheduler thread: with overlap, once the batch before has run)."""
         if not requests:  # a prefill chunk in the middle of a prompt: nothing to sample
             return SampleOutput(torch.zeros(0, dtype=torch.int64, device=logits.device), None, None, None)
         # Penalties see the tokens known when the batch was planned (with overlap, not the one in flight).
@@ -387,6 +387,7 @@ class Scheduler:
             [r.output_ids[: r.num_resolved] for r in requests],
             [r.generator for r in requests],
             self.runner.sampling_generator,
+            None if masks is None else masks.bitmask(logits.device),
         )
 
     # -- results -------------------------------------------------------------------------------------
@@ -448,7 +449,8 @@ class Scheduler:
             request.output_ids.append(token)
         if params.logprobs and logprob is not None:
             request.logprobs.append(TokenLogprob(token, logprob, top[: params.top_logprobs]))
-        if (not params.ignore_eos and token in request.eos_token_ids) or token in params.stop_token_ids:
+        if grammar.accept(request, token) or token in params.stop_token_ids or (
+                not params.ignore_eos and token in request.eos_token_ids):
             request.finish_reason, request.matched_stop = FinishReason.STOP, token
         elif index + 1 >= params.max_new_tokens or request.known_len >= self.runner.context_length:
             request.finish_reason = FinishReason.LENGTH
@@ -524,6 +526,7 @@ class Scheduler:
         if (taken := self.loop.take_in_flight()) is not None:  # its forward ends first: it writes pages to be freed
             batch, future = taken
             in_flight = batch.requests
+            grammar.fill_all(self.unfilled)  # its sampling may wait for its masks
             with contextlib.suppress(Exception):
                 future.result()
         self.fail_batch([*self.waiting, *self.running, *([self.chunked] if self.chunked else []), *in_flight], error)
@@ -531,9 +534,8 @@ class Scheduler:
     # -- KV ownership --------------------------------------------------------------------------------
 
     def check_pool_accounting(self) -> None:
-        """`page_owners.check_pool_accounting` of this scheduler's requests. Call it between two steps
-        (`Engine.check_pool_accounting` does)."""
-        check_pool_accounting([*self.waiting, *self.running, *([self.chunked] if self.chunked else [])], self.radix,
+        """`page_owners.check_pool_accounting` of this scheduler's requests, between two steps (as the engine's)."""
+        check_pool_accounting([*self.waiting, *self.running, *filter(None, [self.chunked])], self.radix,
                               self.block_table)
 
     def _cache_prefix(self, request: Request) -> int:
