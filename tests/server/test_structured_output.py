@@ -14,6 +14,7 @@ import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
+from plugserve.runtime.sampling import SamplingParams
 from plugserve.runtime.server_args import ServerArgs
 from tests.live_server import API_KEY, SERVED_MODEL, RunningServer, start_server
 
@@ -45,7 +46,7 @@ SCHEMAS = {t["function"]["name"]: jsonschema_rs.validator_for(t["function"]["par
 @pytest.fixture(scope="module")
 def server() -> Iterator[RunningServer]:
     yield from start_server(ServerArgs(api_key=API_KEY, served_model_name=SERVED_MODEL, max_running_requests=64,
-                                       tool_call_parser="deepseekv3"))
+                                       tool_call_parser="deepseekv3", reasoning_parser="deepseek-r1"))
 
 
 @pytest.fixture(scope="module")
@@ -136,3 +137,20 @@ def _stream_calls(client: openai.OpenAI, kwargs: dict) -> list[_Call]:
     result = [calls[i] for i in sorted(calls)]
     _check_calls(result, {"get_weather", "get_time"})
     return result
+
+
+def test_reasoning_content_is_split_off_streamed_or_not(client, server):
+    """The embedded model never writes </think>: under deepseek-r1 (whose template opens <think> in the prompt)
+    its whole output is reasoning, cut short; a constrained output (above) is never split."""
+    kwargs = {"model": SERVED_MODEL, "messages": MESSAGES, "max_tokens": 12, "temperature": 0}
+    message = client.chat.completions.create(**kwargs).choices[0].message
+    ids = server.engine.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True,
+                                                      return_dict=False)
+    expected = server.engine.generate(list(ids), SamplingParams(max_new_tokens=12, temperature=0))[0].text
+    assert message.reasoning_content == expected and message.content is None
+    streamed = ""
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        delta = chunk.choices[0].delta
+        assert not delta.content
+        streamed += getattr(delta, "reasoning_content", None) or ""
+    assert streamed == expected
