@@ -12,6 +12,7 @@ the scheduler thread has processed step i's tokens into the matchers and filled 
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -131,9 +132,11 @@ class BatchGrammar:
         from xgrammar import allocate_token_bitmask
 
         bitmask = allocate_token_bitmask(len(self.requests), self.vocab_size)  # [B, ceil(V / 32)] int32, all set
-        for row, request in enumerate(self.requests):
-            if request.grammar is not None and not request.finished and not request.grammar.is_terminated():
-                request.grammar.fill_next_token_bitmask(bitmask, row)
+        rows = [row for row, r in enumerate(self.requests)
+                if r.grammar is not None and not r.finished and not r.grammar.is_terminated()]
+        if rows:  # the rows in parallel on the CPU's cores (xgrammar's threads, the GIL released)
+            _batch_matcher().batch_fill_next_token_bitmask([self.requests[row].grammar for row in rows], bitmask,
+                                                           rows)
         self._bitmask = bitmask
         self._ready.set()
 
@@ -142,6 +145,13 @@ class BatchGrammar:
         self._ready.wait()
         assert self._bitmask is not None
         return to_device(self._bitmask, device)
+
+
+@functools.cache
+def _batch_matcher() -> xgrammar.BatchGrammarMatcher:
+    from xgrammar import BatchGrammarMatcher
+
+    return BatchGrammarMatcher()
 
 
 def fill_all(unfilled: list[BatchGrammar]) -> None:
