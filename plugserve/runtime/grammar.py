@@ -74,7 +74,7 @@ class GrammarCompiler:
                 compiled = compiler.compile_regex(text)
             else:
                 compiled = compiler.compile_grammar(text)
-        except (RuntimeError, ValueError) as exc:
+        except Exception as exc:  # xgrammar's refusal of the text, whatever its type: the client's to fix
             raise GrammarError(field, f"{field} could not be compiled: {exc}") from None
         with self._lock:
             self._cache[key] = compiled

@@ -84,11 +84,10 @@ def parse_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str, A
     if plan.mode == "named":
         return None, [_call(plan.name or "", text)]
     if plan.mode == "required":
-        try:
-            calls = json.loads(text)
-        except json.JSONDecodeError:
+        try:  # the grammar's shape, unless a stop string or max_tokens cut it
+            return None, [_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(text)]
+        except (ValueError, TypeError, KeyError):
             return text, []
-        return None, [_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
     if plan.mode == "parse" and CALLS_BEGIN in text:
         content, _, rest = text.partition(CALLS_BEGIN)
         calls = [_call(m["name"].strip(), m["arguments"]) for m in DEEPSEEK_CALL.finditer(rest)]
