@@ -62,6 +62,14 @@ def test_parse_with_a_pydantic_model_returns_the_object(client):
     assert isinstance(choice.message.parsed, Weather)
 
 
+def test_a_streamed_json_schema_output_parses(client):
+    response_format = {"type": "json_schema", "json_schema": {"name": "w", "schema": Weather.model_json_schema()}}
+    chunks = list(client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, max_tokens=60, stream=True,
+                                                 temperature=1.0, response_format=response_format))
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    Weather.model_validate_json("".join(c.choices[0].delta.content or "" for c in chunks))
+
+
 def test_50_sampled_json_schema_outputs_all_validate(client):
     """Temperature 1, n = 50 in one request: each choice parses and validates against the schema."""
     schema = Weather.model_json_schema()
