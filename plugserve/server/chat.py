@@ -32,8 +32,7 @@ def _content(content: str | list | None) -> str:
 
 def _message(message: ChatMessage) -> dict[str, Any]:
     """A message as chat templates read it (content as one string; tool calls and answers as sent)."""
-    out = message.model_dump(exclude_none=True) | {"content": _content(message.content)}
-    return out
+    return message.model_dump(exclude_none=True) | {"content": _content(message.content)}
 
 
 def prompt_ids(tokenizer, body: ChatCompletionRequest) -> list[int]:

@@ -205,6 +205,7 @@ class OpenAIRequest(SamplingFields, RequestBody):
 
     def sampling_params(self, max_new_tokens: int, logprobs: bool = False, top_logprobs: int = 0
                         ) -> SamplingParams:
+        """As SamplingFields', with response_format as the json_schema (ValueError: it came with another grammar)."""
         params = super().sampling_params(max_new_tokens, logprobs, top_logprobs)
         schema = self.grammar_json_schema()
         if schema is not None:
