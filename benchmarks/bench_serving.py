@@ -570,6 +570,19 @@ def result_record(
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def json_schema_body(backend: str, schema: str) -> dict[str, Any]:
+    """The request fields that constrain the output to `schema` (a JSON object as text, or @FILE holding one)."""
+    if schema.startswith("@"):
+        with open(schema[1:]) as f:
+            schema = f.read()
+    parsed = json.loads(schema)
+    if not isinstance(parsed, dict):
+        raise ValueError("a JSON schema is a JSON object")
+    if backend == "openai-chat":
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": "bench", "schema": parsed}}}
+    return {"json_schema": json.dumps(parsed)}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser."""
     p = argparse.ArgumentParser(
@@ -613,6 +626,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="'{\"key\": value}'",
         help="JSON object merged into every request body",
+    )
+    p.add_argument(
+        "--json-schema",
+        default=None,
+        metavar="'{...}' | @FILE",
+        help="constrain every output to this JSON schema (structured output): response_format json_schema with "
+        "openai-chat, SGLang's json_schema field with openai-completions; a request ends when its JSON does",
     )
     p.add_argument(
         "--api-key",
@@ -698,6 +718,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--extra-request-body is not JSON: {exc}")
     if not isinstance(extra, dict):
         parser.error("--extra-request-body must be a JSON object")
+    if args.json_schema:
+        try:
+            extra.update(json_schema_body(args.backend, args.json_schema))
+        except (OSError, ValueError) as exc:
+            parser.error(f"--json-schema: {exc}")
     args.extra_request_body_dict = extra
 
     try:

@@ -143,7 +143,7 @@ class DPScheduler:
                     group.check_faults(batch)
             logits = self.runner.forward_groups([None if b is None else Part(b.input_ids, b.forward_batch,
                                                                              b.sample_rows) for b in full])
-            return [None if b is None else BatchResult.of(g.sample(rows, b.sampled_requests))
+            return [None if b is None else BatchResult.of(g.sample(rows, b.sampled_requests, b.masks))
                     for g, b, rows in zip(self.groups, full, logits, strict=True)]
         except Exception as exc:
             logger.warning("a DP step failed (%s: %s): each group's batch runs alone", type(exc).__name__, exc)
@@ -162,7 +162,7 @@ class DPScheduler:
         group.check_faults(batch)
         parts = [Part(batch.input_ids, batch.forward_batch, batch.sample_rows) if i == index else None
                  for i in range(len(self.groups))]
-        return group.sample(self.runner.forward_groups(parts)[index], batch.sampled_requests)
+        return group.sample(self.runner.forward_groups(parts)[index], batch.sampled_requests, batch.masks)
 
     def _finish(self, batches: Batches, futures: Results) -> None:
         for group, batch, future in zip(self.groups, batches, futures, strict=True):

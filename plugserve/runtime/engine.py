@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, replace
 from plugserve.core.distributed import SINGLE
 from plugserve.core.tokenizer import EMBEDDED_MODEL_DIR, load_tokenizer
 from plugserve.runtime.dp_scheduler import DPScheduler
+from plugserve.runtime.grammar import GrammarCompiler, GrammarError, grammar_of
 from plugserve.runtime.isolation import FaultHook
 from plugserve.runtime.metrics import Metrics
 from plugserve.runtime.radix_cache import RadixCache
@@ -141,6 +142,8 @@ class Engine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self.grammars = (GrammarCompiler(self.tokenizer, config.vocab_size, eos)
+                         if args.grammar_backend == "xgrammar" else None)
         self.metrics = Metrics()
         self.scheduler: Scheduler | DPScheduler
         if self.runner.dp_size > 1:
@@ -263,6 +266,22 @@ class Engine:
                              f"({self.runner.max_total_tokens})")
         return ids
 
+    def compile_grammar(self, params: SamplingParams):
+        """The request's compiled grammar (xgrammar's CompiledGrammar, cached), or None when it has none. Raises
+        GrammarError naming the field for a grammar that cannot be compiled or served here. Slow on a new grammar:
+        the server calls it in a worker thread before submitting."""
+        grammar = grammar_of(params)
+        if grammar is None:
+            return None
+        field, text = grammar
+        if self.grammars is None:
+            raise GrammarError(field, f"{field}: structured output is off on this server (--grammar-backend none; "
+                                      "xgrammar turns it on)")
+        if self.args.speculative is not None:
+            raise GrammarError(field, f"{field}: structured output does not run with speculative decoding "
+                                      "(--speculative-algorithm): drafts are not checked against the grammar")
+        return self.grammars.compile(field, text)
+
     def submit(self, prompt: Prompt, params: SamplingParams, on_output: Callable[[RequestOutput], None],
                rid: str | None = None) -> str:
         """Queue one request (n must be 1 here: `generate` and the server expand n). Returns its id."""
@@ -282,8 +301,10 @@ class Engine:
                     self._outstanding.discard(request)
             on_output(output)
 
+        compiled = self.compile_grammar(params)
         request = Request(rid or uuid.uuid4().hex, ids, params, report, self.eos_token_ids,
-                          make_generator(params.seed, self.runner.device))
+                          make_generator(params.seed, self.runner.device),
+                          None if compiled is None else self.grammars.matcher(compiled))
         return request
 
     def _queue(self, requests: list[Request]) -> None:

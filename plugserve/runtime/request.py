@@ -61,6 +61,7 @@ class Request:
     on_output: Callable[[RequestOutput], None]
     eos_token_ids: frozenset[int] = frozenset()
     generator: torch.Generator | None = None
+    grammar: object | None = None  # its xgrammar GrammarMatcher (structured output), advanced by each token
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)

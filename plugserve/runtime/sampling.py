@@ -33,6 +33,12 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit before sampling
+    # Structured output (SGLang's names; at most one): the output must match this JSON schema (a JSON string),
+    # regular expression or EBNF grammar. runtime/grammar.py compiles them.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first field out of its allowed range."""
@@ -50,10 +56,18 @@ class SamplingParams:
             ("top_logprobs", 0 <= self.top_logprobs <= 20, "in [0, 20]"),
             ("seed", self.seed is None or 0 <= self.seed < 2**64, "None or in [0, 2^64) (a torch generator's)"),
             ("stop", len(self.stop) <= 16 and all(self.stop), "at most 16 non-empty strings"),
+            ("logit_bias", all(-100 <= b <= 100 for b in self.logit_bias.values()), "biases in [-100, 100]"),
+            ("json_schema", sum(g is not None for g in self.grammar) <= 1, "alone: give one of json_schema, regex "
+             "and ebnf"),
         ]
         for name, ok, allowed in rules:
             if not ok:
                 raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+
+    @property
+    def grammar(self) -> tuple[str | None, str | None, str | None]:
+        """The structured-output constraint: (json_schema, regex, ebnf), at most one of them set."""
+        return self.json_schema, self.regex, self.ebnf
 
     @property
     def is_greedy(self) -> bool:
@@ -91,6 +105,7 @@ def sample(
     output_ids: list[list[int]],
     generators: list[torch.Generator | None],
     default_generator: torch.Generator | None = None,
+    token_bitmask: torch.Tensor | None = None,
 ) -> SampleOutput:
     """Pick one token per request from logits [B, V] float32 (one row per request; not modified).
 
@@ -99,14 +114,19 @@ def sample(
     seeded by --seed; None: torch's global one); a seeded request draws only from its own, so its tokens do not
     depend on what it is batched with.
 
-    Logprobs come from the penalized logits before temperature and top-k/top-p/min-p: they are then defined
-    for greedy rows too (temperature 0) and do not change with the sampling knobs, as the model's own view of
-    the next token after the penalties the request asked for.
+    token_bitmask: [B, ceil(V / 32)] int32 on the logits' device, bit j of a row set where token j is allowed
+    (structured output, `runtime/grammar.py`); None: every token is.
+
+    Logprobs come from the penalized logits before logit_bias, the grammar's mask, temperature and
+    top-k/top-p/min-p: they are then defined for greedy rows too (temperature 0) and do not change with the
+    sampling knobs, as the model's own view of the next token after the penalties the request asked for (a
+    masked token's -inf would be a logprob JSON cannot carry).
     """
     logits = apply_penalties(logits.float(), params, prompt_ids, output_ids)
     want_logprobs = any(p.logprobs for p in params)
     k = max(p.top_logprobs for p in params)
     all_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs or k else None
+    logits = constrain(logits, params, token_bitmask)
 
     token_ids = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.is_greedy]
@@ -122,6 +142,33 @@ def sample(
     if k:
         top_values, top_ids = all_logprobs.topk(k, dim=-1)
     return SampleOutput(token_ids, logprobs, top_ids, top_values)
+
+
+def constrain(logits: torch.Tensor, params: list[SamplingParams], token_bitmask: torch.Tensor | None
+              ) -> torch.Tensor:
+    """logits [B, V] float32 with each row's logit_bias added and the tokens `token_bitmask` ([B, ceil(V / 32)]
+    int32, or None) clears set to -inf: a new tensor, or `logits` itself when nothing applies."""
+    biased = [(row, token, bias) for row, p in enumerate(params) for token, bias in p.logit_bias.items()]
+    if not biased and token_bitmask is None:
+        return logits
+    logits = logits.clone()
+    if biased:
+        rows, tokens, biases = zip(*biased, strict=True)
+        index = to_device(torch.tensor([rows, tokens], dtype=torch.int64), logits.device)
+        logits.index_put_((index[0], index[1]), to_device(torch.tensor(biases, dtype=torch.float32), logits.device),
+                          accumulate=True)
+    if token_bitmask is not None:
+        apply_token_bitmask(logits, token_bitmask)
+    return logits
+
+
+def apply_token_bitmask(logits: torch.Tensor, token_bitmask: torch.Tensor) -> None:
+    """Set logits [B, V] float32 to -inf where bit (j % 32) of token_bitmask[b, j // 32] ([B, ceil(V / 32)] int32)
+    is clear, in place, in a few element-wise ops on the logits' device."""
+    vocab = logits.shape[-1]
+    tokens = torch.arange(vocab, device=logits.device)
+    allowed = (token_bitmask[:, tokens // 32] >> (tokens % 32)) & 1
+    logits.masked_fill_(allowed == 0, -torch.inf)
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -11,6 +11,7 @@ import torch
 
 from plugserve.core.block_table import to_device
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode
+from plugserve.runtime.grammar import BatchGrammar
 from plugserve.runtime.request import Request
 
 
@@ -28,6 +29,7 @@ class ScheduledBatch:
     resolve: list[tuple[int, int]]
     # Speculative prefill: [T] int64 on the device, the token after each new one (0 where it is being sampled)
     next_ids: torch.Tensor | None = None
+    masks: BatchGrammar | None = None  # the sampled requests' structured-output masks (None: none)
 
     @property
     def sampled_requests(self) -> list[Request]:
@@ -55,7 +57,9 @@ class ScheduledBatch:
                                      full.block_table[to_device(torch.tensor(list(indices)), full.block_table.device)],
                                      full.kv_pool)
         prepare(forward)
+        sampled_before = list(itertools.accumulate(self.sampled, initial=0))  # each request's row among the sampled
+        masks = None if self.masks is None else self.masks.part([sampled_before[i] for i in indices if self.sampled[i]])
         return ScheduledBatch(self.mode, [self.requests[i] for i in indices], lens, sampled, forward,
                               self.input_ids[tokens], to_device(torch.tensor(rows, dtype=torch.int64), device),
                               [self.ends[i] for i in indices], [],
-                              None if self.next_ids is None else self.next_ids[tokens])
+                              None if self.next_ids is None else self.next_ids[tokens], masks)

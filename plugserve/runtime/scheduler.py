@@ -26,20 +26,13 @@ from plugserve.core.block_table import DeviceBlockTable, to_device
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode
 from plugserve.core.kv_cache import pages_needed
 from plugserve.core.moved import moved_names
-from plugserve.runtime import isolation, overlap
+from plugserve.runtime import grammar, isolation, overlap
 from plugserve.runtime.metrics import Metrics
 from plugserve.runtime.model_runner import ModelRunner
 from plugserve.runtime.overlap import OverlapLoop
 from plugserve.runtime.page_owners import check_pool_accounting
 from plugserve.runtime.radix_cache import RadixCache
-from plugserve.runtime.request import (
-    PENDING,
-    FinishReason,
-    Request,
-    RequestIndex,
-    RequestQueue,
-    TokenLogprob,
-)
+from plugserve.runtime.request import PENDING, FinishReason, Request, RequestIndex, RequestQueue, TokenLogprob
 from plugserve.runtime.sampling import SampleOutput, sample
 from plugserve.runtime.scheduled_batch import ScheduledBatch
 from plugserve.runtime.speculative import SpeculativeWorker
@@ -80,6 +73,7 @@ class Scheduler:
         self.lookahead = spec.lookahead if spec is not None else 0
         self.loop: OverlapLoop[ScheduledBatch, Future[BatchResult]] = OverlapLoop(
             not args.disable_overlap_schedule and self.spec is None)
+        self.unfilled: list[grammar.BatchGrammar] = []  # masks that wait for the batch in flight's tokens
 
     # -- requests ------------------------------------------------------------------------------------
 
@@ -149,12 +143,13 @@ class Scheduler:
         except Exception as exc:
             logger.exception("a %s batch of %d requests failed", batch.mode.name, len(batch.requests))
             self.fail_batch(batch.requests, f"{type(exc).__name__}: {exc}")
-            return
-        for i, exc in result.failed.items():
-            logger.error("the forward of request %s failed", batch.requests[i].rid, exc_info=exc)
-            if not batch.requests[i].finished:
-                self._end_with_error(batch.requests[i], f"{type(exc).__name__}: {exc}")
-        self._take_tokens(batch, result)
+        else:
+            for i, exc in result.failed.items():
+                logger.error("the forward of request %s failed", batch.requests[i].rid, exc_info=exc)
+                if not batch.requests[i].finished:
+                    self._end_with_error(batch.requests[i], f"{type(exc).__name__}: {exc}")
+            self._take_tokens(batch, result)
+        grammar.fill_all(self.unfilled)  # the batch in flight's masks waited for these tokens
 
     def shutdown(self) -> None:
         self.loop.shutdown(self.process)
@@ -329,6 +324,8 @@ class Scheduler:
         rows = [row for row, is_sampled in zip(ends, sampled, strict=True) if is_sampled]
         # Inputs still being sampled by the batch in flight: the last token of a decoding request.
         resolve = [(ends[i], r.pending_row) for i, r in enumerate(requests) if r.last_id == PENDING]
+        masks = grammar.BatchGrammar.plan([r for r, s in zip(requests, sampled, strict=True) if s],
+                                          self.runner.config.vocab_size, self.unfilled if resolve else None)
         sample_row = 0
         for request, n, is_sampled in zip(requests, lens, sampled, strict=True):
             request.cached_len += n  # the KV of these tokens exists once the forward has run
@@ -339,7 +336,7 @@ class Scheduler:
         return ScheduledBatch(mode, requests, lens, sampled, batch, to_device(input_ids, device),
                               to_device(torch.tensor(rows, dtype=torch.int64), device),
                               [r.cached_len for r in requests], resolve,
-                              None if next_ids is None else to_device(next_ids, device))
+                              None if next_ids is None else to_device(next_ids, device), masks)
 
     # -- running -------------------------------------------------------------------------------------
 
@@ -358,7 +355,7 @@ class Scheduler:
         self.check_faults(batch)
         input_ids, requests, forward = batch.input_ids, batch.sampled_requests, batch.forward_batch
         if self.spec is None:
-            sampled = self.sample(self.runner.forward(input_ids, forward, batch.sample_rows), requests)
+            sampled = self.sample(self.runner.forward(input_ids, forward, batch.sample_rows), requests, batch.masks)
         elif batch.mode is ForwardMode.TARGET_VERIFY:
             sampled = self.spec.verify(forward, input_ids, requests, self.runner.sampling_generator)
         else:
@@ -371,8 +368,10 @@ class Scheduler:
         """The batch's input ids [T] int64 on the device, those the batch in flight (`prior`) samples filled in."""
         return overlap.fill_pending(batch.input_ids, batch.resolve, prior)
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampleOutput:
-        """Tokens of the sampled `requests` from their logits [len(requests), vocab] float32."""
+    def sample(self, logits: torch.Tensor, requests: list[Request], masks: grammar.BatchGrammar | None = None
+               ) -> SampleOutput:
+        """Tokens of the sampled `requests` from their logits [len(requests), vocab] float32, under
+        their grammars' `masks` (filled by the scheduler thread: with overlap, once the batch before has run)."""
         if not requests:  # a prefill chunk in the middle of a prompt: nothing to sample
             return SampleOutput(torch.zeros(0, dtype=torch.int64, device=logits.device), None, None, None)
         # Penalties see the tokens known when the batch was planned (with overlap, not the one in flight).
@@ -383,6 +382,7 @@ class Scheduler:
             [r.output_ids[: r.num_resolved] for r in requests],
             [r.generator for r in requests],
             self.runner.sampling_generator,
+            None if masks is None else masks.bitmask(logits.device),
         )
 
     # -- results -------------------------------------------------------------------------------------
@@ -444,7 +444,8 @@ class Scheduler:
             request.output_ids.append(token)
         if params.logprobs and logprob is not None:
             request.logprobs.append(TokenLogprob(token, logprob, top[: params.top_logprobs]))
-        if (not params.ignore_eos and token in request.eos_token_ids) or token in params.stop_token_ids:
+        if grammar.accept(request, token) or token in params.stop_token_ids or (
+                not params.ignore_eos and token in request.eos_token_ids):
             request.finish_reason, request.matched_stop = FinishReason.STOP, token
         elif index + 1 >= params.max_new_tokens or request.known_len >= self.runner.context_length:
             request.finish_reason = FinishReason.LENGTH
@@ -520,6 +521,7 @@ class Scheduler:
         if (taken := self.loop.take_in_flight()) is not None:  # its forward ends first: it writes pages to be freed
             batch, future = taken
             in_flight = batch.requests
+            grammar.fill_all(self.unfilled)  # its sampling may wait for its masks
             with contextlib.suppress(Exception):
                 future.result()
         self.fail_batch([*self.waiting, *self.running, *([self.chunked] if self.chunked else []), *in_flight], error)
@@ -527,9 +529,8 @@ class Scheduler:
     # -- KV ownership --------------------------------------------------------------------------------
 
     def check_pool_accounting(self) -> None:
-        """`page_owners.check_pool_accounting` of this scheduler's requests. Call it between two steps
-        (`Engine.check_pool_accounting` does)."""
-        check_pool_accounting([*self.waiting, *self.running, *([self.chunked] if self.chunked else [])], self.radix,
+        """`page_owners.check_pool_accounting` of this scheduler's requests, between two steps (as the engine's)."""
+        check_pool_accounting([*self.waiting, *self.running, *filter(None, [self.chunked])], self.radix,
                               self.block_table)
 
     def _cache_prefix(self, request: Request) -> int:

@@ -113,6 +113,10 @@ class ServerArgs(BaseModel):
     speculative_num_steps: int | None = Field(None, ge=1)
     speculative_eagle_topk: int | None = Field(None, ge=1)
     speculative_num_draft_tokens: int | None = Field(None, ge=2)
+    # structured output, tool calls and reasoning
+    grammar_backend: Literal["xgrammar", "none"] = "xgrammar"
+    tool_call_parser: Literal["deepseekv3"] | None = None
+    reasoning_parser: Literal["deepseek-r1"] | None = None
     # misc
     log_level: str = "info"
     seed: int = Field(0, ge=0)

@@ -9,7 +9,7 @@ import hmac
 import itertools
 import json
 import sys
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
@@ -24,39 +24,20 @@ from plugserve.runtime.engine import Engine, EngineStopped, GenerateResult
 from plugserve.runtime.request import FinishReason, RequestOutput, TokenLogprob
 from plugserve.runtime.sampling import SamplingParams
 from plugserve.runtime.server_args import flag
+from plugserve.server import chat, prepare
 from plugserve.server.offsets import TextOffsets
+from plugserve.server.prepare import BadRequest, Job
 from plugserve.server.protocol import (
     INVALID_UNICODE,
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
-    OpenAIRequest,
     error_body,
     new_id,
     now,
     usage,
 )
 
-# What a request calls a SamplingParams field, for error messages: OpenAI's names at the top level of the body,
-# SGLang's inside /generate's sampling_params.
-OPENAI_NAMES = {"max_new_tokens": "max_tokens", "top_logprobs": "logprobs"}
-
-
-def _openai_name(field: str) -> str:
-    return OPENAI_NAMES.get(field, field)
-
-
-def _generate_name(field: str) -> str:
-    return f"sampling_params.{field}"
-
-
-class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None) -> None:
-        super().__init__(message)
-        self.message, self.param, self.status, self.code = message, param, status, code
-
-
-Job = tuple[int, list[int], SamplingParams]  # choice index, prompt ids, one sample's params
 # What answers before the engine is ready (the rest gets 503).
 READY_FREE_PATHS = frozenset({"/health", "/metrics", "/server_info", "/v1/models", "/docs", "/openapi.json"})
 
@@ -140,13 +121,14 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        _check_model(engine, body.model)
+        prepare.check_model(engine, body.model)
+        prepare.check_supported(body)
         if body.echo:
             raise BadRequest("echo is not supported", "echo")
-        prompts = _prompt_list(body.prompt)
+        prompts = prepare.prompt_list(body.prompt)
         top = body.logprobs or 0
         # Off the event loop: a long prompt takes seconds to tokenize (the tokenizer releases the GIL).
-        jobs = await asyncio.to_thread(_jobs, engine, prompts, "prompt", body, body.max_tokens,
+        jobs = await asyncio.to_thread(prepare.make_jobs, engine, prompts, "prompt", body, body.max_tokens,
                                        body.logprobs is not None, top)
         rid, model = new_id("cmpl"), body.model or engine.model_name
         if body.stream:
@@ -162,21 +144,33 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        _check_model(engine, body.model)
-        messages = [{"role": m.role, "content": _content(m.content)} for m in body.messages]
-        ids = await asyncio.to_thread(_apply_chat_template, engine, messages)
+        prepare.check_model(engine, body.model)
+        prepare.check_supported(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        tools = prepare.tool_plan(engine, body)
+        try:
+            ids = await asyncio.to_thread(chat.prompt_ids, engine.tokenizer, body)
+        except chat.ChatTemplateError as exc:
+            raise BadRequest(str(exc), exc.field) from None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        jobs = _jobs(engine, [ids], "messages", body, max_tokens, body.logprobs, body.top_logprobs or 0)
+        # A tools plan's grammar, or the parser's tokens kept in the text (they are special tokens).
+        overrides = ({"json_schema": tools.json_schema} if tools.json_schema else
+                     {"skip_special_tokens": False} if tools.mode == "parse" else {})
+        jobs = await asyncio.to_thread(prepare.make_jobs, engine, [ids], "messages", body, max_tokens, body.logprobs,
+                                       body.top_logprobs or 0, overrides, "tools" if tools.json_schema else None)
+        constrained = tools.json_schema is not None or body.grammar_json_schema() is not None
+        output = chat.ChatOutput(engine.args.reasoning_parser is not None and not constrained, tools)
         rid, model = new_id("chatcmpl"), body.model or engine.model_name
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _sse(_chat_chunks(engine, jobs, rid, model, include_usage, body.n))
+            return _sse(_chat_chunks(engine, jobs, rid, model, include_usage, body.n, output))
         results = await _run_all(engine, jobs, request)
-        choices = [{"index": i, "message": {"role": "assistant", "content": r.text},
-                    "logprobs": _chat_logprobs(engine, r.logprobs) if body.logprobs else None,
-                    "finish_reason": _reason(r)} for i, r in enumerate(results)]
+        choices = []
+        for i, r in enumerate(results):
+            message, finish = output.message(r.text, _reason(r))
+            choices.append({"index": i, "message": message, "finish_reason": finish,
+                            "logprobs": _chat_logprobs(engine, r.logprobs) if body.logprobs else None})
         return JSONResponse({"id": rid, "object": "chat.completion", "created": now(), "model": model,
                              "choices": choices, "usage": _usage(results, 1, body.n).model_dump()})
 
@@ -186,8 +180,9 @@ def create_app(engine: Engine) -> FastAPI:
             raise BadRequest("give exactly one of text and input_ids", "text")
         params = body.sampling_params.to_params()
         field = "text" if body.text is not None else "input_ids"
-        ids = await asyncio.to_thread(_tokenize, engine, getattr(body, field), field)
-        _validate(params, len(ids), engine, _generate_name)
+        ids = await asyncio.to_thread(prepare.tokenize, engine, getattr(body, field), field)
+        prepare.validate(params, len(ids), engine, prepare.generate_name)
+        await asyncio.to_thread(prepare.compile_grammar, engine, params, prepare.generate_name)
         if params.n != 1:
             raise BadRequest("/generate takes n = 1; send several requests", "sampling_params.n")
         rid = body.rid or new_id("gen")
@@ -297,98 +292,6 @@ def _field_of(locs: list[list[str]]) -> str | None:
     same = [loc for loc in locs if loc[:1] == locs[0][:1]]
     shared = itertools.takewhile(lambda parts: len(set(parts)) == 1, zip(*same, strict=False))
     return ".".join(parts[0] for parts in shared) or None
-
-
-def _check_model(engine: Engine, model: str | None) -> None:
-    """OpenAI answers an unknown model with 404 model_not_found; a missing one means the served model."""
-    if model is not None and model not in engine.model_names:
-        raise BadRequest(f"the model `{model}` does not exist; this server serves `{engine.model_name}`", "model",
-                         status=404, code="model_not_found")
-
-
-def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
-    if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
-        raise BadRequest("prompt is empty", "prompt")
-    if all(isinstance(p, int) for p in prompt):
-        return [prompt]  # type: ignore[list-item]
-    return list(prompt)  # type: ignore[arg-type]
-
-
-def _content(content: str | list | None) -> str:
-    if content is None:
-        return ""
-    return content if isinstance(content, str) else "".join(part.text for part in content)
-
-
-def _apply_chat_template(engine: Engine, messages: list[dict[str, str]]) -> list[int]:
-    """The chat's prompt ids (run in a worker thread: templating and tokenizing a long chat take a while)."""
-    try:
-        return list(engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                         return_dict=False))
-    except Exception as exc:  # the template's own checks (roles, ordering) speak to the client
-        raise BadRequest(f"the chat template rejected the messages: {exc}", "messages") from None
-
-
-def _tokenize(engine: Engine, prompt: str | Sequence[int], field: str) -> list[int]:
-    """The prompt's token ids; a 400 names the request's own `field` (/generate has no `prompt`, only `text` or
-    `input_ids`; chat's prompt is its `messages`), as the engine's message cannot."""
-    try:
-        return engine.tokenize(prompt)
-    except ValueError as exc:
-        raise BadRequest(f"{field}: {exc}", field) from None
-
-
-def _validate(params: SamplingParams, prompt_len: int, engine: Engine,
-              name: Callable[[str], str] = _openai_name) -> None:
-    """What the model bounds: stop token ids in its vocabulary, prompt and output within its context (and
-    SamplingParams.validate's ranges, which the request's schema states already). A 400 names the field as the
-    request does (`name`)."""
-    try:
-        params.validate()
-    except ValueError as exc:
-        field = str(exc).split(" ", 1)[0]
-        raise BadRequest(str(exc).replace(field, name(field), 1), name(field)) from None
-    vocab = engine.runner.config.vocab_size
-    if any(not 0 <= t < vocab for t in params.stop_token_ids):
-        raise BadRequest(f"{name('stop_token_ids')} must lie in [0, {vocab}), the model's vocabulary, got "
-                         f"{params.stop_token_ids}", name("stop_token_ids"))
-    context = engine.runner.context_length
-    if prompt_len + params.max_new_tokens > context:
-        raise BadRequest(f"this model's context length is {context} tokens; the prompt has {prompt_len} and "
-                         f"{name('max_new_tokens')} asks for {params.max_new_tokens} more", name("max_new_tokens"))
-    pool = engine.runner.max_total_tokens
-    if prompt_len + params.max_new_tokens > pool:  # else the scheduler would stop it short, finish_reason "length"
-        raise BadRequest(f"the KV cache holds {pool} tokens (--max-total-tokens); the prompt has {prompt_len} and "
-                         f"{name('max_new_tokens')} asks for {params.max_new_tokens} more, which could never fit "
-                         "(refused by the maximum, even where EOS or a stop might end it sooner)",
-                         name("max_new_tokens"))
-
-
-def _check_fan_out(engine: Engine, num_prompts: int, n: int) -> None:
-    """Bound the sequences one request makes: each is held, and aborted one by one, by the scheduler."""
-    limit = engine.args.max_sequences_per_request
-    if num_prompts * n > limit:
-        raise BadRequest(f"the request asks for {num_prompts} prompt(s) x n = {n}, {num_prompts * n} sequences; "
-                         f"this server takes at most {limit} per request (--max-sequences-per-request)",
-                         "n" if num_prompts == 1 else "prompt")
-
-
-def _jobs(engine: Engine, prompts: Sequence[str | Sequence[int]], field: str, body: OpenAIRequest,
-          max_tokens: int | None, logprobs: bool, top_logprobs: int) -> list[Job]:
-    """The sequences of an OpenAI request, n per prompt, prompt-major; checked before any prompt is tokenized.
-    `field`: where the prompts came from, for a 400's name."""
-    _check_fan_out(engine, len(prompts), body.n)
-    jobs: list[Job] = []
-    room = min(engine.runner.context_length, engine.runner.max_total_tokens)
-    for prompt in prompts:
-        ids = _tokenize(engine, prompt, field)
-        budget = max_tokens if max_tokens is not None else room - len(ids)
-        params = body.sampling_params(budget, logprobs, top_logprobs)
-        _validate(params, len(ids), engine)
-        jobs += [(len(jobs) + i, ids, p) for i, p in enumerate(Engine.expand(params))]
-    return jobs
 
 
 # -- running -----------------------------------------------------------------------------------------
@@ -542,9 +445,10 @@ async def _completion_chunks(engine: Engine, jobs: list[Job], rid: str, model: s
         yield _usage_chunk(rid, "text_completion", model, n, totals)
 
 
-async def _chat_chunks(engine: Engine, jobs: list[Job], rid: str, model: str, include_usage: bool, n: int
-                       ) -> AsyncIterator[dict[str, Any]]:
-    """As `_completion_chunks`: a token's logprobs go out in its step's chunk, with or without text."""
+async def _chat_chunks(engine: Engine, jobs: list[Job], rid: str, model: str, include_usage: bool, n: int,
+                       output: chat.ChatOutput) -> AsyncIterator[dict[str, Any]]:
+    """As `_completion_chunks`: a token's logprobs go out in its step's chunk, with or without text; the text goes
+    out as content, reasoning_content and tool_calls deltas (`output`)."""
 
     def chunk(index: int, delta: dict[str, Any], finish: str | None, logprobs=None) -> dict[str, Any]:
         return {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": model,
@@ -553,15 +457,17 @@ async def _chat_chunks(engine: Engine, jobs: list[Job], rid: str, model: str, in
     for index, *_ in jobs:
         yield chunk(index, {"role": "assistant", "content": ""}, None)
     totals: dict[int, RequestOutput] = {}
-    async for index, output in _merged(engine, jobs):
-        if output.finish_reason is FinishReason.ERROR:
-            yield _error_chunk(output)
+    streams = [output.stream() for _ in jobs]
+    async for index, out in _merged(engine, jobs):
+        if out.finish_reason is FinishReason.ERROR:
+            yield _error_chunk(out)
             return
-        totals[index] = output
+        totals[index] = out
         wants = jobs[index][2].logprobs
-        logprobs = _chat_logprobs(engine, output.logprobs) if wants else None
-        if output.text or output.finished or (wants and output.logprobs):
-            yield chunk(index, {"content": output.text} if output.text else {}, _reason(output), logprobs)
+        logprobs = _chat_logprobs(engine, out.logprobs) if wants else None
+        delta, finish = streams[index].feed(out.text, out.finished, _reason(out))
+        if delta or out.finished or (wants and out.logprobs):
+            yield chunk(index, delta, finish, logprobs)
     if include_usage:
         yield _usage_chunk(rid, "chat.completion.chunk", model, n, totals)
 

@@ -91,6 +91,12 @@ HELP = {
     "speculative_eagle_topk": "draft branches per step (1: a chain; more: EAGLE-2 trees, on a decode attention "
                               "backend that verifies trees)",
     "speculative_num_draft_tokens": "tokens one verify forward scores (with topk 1: num-steps + 1)",
+    "grammar_backend": "structured output (response_format, regex, ebnf, tool_choice required or named): "
+                       "xgrammar, or none to refuse such requests with a 400",
+    "tool_call_parser": "parse the model's tool-call tokens into tool_calls (deepseekv3: DeepSeek-V3's "
+                        "<｜tool▁calls▁begin｜> format); without it, tools work only with tool_choice required "
+                        "or named",
+    "reasoning_parser": "split <think>...</think> from the output into reasoning_content (deepseek-r1)",
     "log_level": "logging level",
     "seed": "random seed of unseeded sampling and of dummy weights (alias --random-seed)",
 }

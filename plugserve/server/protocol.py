@@ -1,11 +1,14 @@
 """OpenAI-compatible request and response bodies (the subset plugserve serves, plus SGLang's extensions
-`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`)."""
+`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`, `json_schema`,
+`regex`, `ebnf`, `chat_template_kwargs`, `continue_final_message`). OpenAI fields plugserve does not honour are
+declared too, so that setting one is a 400 naming it rather than a request served as if it had not been set."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -17,6 +20,7 @@ from pydantic import (
     StrictInt,
     StrictStr,
     field_validator,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
@@ -36,6 +40,23 @@ TokenId = Annotated[StrictInt, Field(ge=0)]  # the vocabulary's upper bound is c
 Penalty = Annotated[Number, Field(ge=-2, le=2)]
 StopString = Annotated[StrictStr, Field(min_length=1)]
 StopList = Annotated[list[StopString], Field(max_length=MAX_STOPS)]
+Bias = Annotated[Number, Field(ge=-100, le=100)]
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias (OpenAI takes 300)
+
+
+def _bias_map(bias: object) -> object:
+    """OpenAI's `logit_bias`: JSON object keys are strings, token ids written in decimal."""
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict):
+        raise ValueError("logit_bias must be an object of token id -> bias")
+    if not all(isinstance(k, str) and k.isascii() and k.isdigit() for k in bias):
+        raise ValueError("logit_bias keys must be token ids (decimal integers)")
+    return {int(k): v for k, v in bias.items()}
+
+
+LogitBias = Annotated[dict[StrictInt, Bias], Field(max_length=MAX_LOGIT_BIAS),
+                      BeforeValidator(_bias_map, json_schema_input_type=dict[str, Bias] | None)]
 
 
 def _stop_list(stop: object) -> object:
@@ -93,7 +114,7 @@ class SamplingFields(BaseModel):
     `sampling_params` (with `max_new_tokens`), the OpenAI endpoints at the top level of their bodies. Every field
     is typed strictly and bounded as SamplingParams.validate bounds it, in the OpenAPI schema too (clients and
     the API fuzzer read the ranges there): nothing reaches SamplingParams unchecked. Stop token ids are checked
-    against the model's vocabulary in app._validate."""
+    against the model's vocabulary in prepare.validate."""
 
     temperature: Number = Field(1.0, ge=0)
     top_p: Number = Field(1.0, gt=0, le=1)
@@ -108,6 +129,11 @@ class SamplingFields(BaseModel):
     seed: Seed | None = None
     n: StrictInt = Field(1, ge=1, le=MAX_N)
     skip_special_tokens: StrictBool = True
+    logit_bias: LogitBias = Field(default_factory=dict)
+    # Structured output, SGLang's way (at most one): a JSON schema as a string, a regular expression, an EBNF grammar.
+    json_schema: StrictStr | None = None
+    regex: StrictStr | None = None
+    ebnf: StrictStr | None = None
 
     def sampling_params(self, max_new_tokens: int, logprobs: bool = False, top_logprobs: int = 0
                         ) -> SamplingParams:
@@ -120,18 +146,79 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-class OpenAIRequest(SamplingFields, RequestBody):
-    """What completions and chat completions share. Unknown fields are ignored, as OpenAI does."""
+class JsonSchemaFormat(BaseModel):
+    name: StrictStr
+    description: StrictStr | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: StrictBool | None = None
 
-    model_config = ConfigDict(extra="ignore")
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("json_schema is required with type json_schema")
+        return self
+
+
+def _unset(value: object, default: object) -> bool:
+    return value is None or value == default
+
+
+class OpenAIRequest(SamplingFields, RequestBody):
+    """What completions and chat completions share. Unknown fields are ignored, as OpenAI does (kept in
+    `model_extra`, where `unsupported_field` looks for the ones plugserve knows it does not honour)."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: StrictStr | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
+    response_format: ResponseFormat | None = None
+
+    # Fields OpenAI defines and plugserve does not honour, with the value that asks nothing of it.
+    UNSUPPORTED: ClassVar[dict[str, object]] = {}
+
+    def unsupported_field(self) -> str | None:
+        """The first field this request sets that plugserve does not honour (None: none)."""
+        extra = self.model_extra or {}
+        for name, default in self.UNSUPPORTED.items():
+            if name in extra and not _unset(extra[name], default):
+                return name
+        return None
+
+    def grammar_json_schema(self) -> str | None:
+        """response_format as a JSON schema string (None: text). json_object is any JSON object, as in SGLang."""
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return '{"type": "object"}'
+        assert fmt.json_schema is not None
+        return json.dumps(fmt.json_schema.schema_)
+
+    def sampling_params(self, max_new_tokens: int, logprobs: bool = False, top_logprobs: int = 0
+                        ) -> SamplingParams:
+        """As SamplingFields', with response_format as the json_schema (ValueError: it came with another grammar)."""
+        params = super().sampling_params(max_new_tokens, logprobs, top_logprobs)
+        schema = self.grammar_json_schema()
+        if schema is not None:
+            if any(g is not None for g in params.grammar):
+                raise ValueError("response_format must be alone: give one of response_format, json_schema, regex "
+                                 "and ebnf")
+            params.json_schema = schema
+        return params
 
 
 class CompletionRequest(OpenAIRequest):
+    UNSUPPORTED: ClassVar[dict[str, object]] = {"suffix": "", "best_of": 1}
+
     prompt: StrictStr | list[StrictStr] | list[TokenId] | list[list[TokenId]]
     max_tokens: StrictInt | None = Field(16, ge=1)
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -143,17 +230,64 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+class FunctionCall(BaseModel):
+    name: StrictStr
+    arguments: StrictStr
+
+
+class ToolCall(BaseModel):
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: StrictStr | None = None  # a tool's answer: the call it answers
+    reasoning_content: StrictStr | None = None
+
+
+class FunctionDefinition(BaseModel):
+    name: Annotated[StrictStr, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
+    description: StrictStr | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: StrictBool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(OpenAIRequest):
+    UNSUPPORTED: ClassVar[dict[str, object]] = {
+        "reasoning_effort": None, "functions": None, "function_call": None, "audio": None, "prediction": None,
+        "web_search_options": None, "modalities": ["text"]}
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: StrictInt | None = Field(None, ge=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
+    # Passed to the chat template: extra variables, and (continue_final_message) the last assistant message
+    # continued rather than a new one started.
+    chat_template_kwargs: dict[StrictStr, Any] | None = None
+    continue_final_message: StrictBool = False
 
 
 class GenerateSamplingParams(SamplingFields):

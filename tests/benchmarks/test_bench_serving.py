@@ -531,3 +531,14 @@ def test_base_url_resolution() -> None:
     assert bs.resolve_base_url(parser.parse_args([])) == "http://127.0.0.1:30000"
     assert bs.resolve_base_url(parser.parse_args(["--host", "h", "--port", "8000"])) == "http://h:8000"
     assert bs.resolve_base_url(parser.parse_args(["--base-url", "http://x:1/v1/"])) == "http://x:1"
+
+
+def test_json_schema_flag_builds_each_backends_field(tmp_path) -> None:
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}}
+    chat = bs.json_schema_body("openai-chat", json.dumps(schema))
+    assert chat == {"response_format": {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}}}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    assert json.loads(bs.json_schema_body("openai-completions", f"@{path}")["json_schema"]) == schema
+    with pytest.raises(ValueError):
+        bs.json_schema_body("openai-chat", "[1]")

@@ -271,3 +271,34 @@ def test_a_temperature_too_small_for_float32_is_greedy():
     logits = LOGITS.flip(0)[None]  # the most likely token last: a NaN row's argmax would say 0
     out = _sample(logits, [SamplingParams(temperature=5e-324, logprobs=True)])
     assert int(out.token_ids[0]) == int(logits.argmax()) and torch.isfinite(out.logprobs).all()
+
+
+def test_logit_bias_moves_the_greedy_token_and_forces_one():
+    greedy = SamplingParams(temperature=0)
+    away = SamplingParams(temperature=0, logit_bias={0: -100.0})
+    forced = SamplingParams(temperature=1, logit_bias={7: 100.0})  # 0.005 of the mass without it
+    out = _sample(LOGITS.expand(3, -1), [greedy, away, forced])
+    assert out.token_ids.tolist() == [0, 1, 7]
+    # Only the row that asked is biased, and logprobs stay the model's (before the bias).
+    assert out.logprobs is None
+    logprobs = _sample(LOGITS[None], [SamplingParams(temperature=0, logit_bias={0: -100.0}, logprobs=True)]).logprobs
+    assert logprobs.item() == pytest.approx(PROBS[1].log().item(), abs=1e-5)
+
+
+def test_a_token_bitmask_allows_only_its_tokens():
+    """Bit j % 32 of word j // 32 allows token j; rows greedy and sampled, over a vocab past one word."""
+    vocab = 40
+    logits = torch.randn(2, vocab)
+    allowed = [{3, 33}, {39}]
+    bitmask = torch.zeros(2, 2, dtype=torch.int32)
+    for row, tokens in enumerate(allowed):
+        for t in tokens:
+            bitmask[row, t // 32] |= 1 << (t % 32)
+    params = [SamplingParams(temperature=1), SamplingParams(temperature=0)]
+    for _ in range(20):
+        out = sample(logits, params, [[], []], [[], []], [None, None], token_bitmask=bitmask)
+        assert out.token_ids[0].item() in allowed[0] and out.token_ids[1].item() == 39
+    # A bit 31 (the int32's sign bit) allows its token too.
+    bitmask = torch.tensor([[-(2**31), 0]], dtype=torch.int32)
+    out = sample(logits[:1], [SamplingParams(temperature=0)], [[]], [[]], [None], token_bitmask=bitmask)
+    assert out.token_ids.item() == 31

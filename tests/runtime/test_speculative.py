@@ -408,6 +408,19 @@ def test_accept_length_is_in_metrics_and_server_info(plain, spec, monkeypatch):
     assert plain_info["speculative"] is None and plain_info["overlap_schedule"] == "on"
 
 
+def test_structured_output_is_refused_with_a_400_naming_the_flag(spec):
+    """Drafts are not checked against a grammar: such a request is refused rather than served unconstrained."""
+    from fastapi.testclient import TestClient
+
+    from plugserve.server.app import create_app
+
+    assert spec.ready.wait(60)
+    response = TestClient(create_app(spec)).post("/v1/completions", json={"prompt": [1, 2, 3], "regex": "a+"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "regex" and "--speculative-algorithm" in error["message"], error
+
+
 def test_warm_up_runs_a_rounds_forwards_at_each_decode_bucket_and_gives_pages_back(checkpoint, monkeypatch):
     runner = build_runner(_args(checkpoint, speculative_algorithm="NEXTN", speculative_num_steps=STEPS))
     n = STEPS + 1

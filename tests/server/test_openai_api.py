@@ -18,6 +18,7 @@ from tests.live_server import API_KEY, SERVED_MODEL, RunningServer, start_server
 
 PROMPT = "The quick brown fox"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +64,18 @@ def test_an_unknown_model_is_404_model_not_found(server, path):
         response = httpx.post(f"{server.base_url}{path}", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
                               timeout=60)
         assert response.status_code == 200 and response.json()["model"] == SERVED_MODEL
+
+
+def test_logit_bias_moves_the_greedy_output(client, server):
+    """It used to be ignored: a -100 bias on the greedy token left the output as it was."""
+    first = server.engine.generate(PROMPT, SamplingParams(max_new_tokens=1, temperature=0))[0].token_ids[0]
+    banned = client.completions.create(model="m", prompt=PROMPT, max_tokens=1, temperature=0,
+                                       logit_bias={str(first): -100}, extra_body={"skip_special_tokens": False})
+    assert banned.choices[0].text != server.engine.tokenizer.decode([first])
+    forced = server.engine.tokenizer.encode(" zebra", add_special_tokens=False)[0]
+    chat = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=3, temperature=1,
+                                          logit_bias={str(forced): 100})
+    assert chat.choices[0].message.content == server.engine.tokenizer.decode([forced] * 3)
 
 
 def test_completions_streamed_or_not_match_engine_generate(client, server):
@@ -213,6 +226,32 @@ BAD_REQUESTS = [
     ("/generate", {"input_ids": [1] * 9000}, "input_ids"),
     ("/generate", {"text": "token " * 9000}, "text"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "token " * 9000}]}, "messages"),
+    ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"5": 101}}, "logit_bias.5"),
+    ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"x": 1}}, "logit_bias"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "logit_bias": {"999999": 1}}, "logit_bias"),
+    ("/generate", {"text": "hi", "sampling_params": {"logit_bias": {"999999": 1}}}, "sampling_params.logit_bias"),
+    # Fields that used to be ignored with a 200: honoured, or refused by name.
+    ("/v1/completions", {"prompt": PROMPT, "suffix": "end"}, "suffix"),
+    ("/v1/completions", {"prompt": PROMPT, "best_of": 2}, "best_of"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "reasoning_effort": "low"}, "reasoning_effort"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "functions": [{"name": "f"}]}, "functions"),
+    ("/v1/completions", {"prompt": PROMPT, "regex": "(unclosed"}, "regex"),
+    ("/v1/completions", {"prompt": PROMPT, "json_schema": "[1]"}, "json_schema"),
+    ("/generate", {"text": "hi", "sampling_params": {"ebnf": "root ::= "}}, "sampling_params.ebnf"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": 5}}}}, "response_format"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_schema"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_object"}, "regex": "a"},
+     "response_format"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "tools": [TOOL]}, "tool_choice"),  # auto needs a parser
+    ("/v1/chat/completions", {"messages": MESSAGES, "tools": [TOOL], "tool_choice": {
+        "type": "function", "function": {"name": "other"}}}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "tools": [TOOL], "tool_choice": "required",
+                              "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "continue_final_message": True}, "continue_final_message"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "chat_template_kwargs": {"tokenize": False}},
+     "chat_template_kwargs"),
 ]
 
 
@@ -551,3 +590,21 @@ def test_text_offset_counts_characters_of_the_returned_text(client, server):
         assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
         for token, offset in zip(lp.tokens, lp.text_offset, strict=True):
             assert offset <= len(text) and (token in special or "\ufffd" in token or text[offset:].startswith(token))
+
+
+def test_chat_template_kwargs_and_continue_final_message_reach_the_template(client, server):
+    """They used to be ignored: the prompt was the plain template's."""
+    tokenizer = server.engine.tokenizer
+    plain = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=1)
+    # The template reads bos_token; a kwarg overrides it (here: no BOS token, one prompt token fewer).
+    no_bos = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=1,
+                                            extra_body={"chat_template_kwargs": {"bos_token": ""}})
+    assert no_bos.usage.prompt_tokens == plain.usage.prompt_tokens - 1
+    started = [*MESSAGES, {"role": "assistant", "content": "Once upon"}]
+    ids = tokenizer.apply_chat_template(started, continue_final_message=True, add_generation_prompt=False,
+                                        tokenize=True, return_dict=False)
+    assert tokenizer.decode(ids).endswith("Once upon")
+    continued = client.chat.completions.create(model="m", messages=started, max_tokens=8, temperature=0,
+                                               extra_body={"continue_final_message": True})
+    assert continued.usage.prompt_tokens == len(ids)
+    assert continued.choices[0].message.content == _engine_text(server, list(ids), 8)
