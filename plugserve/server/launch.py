@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 from pydantic import ValidationError
 
-from plugserve.runtime.server_args import ServerArgs, describe_validation_error, flag
+from plugserve.runtime.server_args import CHOICES, ServerArgs, describe_validation_error, flag
 
 if TYPE_CHECKING:
     from plugserve.runtime.engine import Engine
@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 HELP = {
-    "model_path": "Hugging Face model directory (config.json, safetensors, tokenizer); default: the embedded model",
+    "model_path": "Hugging Face model directory (config.json, safetensors, tokenizer; a Hub id must be downloaded "
+                  "first: huggingface-cli download ID --local-dir DIR); default: the embedded model",
     "model_preset": "build a preset's shapes with random weights instead of reading a checkpoint",
     "tokenizer_path": "tokenizer directory (default: the model directory, or the embedded tokenizer)",
     "load_format": "auto / safetensors read --model-path; dummy draws random weights",
@@ -39,6 +40,12 @@ HELP = {
     "api_key_file": "read the API key from the first line of this file",
     "max_request_body_bytes": "largest request body taken (a larger one is a 413 before it is parsed)",
     "served_model_name": "the model id /v1/models reports",
+    "allowed_origins": "CORS: comma-separated origins a browser may call from ('*': any); default: no CORS headers",
+    "chat_template": "a Jinja chat template, as a file or inline, replacing the tokenizer's",
+    "stream_interval": "stream a chunk every N tokens (and the first and last at once)",
+    "enable_cache_report": "accepted from SGLang: usage.prompt_tokens_details.cached_tokens is always reported",
+    "enable_metrics": "accepted from SGLang: Prometheus metrics are always served at /metrics",
+    "trust_remote_code": "accepted from SGLang and ignored: plugserve runs its own DeepSeek code, never remote code",
     "graceful_shutdown_timeout": "seconds from SIGTERM (or Ctrl-C) to exit: new requests get 503 at once, running "
                                  "ones may finish until 2 s before it, then end with an error; a second signal "
                                  "exits at once",
@@ -66,6 +73,8 @@ HELP = {
     "kv_cache_dtype": "KV cache dtype (auto: the model dtype)",
     "chunked_prefill_size": "most prompt tokens in one prefill batch; -1 disables chunking",
     "chunked_prefix_cache_threshold": "cached-prefix tokens from which prefill de-compresses the prefix (MHA)",
+    "max_prefill_tokens": "most tokens in one prefill batch (with --chunked-prefill-size, the smaller caps it)",
+    "schedule_policy": "order of the waiting queue: fcfs (arrival) or lpm (longest cached prefix first)",
     "max_running_requests": "most requests decoding at once",
     "max_total_tokens": "KV pool size in tokens (overrides --mem-fraction-static)",
     "mem_fraction_static": "fraction of GPU memory for weights and KV pool",
@@ -91,27 +100,46 @@ HELP = {
     "speculative_eagle_topk": "draft branches per step (1: a chain; more: EAGLE-2 trees, on a decode attention "
                               "backend that verifies trees)",
     "speculative_num_draft_tokens": "tokens one verify forward scores (with topk 1: num-steps + 1)",
+    "skip_server_warmup": "serve without first running every prefill and decode shape (each compiles on its "
+                          "first request instead); CUDA graphs are still captured",
+    "watchdog_timeout": "seconds a scheduler step may run before the server ends with an error (a hung forward)",
+    "log_requests": "log one line per finished request (id, tokens, latency)",
+    "log_requests_level": "0: ids, tokens, latency; 1: and the sampling parameters; 2: and the prompt and output text",
+    "decode_log_interval": "log the batch statistics every N decode steps",
     "log_level": "logging level",
     "seed": "random seed of unseeded sampling and of dummy weights (alias --random-seed)",
 }
 
 
-# SGLang's other spellings of a flag.
-ALIASES = {"seed": ("--random-seed",)}
+# SGLang's other spellings of a flag (explicit: argparse would find `--model` ambiguous, a prefix of two flags).
+ALIASES = {"seed": ("--random-seed",), "model_path": ("--model",), "tp_size": ("--tp",), "dp_size": ("--dp",),
+           "ep_size": ("--ep",), "speculative_algorithm": ("--speculative-algo",),
+           "speculative_draft_model_path": ("--speculative-draft",)}
+# SGLang's older switches, as the flags they became: (help, field, value; None: the --tp-size).
+OLD_SWITCHES = {
+    "enable_flashinfer_mla": ("SGLang's older spelling of --attention-backend flashinfer_mla", "attention_backend",
+                              "flashinfer_mla"),
+    "enable_ep_moe": ("SGLang's older spelling of --ep-size equal to --tp-size", "ep_size", None),
+}
 # Where the API key comes from when no flag gives it.
 API_KEY_VARIABLE = "PLUGSERVE_API_KEY"
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """Every ServerArgs field as a flag, its default and choices in its help."""
     for name, field in ServerArgs.model_fields.items():
         kind = _base_type(field.annotation)
         help_text = HELP.get(name, "")
         if kind is bool:
             parser.add_argument(flag(name), action="store_true", help=help_text)
             continue
-        choices = typing.get_args(kind) if typing.get_origin(kind) is typing.Literal else None
+        choices = typing.get_args(kind) if typing.get_origin(kind) is typing.Literal else CHOICES.get(name)
+        if field.default is not None and name != "api_key":
+            help_text += " (default: %(default)s)"
         parser.add_argument(flag(name), *ALIASES.get(name, ()), type=_parser_for(kind), choices=choices,
                             default=field.default, metavar=None if choices else name.upper(), help=help_text)
+    for name, (help_text, _, _) in OLD_SWITCHES.items():
+        parser.add_argument(flag(name), action="store_true", help=help_text)
 
 
 def _base_type(annotation):
@@ -129,6 +157,9 @@ def _parser_for(kind):
 
 def server_args_from(namespace: argparse.Namespace, parser: argparse.ArgumentParser) -> ServerArgs:
     values = {name: getattr(namespace, name) for name in ServerArgs.model_fields}
+    for name, (_, field, value) in OLD_SWITCHES.items():
+        if getattr(namespace, name):
+            values[field] = values["tp_size"] if value is None else value
     if values["api_key"] is None and values["api_key_file"] is None:
         values["api_key"] = os.environ.get(API_KEY_VARIABLE) or None
     try:
@@ -145,6 +176,8 @@ def serve(args: ServerArgs) -> None:
     from plugserve.server.app import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for notice in args.notices():
+        logger.warning(notice)
     if args.node_rank:
         from plugserve.runtime.ranks import run_node
 
