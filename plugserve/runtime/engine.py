@@ -28,9 +28,11 @@ import logging
 import os
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 from plugserve.core.distributed import SINGLE
 from plugserve.core.tokenizer import EMBEDDED_MODEL_DIR, load_tokenizer
@@ -51,6 +53,7 @@ logger = logging.getLogger(__name__)
 HUNG_LOOP_JOIN_S = 5.0  # how long a shutdown waits for a loop that died or hung before leaving it
 
 Prompt = str | Sequence[int]
+T = TypeVar("T")
 
 
 @dataclass
@@ -157,6 +160,7 @@ class Engine:
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self.warm_up_error: str | None = None
+        self.warm_up_seconds: float | None = None
         self.error: str | None = None  # why the scheduler loop died, once it has
         self.closing: str | None = None  # why new requests are refused (a graceful shutdown)
         self.on_death: Callable[[str], None] | None = None  # called as the loop dies (on its thread or the watchdog's)
@@ -173,12 +177,15 @@ class Engine:
     # -- the scheduler thread ------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        started = time.perf_counter()
         try:
             warm_up(self.runner, on_late_compile=self.metrics.late_triton_compiles.inc)
         except Exception as exc:  # the model cannot run: serving would fail every request
             logger.exception("warm-up failed")
             self.warm_up_error = f"{type(exc).__name__}: {exc}"
             return
+        self.warm_up_seconds = time.perf_counter() - started
+        logger.info("warm-up done in %.1f s", self.warm_up_seconds)
         self.ready.set()
         self.watchdog.start()
         try:
@@ -331,24 +338,41 @@ class Engine:
         """End every request the engine holds with `error` (the end of a graceful shutdown's grace period)."""
         self._call_in_loop(lambda: self.scheduler.fail_all(error))
 
-    def check_pool_accounting(self, timeout: float = 30.0) -> None:
-        """`Scheduler.check_pool_accounting` run on the scheduler's thread, between two steps (where the pool's
-        bookkeeping is whole). Raises what it raises."""
-        done, failures = threading.Event(), []
+    def run_in_loop(self, command: Callable[[], T], timeout: float = 30.0) -> T:
+        """`command()` run on the scheduler's thread, between two steps (where the pool's bookkeeping is whole);
+        returns what it returns, raises what it raises (TimeoutError: the loop did not run it in time)."""
+        done, results, failures = threading.Event(), [], []
 
-        def check() -> None:
+        def run() -> None:
             try:
-                self.scheduler.check_pool_accounting()
+                results.append(command())
             except Exception as exc:
                 failures.append(exc)
             finally:
                 done.set()
 
-        self._call_in_loop(check)
+        self._call_in_loop(run)
         if not done.wait(timeout):
-            raise TimeoutError("the scheduler thread did not run the pool check")
+            raise TimeoutError("the scheduler thread did not run the command")
         if failures:
             raise failures[0]
+        return results[0]
+
+    def check_pool_accounting(self, timeout: float = 30.0) -> None:
+        """`Scheduler.check_pool_accounting` run on the scheduler's thread. Raises what it raises."""
+        self.run_in_loop(self.scheduler.check_pool_accounting, timeout)
+
+    def flush_cache(self, timeout: float = 30.0) -> bool:
+        """Empty the prefix cache, if no request is queued or running (False: left as it is)."""
+        def flush() -> bool:
+            if self.scheduler.has_work:
+                return False
+            groups = self.scheduler.groups if isinstance(self.scheduler, DPScheduler) else [self.scheduler]
+            for group in groups:
+                group.radix.reset()
+            return True
+
+        return self.run_in_loop(flush, timeout)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         outputs: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()

@@ -4,8 +4,10 @@ the two never drift; a bad value is a usage error naming the flag and the valid 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -172,7 +174,7 @@ def serve(args: ServerArgs) -> None:
     """Serve until SIGTERM / SIGINT (exit 0 after the graceful shutdown) or until the scheduler loop dies
     (exit 1, so that a supervisor restarts the server). Ends the process."""
     from plugserve.registry import SelectionError
-    from plugserve.runtime.engine import Engine
+    from plugserve.runtime.engine import Engine, served_model_names
     from plugserve.server.app import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -185,17 +187,25 @@ def serve(args: ServerArgs) -> None:
         if error is not None:
             print(f"plugserve serve: {error}", file=sys.stderr)
         _exit(0 if error is None else 1)
+    sock = listen_socket(args.host, args.port)  # before the minutes of loading: a busy port fails at once
+    started = time.perf_counter()
+    logger.info("loading model %s from %s", served_model_names(args)[0],
+                args.model_dir or f"--model-preset {args.model_preset} (random weights)")
     try:
         engine = Engine(args)
     except (SelectionError, ValueError) as exc:
         raise SystemExit(f"plugserve serve: {exc}") from None
+    logger.info("model loaded in %.1f s (KV cache: %d tokens); warming up", time.perf_counter() - started,
+                engine.runner.max_total_tokens)
     grace = args.graceful_shutdown_timeout
     config = uvicorn.Config(create_app(engine), host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=min(grace, SHUTDOWN_MARGIN_S))  # type: ignore[arg-type]
+    logging.getLogger("uvicorn.access").addFilter(_not_health)
     server = GracefulServer(config, engine, grace)
     engine.on_death = lambda error: setattr(server, "should_exit", True)  # its callers already have the error
+    threading.Thread(target=_announce_ready, args=(server, engine, sock), name="plugserve-ready", daemon=True).start()
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         engine.shutdown()
     if engine.error is not None:
@@ -203,6 +213,45 @@ def serve(args: ServerArgs) -> None:
     # Not through the interpreter's teardown of torch and the model, which can outlast the grace period, where
     # the watchdog (a daemon thread) could no longer end the process.
     _exit(0 if engine.error is None else 1)
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (uvicorn serves on it), or a usage error naming the flag that is wrong."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise SystemExit(f"plugserve serve: --host {host!r} is not an address or a known host name ({exc.strerror})"
+                         ) from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart reuses a port in TIME_WAIT
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise SystemExit(f"plugserve serve: --port {port} is in use on --host {host} (another server?): "
+                             "choose another --port") from None
+        raise SystemExit(f"plugserve serve: cannot listen on --host {host} --port {port}: {exc.strerror}") from None
+    return sock
+
+
+def _not_health(record: logging.LogRecord) -> bool:
+    """uvicorn's access log without /health: a load balancer polls it every few seconds."""
+    args = record.args
+    return not (isinstance(args, tuple) and len(args) > 2 and args[2] == "/health")
+
+
+def _announce_ready(server: uvicorn.Server, engine: Engine, sock: socket.socket) -> None:
+    """Once uvicorn listens and the warm-up is done (/health 200): say so and where, the last start-up line."""
+    while not (server.started and engine.ready.is_set()):
+        if not engine.alive:  # the warm-up failed, or the server is already going: /health says why
+            return
+        time.sleep(0.05)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    logger.info("ready at http://%s:%d, model %s (warm-up %.1f s)", shown, port, engine.model_name,
+                engine.warm_up_seconds or 0.0)
 
 
 def _exit(status: int) -> None:
