@@ -123,6 +123,22 @@ OLD_SWITCHES = {
                               "flashinfer_mla"),
     "enable_ep_moe": ("SGLang's older spelling of --ep-size equal to --tp-size", "ep_size", None),
 }
+# SGLang flags for what plugserve does not have: refused naming why (argparse would only say "unrecognized").
+_NO_DEEPEP = "no DeepEP all-to-all here: expert parallelism runs within the tensor-parallel ranks (--ep-size)"
+_LOCAL_ONLY = "checkpoints are read from a local directory only: download it first, then give --model-path"
+REFUSED = {
+    "--enable-deepep-moe": _NO_DEEPEP,
+    "--moe-a2a-backend": _NO_DEEPEP,
+    "--enable-two-batch-overlap": "no two-batch overlap here",
+    "--disaggregation-mode": "no prefill / decode disaggregation here",
+    "--revision": _LOCAL_ONLY,
+    "--download-dir": _LOCAL_ONLY,
+    "--load-balance-method": "one engine serves; under DP attention each request goes to the least-loaded group",
+    "--enable-dp-lm-head": "the LM head is split over every tensor-parallel rank",
+    "--moe-dense-tp-size": "the dense MLPs are split over every tensor-parallel rank",
+    "--cuda-graph-bs": "graphs are captured at SGLang's default sizes up to --cuda-graph-max-bs",
+    "--is-embedding": "plugserve serves generation only",
+}
 # Where the API key comes from when no flag gives it.
 API_KEY_VARIABLE = "PLUGSERVE_API_KEY"
 
@@ -142,6 +158,20 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                             default=field.default, metavar=None if choices else name.upper(), help=help_text)
     for name, (help_text, _, _) in OLD_SWITCHES.items():
         parser.add_argument(flag(name), action="store_true", help=help_text)
+    for name, why in REFUSED.items():
+        parser.add_argument(name, nargs="*", action=RefusedFlag, why=why, help=argparse.SUPPRESS)
+
+
+class RefusedFlag(argparse.Action):
+    """An SGLang flag plugserve has no counterpart for: a usage error saying why."""
+
+    def __init__(self, option_strings: list[str], dest: str, why: str, **kwargs: typing.Any) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.why = why
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: typing.Any,
+                 option_string: str | None = None) -> None:
+        parser.error(f"{option_string} is not supported: {self.why}")
 
 
 def _base_type(annotation):

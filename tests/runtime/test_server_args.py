@@ -214,3 +214,12 @@ def test_help_shows_defaults_and_choices(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "--schedule-policy {fcfs,lpm}" in text and "(default: fcfs)" in text
     assert "--load-format {auto,safetensors,dummy}" in text and "(default: 300.0)" in text
+
+
+def test_sglang_flags_without_a_counterpart_are_refused_saying_why(capsys):
+    with pytest.raises(SystemExit):
+        _parse(["--tp", "8", "--enable-deepep-moe", "--model", "/m"])
+    assert "--enable-deepep-moe is not supported: no DeepEP all-to-all here" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _parse(["--revision", "main"])
+    assert "--revision is not supported: checkpoints are read from a local directory only" in capsys.readouterr().err
