@@ -4,19 +4,20 @@ each endpoint finds the engine on `request.app.state.engine`."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict
 
 from plugserve import __version__
 from plugserve.registry import get_registry
 from plugserve.runtime.engine import Engine, EngineStopped
 from plugserve.runtime.request import FinishReason
 from plugserve.runtime.sampling import SamplingParams
-from plugserve.server.protocol import error_body
+from plugserve.server.protocol import RequestBody, TokenId, error_body
 
 router = APIRouter()
 # The prompt of /health_generate: one token generated from it proves a forward runs end to end.
@@ -90,15 +91,16 @@ def speculative_info(engine: Engine) -> dict[str, Any] | None:
     return dataclasses.asdict(spec) | {"accept_length": worker.accept_length}
 
 
-@router.api_route("/flush_cache", methods=["GET", "POST"])
+@router.post("/flush_cache")
+@router.get("/flush_cache")
 async def flush_cache(request: Request) -> Response:
     """SGLang's answer: 200 "Cache flushed." when idle, else 400 and the cache is left as it is."""
-    if _engine(request).flush_cache():
+    if await asyncio.to_thread(_engine(request).flush_cache):  # waits for the scheduler thread: off the event loop
         return PlainTextResponse("Cache flushed.")
     return PlainTextResponse(FLUSH_REFUSED, 400)
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(RequestBody):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
@@ -106,11 +108,11 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestBody):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    tokens: list[int] = Field(min_length=0)
+    tokens: list[TokenId]
     skip_special_tokens: bool = False
 
 
@@ -118,7 +120,8 @@ class DetokenizeRequest(BaseModel):
 async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     """SGLang's and vLLM's shape: the ids, their count and the context length."""
     engine = _engine(request)
-    ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    # Off the event loop: a long prompt takes seconds to tokenize.
+    ids = await asyncio.to_thread(engine.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
     return {"tokens": ids, "count": len(ids), "max_model_len": engine.runner.context_length}
 
 
@@ -126,11 +129,12 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
 async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
     engine = _engine(request)
     vocab = len(engine.tokenizer)
-    bad = [i for i, t in enumerate(body.tokens) if not 0 <= t < vocab]
+    bad = [i for i, t in enumerate(body.tokens) if t >= vocab]
     if bad:
         return JSONResponse(error_body(f"tokens.{bad[0]}: {body.tokens[bad[0]]} is not a token id (0 to {vocab - 1})",
                                        param=f"tokens.{bad[0]}", code=400), 400)
-    return JSONResponse({"text": engine.tokenizer.decode(body.tokens, skip_special_tokens=body.skip_special_tokens)})
+    text = await asyncio.to_thread(engine.tokenizer.decode, body.tokens, skip_special_tokens=body.skip_special_tokens)
+    return JSONResponse({"text": text})
 
 
 @router.get("/version")

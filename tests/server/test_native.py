@@ -88,3 +88,11 @@ def test_cors_preflight_is_answered_without_a_key_and_responses_carry_the_origin
     assert "access-control-allow-origin" not in client.get("/v1/models", headers=AUTH | {
         "Origin": "http://evil.example"}).headers
     assert client.get("/v1/models").status_code == 401  # CORS lets the browser ask; the key still decides
+
+
+def test_tokenize_refuses_lone_surrogates_and_negative_ids_naming_the_field(client):
+    bad = client.post("/v1/tokenize", content=b'{"prompt": "a\\ud800b"}', headers=AUTH | {
+        "Content-Type": "application/json"})
+    assert bad.status_code == 400 and "not valid Unicode" in bad.json()["error"]["message"]
+    negative = client.post("/v1/detokenize", json={"tokens": [3, -1]}, headers=AUTH)
+    assert negative.status_code == 400 and "tokens.1" in negative.json()["error"]["message"]
