@@ -37,6 +37,8 @@ HELP = {
     "dtype": "activation and weight dtype (auto: bfloat16 on a GPU, float32 on the CPU)",
     "device": "auto, cpu, cuda or cuda:N",
     "context_length": "cap the context below the model's max_position_embeddings",
+    "host": "address to listen on (0.0.0.0: every IPv4 interface); checked before the model loads",
+    "port": "port to listen on (0: a free one, named in the ready line); checked before the model loads",
     "api_key": "require 'Authorization: Bearer KEY' on every endpoint but /health (default: the PLUGSERVE_API_KEY "
                "environment variable; a key given here shows in `ps`: prefer --api-key-file or the variable)",
     "api_key_file": "read the API key from the first line of this file",
