@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import httpx
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from plugserve.runtime.engine import Engine
 from plugserve.runtime.isolation import FaultHook
@@ -25,11 +26,13 @@ class RunningServer:
     engine: Engine
     base_url: str
 
-    def metric(self, name: str, labels: str = "") -> float:
+    def metric(self, name: str, **labels: str) -> float:
+        """A sample of /metrics by name and labels (model_name aside); 0.0 when absent."""
         text = httpx.get(f"{self.base_url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
-        for line in text.splitlines():
-            if line.startswith(name + labels + " "):
-                return float(line.split()[-1])
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and {k: v for k, v in sample.labels.items() if k != "model_name"} == labels:
+                    return sample.value
         return 0.0
 
 

@@ -5,7 +5,8 @@ import sys
 
 from rich.console import Console
 
-from plugserve.cli import _print, describe, main
+from plugserve.backends_report import describe, print_report
+from plugserve.cli import main
 from plugserve.core.hardware import Hardware
 from plugserve.registry import TABLES_ENV, get_registry
 
@@ -51,7 +52,7 @@ def test_unknown_kind_is_a_usage_error_naming_the_choices(capsys):
 def test_serve_rejects_a_bad_flag_value_naming_the_flag(capsys):
     for argv, expected in [
         (["--max-running-requests", "0"], "--max-running-requests"),
-        (["--kv-cache-dtype", "int8"], "--kv-cache-dtype 'int8' is not one of: auto, bfloat16"),
+        (["--kv-cache-dtype", "int8"], "--kv-cache-dtype: invalid choice: 'int8' (choose from 'auto', 'bfloat16'"),
         (["--tp-size", "3", "--nnodes", "2"], "--tp-size 3 does not split over --nnodes 2"),
         (["--tp-size", "2", "--nnodes", "2"], "--nnodes 2 needs --dist-init-addr"),
         (["--tp-size", "4", "--ep-size", "2"], "--ep-size 2 must be 1 or --tp-size (4)"),
@@ -97,6 +98,16 @@ def test_explain_names_the_table_used_and_why(tmp_path, monkeypatch, capsys):
         "tp_size": 8,
         "ep_size": 1,
     }
-    _print(report, explain=True, console=Console(width=300))
+    print_report(report, explain=True, console=Console(width=300))
     out = capsys.readouterr().out
     assert "Selection table: " + str(tmp_path / "NVIDIA_H200.json") in out and "shapes of tp 8, ep 1)" in out
+
+
+def test_help_imports_neither_torch_nor_transformers():
+    """`plugserve --help` and `plugserve serve --help` answer at once: the heavy imports wait for a command."""
+    code = ("import sys\nfrom plugserve.cli import build_parser\nfor argv in (['--help'], ['serve', '--help']):\n"
+            "    try:\n        build_parser().parse_args(argv)\n    except SystemExit:\n        pass\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": os.getcwd()}).stdout
+    assert out.strip().splitlines()[-1] == "[]"

@@ -201,13 +201,14 @@ def _private_attributes(module: str, path: Path, modules: dict[str, Path]) -> li
 # Layer -> the layers it must not import. Layers, top down: server/ > runtime/ > registry.py > plugins/ and
 # conformance/ > core/ (DESIGN.md's layout); plugserve.api is the plugin authors' view of registry and core.
 FORBIDDEN: dict[str, tuple[str, ...]] = {
-    "plugserve.runtime": ("plugserve.server", "plugserve.cli"),
-    "plugserve.registry": ("plugserve.runtime", "plugserve.server", "plugserve.cli", "plugserve.api",
-                           "plugserve.conformance"),
-    "plugserve.api": ("plugserve.runtime", "plugserve.server", "plugserve.cli", "plugserve.plugins",
-                      "plugserve.conformance"),
-    "plugserve.plugins": ("plugserve.runtime", "plugserve.server", "plugserve.cli", "plugserve.conformance"),
-    "plugserve.conformance": ("plugserve.runtime", "plugserve.server", "plugserve.cli"),
+    "plugserve.runtime": ("plugserve.server", "plugserve.cli", "plugserve.backends_report"),
+    "plugserve.registry": ("plugserve.runtime", "plugserve.server", "plugserve.cli", "plugserve.backends_report",
+                           "plugserve.api", "plugserve.conformance"),
+    "plugserve.api": ("plugserve.runtime", "plugserve.server", "plugserve.cli", "plugserve.backends_report",
+                      "plugserve.plugins", "plugserve.conformance"),
+    "plugserve.plugins": ("plugserve.runtime", "plugserve.server", "plugserve.cli", "plugserve.backends_report",
+                          "plugserve.conformance"),
+    "plugserve.conformance": ("plugserve.runtime", "plugserve.server", "plugserve.cli", "plugserve.backends_report"),
 }
 
 

@@ -220,7 +220,7 @@ def test_availability_is_asked_once_and_an_exception_becomes_a_reason():
 def test_kernels_line_reaches_explain_and_a_raising_hook_is_reported():
     from rich.console import Console
 
-    from plugserve.cli import _print, describe
+    from plugserve.backends_report import describe, print_report
 
     class Switching(_backend("switching")):
         @classmethod
@@ -240,7 +240,7 @@ def test_kernels_line_reaches_explain_and_a_raising_hook_is_reported():
     report = describe(registry, H100, ["attention"], explain=True)
     assert {b["name"]: b["kernels"] for b in report["backends"]}["switching"] == "MLA decode: Gluon"
     console = Console(record=True, width=400)
-    _print(report, explain=True, console=console)
+    print_report(report, explain=True, console=console)
     assert "MLA decode: Gluon" in console.export_text()
 
 

@@ -10,7 +10,6 @@ from typing import TypeVar
 from plugserve.core.forward_batch import AttnForwardMethod, ForwardMode
 from plugserve.core.specs import RouterConfig
 
-PROFILES = ("small", "full")
 DEFAULT_HEADS = 16  # attention cases' heads unless a grid says otherwise (or --plugserve-heads)
 # The grids whose cases carry num_heads, which --plugserve-heads replaces.
 ATTENTION_GRIDS = ("mla_case", "graph_case", "mha_case")

@@ -1,24 +1,36 @@
 """pytest plugin of the conformance kit: options, backend parametrization and shared fixtures.
 
 Registered for every pytest run through the `pytest11` entry point; it only acts on tests that ask
-for the kit's fixtures (`attention_target`, `gemm_target`, `moe_target`, `mla_case`, ...).
+for the kit's fixtures (`attention_target`, `gemm_target`, `moe_target`, `mla_case`, ...). It imports torch, the
+registry and the shape grids only for those: a project's pytest run that has plugserve installed pays nothing.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pytest
-import torch
 
-from plugserve.conformance import cases
-from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import Backend
-from plugserve.core.specs import KINDS, Kind
-from plugserve.registry import BackendEntry, get_registry
+from plugserve.core.names import KINDS, Kind
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+if TYPE_CHECKING:
+    import torch
+
+    from plugserve.core.hardware import Hardware
+    from plugserve.core.interfaces import Backend
+    from plugserve.registry import BackendEntry
+
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
+PROFILES = ("small", "full")  # the shape grids: small ones for the CPU, DeepSeek-V3's sizes
+
+
+def dtypes() -> dict[str, torch.dtype]:
+    """The activation dtypes the kit checks, by name."""
+    import torch
+
+    return {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 @dataclass(frozen=True)
@@ -43,7 +55,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="backend to check, e.g. attention:triton (repeatable; default: every registered backend)",
     )
     group.addoption(
-        "--plugserve-shapes", choices=cases.PROFILES, default=None,
+        "--plugserve-shapes", choices=PROFILES, default=None,
         help="shape grid: full DeepSeek-V3 sizes, or small ones for the CPU (default: full on a GPU)",
     )
     group.addoption("--plugserve-device", default=None, help="torch device (default: cuda if present, else cpu)")
@@ -51,7 +63,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="write every kit test's outcome, duration and skip reason as JSON")
     group.addoption(
         "--plugserve-dtypes", default=None, metavar="D1,D2",
-        help=f"restrict the activation dtypes checked (of {', '.join(DTYPES)})",
+        help=f"restrict the activation dtypes checked (of {', '.join(DTYPE_NAMES)})",
     )
     group.addoption(
         "--plugserve-heads", default=None, metavar="H1,H2",
@@ -76,6 +88,10 @@ class _Report:
                                  "seconds": round(report.duration, 4), "skip_reason": reason, "error": error})
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        import torch
+
+        from plugserve.core.hardware import Hardware
+
         device = _device(session.config)
         hardware = Hardware.detect(device)
         counts = {o: sum(r["outcome"] == o for r in self.results) for o in ("passed", "failed", "skipped")}
@@ -93,6 +109,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _device(config: pytest.Config) -> torch.device:
+    import torch
+
     chosen = config.getoption("--plugserve-device")
     return torch.device(chosen or ("cuda" if torch.cuda.is_available() else "cpu"))
 
@@ -120,6 +138,8 @@ def _requested(config: pytest.Config) -> dict[Kind, list[str]] | None:
     values = config.getoption("--plugserve-backend")
     if not values:
         return None
+    from plugserve.registry import get_registry
+
     requested: dict[Kind, list[str]] = {}
     registry = get_registry()
     for value in values:
@@ -136,15 +156,18 @@ def _requested(config: pytest.Config) -> dict[Kind, list[str]] | None:
 
 
 def _targets(config: pytest.Config, kind: Kind) -> list:
+    from plugserve.registry import get_registry
+
     registry = get_registry()
     requested = _requested(config)
     names = sorted(registry.backends[kind]) if requested is None else requested.get(kind, [])
     allowed = config.getoption("--plugserve-dtypes")
-    allowed_dtypes = {DTYPES[d.strip()] for d in allowed.split(",")} if allowed else set(DTYPES.values())
+    by_name = dtypes()
+    allowed_dtypes = {by_name[d.strip()] for d in allowed.split(",")} if allowed else set(by_name.values())
     params = []
     for name in names:
         entry = registry.backends[kind][name]
-        claimed = [d for d in DTYPES.values() if d in entry.cls.capabilities.dtypes and d in allowed_dtypes]
+        claimed = [d for d in by_name.values() if d in entry.cls.capabilities.dtypes and d in allowed_dtypes]
         params += [Target(entry, d) for d in claimed]
     if not params:
         return [pytest.param(None, marks=pytest.mark.skip(reason=f"no {kind} backend selected"), id="none")]
@@ -156,6 +179,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     kit_kinds = [kind for kind in KINDS if f"{kind}_target" in metafunc.fixturenames]
     if not kit_kinds:
         return  # not a kit test: leave other projects' parameters (a `page_size` of theirs...) alone
+    from plugserve.conformance import cases
+
     for kind in kit_kinds:
         metafunc.parametrize(f"{kind}_target", _targets(config, kind), ids=str)
     profile = _profile(config)
@@ -185,17 +210,23 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 @pytest.fixture
 def plugserve_device(request: pytest.FixtureRequest) -> torch.device:
     """The device the kit runs on; seeds torch so every case draws the same inputs."""
+    import torch
+
     torch.manual_seed(0)
     return _device(request.config)
 
 
 @pytest.fixture
 def plugserve_hardware(plugserve_device: torch.device) -> Hardware:
+    from plugserve.core.hardware import Hardware
+
     return Hardware.detect(plugserve_device)
 
 
 def require_available(target: Target, hardware: Hardware) -> None:
     """Skip, with the backend's own reason, when it cannot run on this machine."""
+    from plugserve.registry import get_registry
+
     available = get_registry().availability(target.cls, hardware)
     if not available:
         pytest.skip(f"{target.entry.name} unavailable: {available.reason}")

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from tqdm import tqdm
 
 from plugserve.core.config import ModelConfig, ModelConfigError, preset_config
 from plugserve.core.distributed import SINGLE, ParallelGroup
@@ -23,8 +22,9 @@ from plugserve.core.layers.linear import Linear, WeightLoadError
 from plugserve.core.layers.parallel import LazySlice
 from plugserve.core.layers.quant import FP8_DTYPE, FP8_MAX
 from plugserve.core.models.deepseek import CheckpointTensor, DeepseekForCausalLM, ModelBackends, NextNLayer
+from plugserve.core.names import LOAD_FORMATS
+from plugserve.core.progress import track
 
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
 INDEX_FILE = "model.safetensors.index.json"
 SCALE_SUFFIX = "_scale_inv"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -142,7 +142,7 @@ def _fill(expected: dict[str, CheckpointTensor], checkpoint: SafetensorsCheckpoi
         raise WeightLoadError(f"{where or checkpoint.model_dir}: {len(missing)} tensors the model needs are missing: "
                               + _some(missing))
     used = set()
-    for name, target in tqdm(expected.items(), desc="loading weights", unit="tensor", disable=None):
+    for name, target in track(expected.items(), len(expected), "loading weights", "tensors"):
         scale_name = name + SCALE_SUFFIX
         used.update((name, scale_name))
         if not target.read:

@@ -9,8 +9,9 @@ from typing import Literal
 
 import torch
 
-Kind = Literal["attention", "gemm", "moe"]
-KINDS: tuple[Kind, ...] = ("attention", "gemm", "moe")
+from plugserve.core.names import KINDS, Kind
+
+__all__ = ["KINDS", "SPEC_TYPES", "AttentionSpec", "GemmSpec", "Kind", "MoESpec", "RouterConfig"]
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,10 @@ Two behaviours of the embedded tokenizer (and of DeepSeek-V3's) that callers rel
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 EMBEDDED_MODEL_DIR: Path = Path(__file__).resolve().parent.parent / "assets" / "embedded_model"
 """The embedded default model, inside the package: a small DeepSeek-V3 trained by training/ in DeepSeek's block-FP8
@@ -40,6 +42,8 @@ def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
         raise ValueError(f"tokenizer directory {str(path)!r} does not exist or is not a directory")
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(f"no tokenizer files in {str(path)!r}: expected one of {', '.join(TOKENIZER_FILES)}")
+    from transformers import AutoTokenizer  # here: transformers takes seconds to import, `--help` none
+
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=False, local_files_only=True)
     except OSError as exc:

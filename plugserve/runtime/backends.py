@@ -82,7 +82,7 @@ class RunnerBackends:
         self.page_size: int = spec.page_size
         self.decode_buckets = self._buckets(Phase.DECODE, args.decode_attention, decode_flag, spec, max_batch,
                                             decode, built)
-        prefill_tokens = args.chunked_prefill_size if args.chunked_prefill_size > 0 else WARMUP_PREFILL_TOKENS
+        prefill_tokens = args.prefill_token_budget or WARMUP_PREFILL_TOKENS
         prefill = self._build("attention", Phase.PREFILL, args.prefill_attention, prefill_flag, spec, prefill_tokens,
                               built=built)
         self.prefill_buckets = self._buckets(Phase.PREFILL, args.prefill_attention, prefill_flag, spec,

@@ -35,13 +35,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
-from tqdm import tqdm
 
 from plugserve.core import graph_inputs
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode
 from plugserve.core.interfaces import AttentionBackend
 from plugserve.core.kv_cache import MLAKVPool
 from plugserve.core.moved import moved_names
+from plugserve.core.progress import Progress
 from plugserve.runtime.backends import RunnerBackends, in_bucket
 
 if TYPE_CHECKING:
@@ -277,7 +277,7 @@ class CudaGraphs:
                    for p in plans]
         captured = ""
         if runners:
-            bar = tqdm(total=len(sizes) * len(runners), desc="capturing CUDA graphs", disable=None)
+            bar = Progress(len(sizes) * len(runners), "capturing CUDA graphs", "graphs")
             try:
                 init_graph_attention(runners)
                 pool_handle = torch.cuda.graph_pool_handle()  # one memory pool for every plan's graphs

@@ -28,9 +28,11 @@ import logging
 import os
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 from plugserve.core.distributed import SINGLE
 from plugserve.core.tokenizer import EMBEDDED_MODEL_DIR, load_tokenizer
@@ -45,11 +47,15 @@ from plugserve.runtime.sampling import SamplingParams, make_generator
 from plugserve.runtime.scheduler import Scheduler
 from plugserve.runtime.server_args import ServerArgs
 from plugserve.runtime.speculative import build_runner
+from plugserve.runtime.stats_log import StatsLog
 from plugserve.runtime.warmup import warm_up
+from plugserve.runtime.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
+HUNG_LOOP_JOIN_S = 5.0  # how long a shutdown waits for a loop that died or hung before leaving it
 
 Prompt = str | Sequence[int]
+T = TypeVar("T")
 
 
 @dataclass
@@ -136,6 +142,8 @@ class Engine:
                 self.ranks.stop(None)
             raise
         self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_dir or EMBEDDED_MODEL_DIR)
+        if args.chat_template is not None:
+            self.tokenizer.chat_template = args.chat_template_text
         config = self.runner.config
         self.runner.sample_vocab = min(config.vocab_size, len(self.tokenizer))
         eos = set(config.eos_token_ids)
@@ -144,7 +152,9 @@ class Engine:
         self.eos_token_ids = frozenset(eos)
         self.grammars = (GrammarCompiler(self.tokenizer, config.vocab_size, eos)
                          if args.grammar_backend == "xgrammar" else None)
-        self.metrics = Metrics()
+        self.model_name, self.model_names = served_model_names(args)
+        self.stats = StatsLog(args, self.runner.max_total_tokens, self.tokenizer.decode)
+        self.metrics = Metrics(self.model_name, self.runner.max_total_tokens, self.stats.decode_step)
         self.scheduler: Scheduler | DPScheduler
         if self.runner.dp_size > 1:
             self.scheduler = DPScheduler(self.runner, self.tokenizer, self.metrics, not args.disable_radix_cache,
@@ -154,18 +164,19 @@ class Engine:
             self.radix = RadixCache(self.runner.allocator, self.runner.page_size,
                                     enabled=not args.disable_radix_cache)
             self.scheduler = Scheduler(self.runner, self.radix, self.tokenizer, self.metrics, fault_hook=fault_hook)
-        self.model_name, self.model_names = served_model_names(args)
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self.warm_up_error: str | None = None
+        self.warm_up_seconds: float | None = None
         self.error: str | None = None  # why the scheduler loop died, once it has
         self.closing: str | None = None  # why new requests are refused (a graceful shutdown)
-        self.on_death: Callable[[str], None] | None = None  # called on the loop's thread as it dies
+        self.on_death: Callable[[str], None] | None = None  # called as the loop dies (on its thread or the watchdog's)
         # Requests submitted and not yet finished: the ones to fail if the loop dies, or to wait for on close.
         self._outstanding: set[Request] = set()
         self._lock = threading.Lock()  # orders submissions against close / death: none slips in after
         self._stopped = False
         self._outbox = _Outbox()
+        self.watchdog = Watchdog(args.watchdog_timeout, self._hang)
         self._thread = threading.Thread(target=self._loop, name="plugserve-scheduler", daemon=True)
         self._outbox.owner = self._thread
         self._thread.start()
@@ -173,13 +184,17 @@ class Engine:
     # -- the scheduler thread ------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        started = time.perf_counter()
         try:
             warm_up(self.runner, on_late_compile=self.metrics.late_triton_compiles.inc)
         except Exception as exc:  # the model cannot run: serving would fail every request
             logger.exception("warm-up failed")
             self.warm_up_error = f"{type(exc).__name__}: {exc}"
             return
+        self.warm_up_seconds = time.perf_counter() - started
+        logger.info("warm-up done in %.1f s", self.warm_up_seconds)
         self.ready.set()
+        self.watchdog.start()
         try:
             self._serve()
         except BaseException as exc:  # a bug past every guard below: no request can be served any more
@@ -199,19 +214,27 @@ class Engine:
                     logger.exception("a scheduler command failed")
             self._outbox.flush()
             if self.scheduler.has_work:
+                self.watchdog.step_started()
                 try:
                     self.scheduler.step()
                 except Exception as exc:  # a scheduling failure no single request explains: end them all, go on
                     logger.exception("a scheduler step failed")
                     self.scheduler.fail_all(f"the scheduler failed: {type(exc).__name__}: {exc}")
                 finally:
+                    self.watchdog.step_ended()
                     self._outbox.flush()
             else:
                 self.metrics.observe_idle(self.scheduler)
                 self._wake.wait(0.05)
                 self._wake.clear()
 
-    def _die(self, error: str) -> None:
+    def _hang(self, error: str) -> None:
+        """The watchdog's verdict: the loop is stuck in a step, so its scheduler is left as it is (a shutdown would
+        wait for the stuck forward); the requests get their error and the owner is told."""
+        logger.critical(error)
+        self._die(error, stop_scheduler=False)
+
+    def _die(self, error: str, stop_scheduler: bool = True) -> None:
         """Fail every outstanding request at once (no caller hangs), refuse new ones, tell the owner."""
         with self._lock:
             self.error = error
@@ -224,7 +247,8 @@ class Engine:
             except BaseException:
                 logger.exception("could not report the failure of request %s", request.rid)
         try:
-            self.scheduler.shutdown()  # let a forward in flight end before the process goes
+            if stop_scheduler:
+                self.scheduler.shutdown()  # let a forward in flight end before the process goes
         except BaseException:  # it may raise what killed the loop again: its requests have their error already
             logger.exception("the scheduler's shutdown failed too")
         finally:
@@ -299,6 +323,7 @@ class Engine:
             if output.finished:
                 with self._lock:
                     self._outstanding.discard(request)
+                self.stats.request_finished(request)
             on_output(output)
 
         compiled = self.compile_grammar(params)
@@ -338,24 +363,41 @@ class Engine:
         """End every request the engine holds with `error` (the end of a graceful shutdown's grace period)."""
         self._call_in_loop(lambda: self.scheduler.fail_all(error))
 
-    def check_pool_accounting(self, timeout: float = 30.0) -> None:
-        """`Scheduler.check_pool_accounting` run on the scheduler's thread, between two steps (where the pool's
-        bookkeeping is whole). Raises what it raises."""
-        done, failures = threading.Event(), []
+    def run_in_loop(self, command: Callable[[], T], timeout: float = 30.0) -> T:
+        """`command()` run on the scheduler's thread, between two steps (where the pool's bookkeeping is whole);
+        returns what it returns, raises what it raises (TimeoutError: the loop did not run it in time)."""
+        done, results, failures = threading.Event(), [], []
 
-        def check() -> None:
+        def run() -> None:
             try:
-                self.scheduler.check_pool_accounting()
+                results.append(command())
             except Exception as exc:
                 failures.append(exc)
             finally:
                 done.set()
 
-        self._call_in_loop(check)
+        self._call_in_loop(run)
         if not done.wait(timeout):
-            raise TimeoutError("the scheduler thread did not run the pool check")
+            raise TimeoutError("the scheduler thread did not run the command")
         if failures:
             raise failures[0]
+        return results[0]
+
+    def check_pool_accounting(self, timeout: float = 30.0) -> None:
+        """`Scheduler.check_pool_accounting` run on the scheduler's thread. Raises what it raises."""
+        self.run_in_loop(self.scheduler.check_pool_accounting, timeout)
+
+    def flush_cache(self, timeout: float = 30.0) -> bool:
+        """Empty the prefix cache, if no request is queued or running (False: left as it is)."""
+        def flush() -> bool:
+            if self.scheduler.has_work:
+                return False
+            groups = self.scheduler.groups if isinstance(self.scheduler, DPScheduler) else [self.scheduler]
+            for group in groups:
+                group.radix.reset()
+            return True
+
+        return self.run_in_loop(flush, timeout)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         outputs: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
@@ -421,8 +463,10 @@ class Engine:
 
     def shutdown(self) -> None:
         self._stopped = True
+        self.watchdog.stop()
         self._wake.set()
-        self._thread.join()
+        # A loop the watchdog found stuck may never return: the process exits without it.
+        self._thread.join(None if self.error is None else HUNG_LOOP_JOIN_S)
         if self.ranks is not None:
             # Released only after a clean run: otherwise a rank may wait in a collective rank 0 never joins.
             self.ranks.stop(self.runner if self.ready.is_set() and self.error is None else None)

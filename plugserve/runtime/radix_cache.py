@@ -85,6 +85,23 @@ class RadixCache:
         self.hit_tokens += match.num_tokens
         return match
 
+    def cached_prefix_len(self, tokens: Sequence[int]) -> int:
+        """How many leading `tokens` (whole pages) are cached, read only: no statistics, no recency, no split."""
+        if not self.enabled:
+            return 0
+        node, pos = self._root, 0
+        whole = tuple(tokens[: len(tokens) // self.page_size * self.page_size])
+        while pos < len(whole):
+            child = node.children.get(whole[pos : pos + self.page_size])
+            if child is None:
+                break
+            common = self._common_pages(child.key, whole, pos)
+            pos += common
+            if common < len(child.key):
+                break
+            node = child
+        return pos
+
     def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> PrefixMatch:
         """Cache the KV of `tokens` held in `pages` (whole pages: the caller frees a trailing partial one).
 

@@ -34,6 +34,7 @@ from plugserve.runtime.page_owners import check_pool_accounting
 from plugserve.runtime.radix_cache import RadixCache
 from plugserve.runtime.request import PENDING, FinishReason, Request, RequestIndex, RequestQueue, TokenLogprob
 from plugserve.runtime.sampling import SampleOutput, sample
+from plugserve.runtime.schedule_policy import order_waiting
 from plugserve.runtime.scheduled_batch import ScheduledBatch
 from plugserve.runtime.speculative import SpeculativeWorker
 
@@ -60,7 +61,8 @@ class Scheduler:
         self.gauges: SchedulerGauges = self
         self.page_size = runner.page_size
         self.max_running = runner.max_running_requests
-        self.chunk_size = args.chunked_prefill_size if args.chunked_prefill_size > 0 else None
+        self.chunk_size = args.prefill_token_budget
+        self.schedule_policy, self.stream_interval = args.schedule_policy, args.stream_interval
         self.waiting = RequestQueue()
         self.running: list[Request] = []
         self.chunked: Request | None = None  # mid chunked prefill: first in the next prefill batch
@@ -166,7 +168,8 @@ class Scheduler:
 
     def _schedule_extend(self) -> ScheduledBatch | None:
         budget = self.chunk_size if self.chunk_size is not None else 1 << 62
-        candidates = ([self.chunked] if self.chunked else []) + list(self.waiting)
+        candidates = ([self.chunked] if self.chunked else []) + order_waiting(self.schedule_policy, self.waiting,
+                                                                             self.radix)
         requests: list[Request] = []
         lens: list[int] = []
         for request in candidates:
@@ -192,6 +195,8 @@ class Scheduler:
         for request, n in zip(requests, lens, strict=True):
             if request in self.waiting:
                 self.waiting.remove(request)
+                if self.metrics:
+                    self.metrics.observe_scheduled(request)
             done = request.cached_len + n == request.seq_len
             sampled.append(done)
             if done:
@@ -427,7 +432,7 @@ class Scheduler:
                 self._fail(request, "its output was processed", exc)
             row += was_sampled
         if self.metrics:
-            self.metrics.observe_batch(appended)
+            self.metrics.observe_batch(appended, batch.mode is not ForwardMode.EXTEND, self.gauges)
             if verified:
                 self.metrics.observe_verify(counts)
         self._drop_finished()
@@ -475,6 +480,9 @@ class Scheduler:
         elif self.metrics and request.last_token_time is not None:
             self.metrics.itl.observe(now - request.last_token_time)
         request.last_token_time = now
+        if not request.finished and request.sent_tokens > 0 and request.num_resolved - request.sent_tokens < \
+                self.stream_interval:
+            return  # --stream-interval: the text waits for more tokens (the first and the last go at once)
         new_text = text[request.sent_text_len : safe]
         request.sent_text_len = max(request.sent_text_len, safe)
         new_tokens = request.output_ids[request.sent_tokens : request.num_resolved]

@@ -13,12 +13,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from plugserve.core.config import PRESETS
-from plugserve.core.loader import LOAD_FORMATS
+from plugserve.core.names import LOAD_FORMATS, PRESETS
 from plugserve.core.tokenizer import EMBEDDED_MODEL_DIR
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# fcfs: arrival order; lpm: the waiting request with the longest cached prefix first (SGLang's others are refused).
+SCHEDULE_POLICIES = ("fcfs", "lpm")
 # EAGLE is SGLang's name for the same drafting when the draft is a DeepSeek model's NextN layer.
 SPECULATIVE_ALGORITHMS = ("NEXTN", "EAGLE")
 SPECULATIVE_FLAGS = ("speculative_draft_model_path", "speculative_num_steps", "speculative_eagle_topk",
@@ -72,6 +73,12 @@ class ServerArgs(BaseModel):
     served_model_name: str | None = None
     graceful_shutdown_timeout: float = Field(20.0, ge=0)
     max_request_body_bytes: int = Field(32 << 20, ge=1)
+    allowed_origins: str | None = None
+    chat_template: str | None = None
+    stream_interval: int = Field(1, ge=1)
+    enable_cache_report: bool = False  # cached_tokens is always in usage: accepted, said so at start-up
+    enable_metrics: bool = False  # /metrics is always served: accepted, said so at start-up
+    trust_remote_code: bool = False  # plugserve runs its own model code: accepted, said so at start-up
     # prompts x n of one request: each is a sequence the scheduler holds (and aborts when its client leaves)
     max_sequences_per_request: int = Field(256, ge=1)
     # parallelism
@@ -94,6 +101,8 @@ class ServerArgs(BaseModel):
     kv_cache_dtype: str = "auto"
     chunked_prefill_size: int = Field(8192, ge=-1)
     chunked_prefix_cache_threshold: int = Field(8192, ge=0)
+    max_prefill_tokens: int | None = Field(None, ge=1)
+    schedule_policy: str = "fcfs"
     max_running_requests: int | None = Field(None, ge=1)
     max_total_tokens: int | None = Field(None, ge=1)
     mem_fraction_static: float | None = Field(None, gt=0, lt=1)
@@ -117,22 +126,22 @@ class ServerArgs(BaseModel):
     grammar_backend: Literal["xgrammar", "none"] = "xgrammar"
     tool_call_parser: Literal["deepseekv3"] | None = None
     reasoning_parser: Literal["deepseek-r1"] | None = None
+    # start-up, logs, liveness
+    skip_server_warmup: bool = False
+    watchdog_timeout: float = Field(300.0, gt=0)
+    log_requests: bool = False
+    log_requests_level: int = Field(0, ge=0, le=2)
+    decode_log_interval: int = Field(40, ge=1)
     # misc
     log_level: str = "info"
     seed: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _check_choices(self) -> ServerArgs:
-        choices = {
-            "model_preset": (self.model_preset, (None, *PRESETS)),
-            "load_format": (self.load_format, LOAD_FORMATS),
-            "kv_cache_dtype": (self.kv_cache_dtype, KV_CACHE_DTYPES),
-            "log_level": (self.log_level, LOG_LEVELS),
-        }
-        for field, (value, allowed) in choices.items():
-            if value not in allowed:
-                names = ", ".join(str(a) for a in allowed if a is not None)
-                raise ValueError(f"{flag(field)} {value!r} is not one of: {names}")
+        for field, allowed in CHOICES.items():
+            value = getattr(self, field)
+            if value is not None and value not in allowed:
+                raise ValueError(f"{flag(field)} {value!r} is not one of: {', '.join(allowed)}")
         self._check_parallelism()
         if self.chunked_prefill_size == 0:
             raise ValueError(f"{flag('chunked_prefill_size')} must be positive, or -1 to disable chunking")
@@ -143,7 +152,56 @@ class ServerArgs(BaseModel):
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"{flag('device')} {self.device!r} is not one of: auto, cpu, cuda, cuda:N")
         self._check_speculative()
+        if self.chat_template is not None:
+            self._check_chat_template()
         return self
+
+    def _check_chat_template(self) -> None:
+        import jinja2  # transformers renders chat templates with it
+
+        try:
+            jinja2.Environment().parse(self.chat_template_text)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ValueError(f"{flag('chat_template')}: not a Jinja template ({exc.message}, line {exc.lineno})"
+                             ) from None
+
+    @property
+    def chat_template_text(self) -> str | None:
+        """--chat-template's Jinja text: the file it names, else the value itself (an inline template)."""
+        if self.chat_template is None:
+            return None
+        path = Path(self.chat_template).expanduser()
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+        if "{{" not in self.chat_template and "{%" not in self.chat_template:
+            raise ValueError(f"{flag('chat_template')} {self.chat_template!r}: no such file, nor an inline Jinja "
+                             "template")
+        return self.chat_template
+
+    @property
+    def prefill_token_budget(self) -> int | None:
+        """Most tokens in one prefill batch: --max-prefill-tokens and --chunked-prefill-size, the smaller; a longer
+        prompt is prefilled in chunks of it (None: no cap)."""
+        caps = [c for c in (self.max_prefill_tokens, self.chunked_prefill_size) if c is not None and c > 0]
+        return min(caps) if caps else None
+
+    @property
+    def origins(self) -> list[str]:
+        """--allowed-origins as a list (empty: no CORS headers)."""
+        return [o.strip() for o in (self.allowed_origins or "").split(",") if o.strip()]
+
+    def notices(self) -> list[str]:
+        """One line for each flag taken from SGLang's vocabulary that changes nothing here, saying why."""
+        lines = []
+        if self.trust_remote_code:
+            lines.append(f"{flag('trust_remote_code')}: ignored: plugserve runs its own DeepSeek model code, never a "
+                         "checkpoint's remote code")
+        if self.enable_metrics:
+            lines.append(f"{flag('enable_metrics')}: metrics are always served at /metrics")
+        if self.enable_cache_report:
+            lines.append(f"{flag('enable_cache_report')}: usage.prompt_tokens_details.cached_tokens is always "
+                         "reported")
+        return lines
 
     def _check_parallelism(self) -> None:
         if self.tp_size % self.nnodes:
@@ -276,6 +334,16 @@ class ServerArgs(BaseModel):
     @property
     def decode_attention(self) -> str:
         return self.decode_attention_backend or self.attention_backend
+
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model_preset": tuple(PRESETS),
+    "load_format": LOAD_FORMATS,
+    "kv_cache_dtype": KV_CACHE_DTYPES,
+    "log_level": LOG_LEVELS,
+    "schedule_policy": SCHEDULE_POLICIES,
+}
+"""The string flags with a fixed set of values (None, where allowed, is not among them)."""
 
 
 def flag(field: str) -> str:

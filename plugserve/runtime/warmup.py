@@ -8,10 +8,10 @@ import itertools
 from collections.abc import Callable
 
 import torch
-from tqdm import tqdm
 
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode
 from plugserve.core.kv_cache import pages_needed
+from plugserve.core.progress import track
 from plugserve.runtime.backends import WARMUP_PREFILL_TOKENS
 from plugserve.runtime.metrics import report_late_triton_compiles
 from plugserve.runtime.model_runner import ModelRunner
@@ -48,7 +48,9 @@ def warm_up(runner: ModelRunner, on_late_compile: Callable[[], None] | None = No
         steps += [functools.partial(warm_up_speculative, runner, min(b.max_size, runner.allocator.num_pages
                                                                    // per_request), n)
                   for b in decode_buckets]
-    for step in tqdm(steps, desc="warm-up", disable=None):
+    if runner.args.skip_server_warmup:  # --skip-server-warmup: each shape compiles on its first request instead
+        steps = []
+    for step in track(steps, len(steps), "warm-up", "shapes"):
         step()
     if runner.graph_max_bs:
         runner.capture_graphs()

@@ -1,10 +1,9 @@
 """The FastAPI app: OpenAI-compatible completions and chat completions (streamed as server-sent events),
-plugserve's native /generate, and /v1/models, /health, /server_info, /metrics."""
+plugserve's native /generate, and /v1/models, /health, /metrics; SGLang's service endpoints come from native.py."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hmac
 import itertools
 import json
@@ -14,17 +13,18 @@ from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from plugserve.registry import get_registry
+from plugserve import __version__
 from plugserve.runtime.engine import Engine, EngineStopped, GenerateResult
 from plugserve.runtime.request import FinishReason, RequestOutput, TokenLogprob
 from plugserve.runtime.sampling import SamplingParams
 from plugserve.runtime.server_args import flag
-from plugserve.server import chat, prepare
+from plugserve.server import chat, native, prepare
 from plugserve.server.offsets import TextOffsets
 from plugserve.server.prepare import BadRequest, Job
 from plugserve.server.protocol import (
@@ -39,13 +39,18 @@ from plugserve.server.protocol import (
 )
 
 # What answers before the engine is ready (the rest gets 503).
-READY_FREE_PATHS = frozenset({"/health", "/metrics", "/server_info", "/v1/models", "/docs", "/openapi.json"})
+READY_FREE_PATHS = frozenset({"/health", "/metrics", "/server_info", "/get_server_info", "/get_model_info", "/version",
+                              "/v1/models", "/docs", "/openapi.json"})
 
 
 def create_app(engine: Engine) -> FastAPI:
-    app = FastAPI(title="plugserve", version="0.1.0")
+    app = FastAPI(title="plugserve", version=__version__)
     app.state.engine = engine
     app.add_middleware(Gate, engine=engine)
+    if engine.args.origins:  # added last, so outermost: a preflight is answered before the Gate asks for a key
+        app.add_middleware(CORSMiddleware, allow_origins=engine.args.origins, allow_methods=["*"],
+                           allow_headers=["*"])
+    app.include_router(native.router)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -92,32 +97,6 @@ def create_app(engine: Engine) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/server_info")
-    async def server_info() -> dict[str, Any]:
-        runner = engine.runner
-        return {
-            "args": engine.args.model_dump(),
-            "model": dataclasses.asdict(runner.config),
-            "hardware": dataclasses.asdict(runner.hardware),
-            "dtype": str(runner.dtype).removeprefix("torch."),
-            "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),
-            "page_size": runner.page_size,
-            "max_total_tokens": runner.max_total_tokens,
-            "context_length": runner.context_length,
-            "backends": [dataclasses.asdict(c) for c in runner.backends.chosen],
-            "kernels": {f"{c.kind}:{c.name}": get_registry().kernels(c.kind, c.name, runner.hardware)
-                        for c in runner.backends.chosen},
-            "cuda_graph": runner.graphs.status,
-            "all_reduce": runner.all_reduce_status,
-            "overlap_schedule": engine.scheduler.overlap_status,
-            "speculative": _speculative_info(engine),
-            "shared_experts": runner.backends.shared_experts_mode,
-            "torch_compile": (f"small ops compiled up to {engine.args.torch_compile_max_bs} rows"
-                              if engine.args.enable_torch_compile else "off"),
-            "ready": engine.ready.is_set(),
-            "broken_plugins": [dataclasses.asdict(b) for b in get_registry().broken],
-        }
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -255,14 +234,6 @@ def _authorized(authorization: bytes, key: str) -> bool:
     it), compared in constant time."""
     scheme, _, token = authorization.strip().partition(b" ")
     return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key.encode())
-
-
-def _speculative_info(engine: Engine) -> dict[str, Any] | None:
-    """The speculative-decoding settings and the mean accept length so far (None: speculation is off)."""
-    spec, worker = engine.args.speculative, engine.scheduler.spec
-    if spec is None or worker is None:
-        return None
-    return dataclasses.asdict(spec) | {"accept_length": worker.accept_length}
 
 
 def _serving(engine: Engine) -> bool:

@@ -4,8 +4,10 @@ the two never drift; a bad value is a usage error naming the flag and the valid 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -17,7 +19,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 from pydantic import ValidationError
 
-from plugserve.runtime.server_args import ServerArgs, describe_validation_error, flag
+from plugserve.runtime.server_args import CHOICES, ServerArgs, describe_validation_error, flag
 
 if TYPE_CHECKING:
     from plugserve.runtime.engine import Engine
@@ -25,7 +27,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 HELP = {
-    "model_path": "Hugging Face model directory (config.json, safetensors, tokenizer); default: the embedded model",
+    "model_path": "Hugging Face model directory (config.json, safetensors, tokenizer; a Hub id must be downloaded "
+                  "first: huggingface-cli download ID --local-dir DIR); default: the embedded model",
     "model_preset": "build a preset's shapes with random weights instead of reading a checkpoint",
     "tokenizer_path": "tokenizer directory (default: the model directory, or the embedded tokenizer)",
     "load_format": "auto / safetensors read --model-path; dummy draws random weights",
@@ -34,11 +37,19 @@ HELP = {
     "dtype": "activation and weight dtype (auto: bfloat16 on a GPU, float32 on the CPU)",
     "device": "auto, cpu, cuda or cuda:N",
     "context_length": "cap the context below the model's max_position_embeddings",
+    "host": "address to listen on (0.0.0.0: every IPv4 interface); checked before the model loads",
+    "port": "port to listen on (0: a free one, named in the ready line); checked before the model loads",
     "api_key": "require 'Authorization: Bearer KEY' on every endpoint but /health (default: the PLUGSERVE_API_KEY "
                "environment variable; a key given here shows in `ps`: prefer --api-key-file or the variable)",
     "api_key_file": "read the API key from the first line of this file",
     "max_request_body_bytes": "largest request body taken (a larger one is a 413 before it is parsed)",
     "served_model_name": "the model id /v1/models reports",
+    "allowed_origins": "CORS: comma-separated origins a browser may call from ('*': any); default: no CORS headers",
+    "chat_template": "a Jinja chat template, as a file or inline, replacing the tokenizer's",
+    "stream_interval": "stream a chunk every N tokens (and the first and last at once)",
+    "enable_cache_report": "accepted from SGLang: usage.prompt_tokens_details.cached_tokens is always reported",
+    "enable_metrics": "accepted from SGLang: Prometheus metrics are always served at /metrics",
+    "trust_remote_code": "accepted from SGLang and ignored: plugserve runs its own DeepSeek code, never remote code",
     "graceful_shutdown_timeout": "seconds from SIGTERM (or Ctrl-C) to exit: new requests get 503 at once, running "
                                  "ones may finish until 2 s before it, then end with an error; a second signal "
                                  "exits at once",
@@ -66,6 +77,8 @@ HELP = {
     "kv_cache_dtype": "KV cache dtype (auto: the model dtype)",
     "chunked_prefill_size": "most prompt tokens in one prefill batch; -1 disables chunking",
     "chunked_prefix_cache_threshold": "cached-prefix tokens from which prefill de-compresses the prefix (MHA)",
+    "max_prefill_tokens": "most tokens in one prefill batch (with --chunked-prefill-size, the smaller caps it)",
+    "schedule_policy": "order of the waiting queue: fcfs (arrival) or lpm (longest cached prefix first)",
     "max_running_requests": "most requests decoding at once",
     "max_total_tokens": "KV pool size in tokens (overrides --mem-fraction-static)",
     "mem_fraction_static": "fraction of GPU memory for weights and KV pool",
@@ -97,27 +110,76 @@ HELP = {
                         "<｜tool▁calls▁begin｜> format); without it, tools work only with tool_choice required "
                         "or named",
     "reasoning_parser": "split <think>...</think> from the output into reasoning_content (deepseek-r1)",
+    "skip_server_warmup": "serve without first running every prefill and decode shape (each compiles on its "
+                          "first request instead); CUDA graphs are still captured",
+    "watchdog_timeout": "seconds a scheduler step may run before the server ends with an error (a hung forward)",
+    "log_requests": "log one line per finished request (id, tokens, latency)",
+    "log_requests_level": "0: ids, tokens, latency; 1: and the sampling parameters; 2: and the prompt and output text",
+    "decode_log_interval": "log the batch statistics every N decode steps",
     "log_level": "logging level",
     "seed": "random seed of unseeded sampling and of dummy weights (alias --random-seed)",
 }
 
 
-# SGLang's other spellings of a flag.
-ALIASES = {"seed": ("--random-seed",)}
+# SGLang's other spellings of a flag (explicit: argparse would find `--model` ambiguous, a prefix of two flags).
+ALIASES = {"seed": ("--random-seed",), "model_path": ("--model",), "tp_size": ("--tp",), "dp_size": ("--dp",),
+           "ep_size": ("--ep",), "speculative_algorithm": ("--speculative-algo",),
+           "speculative_draft_model_path": ("--speculative-draft",)}
+# SGLang's older switches, as the flags they became: (help, field, value; None: the --tp-size).
+OLD_SWITCHES = {
+    "enable_flashinfer_mla": ("SGLang's older spelling of --attention-backend flashinfer_mla", "attention_backend",
+                              "flashinfer_mla"),
+    "enable_ep_moe": ("SGLang's older spelling of --ep-size equal to --tp-size", "ep_size", None),
+}
+# SGLang flags for what plugserve does not have: refused naming why (argparse would only say "unrecognized").
+_NO_DEEPEP = "no DeepEP all-to-all here: expert parallelism runs within the tensor-parallel ranks (--ep-size)"
+_LOCAL_ONLY = "checkpoints are read from a local directory only: download it first, then give --model-path"
+REFUSED = {
+    "--enable-deepep-moe": _NO_DEEPEP,
+    "--moe-a2a-backend": _NO_DEEPEP,
+    "--enable-two-batch-overlap": "no two-batch overlap here",
+    "--disaggregation-mode": "no prefill / decode disaggregation here",
+    "--revision": _LOCAL_ONLY,
+    "--download-dir": _LOCAL_ONLY,
+    "--load-balance-method": "one engine serves; under DP attention each request goes to the least-loaded group",
+    "--enable-dp-lm-head": "the LM head is split over every tensor-parallel rank",
+    "--moe-dense-tp-size": "the dense MLPs are split over every tensor-parallel rank",
+    "--cuda-graph-bs": "graphs are captured at SGLang's default sizes up to --cuda-graph-max-bs",
+    "--is-embedding": "plugserve serves generation only",
+}
 # Where the API key comes from when no flag gives it.
 API_KEY_VARIABLE = "PLUGSERVE_API_KEY"
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """Every ServerArgs field as a flag, its default and choices in its help."""
     for name, field in ServerArgs.model_fields.items():
         kind = _base_type(field.annotation)
         help_text = HELP.get(name, "")
         if kind is bool:
             parser.add_argument(flag(name), action="store_true", help=help_text)
             continue
-        choices = typing.get_args(kind) if typing.get_origin(kind) is typing.Literal else None
+        choices = typing.get_args(kind) if typing.get_origin(kind) is typing.Literal else CHOICES.get(name)
+        if field.default is not None and name != "api_key":
+            help_text += " (default: %(default)s)"
         parser.add_argument(flag(name), *ALIASES.get(name, ()), type=_parser_for(kind), choices=choices,
                             default=field.default, metavar=None if choices else name.upper(), help=help_text)
+    for name, (help_text, _, _) in OLD_SWITCHES.items():
+        parser.add_argument(flag(name), action="store_true", help=help_text)
+    for name, why in REFUSED.items():
+        parser.add_argument(name, nargs="*", action=RefusedFlag, why=why, help=argparse.SUPPRESS)
+
+
+class RefusedFlag(argparse.Action):
+    """An SGLang flag plugserve has no counterpart for: a usage error saying why."""
+
+    def __init__(self, option_strings: list[str], dest: str, why: str, **kwargs: typing.Any) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.why = why
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: typing.Any,
+                 option_string: str | None = None) -> None:
+        parser.error(f"{option_string} is not supported: {self.why}")
 
 
 def _base_type(annotation):
@@ -135,6 +197,9 @@ def _parser_for(kind):
 
 def server_args_from(namespace: argparse.Namespace, parser: argparse.ArgumentParser) -> ServerArgs:
     values = {name: getattr(namespace, name) for name in ServerArgs.model_fields}
+    for name, (_, field, value) in OLD_SWITCHES.items():
+        if getattr(namespace, name):
+            values[field] = values["tp_size"] if value is None else value
     if values["api_key"] is None and values["api_key_file"] is None:
         values["api_key"] = os.environ.get(API_KEY_VARIABLE) or None
     try:
@@ -147,10 +212,12 @@ def serve(args: ServerArgs) -> None:
     """Serve until SIGTERM / SIGINT (exit 0 after the graceful shutdown) or until the scheduler loop dies
     (exit 1, so that a supervisor restarts the server). Ends the process."""
     from plugserve.registry import SelectionError
-    from plugserve.runtime.engine import Engine
+    from plugserve.runtime.engine import Engine, served_model_names
     from plugserve.server.app import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for notice in args.notices():
+        logger.warning(notice)
     if args.node_rank:
         from plugserve.runtime.ranks import run_node
 
@@ -158,17 +225,25 @@ def serve(args: ServerArgs) -> None:
         if error is not None:
             print(f"plugserve serve: {error}", file=sys.stderr)
         _exit(0 if error is None else 1)
+    sock = listen_socket(args.host, args.port)  # before the minutes of loading: a busy port fails at once
+    started = time.perf_counter()
+    logger.info("loading model %s from %s", served_model_names(args)[0],
+                args.model_dir or f"--model-preset {args.model_preset} (random weights)")
     try:
         engine = Engine(args)
     except (SelectionError, ValueError) as exc:
         raise SystemExit(f"plugserve serve: {exc}") from None
+    logger.info("model loaded in %.1f s (KV cache: %d tokens); warming up", time.perf_counter() - started,
+                engine.runner.max_total_tokens)
     grace = args.graceful_shutdown_timeout
     config = uvicorn.Config(create_app(engine), host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=min(grace, SHUTDOWN_MARGIN_S))  # type: ignore[arg-type]
+    logging.getLogger("uvicorn.access").addFilter(_not_health)
     server = GracefulServer(config, engine, grace)
     engine.on_death = lambda error: setattr(server, "should_exit", True)  # its callers already have the error
+    threading.Thread(target=_announce_ready, args=(server, engine, sock), name="plugserve-ready", daemon=True).start()
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         engine.shutdown()
     if engine.error is not None:
@@ -176,6 +251,45 @@ def serve(args: ServerArgs) -> None:
     # Not through the interpreter's teardown of torch and the model, which can outlast the grace period, where
     # the watchdog (a daemon thread) could no longer end the process.
     _exit(0 if engine.error is None else 1)
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (uvicorn serves on it), or a usage error naming the flag that is wrong."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise SystemExit(f"plugserve serve: --host {host!r} is not an address or a known host name ({exc.strerror})"
+                         ) from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart reuses a port in TIME_WAIT
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise SystemExit(f"plugserve serve: --port {port} is in use on --host {host} (another server?): "
+                             "choose another --port") from None
+        raise SystemExit(f"plugserve serve: cannot listen on --host {host} --port {port}: {exc.strerror}") from None
+    return sock
+
+
+def _not_health(record: logging.LogRecord) -> bool:
+    """uvicorn's access log without /health: a load balancer polls it every few seconds."""
+    args = record.args
+    return not (isinstance(args, tuple) and len(args) > 2 and args[2] == "/health")
+
+
+def _announce_ready(server: uvicorn.Server, engine: Engine, sock: socket.socket) -> None:
+    """Once uvicorn listens and the warm-up is done (/health 200): say so and where, the last start-up line."""
+    while not (server.started and engine.ready.is_set()):
+        if not engine.alive:  # the warm-up failed, or the server is already going: /health says why
+            return
+        time.sleep(0.05)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    logger.info("ready at http://%s:%d, model %s (warm-up %.1f s)", shown, port, engine.model_name,
+                engine.warm_up_seconds or 0.0)
 
 
 def _exit(status: int) -> None:

@@ -296,3 +296,8 @@ def test_moe_spec_per_rank_under_tensor_and_expert_parallelism() -> None:
     assert (ep.intermediate_size, ep.num_local_experts, ep.first_expert) == (2048, 32, 96)
     with pytest.raises(ModelConfigError, match="256 routed experts do not split over 3 expert-parallel ranks"):
         config.moe_spec(torch.bfloat16, tp_size=3, ep_size=3)
+
+
+def test_a_hub_id_says_how_to_download_it() -> None:
+    with pytest.raises(ModelConfigError, match=r"huggingface-cli download deepseek-ai/DeepSeek-V3 --local-dir"):
+        ModelConfig.from_pretrained("deepseek-ai/DeepSeek-V3")

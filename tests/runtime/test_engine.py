@@ -419,3 +419,28 @@ def test_idle_gauges_read_zero_and_token_counters_match_usage():
         assert _sample(engine, "plugserve_prompt_tokens_total") == sum(f.prompt_tokens for f in finals)
     finally:
         engine.shutdown()
+
+
+def test_stream_interval_request_logs_batch_lines_and_chat_template(solo, caplog):
+    """--stream-interval 3 streams the first token, then every 3, then the rest, with the same text; --log-requests
+    logs each finished request, --decode-log-interval 2 SGLang's batch line; --chat-template replaces the
+    tokenizer's."""
+    args = ServerArgs(model_preset="tiny", stream_interval=3, log_requests=True, log_requests_level=2,
+                      decode_log_interval=2, chat_template="<{{ messages[0]['content'] }}>")
+    engine = Engine(args)
+    try:
+        with caplog.at_level("INFO", logger="plugserve.stats"):
+            outputs = list(engine.stream(PROMPTS[0], GREEDY))
+            rid = outputs[-1].rid
+        assert [len(o.token_ids) for o in outputs] == [1, 3, 3, 3, 2]
+        assert "".join(o.text for o in outputs) == solo[0]
+        lines = [r.getMessage() for r in caplog.records]
+        finished = [line for line in lines if line.startswith(f"Finished request {rid}:")]
+        assert len(finished) == 1 and "prompt_tokens=" in finished[0] and "completion_tokens=12" in finished[0]
+        assert f"{PROMPTS[0]}', output=" in finished[0] and f"output={solo[0]!r}" in finished[0]
+        batches = [line for line in lines if line.startswith("Decode batch. #running-req: 1, #token: ")]
+        assert len(batches) == 11 // 2 and "#queue-req: 0" in batches[0]
+        rendered = engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+        assert rendered == "<hi>"
+    finally:
+        engine.shutdown()

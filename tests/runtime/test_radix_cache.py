@@ -310,3 +310,17 @@ def test_random_operations_agree_with_a_brute_force_model(page_size, seed):
         cache.unlock(node)
     cache.reset()
     assert cache.cached_pages == 0 and allocator.num_free == allocator.num_pages
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_cached_prefix_len_agrees_with_match_prefix_and_changes_nothing(page_size):
+    cache, _ = _cache(page_size)
+    _insert(cache, _seq(page_size, 1, 2, 3))
+    _insert(cache, _seq(page_size, 1, 2, 5, 6))
+    for query in ([1, 2, 3, 4], [1, 2, 5], [1, 9], [7], [1, 2, 5, 6, 8]):
+        tokens = _seq(page_size, *query) + [0] * (page_size - 1)  # a trailing partial page never matches
+        stats, nodes = (cache.hit_tokens, cache.queried_tokens), len(cache._nodes())
+        length = cache.cached_prefix_len(tokens)
+        assert ((cache.hit_tokens, cache.queried_tokens), len(cache._nodes())) == (stats, nodes)
+        assert length == cache.match_prefix(tokens).num_tokens
+    assert _cache(page_size, enabled=False)[0].cached_prefix_len(_seq(page_size, 1)) == 0

@@ -150,3 +150,74 @@ def test_max_sequences_per_request_defaults_to_256_and_takes_the_cli_flag():
     namespace = parser.parse_args(["--max-sequences-per-request", "1024"])
     assert server_args_from(namespace, parser).max_sequences_per_request == 1024
     assert "n" in HELP["max_sequences_per_request"]
+
+
+def _parse(argv: list[str]) -> ServerArgs:
+    import argparse
+
+    from plugserve.server.launch import add_server_args, server_args_from
+
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    return server_args_from(parser.parse_args(argv), parser)
+
+
+def test_a_launch_command_from_sglangs_deepseek_docs_parses():
+    """`python3 -m sglang.launch_server --model deepseek-ai/DeepSeek-V3 --tp 8 --trust-remote-code ...` with
+    `plugserve serve` in front: SGLang's short spellings, its old switches and the flags that mean nothing here."""
+    command = ("--model /models/DeepSeek-V3 --tp 8 --trust-remote-code --enable-flashinfer-mla --enable-ep-moe "
+                  "--enable-metrics --enable-cache-report --disable-overlap-schedule --enable-torch-compile "
+                  "--torch-compile-max-bs 8 --cuda-graph-max-bs 128 --mem-fraction-static 0.85 "
+                  "--chunked-prefill-size 4096 --max-prefill-tokens 2048 --schedule-policy lpm --stream-interval 4 "
+                  "--log-requests --log-requests-level 1 --watchdog-timeout 600 --skip-server-warmup "
+                  "--decode-log-interval 10 --random-seed 7 --host 0.0.0.0 --port 30000")
+    args = _parse(command.split())
+    assert (args.model_path, args.tp_size, args.ep_size, args.attention_backend) == \
+        ("/models/DeepSeek-V3", 8, 8, "flashinfer_mla")
+    assert (args.schedule_policy, args.stream_interval, args.prefill_token_budget, args.seed) == ("lpm", 4, 2048, 7)
+    assert [line.split(":")[0] for line in args.notices()] == \
+        ["--trust-remote-code", "--enable-metrics", "--enable-cache-report"]
+
+
+def test_model_and_model_path_are_one_flag():
+    assert _parse(["--model-path", "/m"]).model_path == _parse(["--model", "/m"]).model_path == "/m"
+
+
+def test_sglangs_other_schedule_policies_are_refused_naming_the_valid_ones(capsys):
+    with pytest.raises(SystemExit):
+        _parse(["--schedule-policy", "lof"])
+    assert "--schedule-policy: invalid choice: 'lof' (choose from 'fcfs', 'lpm')" in capsys.readouterr().err
+    assert "--schedule-policy 'dfs-weight' is not one of: fcfs, lpm" in _error(schedule_policy="dfs-weight")
+
+
+def test_max_prefill_tokens_and_chunked_prefill_size_cap_a_prefill_batch_together():
+    assert ServerArgs().prefill_token_budget == 8192
+    assert ServerArgs(max_prefill_tokens=1024).prefill_token_budget == 1024
+    assert ServerArgs(chunked_prefill_size=-1, max_prefill_tokens=3000).prefill_token_budget == 3000
+    assert ServerArgs(chunked_prefill_size=-1).prefill_token_budget is None
+
+
+def test_a_chat_template_is_a_file_or_inline_jinja(tmp_path):
+    path = tmp_path / "t.jinja"
+    path.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert ServerArgs(chat_template=str(path)).chat_template_text == path.read_text()
+    assert ServerArgs(chat_template="{{ messages[0].content }}").chat_template_text == "{{ messages[0].content }}"
+    assert "--chat-template 'chatml': no such file, nor an inline Jinja template" in _error(chat_template="chatml")
+    assert "--chat-template: not a Jinja template (Expected an expression" in _error(chat_template="{% for %}}")
+
+
+def test_help_shows_defaults_and_choices(capsys):
+    with pytest.raises(SystemExit):
+        _parse(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--schedule-policy {fcfs,lpm}" in text and "(default: fcfs)" in text
+    assert "--load-format {auto,safetensors,dummy}" in text and "(default: 300.0)" in text
+
+
+def test_sglang_flags_without_a_counterpart_are_refused_saying_why(capsys):
+    with pytest.raises(SystemExit):
+        _parse(["--tp", "8", "--enable-deepep-moe", "--model", "/m"])
+    assert "--enable-deepep-moe is not supported: no DeepEP all-to-all here" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _parse(["--revision", "main"])
+    assert "--revision is not supported: checkpoints are read from a local directory only" in capsys.readouterr().err

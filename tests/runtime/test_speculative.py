@@ -402,7 +402,7 @@ def test_accept_length_is_in_metrics_and_server_info(plain, spec, monkeypatch):
     assert info["cuda_graph"] == "no CUDA graphs on the CPU"
     metrics = client.get("/metrics").text
     gauge = float(next(line.split()[-1] for line in metrics.splitlines()
-                       if line.startswith("plugserve_spec_accept_length ")))
+                       if line.startswith("plugserve_spec_accept_length{")))
     assert gauge == pytest.approx(spec.scheduler.spec.accept_length) and gauge > 1.5
     plain_info = TestClient(create_app(plain)).get("/server_info").json()
     assert plain_info["speculative"] is None and plain_info["overlap_schedule"] == "on"

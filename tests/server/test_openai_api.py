@@ -304,17 +304,17 @@ def test_bad_requests_during_a_stream_do_not_disturb_it(server, client):
 
 
 def test_a_client_leaving_mid_stream_aborts_its_request(server):
-    before = server.metric("plugserve_requests_total", '{finish_reason="abort"}')
+    before = server.metric("plugserve_requests_total", finish_reason="abort")
     with httpx.stream("POST", f"{server.base_url}/v1/completions",
                       json={"prompt": PROMPT, "max_tokens": 4000, "stream": True, "ignore_eos": True},
                       headers={"Authorization": f"Bearer {API_KEY}"}) as response:
         for _ in zip(range(3), response.iter_lines(), strict=False):
             pass
     for _ in range(100):
-        if server.metric("plugserve_requests_total", '{finish_reason="abort"}') > before:
+        if server.metric("plugserve_requests_total", finish_reason="abort") > before:
             break
         asyncio.run(asyncio.sleep(0.1))
-    assert server.metric("plugserve_requests_total", '{finish_reason="abort"}') == before + 1
+    assert server.metric("plugserve_requests_total", finish_reason="abort") == before + 1
 
 
 def test_native_generate_and_server_info(server):

@@ -189,14 +189,14 @@ def test_soak_with_a_far_too_small_kv_pool(soak_server: RunningServer, capsys):
                 done.set()
                 await prober
 
-    errors_before = soak_server.metric("plugserve_requests_total", '{finish_reason="error"}')
+    errors_before = soak_server.metric("plugserve_requests_total", finish_reason="error")
     started = time.monotonic()
     outcomes = asyncio.run(run())
     elapsed = time.monotonic() - started
     deadline = time.monotonic() + 10
     while engine.num_outstanding and time.monotonic() < deadline:  # the last aborts reach the scheduler
         time.sleep(0.05)
-    aborted = soak_server.metric("plugserve_requests_total", '{finish_reason="abort"}')
+    aborted = soak_server.metric("plugserve_requests_total", finish_reason="abort")
     kinds = Counter(o.kind for o in outcomes)
     left = sum(o.ended_by_client for o in outcomes)
     allocator = engine.runner.allocator
@@ -209,7 +209,7 @@ def test_soak_with_a_far_too_small_kv_pool(soak_server: RunningServer, capsys):
               f"{leaked} pages leaked; /health p99 {p99 * 1e3:.0f} ms over {len(health)} probes")
 
     assert engine.num_outstanding == 0, "requests still running after their clients were done"
-    assert soak_server.metric("plugserve_requests_total", '{finish_reason="error"}') == errors_before + len(FAILING)
+    assert soak_server.metric("plugserve_requests_total", finish_reason="error") == errors_before + len(FAILING)
     assert 0 < aborted <= left  # a client that left after its last token aborted nothing
     assert engine.metrics.retractions._value.get() > 0, "the pool was not too small: nothing was retracted"
     assert {o.kind: o.status for o in outcomes if o.kind in HOSTILE} == HOSTILE

@@ -51,7 +51,7 @@ def test_requests_wait_for_warm_up_with_503_and_then_serve(gated_warm_up):
         assert completion.status_code == 200 and completion.json()["usage"]["completion_tokens"] == 2
         # Kernels compiled after the warm-up count in /metrics (none on the CPU: nothing compiles there).
         assert gated_warm_up.kwargs["on_late_compile"] == engine.metrics.late_triton_compiles.inc
-        assert "plugserve_late_triton_compiles_total 0.0" in client.get("/metrics").text
+        assert 'plugserve_late_triton_compiles_total{model_name="m"} 0.0' in client.get("/metrics").text
     finally:
         gated_warm_up.set()
         engine.shutdown()
