@@ -6,6 +6,7 @@ with every KV page back. The tiny preset's random unquantized weights give batch
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Sequence
@@ -116,3 +117,20 @@ def test_merge_puts_each_parts_rows_in_place_and_pads_narrower_top_logprobs() ->
     assert merged.logprobs.tolist() == [-0.5, 0.0, 0.0, -1.0]
     assert merged.top_logprob_ids.tolist() == [[7, 1], [0, 0], [0, 0], [8, 2]]
     assert merged.accept_lens is None
+
+
+def test_a_constrained_batch_mate_of_a_failing_request_keeps_its_grammar() -> None:
+    """The re-run part samples under its requests' rows of the batch's grammar masks (`BatchGrammar.part`)."""
+    faults = Faults(ForwardMode.EXTEND)
+    engine = Engine(ServerArgs(model_preset="tiny", disable_overlap_schedule=True), fault_hook=faults)
+    constrained = SamplingParams(max_new_tokens=12, temperature=0, regex="(yes|no)-[0-9]{3}")
+    try:
+        assert engine.ready.wait(60)
+        [alone] = engine.generate(BATCH[0], constrained)
+        faults.bad_ids = engine.tokenize(BATCH[BAD])
+        good, bad = engine.generate(BATCH[:2], constrained)
+        assert [engine.tokenize(p) for p in BATCH[:2]] in faults.extends  # one prefill batch
+        assert bad.finish_reason is FinishReason.ERROR
+        assert good.token_ids == alone.token_ids and re.fullmatch("(yes|no)-[0-9]{3}", good.text), good.text
+    finally:
+        engine.shutdown()
