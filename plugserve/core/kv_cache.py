@@ -75,12 +75,6 @@ class MLAKVPool:
         """[num_slots, qk_rope_head_dim], a strided view."""
         return self._buffers[layer_id][:, self.kv_lora_rank :]
 
-    @property
-    def bytes_per_token(self) -> int:
-        """One token's rows over every layer: (kv_lora_rank + rope) x layers x the dtype's size."""
-        width = self.kv_lora_rank + self.qk_rope_head_dim
-        return self.num_layers * width * torch.empty(0, dtype=self.dtype).element_size()
-
     def write(self, layer_id: int, slots: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor) -> None:
         """Store latent [n, kv_lora_rank] and k_rope [n, rope] at `slots` [n] int64 (`store_rows`)."""
         store_rows(self._buffers[layer_id], slots, latent, k_rope, self.scale)
