@@ -56,6 +56,8 @@ def describe(registry: Registry, hardware: Hardware, kinds: Sequence[Kind], expl
                 "available": available.ok,
                 "reason": available.reason,
                 "cuda_graph": cuda_graph_support(entry.cls),
+                # --kv-cache-dtype: the KV cache dtypes an attention backend reads, and why no other
+                "kv_cache": entry.cls.capabilities.kv_cache_dtype_names() if kind == "attention" else None,
                 "kernels": registry.kernels(kind, entry.name, hardware),
                 "phases": {
                     phase.value: {"usable": by_phase[phase][i].availability.ok,
@@ -131,6 +133,12 @@ def print_report(report: dict[str, Any], explain: bool, console: Console) -> Non
         table.add_row(b["kind"], b["name"], b["package"], *cells, b["cuda_graph"],
                       *([b["kernels"]] if explain else []))
     console.print(table)
+    kv = Table("backend", "reads the KV cache in", title="--kv-cache-dtype")
+    for b in report["backends"]:
+        if b["kv_cache"] is not None:
+            kv.add_row(b["name"], b["kv_cache"])
+    if kv.row_count:
+        console.print(kv)
     for broken in report["broken_plugins"]:
         console.print(f"[red]broken plugin[/] {broken['plugin']} ({broken['package']}): {broken['error']}")
     if explain:

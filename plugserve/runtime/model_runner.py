@@ -25,6 +25,7 @@ from plugserve.core.kv_cache import MLAKVPool, PageAllocator, pages_needed
 from plugserve.core.layers.small_ops import EAGER, SmallOps
 from plugserve.core.loader import load_model, read_config, resolve_dtype
 from plugserve.core.moved import moved_names
+from plugserve.core.specs import KV_DTYPES
 from plugserve.core.symmetric_all_reduce import build_symmetric_all_reduce
 from plugserve.runtime import rank_protocol
 from plugserve.runtime.backends import RunnerBackends
@@ -39,8 +40,6 @@ from plugserve.runtime.server_args import ServerArgs, flag
 
 logger = logging.getLogger(__name__)
 
-KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-             "fp8_e4m3": torch.float8_e4m3fn}
 # Without --max-total-tokens on the CPU: this much memory for the KV pool.
 CPU_KV_BYTES = 512 << 20
 DEFAULT_MEM_FRACTION_STATIC = 0.85
@@ -156,6 +155,7 @@ class ModelRunner:
 
     @property
     def bytes_per_token(self) -> int:
+        """KV bytes of one token over every layer: an fp8 cache holds twice a 16-bit one's tokens in its memory."""
         width = self.config.kv_lora_rank + self.config.qk_rope_head_dim
         return self.model.num_kv_layers * width * torch.empty(0, dtype=self.kv_dtype).element_size()
 

@@ -2,7 +2,8 @@
 
 The CLI (`plugserve serve`) and the Engine take the same object; an invalid value is a clear error
 naming the flag (`--max-running-requests must be >= 1`). GPU-only flags that cannot take effect
-on the CPU are refused by the model runner, naming the flag.
+on the CPU are refused by the model runner, naming the flag. A --kv-cache-dtype that no attention backend usable on
+this machine reads (with the --dtype activations) is refused here, naming the ones that are read.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from plugserve.core.names import LOAD_FORMATS, PRESETS
 from plugserve.core.tokenizer import EMBEDDED_MODEL_DIR
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3")  # torch's: core/specs.KV_DTYPES
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # fcfs: arrival order; lpm: the waiting request with the longest cached prefix first (SGLang's others are refused).
 SCHEDULE_POLICIES = ("fcfs", "lpm")
@@ -154,7 +155,44 @@ class ServerArgs(BaseModel):
         self._check_speculative()
         if self.chat_template is not None:
             self._check_chat_template()
+        self._check_kv_cache_dtype()
         return self
+
+    def _check_kv_cache_dtype(self) -> None:
+        """--kv-cache-dtype other than auto: each phase's requested attention backend (under auto, any usable here)
+        must read it next to the --dtype activations, or the server would fail only when it warms up."""
+        if self.kv_cache_dtype == "auto" or self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            return
+        import torch  # here, not at import: `plugserve serve --help` stays light
+
+        from plugserve.core.forward_batch import Phase
+        from plugserve.core.hardware import Hardware
+        from plugserve.core.loader import resolve_dtype
+        from plugserve.core.specs import KV_DTYPES, AttentionSpec
+        from plugserve.registry import get_registry
+
+        device = torch.device(self.device if self.device != "auto" else
+                              "cuda" if torch.cuda.is_available() else "cpu")
+        hardware, activations = Hardware.detect(device), resolve_dtype(self.dtype, device)
+        registry = get_registry()
+        for phase, requested in ((Phase.DECODE, self.decode_attention), (Phase.PREFILL, self.prefill_attention)):
+            entries = [e for name, e in sorted(registry.backends["attention"].items()) if requested in ("auto", name)]
+            usable = [e for e in entries if registry.availability(e.cls, hardware)
+                      and phase in e.cls.capabilities.phases()]
+            if not usable:
+                continue  # the backend selection says why, naming its flag
+
+            def reads(name: str, usable: list = usable) -> bool:
+                spec = AttentionSpec(dtype=activations, kv_cache_dtype=KV_DTYPES[name])
+                return any(e.cls.capabilities.check_kv_cache_dtype(spec) for e in usable)
+
+            if not reads(self.kv_cache_dtype):
+                supported = ", ".join(["auto", *(name for name in KV_DTYPES if reads(name))])
+                what = "; ".join(f"{e.name}: {e.cls.capabilities.kv_cache_dtype_names()}" for e in usable)
+                raise ValueError(f"{flag('kv_cache_dtype')} {self.kv_cache_dtype}: no {phase.value} attention backend "
+                                 f"usable here ({phase.value} backend {requested}) reads it with {activations} "
+                                 f"activations ({what}); supported here: {supported}")
+
 
     def _check_chat_template(self) -> None:
         import jinja2  # transformers renders chat templates with it
