@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 
-import psutil
 import torch
 import torch.distributed as dist
 
@@ -92,6 +91,8 @@ def device_memory(device: torch.device) -> tuple[int, int]:
     """(free, total) bytes of `device`: a GPU's, or on the CPU the machine's (available, total)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)
+    import psutil  # only here: a GPU launch never needs it
+
     memory = psutil.virtual_memory()
     return memory.available, memory.total
 
