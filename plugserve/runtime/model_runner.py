@@ -119,6 +119,12 @@ class ModelRunner:
         self.context_length = context_length(args, self.config.max_position_embeddings)
         self.max_running_requests = args.max_running_requests or DEFAULT_MAX_RUNNING[self.device.type]
         self.graph_max_bs = graph_max_bs(args, self.device, self.max_running_requests)
+        if args.disable_shared_experts_overlap:
+            if not (self.config.n_routed_experts and self.config.n_shared_experts):
+                raise ValueError(f"{flag('disable_shared_experts_overlap')}: the model has no shared experts")
+            if self.device.type != "cuda":
+                raise ValueError(f"{flag('disable_shared_experts_overlap')} needs a CUDA device: the CPU has no "
+                                 "streams")
         self.backends = RunnerBackends(args, self.config, self.hardware, self.device, self.dtype, self.kv_dtype, group,
                                        self.dp_size, self.max_running_requests)
         self.page_size = self.backends.page_size
@@ -131,8 +137,6 @@ class ModelRunner:
         self.model.use_small_ops(small_ops.with_fused_kernels(self.device))
         if self.device.type == "cuda":
             self.model.overlap_shared_experts(not args.disable_shared_experts_overlap)
-        elif args.disable_shared_experts_overlap:
-            raise ValueError(f"{flag('disable_shared_experts_overlap')} needs a CUDA device: the CPU has no streams")
         # --seed: what unseeded requests sample from, this engine's own (nothing else in the process draws from it).
         self.sampling_generator = torch.Generator(device=self.device).manual_seed(args.seed)
         # Ids the tokenizer can turn into text (set by the engine): checkpoints pad their vocabulary, and the

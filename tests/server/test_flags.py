@@ -259,6 +259,21 @@ def test_disable_shared_experts_overlap_under_fusion_is_refused():
         _args(["--disable-shared-experts-overlap", "--enable-shared-experts-fusion"])
 
 
+def test_disable_shared_experts_overlap_on_a_model_without_shared_experts_is_refused(monkeypatch):
+    import dataclasses
+
+    import plugserve.runtime.model_runner as model_runner
+    from plugserve.core.loader import read_config
+
+    def without_shared(*args, **kwargs):
+        config, layers = read_config(*args, **kwargs)
+        return dataclasses.replace(config, n_shared_experts=0), layers
+
+    monkeypatch.setattr(model_runner, "read_config", without_shared)
+    with pytest.raises(ValueError, match="--disable-shared-experts-overlap: the model has no shared experts"):
+        ModelRunner(_args([*BASE, "--disable-shared-experts-overlap"]))
+
+
 def test_torch_compile_max_bs_defaults_to_32_under_torch_compile():
     assert _args(["--enable-torch-compile"]).compile_max_bs == 32
     assert _args(["--enable-torch-compile", "--torch-compile-max-bs", "8"]).compile_max_bs == 8
