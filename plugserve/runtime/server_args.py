@@ -180,6 +180,9 @@ class ServerArgs(BaseModel):
         if self.log_requests_level and not self.log_requests:
             raise ValueError(f"{flag('log_requests_level')} {self.log_requests_level} needs {flag('log_requests')} "
                              "(the level says what each request's line holds)")
+        if self.log_requests and LOG_LEVELS.index(self.log_level) > LOG_LEVELS.index("info"):
+            raise ValueError(f"{flag('log_requests')} logs at info: with {flag('log_level')} {self.log_level} no line "
+                             f"would show (give {flag('log_level')} info or debug)")
 
     @property
     def compile_max_bs(self) -> int:

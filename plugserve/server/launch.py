@@ -121,7 +121,8 @@ HELP = {
     "skip_server_warmup": "serve without first running every prefill and decode shape (each compiles on its "
                           "first request instead); CUDA graphs are still captured",
     "watchdog_timeout": "seconds a scheduler step may run before the server ends with an error (a hung forward)",
-    "log_requests": "log one line per finished request (id, tokens, latency)",
+    "log_requests": "log one line per finished request (id, tokens, latency), at info (so not with --log-level "
+                    "warning or error)",
     "log_requests_level": "with --log-requests, 0: ids, tokens, latency; 1: and the sampling parameters; 2: and the "
                           "prompt and output text",
     "decode_log_interval": "log the batch statistics every N decode steps",

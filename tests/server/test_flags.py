@@ -274,6 +274,12 @@ def test_disable_shared_experts_overlap_on_a_model_without_shared_experts_is_ref
         ModelRunner(_args([*BASE, "--disable-shared-experts-overlap"]))
 
 
+def test_log_requests_below_the_log_level_is_refused():
+    with pytest.raises(ValueError, match="--log-requests logs at info: with --log-level warning no line would show"):
+        _args(["--log-requests", "--log-level", "warning"])
+    assert _args(["--log-requests", "--log-level", "debug"]).log_requests
+
+
 def test_torch_compile_max_bs_defaults_to_32_under_torch_compile():
     assert _args(["--enable-torch-compile"]).compile_max_bs == 32
     assert _args(["--enable-torch-compile", "--torch-compile-max-bs", "8"]).compile_max_bs == 8
