@@ -157,6 +157,7 @@ REFUSED = {
     "--moe-dense-tp-size": "the dense MLPs are split over every tensor-parallel rank",
     "--cuda-graph-bs": "graphs are captured at SGLang's default sizes up to --cuda-graph-max-bs",
     "--is-embedding": "plugserve serves generation only",
+    "--enable-mixed-chunk": "decode steps run as batches of their own between prefill chunks, not inside them",
 }
 # Where the API key comes from when no flag gives it.
 API_KEY_VARIABLE = "PLUGSERVE_API_KEY"

@@ -175,6 +175,7 @@ ROWS: dict[str, Row] = {
     "--moe-dense-tp-size": (["--moe-dense-tp-size", "1"], _NOT_SUPPORTED),
     "--cuda-graph-bs": (["--cuda-graph-bs", "1", "2"], _NOT_SUPPORTED),
     "--is-embedding": (["--is-embedding"], _NOT_SUPPORTED),
+    "--enable-mixed-chunk": (["--enable-mixed-chunk"], _NOT_SUPPORTED),
 }
 
 
