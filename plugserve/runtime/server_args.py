@@ -10,6 +10,7 @@ attention backend usable on this machine reads (with the --dtype activations) is
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -406,8 +407,8 @@ class ServerArgs(BaseModel):
         return self.decode_attention_backend or self.attention_backend
 
 
-CHOICES: dict[str, tuple[str, ...]] = {
-    "model_preset": tuple(PRESETS),
+CHOICES: dict[str, Collection[str]] = {
+    "model_preset": PRESETS.keys(),  # a live view: a preset added at run time (a test's) is a choice too
     "load_format": LOAD_FORMATS,
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "log_level": LOG_LEVELS,
