@@ -7,6 +7,8 @@ Each combination (attention, FP8 GEMM and MoE backends and a dtype; every other 
 model through plugserve's ModelRunner and Engine, as serving does, and is measured on:
 - perplexity of held-out text (windows of --window tokens, one EXTEND forward each: the prefill backends),
   and its change against the reference;
+- cached perplexity: the same windows fed one DECODE step a token, so that every score reads the keys back from the
+  KV cache (the decode backends, and what --kv-cache-dtype changes; a prompt's own EXTEND never reads it);
 - top-1: the share of those text positions where its argmax is the reference's;
 - forced: the reference's greedy continuations of a fixed prompt set fed back one DECODE step at a time (the
   decode backends, teacher-forced); the share of steps whose argmax is the reference's token. A small model's
@@ -17,10 +19,11 @@ model through plugserve's ModelRunner and Engine, as serving does, and is measur
   is the main model's greedy choice there (what speculative decoding can accept).
 
 A combination is `reference` (every kind torch_ref, float32), `auto` (what serving picks, at --dtype), or
-comma-separated `kind=name` pairs over attention, prefill_attention, decode_attention, gemm, moe and dtype, the kinds
-not named torch_ref (e.g. `gemm=triton,dtype=bfloat16`). Without --combos: reference, torch_ref at --dtype, auto,
-and each registered backend alone with the other kinds torch_ref, at --dtype; those that cannot run here are listed
-with the reason. Prints a table and writes --result-filename (JSON).
+comma-separated `kind=name` pairs over attention, prefill_attention, decode_attention, gemm, moe, dtype and kv (the
+--kv-cache-dtype), the kinds not named torch_ref (e.g. `gemm=triton,dtype=bfloat16`, `kv=fp8_e4m3`). Without
+--combos: reference, torch_ref at --dtype, auto, and each registered backend alone with the other kinds torch_ref,
+at --dtype; those that cannot run here are listed with the reason. Prints a table and writes --result-filename
+(JSON).
 """
 
 from __future__ import annotations
@@ -33,11 +36,13 @@ import math
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from plugserve.core.forward_batch import AttnForwardMethod, ForwardBatch, ForwardMode
 from plugserve.core.kv_cache import pages_needed
+from plugserve.core.loader import read_config
 from plugserve.core.tokenizer import EMBEDDED_MODEL_DIR, load_tokenizer
 from plugserve.registry import SelectionError, get_registry
 from plugserve.runtime import speculative
@@ -50,7 +55,7 @@ from plugserve.server.launch import add_server_args, server_args_from
 DEFAULT_TEXT = Path(__file__).resolve().parent / "data" / "heldout_docs.txt"
 FLAGS = {"attention": "attention_backend", "prefill_attention": "prefill_attention_backend",
          "decode_attention": "decode_attention_backend", "gemm": "fp8_gemm_backend", "moe": "moe_runner_backend",
-         "dtype": "dtype"}
+         "dtype": "dtype", "kv": "kv_cache_dtype"}
 REFERENCE = {"attention": "torch_ref", "gemm": "torch_ref", "moe": "torch_ref", "dtype": "float32"}
 KV_POOL_TOKENS = 65536
 # Plain text to continue and chat turns (rendered with the model's chat template when it has one).
@@ -76,6 +81,8 @@ class Row:
     backends: str = ""  # what each kind and phase ran, as the runner chose
     perplexity: float = math.nan
     delta: float = math.nan  # relative change of perplexity against the reference
+    cached_perplexity: float = math.nan  # the text scored one DECODE step a token, over the KV cache
+    cached_delta: float = math.nan  # its relative change against the reference's
     top1: float = math.nan  # text positions whose argmax is the reference's
     forced: float = math.nan  # teacher-forced decode steps whose argmax is the reference's greedy token
     greedy: float = math.nan  # generated tokens equal to the reference's before the first difference
@@ -86,6 +93,7 @@ class Row:
 @dataclass
 class Measured:
     nll: torch.Tensor  # [N] float64: -log p(token) over the text's predicted positions
+    cached_nll: torch.Tensor  # [N] float64: the same, each position scored by a DECODE step over the cache
     top1: torch.Tensor  # [N] int64: the argmax at each
     nextn: float
     greedy: list[list[int]]
@@ -120,7 +128,11 @@ def default_combinations(dtype: str) -> list[str]:
 
 def server_args(base: ServerArgs, combination: dict[str, str]) -> ServerArgs:
     """`base` with the combination's backends and dtype; a KV pool of KV_POOL_TOKENS unless --max-total-tokens says
-    otherwise (what the harness runs needs little, and a pool sized to fill a GPU takes long to allocate)."""
+    otherwise (what the harness runs needs little, and a pool sized to fill a GPU takes long to allocate). A model
+    without block-FP8 weights runs no FP8 GEMM: its GEMM backend is left unnamed, as the server asks."""
+    config, _ = read_config(base.model_dir, base.model_preset, base.quantization)
+    if config.fp8_block is None:
+        combination = {key: value for key, value in combination.items() if key != "gemm"}
     values = base.model_dump() | {FLAGS[key]: value for key, value in combination.items()}
     return ServerArgs(**values | {"max_total_tokens": base.max_total_tokens or KV_POOL_TOKENS})
 
@@ -176,9 +188,29 @@ def score_text(runner: ModelRunner, tokens: list[int], window: int, batch: int) 
 
 
 @torch.inference_mode()
-def forced_decode(runner: ModelRunner, prompts: list[list[int]], continuations: list[list[int]]) -> list[list[int]]:
+def score_text_cached(runner: ModelRunner, tokens: list[int], window: int, batch: int) -> torch.Tensor:
+    """`score_text`'s windows, each token after the first fed by one DECODE step (every key read back from the KV
+    cache) -> nll [N] float64 in score_text's order."""
+    starts = list(range(0, len(tokens) - 1, window))
+    nll = []
+    for first in range(0, len(starts), batch):
+        chunks = [tokens[s : s + window + 1] for s in starts[first : first + batch]]
+        lens = [len(c) - 1 for c in chunks]
+        # Windows of equal length step together; the last, shorter one alone.
+        for group in ([c for c, n in zip(chunks, lens, strict=True) if n == length] for length in dict.fromkeys(lens)):
+            prompts = [c[:1] for c in group]
+            steps = forced_decode(runner, prompts, [c[1:] for c in group], logits=True)
+            targets = torch.tensor([c[1:] for c in group])
+            nll.append(-steps.log_softmax(-1).gather(2, targets[:, :, None]).squeeze(2).flatten())
+    return torch.cat(nll)
+
+
+@torch.inference_mode()
+def forced_decode(runner: ModelRunner, prompts: list[list[int]], continuations: list[list[int]], logits: bool = False
+                  ) -> Any:
     """The prompts [P][n_i] in one EXTEND, then one DECODE step per token of `continuations` [P][m], each request fed
-    the continuation's token -> the argmax [P][m] before each fed token (the first from the EXTEND)."""
+    the continuation's token -> the argmax [P][m] before each fed token (the first from the EXTEND); with `logits`,
+    the logits themselves, [P, m, vocab] float64 on the CPU."""
     device, steps = runner.device, len(continuations[0])
     pages_per = pages_needed(max(map(len, prompts)) + steps, runner.page_size)
     pages = runner.allocator.alloc(pages_per * len(prompts))
@@ -189,16 +221,18 @@ def forced_decode(runner: ModelRunner, prompts: list[list[int]], continuations: 
         batch = runner.prepare(ForwardBatch.build(ForwardMode.EXTEND, lens, lens, table, runner.pool))
         inputs = torch.tensor([t for p in prompts for t in p], device=device)
         last = torch.tensor(list(itertools.accumulate(lens)), device=device) - 1
-        choices = [runner.forward(inputs, batch, last).argmax(-1)]
+        choices = [runner.forward(inputs, batch, last)]
         rows = torch.arange(len(prompts), device=device)
         for step in range(steps - 1):
             lens = [n + 1 for n in lens]
             batch = runner.prepare(ForwardBatch.build(ForwardMode.DECODE, lens, [1] * len(lens), table, runner.pool))
             inputs = torch.tensor([c[step] for c in continuations], device=device)
-            choices.append(runner.forward(inputs, batch, rows).argmax(-1))
+            choices.append(runner.forward(inputs, batch, rows))
     finally:
         runner.allocator.free(pages)
-    return torch.stack(choices, 1).tolist()
+    if logits:
+        return torch.stack(choices, 1).double().cpu()
+    return torch.stack([c.argmax(-1) for c in choices], 1).tolist()
 
 
 def measure(args: ServerArgs, tokens: list[int], prompts: list[list[int]], window: int, batch: int,
@@ -208,6 +242,7 @@ def measure(args: ServerArgs, tokens: list[int], prompts: list[list[int]], windo
     runner = speculative.build_runner(args)
     chosen = ", ".join(f"{c.kind} {c.phase}: {c.name}" for c in runner.backends.chosen)
     nll, top1, nextn = score_text(runner, tokens, window, batch)
+    cached_nll = score_text_cached(runner, tokens, window, batch)
     greedy = greedy_continuations(args, prompts, max_new_tokens) if reference is None else None
     forced = forced_decode(runner, prompts, reference or greedy)
     del runner
@@ -215,7 +250,7 @@ def measure(args: ServerArgs, tokens: list[int], prompts: list[list[int]], windo
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the runner's pool and graphs, before the engine sizes its own
     greedy = greedy or greedy_continuations(args, prompts, max_new_tokens)
-    return Measured(nll, top1, float(nextn), greedy, forced), chosen
+    return Measured(nll, cached_nll, top1, float(nextn), greedy, forced), chosen
 
 
 def greedy_continuations(args: ServerArgs, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -260,6 +295,8 @@ def run(base: ServerArgs, combinations: list[str], text: Path, max_text_tokens: 
             reference = measured
         row.perplexity = math.exp(measured.nll.mean().item())
         row.delta = row.perplexity / math.exp(reference.nll.mean().item()) - 1
+        row.cached_perplexity = math.exp(measured.cached_nll.mean().item())
+        row.cached_delta = row.cached_perplexity / math.exp(reference.cached_nll.mean().item()) - 1
         row.top1 = (measured.top1 == reference.top1).double().mean().item()
         row.forced = sum(a == b for ours, theirs in zip(measured.forced, reference.greedy, strict=True)
                          for a, b in zip(ours, theirs, strict=True)) / sum(map(len, reference.greedy))
@@ -271,13 +308,13 @@ def run(base: ServerArgs, combinations: list[str], text: Path, max_text_tokens: 
 
 
 def format_row(row: Row) -> str:
-    return (f"{row.combination:44s} {row.perplexity:10.3f} {row.delta:+9.3%} {row.top1:8.2%} {row.forced:8.2%} "
-            f"{row.greedy:8.2%} {row.nextn:8.2%}")
+    return (f"{row.combination:44s} {row.perplexity:10.3f} {row.delta:+9.3%} {row.cached_perplexity:10.3f} "
+            f"{row.cached_delta:+9.3%} {row.top1:8.2%} {row.forced:8.2%} {row.greedy:8.2%} {row.nextn:8.2%}")
 
 
 def table(rows: list[Row]) -> str:
-    lines = [f"{'combination':44s} {'perplexity':>10s} {'delta':>9s} {'top-1':>8s} {'forced':>8s} {'greedy':>8s} "
-             f"{'NextN':>8s}"]
+    lines = [f"{'combination':44s} {'perplexity':>10s} {'delta':>9s} {'cached':>10s} {'delta':>9s} {'top-1':>8s} "
+             f"{'forced':>8s} {'greedy':>8s} {'NextN':>8s}"]
     lines += [format_row(r) for r in rows if not r.skipped]
     lines += [f"{r.combination:44s} cannot run here: {r.skipped}" for r in rows if r.skipped]
     return "\n".join(lines)

@@ -43,7 +43,7 @@ from benchmarks.shootout import measure_ceilings
 from plugserve.core.config import ModelConfig
 from plugserve.core.hardware import Hardware
 from plugserve.core.loader import read_config, resolve_dtype
-from plugserve.runtime.model_runner import KV_DTYPES
+from plugserve.core.specs import KV_DTYPES
 from plugserve.server.launch import server_args_from
 
 FP8_SCALE_BYTES = 4  # DeepSeek's block-FP8 checkpoints store one float32 scale_inv per block

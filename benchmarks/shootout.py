@@ -197,19 +197,29 @@ def library_call(backend: str, function: str) -> Callable[..., Callable[[], obje
     return getattr(module, function, None)
 
 
+def attention_phases(quick: bool, kv_cache_dtypes: list[str]) -> list[tuple[Phase, str, list[tuple[int, int]]]]:
+    """(phase, --kv-cache-dtype, cases): decode once per KV dtype asked for, prefill (MHA over k / v the model
+    dequantized: no cache read) once."""
+    return [*((Phase.DECODE, kv, attention_decode_cases(quick)) for kv in kv_cache_dtypes),
+            (Phase.PREFILL, "auto", attention_extend_cases(quick))]
+
+
 def run_attention(backends: list, device: torch.device, dtype: torch.dtype, heads: int, args, emit) -> None:
+    """Decode rows per --kv-cache-dtype (an fp8 row's shape ends in "fp8kv" and counts one byte a cached value),
+    then the prefill rows."""
     registry, hardware = get_registry(), Hardware.detect(device)
-    for phase, cases in ((Phase.DECODE, attention_decode_cases(args.quick)), (Phase.PREFILL,
-                         attention_extend_cases(args.quick))):
-        spec = AttentionSpec(num_heads=heads, dtype=dtype, page_size=args.page_size)
+    for phase, kv_cache_dtype, cases in attention_phases(args.quick, args.kv_cache_dtype):
+        fp8 = kv_cache_dtype == "fp8_e4m3"
+        spec = AttentionSpec(num_heads=heads, dtype=dtype, page_size=args.page_size,
+                             kv_cache_dtype=torch.float8_e4m3fn if fp8 else None)
         for first, second in cases:
             if phase is Phase.DECODE:
                 batch_size, kv = first, second
                 mode, seq_lens, extend_lens = ForwardMode.DECODE, [kv] * batch_size, [1] * batch_size
-                kv_bytes = batch_size * kv * (spec.kv_lora_rank + spec.qk_rope_head_dim) * 2
+                kv_bytes = batch_size * kv * (spec.kv_lora_rank + spec.qk_rope_head_dim) * spec.kv_dtype.itemsize
                 flops = 2 * batch_size * heads * kv * (spec.kv_lora_rank * 2 + spec.qk_rope_head_dim)
-                case = Case("attention", phase.value, f"decode b{batch_size} kv{kv} h{heads}", batch_size, kv_bytes,
-                            flops, "bf16")
+                shape = f"decode b{batch_size} kv{kv} h{heads}" + (" fp8kv" if fp8 else "")
+                case = Case("attention", phase.value, shape, batch_size, kv_bytes, flops, "bf16")
             else:
                 tokens, prefix = first, second
                 per_request = min(tokens, 4096)
@@ -231,7 +241,7 @@ def run_attention(backends: list, device: torch.device, dtype: torch.dtype, head
                     q_rope = torch.randn(t, heads, spec.qk_rope_head_dim, device=device, dtype=dtype)
                     backend.plan(batch)
                     run = partial(backend.forward_mla, q_nope, q_rope, 0)
-                    direct = library_call(entry.name, "mla_decode")
+                    direct = None if fp8 else library_call(entry.name, "mla_decode")  # libraries read q's dtype
                     library = direct and partial(direct, q_nope, q_rope, batch.kv_pool.buffer(0), batch.block_table,
                                                  batch.seq_lens, spec.page_size, spec.softmax_scale)
                 else:
@@ -501,6 +511,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--ep-size", type=int, default=1,
                         help="expert-parallel ranks: 1 or --tp-size (then a rank holds n / P whole experts)")
     parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "fp8_e4m3"],
+                        help="the KV cache of the attention decode rows, each asked for (auto: the --dtype; fp8_e4m3 "
+                             "rows run the backends that read it, their shapes ending in fp8kv)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--reference-reps", type=int, default=3, help="repetitions for the slow torch_ref backends")
@@ -520,6 +533,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     if args.output_dir is None:
         parser.error("--output-dir is required (unless --from-results)")
+    if args.merge_into is not None and args.kv_cache_dtype != ["auto"]:
+        parser.error("--merge-into ranks the default KV cache: leave --kv-cache-dtype auto")
     check_parallelism(parser, args)
     args.reps_for = lambda name: args.reference_reps if name == "torch_ref" else args.reps
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)

@@ -58,6 +58,8 @@ def describe(registry: Registry, hardware: Hardware, kinds: Sequence[Kind], expl
                 "reason": available.reason,
                 "cuda_graph": cuda_graph_support(entry.cls),
                 "verified": entry.cls.verified,
+                # --kv-cache-dtype: the KV cache dtypes an attention backend reads, and why no other
+                "kv_cache": entry.cls.capabilities.kv_cache_dtype_names() if kind == "attention" else None,
                 "kernels": registry.kernels(kind, entry.name, hardware),
                 "phases": {
                     phase.value: {"usable": by_phase[phase][i].availability.ok,
@@ -136,6 +138,12 @@ def print_report(report: dict[str, Any], explain: bool, console: Console) -> Non
     console.print(table)
     console.print("verified: " + "; ".join(f"{key}: {meaning}" for key, meaning in VERIFIED.items()
                                            if any(b["verified"] == key for b in report["backends"])))
+    kv = Table("backend", "reads the KV cache in", title="--kv-cache-dtype")
+    for b in report["backends"]:
+        if b["kv_cache"] is not None:
+            kv.add_row(b["name"], b["kv_cache"])
+    if kv.row_count:
+        console.print(kv)
     for broken in report["broken_plugins"]:
         console.print(f"[red]broken plugin[/] {broken['plugin']} ({broken['package']}): {broken['error']}")
     if explain:

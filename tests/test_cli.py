@@ -23,6 +23,10 @@ def test_backends_json_lists_reference_backends_and_auto_picks(capsys):
     assert picks[("gemm", "decode", 1)] is not None
     methods = [row["method"] for row in report["mla_dispatch"]["examples"]]
     assert methods == ["MHA", "MLA", "MHA", "MHA_CHUNKED_KV", "MLA", "MLA", "MLA"]
+    kv_cache = {b["name"]: b["kv_cache"] for b in report["backends"] if b["kind"] == "attention"}
+    assert kv_cache["torch_ref"] == "the activation dtype, bfloat16, float16, float32, float8_e4m3fn"
+    assert kv_cache["triton"] == "the activation dtype, float8_e4m3fn"
+    assert kv_cache["flashmla"].startswith("the activation dtype only (FlashMLA's dense decode reads bf16 only")
 
 
 def test_backends_table_and_kind_filter(capsys):

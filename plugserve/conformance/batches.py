@@ -18,10 +18,11 @@ def random_batch(
     spec: AttentionSpec,
     device: torch.device,
     num_layers: int = 2,
+    kv_scale: float = 1.0,
 ) -> ForwardBatch:
     """A batch whose requests own shuffled (non-contiguous, out-of-order) pages of a fresh pool, with
     random latents and rope keys already cached at every prefix position of every layer.
-    Uses spec.page_size (1 when None) and spec.kv_cache_dtype (spec.dtype when None)."""
+    Uses spec.page_size (1 when None) and spec.kv_dtype; `kv_scale` is the pool's (an fp8 one's)."""
     page_size = spec.page_size or 1
     pages_per_request = [-(-s // page_size) for s in seq_lens]
     max_pages = max([*pages_per_request, 1])
@@ -33,7 +34,7 @@ def random_batch(
         block_table[row, :n] = order[used : used + n]
         used += n
     pool = MLAKVPool(num_layers, num_pages, page_size, spec.kv_lora_rank, spec.qk_rope_head_dim,
-                     spec.kv_cache_dtype or spec.dtype, device)
+                     spec.kv_dtype, device, kv_scale)
     batch = ForwardBatch.build(mode, seq_lens, extend_lens, block_table.to(device), pool)
     prefix_lens = batch.prefix_lens_cpu
     rows = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(prefix_lens)).to(device)

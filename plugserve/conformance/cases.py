@@ -18,15 +18,18 @@ ATTENTION_GRIDS = ("mla_case", "graph_case", "mha_case")
 @dataclass(frozen=True)
 class MLACase:
     """Absorbed MLA over the paged cache: per request, seq_len tokens after the forward, the last
-    extend_len of them new."""
+    extend_len of them new. `fp8_kv_scale`: None keeps the cache in the activation dtype; a float stores it in
+    float8_e4m3fn with that per-tensor scale (a power of two: x / scale is then exact, whoever divides)."""
 
     mode: ForwardMode
     seq_lens: tuple[int, ...]
     extend_lens: tuple[int, ...]
     num_heads: int = DEFAULT_HEADS
+    fp8_kv_scale: float | None = None
 
     def __str__(self) -> str:
-        return f"{self.mode.name.lower()}-h{self.num_heads}-seq{'_'.join(map(str, self.seq_lens))}"
+        fp8 = "" if self.fp8_kv_scale is None else f"-fp8kv{self.fp8_kv_scale:g}"
+        return f"{self.mode.name.lower()}-h{self.num_heads}-seq{'_'.join(map(str, self.seq_lens))}{fp8}"
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,8 @@ def mla_cases(profile: str) -> list[MLACase]:
             MLACase(ForwardMode.TARGET_VERIFY, (1024, 4100, 37), (4, 4, 4), 128),
             MLACase(ForwardMode.DRAFT_EXTEND, (2048, 70), (3, 2), 128),
             MLACase(ForwardMode.EXTEND, (4096 + 300, 700, 129), (300, 200, 128), 128),
+            MLACase(ForwardMode.DECODE, (1, 513, 2048, 4096, 77, 1000, 3000, 8192), (1,) * 8, 128, fp8_kv_scale=1.0),
+            MLACase(ForwardMode.EXTEND, (4096 + 300, 700, 129), (300, 200, 128), 128, fp8_kv_scale=0.5),
         ]
     return [
         _decode((1,), 16),
@@ -114,6 +119,8 @@ def mla_cases(profile: str) -> list[MLACase]:
         MLACase(ForwardMode.DRAFT_EXTEND, (12, 40), (3, 2)),
         MLACase(ForwardMode.EXTEND, (20, 50), (5, 13)),
         MLACase(ForwardMode.EXTEND, (300,), (7,)),  # long prefix, few new tokens
+        MLACase(ForwardMode.DECODE, (1, 17, 100), (1, 1, 1), fp8_kv_scale=1.0),  # an e4m3 cache
+        MLACase(ForwardMode.EXTEND, (50,), (13,), fp8_kv_scale=0.5),
     ]
 
 

@@ -8,6 +8,8 @@ plugin, `torch_ref` included), so that the kit checks the reference backends too
   (position p lives on page block_table[b, p // page_size] at offset p % page_size), then an explicit
   softmax: scores, a bottom-right causal mask (or a draft tree's: a node sees the prefix, its ancestors and
   itself), exp, sum, divide; lse = max + log(sum).
+- The KV cache's values are what its dtype holds: an fp8 (e4m3) cache's stored value times its per-tensor scale,
+  the new tokens quantized as the contract says (`stored_kv`), so a backend is checked on the values it reads.
 - Absorbed MLA written out: q_nope already carries W_UK, so head h scores a cached token j as
   (q_nope[h] . c_kv[j] + q_rope[h] . k_rope[j]) * sm_scale and returns the softmax-weighted sum of c_kv
   (W_UV is applied after the backend); one KV head, the cache row, shared by every query head.
@@ -36,6 +38,8 @@ NEG_INF = float("-inf")
 # Float64 score elements of one block of queries: 2^26 x 8 bytes = 512 MiB, whatever the heads and keys
 # (the softmax holds two such tensors at once).
 MAX_SCORES = 1 << 26
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest e4m3 value
 
 # ----------------------------------------------------------------------------------------------------
 # Attention
@@ -147,6 +151,14 @@ def depage(cache: torch.Tensor, block_table_row: torch.Tensor, positions: torch.
     return cache[pages * page_size + positions % page_size]
 
 
+def stored_kv(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """What a KV pool of `dtype` stores for x, as float64 values: float8_e4m3fn holds x / scale (divided in float32,
+    saturated to +-448, rounded to nearest even), read back times scale; other dtypes hold x cast to them."""
+    if dtype != FP8:
+        return x.to(dtype).double()
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).double() * scale
+
+
 def mla(
     batch: ForwardBatch,
     layer_id: int,
@@ -160,9 +172,10 @@ def mla(
     computed without trusting either: call it before the backend writes the new tokens.
 
     q_nope [T, H, R], q_rope [T, H, P]; latent [T, R] and k_rope [T, P] of the new tokens, stored in the
-    cache's dtype as set_kv stores them. Request b's keys are its prefix (positions 0 .. seq_len -
-    extend_len - 1, de-paged from layer `layer_id` of batch.kv_pool) followed by its new tokens, seen
-    causally, or with `batch.tree` as draft-tree nodes: node i sees node j where tree.mask[b, i, j].
+    cache's dtype as set_kv stores them (`stored_kv`); the prefix read as stored, times an fp8 pool's scale.
+    Request b's keys are its prefix (positions 0 .. seq_len - extend_len - 1, de-paged from layer `layer_id` of
+    batch.kv_pool) followed by its new tokens, seen causally, or with `batch.tree` as draft-tree nodes: node i
+    sees node j where tree.mask[b, i, j].
     Returns out [T, H, R] and lse [T, H] float64."""
     pool = batch.kv_pool
     cache, r, device = pool.buffer(layer_id), pool.kv_lora_rank, q_nope.device
@@ -172,8 +185,9 @@ def mla(
         rows = slice(start, start + new)
         start += new
         prefix = depage(cache, batch.block_table[b], torch.arange(seq_len - new, device=device), pool.page_size)
-        c_kv = torch.cat([prefix[:, :r], latent[rows].to(pool.dtype)]).double()  # [seq_len, R]
-        k_pe = torch.cat([prefix[:, r:], k_rope[rows].to(pool.dtype)]).double()  # [seq_len, P]
+        prefix = prefix.double() * (pool.scale if pool.dtype == FP8 else 1.0)
+        c_kv = torch.cat([prefix[:, :r], stored_kv(latent[rows], pool.dtype, pool.scale)])  # [seq_len, R]
+        k_pe = torch.cat([prefix[:, r:], stored_kv(k_rope[rows], pool.dtype, pool.scale)])  # [seq_len, P]
         # q_nope . c_kv + q_rope . k_pe is one dot product of the concatenations: MQA over R + P columns.
         q = torch.cat([q_nope[rows], q_rope[rows]], dim=-1)  # [new, H, R + P]
         k = torch.cat([c_kv, k_pe], dim=-1).unsqueeze(1)  # [seq_len, 1, R + P]
@@ -212,8 +226,6 @@ def merge_attn_states(
 # ----------------------------------------------------------------------------------------------------
 # Block-FP8 GEMM
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0  # the largest e4m3 value
 # An all-zero group's scale: x / scale stays 0 rather than NaN, and x_q * scale is 0 whatever it is.
 SCALE_FLOOR = 1e-10
 

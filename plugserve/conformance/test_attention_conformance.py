@@ -36,9 +36,12 @@ def _mla_setup(target: Target, case: MLACase, page_size: int, hardware: Hardware
     caps = target.cls.capabilities
     if case.mode not in caps.mla_modes:  # type: ignore[attr-defined]
         pytest.skip(f"{target.entry.name} does not run absorbed MLA in {case.mode.name}")
-    spec = AttentionSpec(num_heads=case.num_heads, dtype=target.dtype, page_size=page_size)
+    fp8 = case.fp8_kv_scale is not None
+    spec = AttentionSpec(num_heads=case.num_heads, dtype=target.dtype, page_size=page_size,
+                         kv_cache_dtype=torch.float8_e4m3fn if fp8 else None)
     backend = _backend(target, spec, Phase.DECODE, hardware, device)
-    batch = random_batch(case.mode, case.seq_lens, case.extend_lens, spec, device)
+    batch = random_batch(case.mode, case.seq_lens, case.extend_lens, spec, device,
+                         kv_scale=case.fp8_kv_scale if fp8 else 1.0)
     batch.attn_method = AttnForwardMethod.MLA
     return spec, backend, batch
 
@@ -48,12 +51,15 @@ def test_set_kv(attention_target: Target, mla_case: MLACase, page_size: int, plu
     expected = batch.kv_pool.buffer(LAYER).clone()
     latent = torch.randn(batch.num_tokens, spec.kv_lora_rank, device=plugserve_device, dtype=spec.dtype)
     k_rope = torch.randn(batch.num_tokens, spec.qk_rope_head_dim, device=plugserve_device, dtype=spec.dtype)
-    expected[batch.out_cache_loc] = torch.cat([latent, k_rope], dim=-1).to(expected.dtype)
+    pool = batch.kv_pool
+    stored = oracle.stored_kv(torch.cat([latent, k_rope], dim=-1), pool.dtype, pool.scale)
+    expected[batch.out_cache_loc] = (stored / (pool.scale if pool.dtype == oracle.FP8 else 1.0)).to(expected.dtype)
     other_layer = batch.kv_pool.buffer(0).clone()
     backend.plan(batch)
     backend.set_kv(LAYER, batch.out_cache_loc, latent, k_rope)
-    assert torch.equal(batch.kv_pool.buffer(LAYER), expected), "set_kv wrote the wrong values or slots"
-    assert torch.equal(batch.kv_pool.buffer(0), other_layer), "set_kv wrote into another layer"
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[expected.element_size()]  # fp8 has no torch.equal
+    assert torch.equal(pool.buffer(LAYER).view(bits), expected.view(bits)), "set_kv wrote the wrong values or slots"
+    assert torch.equal(pool.buffer(0).view(bits), other_layer.view(bits)), "set_kv wrote into another layer"
 
 
 def test_forward_mla(attention_target: Target, mla_case: MLACase, page_size: int, plugserve_hardware,

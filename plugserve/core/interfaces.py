@@ -129,7 +129,10 @@ class AttentionCapabilities(Capabilities):
     qk_rope_head_dims: frozenset[int] | None = None
     mha_head_dims: frozenset[tuple[int, int]] | None = None  # (qk, v)
     page_sizes: frozenset[int] | None = None
-    kv_cache_dtypes: frozenset[torch.dtype] | None = None  # None: the activation dtype only
+    # KV cache dtypes it reads besides the activation dtype (which every backend reads); None: that one only.
+    # `kv_cache_note`: why it reads no other (shown by `plugserve backends` and in the refusal).
+    kv_cache_dtypes: frozenset[torch.dtype] | None = None
+    kv_cache_note: str = ""
     graph_modes: frozenset[ForwardMode] = frozenset()
     tree_verify: bool = False
     graph_plan_on_device: bool = False
@@ -143,10 +146,9 @@ class AttentionCapabilities(Capabilities):
         return frozenset(phases)
 
     def check(self, spec: AttentionSpec, phase: Phase) -> Availability:
-        kv_dtypes = self.kv_cache_dtypes if self.kv_cache_dtypes is not None else self.dtypes
         checks = [
             super().check(spec, phase),
-            _member(spec.kv_cache_dtype or spec.dtype, kv_dtypes, "kv cache dtype"),
+            self.check_kv_cache_dtype(spec),
             _member(spec.page_size, self.page_sizes, "page size") if spec.page_size else OK,
         ]
         if phase is Phase.DECODE:
@@ -157,6 +159,24 @@ class AttentionCapabilities(Capabilities):
         else:
             checks.append(_member((spec.qk_head_dim, spec.v_head_dim), self.mha_head_dims, "MHA head dims (qk, v)"))
         return _first_failure(*checks)
+
+    def kv_cache_dtype_names(self) -> str:
+        """The KV cache dtypes it reads, in words ("the activation dtype, float8_e4m3fn")."""
+        if AttnForwardMethod.MLA not in self.methods:
+            return "any (it reads no KV cache: the model hands it k / v read from the pool)"
+        others = f", {_dtype_names(self.kv_cache_dtypes)}" if self.kv_cache_dtypes else " only"
+        return f"the activation dtype{others}" + (f" ({self.kv_cache_note})" if self.kv_cache_note else "")
+
+    def check_kv_cache_dtype(self, spec: AttentionSpec) -> Availability:
+        """OK when the spec's KV cache dtype is its activation dtype or one of `kv_cache_dtypes`, or the backend runs
+        no absorbed MLA (MHA gets k / v the model read from the pool in the activation dtype)."""
+        kv = spec.kv_dtype
+        if (AttnForwardMethod.MLA not in self.methods or kv == spec.dtype
+                or (self.kv_cache_dtypes is not None and kv in self.kv_cache_dtypes)):
+            return OK
+        return Availability.no(f"kv cache dtype {str(kv).removeprefix('torch.')} with activations "
+                               f"{str(spec.dtype).removeprefix('torch.')} is not supported (reads "
+                               f"{self.kv_cache_dtype_names()})")
 
     def forced_page_size(self) -> int | None:
         return next(iter(self.page_sizes)) if self.page_sizes is not None and len(self.page_sizes) == 1 else None
@@ -337,9 +357,9 @@ class AttentionBackend(Backend):
         Override for another cache layout (the class docstring says what the model then calls)."""
         self.batch.kv_pool.write(layer_id, slots, latent, k_rope)
 
-    def check_mla_inputs(self, q_nope: torch.Tensor, q_rope: torch.Tensor, same_dtype_as_cache: bool = True) -> None:
-        """ValueError unless q_nope is [T, H, R] and q_rope [T, H, P] for the planned batch, and, when
-        `same_dtype_as_cache`, both in the KV cache's dtype (what kernels reading the cache need)."""
+    def check_mla_inputs(self, q_nope: torch.Tensor, q_rope: torch.Tensor) -> None:
+        """ValueError unless q_nope is [T, H, R] and q_rope [T, H, P] for the planned batch, both in the activation
+        dtype (spec.dtype), over a pool of the spec's KV cache dtype (what kernels reading the cache need)."""
         pool = self.batch.kv_pool
         expected = (self.batch.num_tokens, self.spec.num_heads)
         if q_nope.shape != (*expected, pool.kv_lora_rank) or q_rope.shape != (*expected, pool.qk_rope_head_dim):
@@ -347,9 +367,12 @@ class AttentionBackend(Backend):
                 f"forward_mla expects q_nope [T={expected[0]}, H={expected[1]}, R={pool.kv_lora_rank}] and "
                 f"q_rope [T, H, P={pool.qk_rope_head_dim}], got {tuple(q_nope.shape)} and {tuple(q_rope.shape)}"
             )
-        if same_dtype_as_cache and (q_nope.dtype != pool.dtype or q_rope.dtype != pool.dtype):
-            raise ValueError(f"forward_mla needs q in the KV cache dtype {pool.dtype}, got {q_nope.dtype} and "
+        if q_nope.dtype != self.spec.dtype or q_rope.dtype != self.spec.dtype:
+            raise ValueError(f"forward_mla needs q in the activation dtype {self.spec.dtype}, got {q_nope.dtype} and "
                              f"{q_rope.dtype}")
+        if pool.dtype != self.spec.kv_dtype:
+            raise ValueError(f"forward_mla: the KV pool is {pool.dtype}, the spec's KV cache dtype "
+                             f"{self.spec.kv_dtype}")
 
     def forward_mla(self, q_nope: torch.Tensor, q_rope: torch.Tensor, layer_id: int) -> torch.Tensor:
         """Absorbed MLA: q_nope [T, H, R] (already multiplied by W_UK), q_rope [T, H, P] attend, as MQA,

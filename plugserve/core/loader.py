@@ -9,6 +9,7 @@ violation is an error naming the tensors.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,8 @@ from plugserve.core.layers.quant import FP8_DTYPE, FP8_MAX
 from plugserve.core.models.deepseek import CheckpointTensor, DeepseekForCausalLM, ModelBackends, NextNLayer
 from plugserve.core.names import LOAD_FORMATS
 from plugserve.core.progress import track
+
+logger = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 SCALE_SUFFIX = "_scale_inv"
@@ -214,6 +217,10 @@ def read_config(model_path: str | None, model_preset: str | None, quantization: 
         raise ValueError(f"--quantization {quantization!r} is not supported (choose from fp8)")
     if quantization == "fp8" and config.fp8_block is None:
         config = config.quantized_fp8()
+    elif quantization == "fp8":
+        block = "x".join(map(str, config.fp8_block))  # type: ignore[arg-type]
+        logger.warning("--quantization fp8: the checkpoint is block-FP8 already (%s blocks): its weights are used "
+                       "as stored", block)
     if num_layers is not None:
         config = config.with_layers(num_layers)
     return config, checkpoint_layers

@@ -11,13 +11,19 @@ import torch
 
 from plugserve.core.names import KINDS, Kind
 
+# --kv-cache-dtype's values (but auto) as torch dtypes.
+KV_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+                                     "fp8_e4m3": torch.float8_e4m3fn}
+
 __all__ = ["KINDS", "SPEC_TYPES", "AttentionSpec", "GemmSpec", "Kind", "MoESpec", "RouterConfig"]
 
 
 @dataclass(frozen=True)
 class AttentionSpec:
     """MLA shapes of one model (defaults: DeepSeek-V3 on one GPU). `page_size` None lets the decode
-    backend choose. `sm_scale` None is 1/sqrt(qk_nope + qk_rope); YaRN models pass their own."""
+    backend choose. `sm_scale` None is 1/sqrt(qk_nope + qk_rope); YaRN models pass their own.
+    `kv_cache_dtype` None is the activation dtype `dtype`; float8_e4m3fn stores the pool scaled by the pool's
+    per-tensor `MLAKVPool.scale` (`kv_dtype` resolves it)."""
 
     num_heads: int = 128
     kv_lora_rank: int = 512
@@ -25,7 +31,7 @@ class AttentionSpec:
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
     dtype: torch.dtype = torch.bfloat16
-    kv_cache_dtype: torch.dtype | None = None  # None: same as dtype
+    kv_cache_dtype: torch.dtype | None = None  # None: the activation dtype
     page_size: int | None = None
     sm_scale: float | None = None
 
@@ -36,6 +42,11 @@ class AttentionSpec:
     @property
     def softmax_scale(self) -> float:
         return self.sm_scale if self.sm_scale is not None else 1.0 / math.sqrt(self.qk_head_dim)
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache's dtype: `kv_cache_dtype`, or the activation dtype when that is None."""
+        return self.kv_cache_dtype if self.kv_cache_dtype is not None else self.dtype
 
 
 @dataclass(frozen=True)

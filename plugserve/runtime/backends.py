@@ -88,6 +88,11 @@ class RunnerBackends:
         self.prefill_buckets = self._buckets(Phase.PREFILL, args.prefill_attention, prefill_flag, spec,
                                              prefill_tokens, prefill, built)
         moe = gemm = None
+        for name, needed, has in (("moe_runner_backend", "routed experts", config.n_routed_experts),
+                                  ("fp8_gemm_backend", f"block-FP8 weights (give {flag('quantization')} fp8 to "
+                                   "quantize them on load)", config.fp8_block)):
+            if getattr(args, name) != "auto" and not has:
+                raise ValueError(f"{flag(name)} {getattr(args, name)}: the model has no {needed}")
         if config.n_routed_experts:
             moe_spec = config.moe_spec(dtype, group.world_size, args.ep_size, group.rank if args.ep_size > 1 else 0)
             moe = self._build_packed("moe", args.moe_runner_backend, moe_spec, max_batch, prefill_tokens,

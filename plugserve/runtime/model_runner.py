@@ -25,6 +25,7 @@ from plugserve.core.kv_cache import MLAKVPool, PageAllocator, pages_needed
 from plugserve.core.layers.small_ops import EAGER, SmallOps
 from plugserve.core.loader import load_model, read_config, resolve_dtype
 from plugserve.core.moved import moved_names
+from plugserve.core.specs import KV_DTYPES
 from plugserve.core.symmetric_all_reduce import build_symmetric_all_reduce
 from plugserve.runtime import rank_protocol
 from plugserve.runtime.backends import RunnerBackends
@@ -39,8 +40,6 @@ from plugserve.runtime.server_args import ServerArgs, flag
 
 logger = logging.getLogger(__name__)
 
-KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-             "fp8_e4m3": torch.float8_e4m3fn}
 # Without --max-total-tokens on the CPU: this much memory for the KV pool.
 CPU_KV_BYTES = 512 << 20
 DEFAULT_MEM_FRACTION_STATIC = 0.85
@@ -52,9 +51,49 @@ def rank_device(args: ServerArgs, rank: int) -> torch.device:
     """The device of tensor-parallel rank `rank`: --device (auto: CUDA when there is one), on a GPU the
     node's GPU number rank mod ranks-per-node."""
     name = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"{flag('device')} {args.device}: torch sees no CUDA device here (give cpu or auto)")
     if name == "cuda" and args.tp_size > 1:
         return torch.device("cuda", rank % args.ranks_per_node)
     return torch.device(name)
+
+
+def context_length(args: ServerArgs, model_max: int) -> int:
+    """--context-length, else the model's `model_max` (max_position_embeddings); more than the model's is refused,
+    as SGLang does: its rope and attention were trained up to that length."""
+    if args.context_length is None:
+        return model_max
+    if args.context_length > model_max:
+        raise ValueError(f"{flag('context_length')} {args.context_length} is above the model's maximum, "
+                         f"max_position_embeddings {model_max}: give at most {model_max}")
+    return args.context_length
+
+
+def graph_max_bs(args: ServerArgs, device: torch.device, max_running: int) -> int:
+    """The largest CUDA-graph batch (0: no graphs). The graph flags on another device are refused, as it has no
+    graphs to capture or turn off; --cuda-graph-max-bs above the `max_running` requests is capped to it, with a
+    warning naming the size used."""
+    if device.type != "cuda":
+        given = [name for name in ("cuda_graph_max_bs", "disable_cuda_graph") if getattr(args, name)]
+        if given:
+            raise ValueError(f"{flag(given[0])} needs a CUDA device: there are no CUDA graphs on {device.type}")
+        return 0
+    if args.disable_cuda_graph:
+        return 0
+    if args.cuda_graph_max_bs is not None and args.cuda_graph_max_bs > max_running:
+        logger.warning("%s %d is above %s (%d): graphs are captured up to %d", flag("cuda_graph_max_bs"),
+                       args.cuda_graph_max_bs, flag("max_running_requests"), max_running, max_running)
+    return min(args.cuda_graph_max_bs or max_running, max_running)
+
+
+def device_memory(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes of `device`: a GPU's, or on the CPU the machine's (available, total)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)
+    import psutil  # only here: a GPU launch never needs it
+
+    memory = psutil.virtual_memory()
+    return memory.available, memory.total
 
 
 class ModelRunner:
@@ -76,10 +115,15 @@ class ModelRunner:
         self.kv_dtype = self.dtype if args.kv_cache_dtype == "auto" else KV_DTYPES[args.kv_cache_dtype]
         self.config, checkpoint_layers = read_config(args.model_dir, args.model_preset, args.quantization,
                                                      args.num_layers)
-        self.context_length = min(args.context_length or self.config.max_position_embeddings,
-                                  self.config.max_position_embeddings)
+        self.context_length = context_length(args, self.config.max_position_embeddings)
         self.max_running_requests = args.max_running_requests or DEFAULT_MAX_RUNNING[self.device.type]
-        self.graph_max_bs = self._check_gpu_flags()
+        self.graph_max_bs = graph_max_bs(args, self.device, self.max_running_requests)
+        if args.disable_shared_experts_overlap:
+            if not (self.config.n_routed_experts and self.config.n_shared_experts):
+                raise ValueError(f"{flag('disable_shared_experts_overlap')}: the model has no shared experts")
+            if self.device.type != "cuda":
+                raise ValueError(f"{flag('disable_shared_experts_overlap')} needs a CUDA device: the CPU has no "
+                                 "streams")
         self.backends = RunnerBackends(args, self.config, self.hardware, self.device, self.dtype, self.kv_dtype, group,
                                        self.dp_size, self.max_running_requests)
         self.page_size = self.backends.page_size
@@ -88,12 +132,10 @@ class ModelRunner:
                                 device=self.device, seed=args.seed, group=group, expert_parallel=args.ep_size > 1,
                                 dp_attention=self.dp_size > 1, draft_model_path=args.speculative_draft_model_path,
                                 dummy_nextn=args.speculative is not None)
-        small_ops = SmallOps.compiled(args.torch_compile_max_bs) if args.enable_torch_compile else EAGER
+        small_ops = SmallOps.compiled(args.compile_max_bs) if args.enable_torch_compile else EAGER
         self.model.use_small_ops(small_ops.with_fused_kernels(self.device))
         if self.device.type == "cuda":
             self.model.overlap_shared_experts(not args.disable_shared_experts_overlap)
-        elif args.disable_shared_experts_overlap:
-            raise ValueError(f"{flag('disable_shared_experts_overlap')} needs a CUDA device: the CPU has no streams")
         # --seed: what unseeded requests sample from, this engine's own (nothing else in the process draws from it).
         self.sampling_generator = torch.Generator(device=self.device).manual_seed(args.seed)
         # Ids the tokenizer can turn into text (set by the engine): checkpoints pad their vocabulary, and the
@@ -140,22 +182,11 @@ class ModelRunner:
         logger.info("all-reduce: %s", self.all_reduce_status)
         return group.with_small_all_reduce(fast)
 
-    def _check_gpu_flags(self) -> int:
-        """The largest CUDA-graph batch (0: no graphs); GPU-only flags on the CPU are errors."""
-        args = self.args
-        if self.device.type != "cuda":
-            if args.cuda_graph_max_bs is not None:
-                raise ValueError(f"{flag('cuda_graph_max_bs')} needs a CUDA device: there are no CUDA graphs on "
-                                 f"{self.device.type}")
-            return 0
-        if args.disable_cuda_graph:
-            return 0
-        return min(args.cuda_graph_max_bs or self.max_running_requests, self.max_running_requests)
-
     # -- memory --------------------------------------------------------------------------------------
 
     @property
     def bytes_per_token(self) -> int:
+        """KV bytes of one token over every layer: an fp8 cache holds twice a 16-bit one's tokens in its memory."""
         width = self.config.kv_lora_rank + self.config.qk_rope_head_dim
         return self.model.num_kv_layers * width * torch.empty(0, dtype=self.kv_dtype).element_size()
 
@@ -164,14 +195,21 @@ class ModelRunner:
         return self.pool.num_slots * self.bytes_per_token
 
     def _kv_tokens(self, reserved_bytes: int) -> int:
-        """--max-total-tokens, else what --mem-fraction-static leaves on the GPU once `reserved_bytes`
-        (the CUDA graphs' activations) are set aside, else CPU_KV_BYTES."""
-        if self.args.max_total_tokens is not None:
-            tokens = self.args.max_total_tokens
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            fraction = self.args.mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC
+        """--max-total-tokens, else what --mem-fraction-static leaves of the device's memory (on the CPU: the
+        machine's) once `reserved_bytes` (the CUDA graphs' activations) are set aside, else (on the CPU without
+        it) CPU_KV_BYTES."""
+        args = self.args
+        if args.max_total_tokens is not None:
+            tokens = args.max_total_tokens
+            if args.mem_fraction_static is not None:
+                logger.warning("%s %g is not used: %s %d sizes the KV pool", flag("mem_fraction_static"),
+                               args.mem_fraction_static, flag("max_total_tokens"), tokens)
+        elif self.device.type == "cuda" or args.mem_fraction_static is not None:
+            free, total = device_memory(self.device)
+            fraction = args.mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC
             budget = free - total * (1 - fraction) - reserved_bytes  # weights are loaded already
+            if self.device.type != "cuda":  # the node's ranks share the machine's memory
+                budget /= args.ranks_per_node
             tokens = int(budget // self.bytes_per_token) - self.page_size  # less the padding page
         else:
             tokens = CPU_KV_BYTES // self.bytes_per_token

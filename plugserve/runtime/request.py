@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from plugserve.runtime.detokenizer import IncrementalText
 from plugserve.runtime.sampling import SamplingParams
 
 # An output id whose token is still being sampled (overlap scheduling plans with it before it arrives).
@@ -74,6 +75,7 @@ class Request:
     finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None
     text: str = ""  # decoded output so far (stop string cut off)
+    detokenizer: IncrementalText | None = None  # made at its first token
     sent_text_len: int = 0
     sent_tokens: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)

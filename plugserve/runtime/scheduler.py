@@ -27,6 +27,7 @@ from plugserve.core.forward_batch import ForwardBatch, ForwardMode
 from plugserve.core.kv_cache import pages_needed
 from plugserve.core.moved import moved_names
 from plugserve.runtime import grammar, isolation, overlap
+from plugserve.runtime.detokenizer import IncrementalText
 from plugserve.runtime.metrics import Metrics
 from plugserve.runtime.model_runner import ModelRunner
 from plugserve.runtime.overlap import OverlapLoop
@@ -462,7 +463,9 @@ class Scheduler:
         ids = request.output_ids[: request.num_resolved]
         if request.finish_reason is FinishReason.STOP and isinstance(request.matched_stop, int):
             ids = ids[:-1]  # the stop token itself is not text
-        text = self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+        if request.detokenizer is None:
+            request.detokenizer = IncrementalText(self.tokenizer, params.skip_special_tokens)
+        text = request.detokenizer.of(ids, final=request.finished)
         for stop in params.stop:
             at = text.find(stop, max(0, request.sent_text_len - len(stop)))
             if at != -1 and not request.finished:

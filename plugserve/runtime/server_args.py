@@ -1,8 +1,11 @@
 """ServerArgs: every launch flag, validated, named as SGLang names them where it has one.
 
 The CLI (`plugserve serve`) and the Engine take the same object; an invalid value is a clear error
-naming the flag (`--max-running-requests must be >= 1`). GPU-only flags that cannot take effect
-on the CPU are refused by the model runner, naming the flag.
+naming the flag (`--max-running-requests must be >= 1`). No flag is accepted that changes nothing: one
+that cannot take effect with the others given is refused here, naming both; a GPU-only flag on the CPU, or a
+value beyond the model's, is refused by the model runner; a value capped there is logged as a warning naming
+the value used (`tests/server/test_flags.py` walks every flag). A --kv-cache-dtype that no
+attention backend usable on this machine reads (with the --dtype activations) is refused here, naming those that do.
 """
 
 from __future__ import annotations
@@ -16,12 +19,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from plugserve.core.names import LOAD_FORMATS, PRESETS
 from plugserve.core.tokenizer import EMBEDDED_MODEL_DIR
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3")  # torch's: core/specs.KV_DTYPES
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # fcfs: arrival order; lpm: the waiting request with the longest cached prefix first (SGLang's others are refused).
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 # EAGLE is SGLang's name for the same drafting when the draft is a DeepSeek model's NextN layer.
 SPECULATIVE_ALGORITHMS = ("NEXTN", "EAGLE")
+# --torch-compile-max-bs under --enable-torch-compile without it (SGLang's default).
+DEFAULT_TORCH_COMPILE_MAX_BS = 32
 SPECULATIVE_FLAGS = ("speculative_draft_model_path", "speculative_num_steps", "speculative_eagle_topk",
                      "speculative_num_draft_tokens")
 
@@ -112,7 +117,7 @@ class ServerArgs(BaseModel):
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = Field(None, ge=1)
     enable_torch_compile: bool = False
-    torch_compile_max_bs: int = Field(32, ge=1)
+    torch_compile_max_bs: int | None = Field(None, ge=1)
     disable_shared_experts_overlap: bool = False
     enable_shared_experts_fusion: bool = False
     # speculative decoding: a NextN (MTP) layer drafts, the target's own or a draft checkpoint's (None: each value's
@@ -152,9 +157,74 @@ class ServerArgs(BaseModel):
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"{flag('device')} {self.device!r} is not one of: auto, cpu, cuda, cuda:N")
         self._check_speculative()
+        self._check_dependent_flags()
         if self.chat_template is not None:
             self._check_chat_template()
+        self._check_kv_cache_dtype()
         return self
+
+    def _check_kv_cache_dtype(self) -> None:
+        """--kv-cache-dtype other than auto: each phase's requested attention backend (under auto, any usable here)
+        must read it next to the --dtype activations, or the server would fail only when it warms up."""
+        if self.kv_cache_dtype == "auto" or self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            return
+        import torch  # here, not at import: `plugserve serve --help` stays light
+
+        from plugserve.core.forward_batch import Phase
+        from plugserve.core.hardware import Hardware
+        from plugserve.core.loader import resolve_dtype
+        from plugserve.core.specs import KV_DTYPES, AttentionSpec
+        from plugserve.registry import get_registry
+
+        device = torch.device(self.device if self.device != "auto" else
+                              "cuda" if torch.cuda.is_available() else "cpu")
+        hardware, activations = Hardware.detect(device), resolve_dtype(self.dtype, device)
+        registry = get_registry()
+        for phase, requested in ((Phase.DECODE, self.decode_attention), (Phase.PREFILL, self.prefill_attention)):
+            entries = [e for name, e in sorted(registry.backends["attention"].items()) if requested in ("auto", name)]
+            usable = [e for e in entries if registry.availability(e.cls, hardware)
+                      and phase in e.cls.capabilities.phases()]
+            if not usable:
+                continue  # the backend selection says why, naming its flag
+
+            def reads(name: str, usable: list = usable) -> bool:
+                spec = AttentionSpec(dtype=activations, kv_cache_dtype=KV_DTYPES[name])
+                return any(e.cls.capabilities.check_kv_cache_dtype(spec) for e in usable)
+
+            if not reads(self.kv_cache_dtype):
+                supported = ", ".join(["auto", *(name for name in KV_DTYPES if reads(name))])
+                what = "; ".join(f"{e.name}: {e.cls.capabilities.kv_cache_dtype_names()}" for e in usable)
+                raise ValueError(f"{flag('kv_cache_dtype')} {self.kv_cache_dtype}: no {phase.value} attention backend "
+                                 f"usable here ({phase.value} backend {requested}) reads it with {activations} "
+                                 f"activations ({what}); supported here: {supported}")
+
+    def _check_dependent_flags(self) -> None:
+        """Flags that take effect only with another flag, or not with it: refused rather than ignored."""
+        if self.torch_compile_max_bs is not None and not self.enable_torch_compile:
+            raise ValueError(f"{flag('torch_compile_max_bs')} needs {flag('enable_torch_compile')} (without it "
+                             "nothing is compiled)")
+        if self.cuda_graph_max_bs is not None and self.disable_cuda_graph:
+            raise ValueError(f"{flag('cuda_graph_max_bs')} does not combine with {flag('disable_cuda_graph')}: "
+                             "no graph is captured")
+        if self.disable_shared_experts_overlap and self.enable_shared_experts_fusion:
+            raise ValueError(f"{flag('disable_shared_experts_overlap')} does not combine with "
+                             f"{flag('enable_shared_experts_fusion')}: fused, the shared experts run inside the MoE "
+                             "backend's GEMMs, on no stream of their own")
+        if self.schedule_policy == "lpm" and self.disable_radix_cache:
+            raise ValueError(f"{flag('schedule_policy')} lpm needs the prefix cache (drop "
+                             f"{flag('disable_radix_cache')}, or give {flag('schedule_policy')} fcfs): without it no "
+                             "request has a cached prefix to order by")
+        if self.log_requests_level and not self.log_requests:
+            raise ValueError(f"{flag('log_requests_level')} {self.log_requests_level} needs {flag('log_requests')} "
+                             "(the level says what each request's line holds)")
+        if self.log_requests and LOG_LEVELS.index(self.log_level) > LOG_LEVELS.index("info"):
+            raise ValueError(f"{flag('log_requests')} logs at info: with {flag('log_level')} {self.log_level} no line "
+                             f"would show (give {flag('log_level')} info or debug)")
+
+    @property
+    def compile_max_bs(self) -> int:
+        """--torch-compile-max-bs with its default filled in (read under --enable-torch-compile)."""
+        return self.torch_compile_max_bs or DEFAULT_TORCH_COMPILE_MAX_BS
 
     def _check_chat_template(self) -> None:
         import jinja2  # transformers renders chat templates with it

@@ -32,11 +32,12 @@ HELP = {
     "model_preset": "build a preset's shapes with random weights instead of reading a checkpoint",
     "tokenizer_path": "tokenizer directory (default: the model directory, or the embedded tokenizer)",
     "load_format": "auto / safetensors read --model-path; dummy draws random weights",
-    "quantization": "fp8: quantize a bf16 checkpoint to DeepSeek's 128x128 block-FP8 on load",
+    "quantization": "fp8: quantize a bf16 checkpoint to DeepSeek's 128x128 block-FP8 on load (a block-FP8 "
+                    "checkpoint's weights are used as stored, with a warning)",
     "num_layers": "keep only the first N decoder layers (to fit a big model on one GPU for benchmarks)",
     "dtype": "activation and weight dtype (auto: bfloat16 on a GPU, float32 on the CPU)",
     "device": "auto, cpu, cuda or cuda:N",
-    "context_length": "cap the context below the model's max_position_embeddings",
+    "context_length": "cap the context below the model's max_position_embeddings (more is refused)",
     "host": "address to listen on (0.0.0.0: every IPv4 interface); checked before the model loads",
     "port": "port to listen on (0: a free one, named in the ready line); checked before the model loads",
     "api_key": "require 'Authorization: Bearer KEY' on every endpoint but /health (default: the PLUGSERVE_API_KEY "
@@ -71,30 +72,37 @@ HELP = {
     "attention_backend": "attention backend for both phases (auto, or a name from `plugserve backends`)",
     "prefill_attention_backend": "attention backend for prefill (default: --attention-backend)",
     "decode_attention_backend": "attention backend for decode / verify (default: --attention-backend)",
-    "fp8_gemm_backend": "block-FP8 GEMM backend",
-    "moe_runner_backend": "MoE backend",
+    "fp8_gemm_backend": "block-FP8 GEMM backend (other than auto: a model with block-FP8 weights only)",
+    "moe_runner_backend": "MoE backend (other than auto: a model with routed experts only)",
     "page_size": "tokens per KV page (default: what the decode backend needs, else 1)",
     "kv_cache_dtype": "KV cache dtype (auto: the model dtype)",
     "chunked_prefill_size": "most prompt tokens in one prefill batch; -1 disables chunking",
     "chunked_prefix_cache_threshold": "cached-prefix tokens from which prefill de-compresses the prefix (MHA)",
     "max_prefill_tokens": "most tokens in one prefill batch (with --chunked-prefill-size, the smaller caps it)",
-    "schedule_policy": "order of the waiting queue: fcfs (arrival) or lpm (longest cached prefix first)",
+    "schedule_policy": "order of the waiting queue: fcfs (arrival) or lpm (longest cached prefix first; not with "
+                       "--disable-radix-cache)",
     "max_running_requests": "most requests decoding at once",
-    "max_total_tokens": "KV pool size in tokens (overrides --mem-fraction-static)",
-    "mem_fraction_static": "fraction of GPU memory for weights and KV pool",
+    "max_total_tokens": "KV pool size in tokens (overrides --mem-fraction-static, with a warning when both are given)",
+    "mem_fraction_static": "fraction of the device's memory for the weights, CUDA graphs and KV pool (default 0.85 on "
+                           "a GPU); on the CPU, of the machine's memory (without it the CPU's pool is 512 MiB)",
     "disable_radix_cache": "do not reuse cached prompt prefixes",
     "disable_overlap_schedule": "schedule only while the device is idle (no CPU/GPU overlap)",
-    "disable_cuda_graph": "do not capture decode (nor speculative rounds) in CUDA graphs",
+    "disable_cuda_graph": "do not capture decode (nor speculative rounds) in CUDA graphs (GPU only: refused on the "
+                          "CPU, which has none)",
     "cuda_graph_max_bs": "largest decode batch (or speculative round) captured in CUDA graphs (default: "
-                         "--max-running-requests, 256 on a GPU); graphs are captured at SGLang's sizes up to it",
+                         "--max-running-requests, 256 on a GPU; above it, capped to it with a warning); graphs are "
+                         "captured at SGLang's sizes up to it (GPU only)",
     "enable_torch_compile": "torch.compile the element-wise ops between kernels that have no Triton kernel of "
                             "plugserve's (rope's cos / sin, the MHA path's rope; norms and SiLU-and-mul always run "
                             "fused on CUDA), fused by Inductor, inside the CUDA graphs",
-    "torch_compile_max_bs": "largest batch (in tokens) that runs the compiled ops; larger ones run eagerly",
-    "disable_shared_experts_overlap": "run the shared experts on the main CUDA stream instead of a second one",
+    "torch_compile_max_bs": "largest batch (in tokens) that runs the compiled ops, larger ones eagerly (default 32; "
+                            "needs --enable-torch-compile)",
+    "disable_shared_experts_overlap": "run the shared experts on the main CUDA stream instead of a second one (GPU "
+                                      "only; not with --enable-shared-experts-fusion, which has no second stream)",
     "enable_shared_experts_fusion": "run the shared experts as extra experts inside the MoE backend's GEMMs (one that "
-                                    "can: triton) instead of their own MLP; off by default, as the split MLP "
-                                    "runs faster on the GPUs measured",
+                                    "can: triton) instead of their own MLP; off by default: on the H100, "
+                                    "DeepSeek-V2-Lite decodes 2-3 %% faster with it at batch 1 but 2 %% slower at "
+                                    "batch 64",
     "speculative_algorithm": "NEXTN (or EAGLE, its alias here): speculative decoding with the model's NextN (MTP) "
                              "layer as the draft; runs the non-overlap scheduler",
     "speculative_draft_model_path": "a checkpoint whose NextN layer drafts instead of the target's own (a NextN-only "
@@ -113,8 +121,10 @@ HELP = {
     "skip_server_warmup": "serve without first running every prefill and decode shape (each compiles on its "
                           "first request instead); CUDA graphs are still captured",
     "watchdog_timeout": "seconds a scheduler step may run before the server ends with an error (a hung forward)",
-    "log_requests": "log one line per finished request (id, tokens, latency)",
-    "log_requests_level": "0: ids, tokens, latency; 1: and the sampling parameters; 2: and the prompt and output text",
+    "log_requests": "log one line per finished request (id, tokens, latency), at info (so not with --log-level "
+                    "warning or error)",
+    "log_requests_level": "with --log-requests, 0: ids, tokens, latency; 1: and the sampling parameters; 2: and the "
+                          "prompt and output text",
     "decode_log_interval": "log the batch statistics every N decode steps",
     "log_level": "logging level",
     "seed": "random seed of unseeded sampling and of dummy weights (alias --random-seed)",
@@ -129,7 +139,8 @@ ALIASES = {"seed": ("--random-seed",), "model_path": ("--model",), "tp_size": ("
 OLD_SWITCHES = {
     "enable_flashinfer_mla": ("SGLang's older spelling of --attention-backend flashinfer_mla", "attention_backend",
                               "flashinfer_mla"),
-    "enable_ep_moe": ("SGLang's older spelling of --ep-size equal to --tp-size", "ep_size", None),
+    "enable_ep_moe": ("SGLang's older spelling of --ep-size equal to --tp-size (with --tp-size > 1)", "ep_size",
+                      None),
 }
 # SGLang flags for what plugserve does not have: refused naming why (argparse would only say "unrecognized").
 _NO_DEEPEP = "no DeepEP all-to-all here: expert parallelism runs within the tensor-parallel ranks (--ep-size)"
@@ -146,6 +157,7 @@ REFUSED = {
     "--moe-dense-tp-size": "the dense MLPs are split over every tensor-parallel rank",
     "--cuda-graph-bs": "graphs are captured at SGLang's default sizes up to --cuda-graph-max-bs",
     "--is-embedding": "plugserve serves generation only",
+    "--enable-mixed-chunk": "decode steps run as batches of their own between prefill chunks, not inside them",
 }
 # Where the API key comes from when no flag gives it.
 API_KEY_VARIABLE = "PLUGSERVE_API_KEY"
@@ -199,6 +211,8 @@ def server_args_from(namespace: argparse.Namespace, parser: argparse.ArgumentPar
     values = {name: getattr(namespace, name) for name in ServerArgs.model_fields}
     for name, (_, field, value) in OLD_SWITCHES.items():
         if getattr(namespace, name):
+            if value is None and values["tp_size"] == 1:
+                parser.error(f"{flag(name)} is for several ranks: give {flag('tp_size')} > 1")
             values[field] = values["tp_size"] if value is None else value
     if values["api_key"] is None and values["api_key_file"] is None:
         values["api_key"] = os.environ.get(API_KEY_VARIABLE) or None

@@ -79,7 +79,7 @@ async def server_info(request: Request) -> dict[str, Any]:
         "overlap_schedule": engine.scheduler.overlap_status,
         "speculative": speculative_info(engine),
         "shared_experts": runner.backends.shared_experts_mode,
-        "torch_compile": (f"small ops compiled up to {engine.args.torch_compile_max_bs} rows"
+        "torch_compile": (f"small ops compiled up to {engine.args.compile_max_bs} rows"
                           if engine.args.enable_torch_compile else "off"),
         "ready": engine.ready.is_set(),
         "broken_plugins": [dataclasses.asdict(b) for b in get_registry().broken],

@@ -4,15 +4,17 @@ block-FP8 format that plugserve serves with no model flag, that transformers rea
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from benchmarks.accuracy import DEFAULT_TEXT, run
+from benchmarks.accuracy import DEFAULT_TEXT, run, score_text_cached, text_tokens
 from plugserve.core.tokenizer import EMBEDDED_MODEL_DIR
 from plugserve.runtime.engine import Engine
+from plugserve.runtime.model_runner import ModelRunner
 from plugserve.runtime.sampling import SamplingParams
 from plugserve.runtime.server_args import ServerArgs
 from training.verify import verify
@@ -78,3 +80,17 @@ def test_the_default_server_answers_in_english(args: ServerArgs, english: bool):
 def test_licences_of_the_training_corpus_ship_with_the_weights():
     licences = (EMBEDDED_MODEL_DIR / "LICENSES.txt").read_text(encoding="utf-8")
     assert "PSF" in licences and "BSD" in licences
+
+
+def test_an_fp8_kv_cache_keeps_the_perplexity_over_the_cache_within_one_percent():
+    """Held-out text scored one DECODE step a token, so that every key is read back from the KV cache (a window's
+    own EXTEND never reads it): an e4m3 cache (scale 1.0) against the float32 one. On 2048 tokens it measured
+    +0.58 % (docs/kernels.md); on this slice it must stay within the 1 % target, and move (the cache is read)."""
+    tokens = text_tokens(ServerArgs(), DEFAULT_TEXT, 512)
+    perplexity = {}
+    for kv in ("auto", "fp8_e4m3"):
+        runner = ModelRunner(ServerArgs(dtype="float32", device="cpu", kv_cache_dtype=kv, max_total_tokens=2048,
+                                        log_level="warning"))
+        perplexity[kv] = math.exp(score_text_cached(runner, tokens, 64, 8).mean().item())
+    delta = perplexity["fp8_e4m3"] / perplexity["auto"] - 1
+    assert delta != 0 and abs(delta) < 0.01, perplexity

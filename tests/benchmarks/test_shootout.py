@@ -160,3 +160,22 @@ def test_from_results_reranks_a_table_without_measuring(tmp_path):
     assert "second run" in merged.source
     with pytest.raises(SystemExit):
         shootout.main(["--from-results", str(results)])
+
+
+def test_attention_decode_rows_with_an_fp8_kv_cache(tmp_path, capsys):
+    """--kv-cache-dtype auto fp8_e4m3: decode rows for both caches, the fp8 ones reading one byte a cached value;
+    prefill rows once. Not merged into a selection table."""
+    shootout.main(["--quick", "--device", "cpu", "--dtype", "float32", "--heads", "4", "--page-size", "16",
+                   "--warmup", "0", "--reps", "1", "--reference-reps", "1", "--output-dir", str(tmp_path),
+                   "--kinds", "attention", "--backends", "attention:torch_ref", "--kv-cache-dtype", "auto", "fp8_e4m3"])
+    rows = {row["shape"]: row for row in json.loads((tmp_path / "shootout.json").read_text())["rows"]}
+    decode = [shape for shape in rows if shape.startswith("decode")]
+    assert sorted(decode) == ["decode b1 kv64 h4", "decode b1 kv64 h4 fp8kv", "decode b4 kv256 h4",
+                              "decode b4 kv256 h4 fp8kv"]
+    assert len(rows) == len(decode) + 2  # the two prefill rows, once
+    fp8, wide = rows["decode b4 kv256 h4 fp8kv"], rows["decode b4 kv256 h4"]
+    assert fp8["gbps"] * fp8["us"] * 4 == pytest.approx(wide["gbps"] * wide["us"])  # bytes: 1 vs 4 (float32)
+    with pytest.raises(SystemExit):
+        shootout.main(["--output-dir", str(tmp_path), "--merge-into", str(tmp_path / "t.json"),
+                       "--kv-cache-dtype", "fp8_e4m3"])
+    assert "--merge-into ranks the default KV cache" in capsys.readouterr().err

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode
-from plugserve.registry import SelectionError
+from plugserve.core.specs import KV_DTYPES
 from plugserve.runtime.metrics import report_late_triton_compiles
 from plugserve.runtime.model_runner import ModelRunner
 from plugserve.runtime.server_args import ServerArgs
@@ -26,9 +26,30 @@ def test_fp8_quantization_selects_a_gemm_backend_and_page_size_is_honoured():
     assert runner.pool.num_pages == 33 and runner.padding_page == 32  # never handed out: CUDA graphs' padding
 
 
-def test_an_fp8_kv_cache_no_backend_supports_is_an_error_naming_the_flag():
-    with pytest.raises(SelectionError, match=r"--attention-backend: .*kv cache dtype float8_e4m3fn is not supported"):
-        ModelRunner(ServerArgs(model_preset="tiny", kv_cache_dtype="fp8_e4m3"))
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "bfloat16"])
+def test_a_kv_cache_of_another_dtype_warms_up_and_serves_close_to_the_float32_one(kv_cache_dtype: str):
+    """An fp8 (or bf16) pool under float32 activations: the pool holds that dtype, in the CPU's fixed memory twice
+    (four times) the float32 pool's tokens; the warm-up runs (prefill, extension over the cached prefix, decode)
+    and a prompt plus one decode step give logits close to the float32 pool's."""
+    from plugserve.runtime.warmup import warm_up
+
+    common = {"model_preset": "tiny", "dtype": "float32"}
+    wide = ModelRunner(ServerArgs(**common))
+    narrow = ModelRunner(ServerArgs(kv_cache_dtype=kv_cache_dtype, **common))
+    ratio = 4 if kv_cache_dtype == "fp8_e4m3" else 2
+    assert narrow.pool.dtype == KV_DTYPES[kv_cache_dtype] and narrow.pool.scale == 1.0
+    assert narrow.bytes_per_token * ratio == wide.bytes_per_token
+    assert narrow.max_total_tokens == ratio * wide.max_total_tokens
+    warm_up(narrow)
+    logits = []
+    for runner in (wide, narrow):
+        pages = torch.arange(8, dtype=torch.int32)[None]  # page size 1: token i in page i
+        prompt = ForwardBatch.build(ForwardMode.EXTEND, [5], [5], pages, runner.pool)
+        runner.forward(torch.tensor([5, 17, 42, 7, 99]), prompt, torch.tensor([4]))
+        step = ForwardBatch.build(ForwardMode.DECODE, [6], [1], pages, runner.pool)
+        logits.append(runner.forward(torch.tensor([3]), step, torch.tensor([0])))
+    assert not torch.equal(logits[0], logits[1])  # the narrow pool is read as it is
+    torch.testing.assert_close(logits[1], logits[0], rtol=0.05, atol=0.05 * logits[0].abs().max().item())
 
 
 def test_cuda_graph_max_bs_on_the_cpu_is_refused_naming_the_flag():

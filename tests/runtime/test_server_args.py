@@ -221,3 +221,21 @@ def test_sglang_flags_without_a_counterpart_are_refused_saying_why(capsys):
     with pytest.raises(SystemExit):
         _parse(["--revision", "main"])
     assert "--revision is not supported: checkpoints are read from a local directory only" in capsys.readouterr().err
+
+
+def test_a_kv_cache_dtype_no_usable_backend_reads_is_refused_naming_the_supported_ones(monkeypatch):
+    """The torch reference reads any KV dtype; declared as reading only its activations' (as the GPU libraries'
+    backends do), a bfloat16 cache under float32 activations is refused at parse time, not at warm-up."""
+    import dataclasses
+
+    from plugserve.plugins.attention.torch_ref import TorchRefAttention
+
+    assert ServerArgs(kv_cache_dtype="bfloat16", dtype="float32", device="cpu").kv_cache_dtype == "bfloat16"
+    assert ServerArgs(kv_cache_dtype="fp8_e4m3", device="cpu").kv_cache_dtype == "fp8_e4m3"
+    own_only = dataclasses.replace(TorchRefAttention.capabilities, kv_cache_dtypes=None,
+                                   kv_cache_note="say why")
+    monkeypatch.setattr(TorchRefAttention, "capabilities", own_only)
+    message = _error(kv_cache_dtype="bfloat16", dtype="float32", device="cpu", attention_backend="torch_ref")
+    assert message.startswith("--kv-cache-dtype bfloat16: no decode attention backend usable here")
+    assert "torch_ref: the activation dtype only (say why)" in message
+    assert message.endswith("supported here: auto, float32")

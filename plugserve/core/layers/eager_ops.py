@@ -50,20 +50,21 @@ def absorb_q(q_nope: torch.Tensor, w_kc: torch.Tensor) -> torch.Tensor:
 
 def mla_prepare(kv_a: torch.Tensor, q_nope: torch.Tensor, q_rope: torch.Tensor, w_kc: torch.Tensor,
                 norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, buffer: torch.Tensor,
-                slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                slots: torch.Tensor, kv_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA's new tokens: latent and rope key normed / rotated into the KV pool, q absorbed and rotated.
 
     kv_a [T, R + P] (latent, then rope key; activation dtype); q_nope [T, H, D] and q_rope [T, H, P]; w_kc
     [H, D, R] (W_UK); norm_weight [R] (kv_a_layernorm's) and its eps; cos / sin [T, P/2] float32
     (`rope_cos_sin`); buffer [num_slots, R + P] (one layer of the pool, its own dtype); slots [T] int64. Writes
     buffer[slots] = rms_norm(latent) ++ rope(k_rope), each computed as `rms_norm` / `apply_rope` do and then cast
-    to the buffer's dtype (`kv_cache.store_rows`, as `MLAKVPool.write` stores them), and returns (`absorb_q`
+    to the buffer's dtype (`kv_cache.store_rows`, as `MLAKVPool.write` stores them: an fp8 buffer holds
+    value / kv_scale, the pool's `scale`), and returns (`absorb_q`
     [T, H, R], q_rope rotated [T, H, P]) in q's dtype."""
     r = norm_weight.shape[0]
     latent, k_rope = kv_a.split([r, kv_a.shape[-1] - r], dim=-1)
     latent = rms_norm(latent, norm_weight, eps)
     q_rope, k_rope = apply_rope(q_rope, k_rope, cos, sin)
-    store_rows(buffer, slots, latent, k_rope)
+    store_rows(buffer, slots, latent, k_rope, kv_scale)
     return absorb_q(q_nope, w_kc), q_rope
 
 

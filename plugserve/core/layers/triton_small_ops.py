@@ -30,9 +30,10 @@ import triton.language as tl
 from plugserve.core.layers import eager_ops
 from plugserve.core.triton_pdl import launch_options, programmatic_prologue
 
-# Dtypes the kernel stores the pool in. Its casts round to nearest even like torch's; torch's cast to fp8
-# gives NaN past e4m3's range where Triton's saturates, so an fp8 pool takes the eager op.
-KERNEL_POOL_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
+# Dtypes the kernel stores the pool in. Its casts round to nearest even like torch's; an fp8 pool's values are
+# divided by the scale, clamped to e4m3's range and rounded on e4m3's grid in float32 first (`_to_e4m3_grid`), as
+# `kv_cache.quantize` does.
+KERNEL_POOL_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn})
 # q's rope pairs a program rotates (BLOCK_H heads of P / 2): with P = 64, 16 heads, so that V3's 128 heads at
 # decode spread over 8 programs, each one load / store round trip, instead of looping in one.
 Q_PAIRS_PER_PROGRAM = 512
@@ -87,18 +88,44 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, WIDTH: tl.constex
     tl.store(out_ptr + t * stride_out + c, (silu * up).to(x_ty), mask=ok)
 
 
+@triton.jit
+def _to_e4m3_grid(x):
+    """x [BLOCK] float32 with |x| <= 448 rounded to nearest even on float8_e4m3fn's grid, still float32 (exact in
+    e4m3, so the cast that follows does not round): e4m3 keeps 3 mantissa bits, normal exponents from -6, so the
+    step at x is 2^(max(exponent(x), -6) - 3). Adding and subtracting 1.5 * 2^(step's exponent + 23) rounds |x| to
+    that step in float32's own round-to-nearest-even; x's sign bit goes back on after (so -0 stays -0, as torch's
+    cast keeps it). Done by hand because Triton's interpreter rounds the fp8 cast wrongly where it carries into the
+    next exponent."""
+    bits = x.to(tl.int32, bitcast=True)
+    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+    magic = (((exponent + 147) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    rounded = (tl.abs(x) + magic) - magic
+    return (rounded.to(tl.int32, bitcast=True) | (bits & -0x80000000)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_pool(x, kv_scale, buf_ty, FP8: tl.constexpr):
+    """Values x [BLOCK] float32 as the pool stores them (`kv_cache.quantize`): FP8, x / kv_scale saturated to
+    +-448 and rounded to nearest even; else a plain cast."""
+    if FP8:
+        x = tl.minimum(tl.maximum(tl.math.div_rn(x, kv_scale), -448.0), 448.0)
+        x = _to_e4m3_grid(x)
+    return x.to(buf_ty)
+
+
 @triton.jit(do_not_specialize_on_alignment=["num_tokens"])
 def _mla_prepare_kernel(
     kv_a_ptr, q_ptr, weight_ptr, cos_ptr, sin_ptr, slots_ptr, buf_ptr, q_out_ptr, q_nope_ptr, w_kc_ptr, q_abs_ptr,
     num_tokens, stride_kv_a, stride_q_t, stride_q_h, stride_cos, stride_sin, stride_slots, stride_buf, stride_out_t,
-    stride_out_h, stride_nope_t, stride_nope_h, stride_w_h, stride_w_d, stride_abs_t, stride_abs_h, eps,
+    stride_out_h, stride_nope_t, stride_nope_h, stride_w_h, stride_w_d, stride_abs_t, stride_abs_h, eps, kv_scale,
     H: tl.constexpr, R: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, ROUND_NORM: tl.constexpr,
-    ROPE_BLOCKS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_RA: tl.constexpr, PDL: tl.constexpr,
+    ROPE_BLOCKS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_RA: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (t, 0): pool row slots[t] = rms_norm(latent) ++ rope(k_rope). Program (t, 1 + b), b < ROPE_BLOCKS:
     heads [b * BLOCK_H, (b + 1) * BLOCK_H) of q_rope[t] rotated into q_out[t]. Every cast goes through the input's
-    dtype first, as the eager ops round (`eager_ops.rms_norm`, `eager_ops._rotate`). Program (0, 1 + ROPE_BLOCKS + a)
+    dtype first, as the eager ops round (`eager_ops.rms_norm`, `eager_ops._rotate`); FP8: the row is stored as
+    `_to_pool` quantizes, by kv_scale. Program (0, 1 + ROPE_BLOCKS + a)
     (launched only to absorb): q_abs[:, h, r-block] = q_nope[:, h] @ w_kc[h, :, r-block] for every token, float32
     sums, with h, r-block = divmod(a, ceil(R / BLOCK_RA))."""
     programmatic_prologue(PDL)
@@ -134,11 +161,13 @@ def _mla_prepare_kernel(
         latent = _rms_normed(x, weight_ptr, r, r < R, eps, R, x_ty)
         if ROUND_NORM:
             latent = latent.to(x_ty)
-        tl.store(row + r, latent.to(buf_ty), mask=r < R)
+        tl.store(row + r, _to_pool(latent.to(tl.float32), kv_scale, buf_ty, FP8), mask=r < R)
         k_even = tl.load(kv + R + 2 * j, mask=j_ok, other=0.0).to(tl.float32)
         k_odd = tl.load(kv + R + 2 * j + 1, mask=j_ok, other=0.0).to(tl.float32)
-        tl.store(row + R + 2 * j, (k_even * cos - k_odd * sin).to(x_ty).to(buf_ty), mask=j_ok)
-        tl.store(row + R + 2 * j + 1, (k_odd * cos + k_even * sin).to(x_ty).to(buf_ty), mask=j_ok)
+        k_even_out = (k_even * cos - k_odd * sin).to(x_ty).to(tl.float32)
+        k_odd_out = (k_odd * cos + k_even * sin).to(x_ty).to(tl.float32)
+        tl.store(row + R + 2 * j, _to_pool(k_even_out, kv_scale, buf_ty, FP8), mask=j_ok)
+        tl.store(row + R + 2 * j + 1, _to_pool(k_odd_out, kv_scale, buf_ty, FP8), mask=j_ok)
     else:
         h = (block - 1) * BLOCK_H + tl.arange(0, BLOCK_H)
         ok = (h < H)[:, None] & j_ok[None, :]
@@ -158,16 +187,19 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 def mla_prepare(kv_a: torch.Tensor, q_nope: torch.Tensor, q_rope: torch.Tensor, w_kc: torch.Tensor,
                 norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, buffer: torch.Tensor,
-                slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                slots: torch.Tensor, kv_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """`eager_ops.mla_prepare` in one kernel launch (same arguments, same results; see there), W_UK's product
     included up to FUSED_ABSORB_MAX_TOKENS tokens (beyond, `eager_ops.absorb_q` follows).
 
     kv_a [T, R + P], q_nope [T, H, D] and q_rope [T, H, P] may be strided views (last dim contiguous); w_kc
-    [H, D, R]; cos / sin [T, P/2] float32; buffer [num_slots, R + P]; slots [T] int64. Returns (q absorbed
+    [H, D, R]; cos / sin [T, P/2] float32; buffer [num_slots, R + P] (float8_e4m3fn: value / kv_scale, on GPUs of
+    sm89 and newer, which convert to fp8; the eager op elsewhere); slots [T] int64. Returns (q absorbed
     [T, H, R], q_rope rotated [T, H, P]), new tensors. Grid (T, 1 + head blocks + absorbing programs), no host
     sync, only the outputs allocated: fine in a CUDA graph."""
-    if buffer.dtype not in KERNEL_POOL_DTYPES:
-        return eager_ops.mla_prepare(kv_a, q_nope, q_rope, w_kc, norm_weight, eps, cos, sin, buffer, slots)
+    fp8 = buffer.dtype == torch.float8_e4m3fn
+    if buffer.dtype not in KERNEL_POOL_DTYPES or (fp8 and buffer.is_cuda and
+                                                  torch.cuda.get_device_capability(buffer.device) < (8, 9)):
+        return eager_ops.mla_prepare(kv_a, q_nope, q_rope, w_kc, norm_weight, eps, cos, sin, buffer, slots, kv_scale)
     t, h, p = q_rope.shape
     r, d = norm_weight.shape[0], q_nope.shape[2]
     q_out = torch.empty((t, h, p), dtype=q_rope.dtype, device=q_rope.device)
@@ -184,10 +216,10 @@ def mla_prepare(kv_a: torch.Tensor, q_nope: torch.Tensor, q_rope: torch.Tensor, 
         kv_a, q_rope, norm_weight, cos, sin, slots, buffer, q_out, q_nope, w_kc, q_abs,
         t, kv_a.stride(0), q_rope.stride(0), q_rope.stride(1), cos.stride(0), sin.stride(0), slots.stride(0),
         buffer.stride(0), q_out.stride(0), q_out.stride(1), q_nope.stride(0), q_nope.stride(1), w_kc.stride(0),
-        w_kc.stride(1), q_abs.stride(0), q_abs.stride(1), eps,
+        w_kc.stride(1), q_abs.stride(0), q_abs.stride(1), eps, kv_scale,
         H=h, R=r, P=p, D=d, BLOCK_H=block_h, BLOCK_R=triton.next_power_of_2(r), BLOCK_HALF=block_half,
         ROUND_NORM=norm_weight.dtype == kv_a.dtype, ROPE_BLOCKS=rope_blocks, BLOCK_D=triton.next_power_of_2(d),
-        BLOCK_RA=ABSORB_BLOCK_R, **launch_options(kv_a),
+        BLOCK_RA=ABSORB_BLOCK_R, FP8=fp8, **launch_options(kv_a),
         # Products and sums rounded one by one, as torch's element-wise kernels do (no FMA contraction).
         enable_fp_fusion=False,
     )

@@ -347,7 +347,7 @@ class MLAAttention(nn.Module):
             norm = self.kv_a_layernorm
             q_absorbed, q_rope = self.ops.mla_prepare(kv_a, q_nope, q_rope, self.w_kc, norm.weight, norm.eps,
                                                       *cos_sin, batch.kv_pool.buffer(self.layer_id),
-                                                      batch.out_cache_loc)
+                                                      batch.out_cache_loc, batch.kv_pool.scale)
         else:
             latent, k_rope = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
             latent = self.kv_a_layernorm(latent)
@@ -366,11 +366,11 @@ class MLAAttention(nn.Module):
              attn: AttentionBackend) -> torch.Tensor:
         pool = batch.kv_pool
         if batch.sequence_slots is not None:  # one shot over prefix + new tokens, read back from the pool
-            rows = pool.gather(self.layer_id, batch.sequence_slots)
-            latent, k_rope = rows[:, : self.kv_lora_rank].to(q.dtype), rows[:, self.kv_lora_rank :].to(q.dtype)
+            rows = pool.read(self.layer_id, batch.sequence_slots, q.dtype)
+            latent, k_rope = rows[:, : self.kv_lora_rank], rows[:, self.kv_lora_rank :]
         out, lse = attn.forward_mha(q, *self._decompress(latent, k_rope))
         for i, chunk in enumerate(batch.prefix_chunks):
-            rows = pool.gather(self.layer_id, chunk.slots).to(q.dtype)
+            rows = pool.read(self.layer_id, chunk.slots, q.dtype)
             k, v = self._decompress(rows[:, : self.kv_lora_rank], rows[:, self.kv_lora_rank :])
             chunk_out, chunk_lse = attn.forward_mha(q, k, v, prefix_chunk=i)
             out, lse = attn.merge_attn_states(out, lse, chunk_out, chunk_lse)

@@ -139,6 +139,8 @@ class CutlassMLAAttention(AttentionBackend):
         qk_rope_head_dims=frozenset({ROPE}),
         page_sizes=frozenset({PAGE_SIZE}),
         graph_modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND}),
+        kv_cache_note="not wired for fp8: the CUTLASS MLA kernel takes q and the cache in one dtype, so an e4m3 "
+                      "cache would need e4m3 queries, a different accuracy contract",
     )
     priority: ClassVar[dict[str, int]] = {"sm100": 60, "sm103": 60}  # above Triton's 50 until measured
 
@@ -195,7 +197,7 @@ class CutlassMLAAttention(AttentionBackend):
     def init_cuda_graph(self, max_batch_size: int, max_num_tokens: int, max_pages: int) -> None:
         """Fixed buffers for graphs of up to `max_num_tokens` rows (module docstring). The workspace covers
         every row count up to that: CUTLASS's split, hence its partials, does not grow monotonically with it."""
-        rows, dtype = max_num_tokens, self.spec.kv_cache_dtype or self.spec.dtype
+        rows, dtype = max_num_tokens, self.spec.kv_dtype
         self._graph_buffers = (
             torch.zeros(rows, KERNEL_HEADS, LATENT + ROPE, dtype=dtype, device=self.device),  # padding heads stay 0
             torch.zeros(rows, max_pages, dtype=torch.int32, device=self.device),

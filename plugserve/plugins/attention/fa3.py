@@ -286,6 +286,8 @@ class FA3MLAAttention(FA3Attention):
         qk_rope_head_dims=frozenset({64}),
         mha_head_dims=DEEPSEEK_MHA_DIMS,
         graph_modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND}),
+        kv_cache_note="not wired for fp8: FA3 reads the paged latent in q's dtype; its fp8 mode takes q, k and v all "
+                      "in e4m3 with descales",
     )
     priority: ClassVar[dict[str, int]] = {"sm90": 61}  # fa3's prefill, and MLA for short prefixes too
     libraries: ClassVar[tuple[str, ...]] = (FA3,)

@@ -12,7 +12,9 @@ page). Only the last block of a sequence is masked. Stage 2 (`_mla_reduce_kernel
 outputs by their log-sum-exps. Launch parameters are `MlaConfig`; the host picks them and the split count by shape
 only, never from tensor contents, so a CUDA graph captured for a batch size stays valid for any lengths.
 
-Softmaxes run in base 2 (scores scaled by sm_scale * log2(e)); accumulation is float32. Per-batch counts and the
+Softmaxes run in base 2 (scores scaled by sm_scale * log2(e)); accumulation is float32. An fp8 (e4m3) pool is
+upcast to q's dtype tile by tile in registers; its per-tensor scale s enters the scores' scale (q . s k = s (q . k))
+and the output (sum p s v = s sum p v), so no tile is multiplied. Per-batch counts and the
 strides that follow them are `do_not_specialize_on_alignment`, so that no new variant compiles inside a request
 after the warm-up. Both kernels launch as programmatic dependents on Hopper and newer (`plugserve.core.triton_pdl`).
 Imported only once a backend is built: see `common`.
@@ -94,7 +96,7 @@ def mla_block_h(num_heads: int, dtype: torch.dtype, capability: tuple[int, int] 
 
 
 def mla_config(num_heads: int, dtype: torch.dtype, capability: tuple[int, int] | None, page_size: int,
-               kv_lora_rank: int, rope_dim: int) -> MlaConfig:
+               kv_lora_rank: int, rope_dim: int, kv_dtype: torch.dtype | None = None) -> MlaConfig:
     """Launch parameters by shape (docs/kernels.md gives the sweeps behind them; none spills on sm90):
     - 64 heads (sm90's wgmma): 64-key blocks in 2 stages, as TMA boxes where a block lies inside a page (half the
       blocks of 32-key ones halve the per-block softmax and rescaling); where `mla_gluon_fits`, the Gluon kernel.
@@ -103,7 +105,9 @@ def mla_config(num_heads: int, dtype: torch.dtype, capability: tuple[int, int] |
       16 x 32 keys on 4 warps, 32 x 64 on 8; 5 stages, since the pipeliner shares num_stages - 1 between the
       page-index load and the KV load that depends on it.
     - fp32 (FMA dots, accuracy checks only): 16 x 16, one stage.
-    - The interpreter (capability None) runs every program in Python: the biggest blocks, one warp."""
+    - The interpreter (capability None) runs every program in Python: the biggest blocks, one warp.
+    `dtype` is q's (the activations'); a `kv_dtype` other than it (an fp8 pool) loads KV blocks through pointers
+    (upcast in registers), neither TMA boxes nor the Gluon kernel, which read the pool in q's dtype."""
     block_h = mla_block_h(num_heads, dtype, capability)
     if capability is None:
         return MlaConfig(block_h, 64, 1, 1)
@@ -111,6 +115,8 @@ def mla_config(num_heads: int, dtype: torch.dtype, capability: tuple[int, int] |
         return MlaConfig(block_h, 16, 4, 1, reload_q=True)
     if block_h == 64:
         config = MlaConfig(64, 64, 8, 2)
+        if kv_dtype not in (None, dtype):
+            return config
         config = replace(config, tma=mla_tma_fits(config, kv_lora_rank, rope_dim, page_size, capability))
         return replace(config, gluon=mla_gluon_fits(config, kv_lora_rank, rope_dim, page_size, dtype, capability))
     return MlaConfig(block_h, 2 * block_h, 4 if block_h == MIN_DOT else 8, 5, reload_q=True)
@@ -199,7 +205,8 @@ def _mla_block(
     on are dropped (only the sequence's last block has any); that block is read through pointers even
     under TMA, so that nothing past kv_len enters the dots (0 * inf would poison them). TREE (with MASKED):
     key tree_start + j, a draft-tree node, is seen only where bit j of tree_bits is set. RELOAD_Q: the
-    query block is loaded here (q_lo, q_hi, q_rope are None), see `MlaConfig.reload_q`."""
+    query block is loaded here (q_lo, q_hi, q_rope are None), see `MlaConfig.reload_q`. KV tiles of another dtype
+    than q's (an fp8 pool) are upcast to q's dtype as loaded; the caller applies the pool's scale."""
     if RELOAD_Q:
         q_lo, q_hi, q_rope = _mla_load_q(q_rows, q_rope_rows, head_mask, R, P, HALF_R, BLOCK_P)
     n = b * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -220,9 +227,10 @@ def _mla_block(
             valid = tl.full([BLOCK_N, 1], 1, tl.int1)
             page = tl.load(block_table_row + n // PAGE_SIZE)
         rows = kv_ptr + (page.to(tl.int64) * PAGE_SIZE + n % PAGE_SIZE)[:, None] * stride_kv
-        lo = tl.load(rows + r[None, :], mask=valid, other=0.0)
-        hi = tl.load(rows + HALF_R + r[None, :], mask=valid & (HALF_R + r < R)[None, :], other=0.0)
-        rope = tl.load(rows + R + p[None, :], mask=valid & (p < P)[None, :], other=0.0)
+        q_ty = q_rows.dtype.element_ty
+        lo = tl.load(rows + r[None, :], mask=valid, other=0.0).to(q_ty)
+        hi = tl.load(rows + HALF_R + r[None, :], mask=valid & (HALF_R + r < R)[None, :], other=0.0).to(q_ty)
+        rope = tl.load(rows + R + p[None, :], mask=valid & (p < P)[None, :], other=0.0).to(q_ty)
 
     scores = tl.dot(q_lo, tl.trans(lo), input_precision=INPUT_PRECISION)
     scores = tl.dot(q_hi, tl.trans(hi), scores, input_precision=INPUT_PRECISION)
@@ -254,7 +262,7 @@ def _mla_kernel(
     tree_bits_ptr, out_ptr, lse_ptr,
     stride_qn_t, stride_qn_h, stride_qr_t, stride_qr_h, stride_kv, stride_bt,
     stride_o_t, stride_o_h, stride_o_s, stride_lse_t, stride_lse_h,
-    num_heads, num_splits, min_split_blocks, qk_scale,
+    num_heads, num_splits, min_split_blocks, qk_scale, kv_scale,
     R: tl.constexpr, P: tl.constexpr, HALF_R: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SPLIT: tl.constexpr, TREE: tl.constexpr, TMA: tl.constexpr, RELOAD_Q: tl.constexpr, INPUT_PRECISION: tl.constexpr,
@@ -264,7 +272,8 @@ def _mla_kernel(
     # and [BLOCK_N, BLOCK_P] boxes. SPLIT: out_ptr / lse_ptr are float32 partials and base-2 log-sum-exps
     # (unit stride over splits), else out_ptr is the output and no lse is kept. TREE: the token is a draft-tree
     # node whose keys from tree_start[t] on are the tree's nodes, seen per tree_bits[t]; every block from the
-    # tree's first on is masked. PDL: launched as a programmatic dependent (plugserve.core.triton_pdl).
+    # tree's first on is masked. PDL: launched as a programmatic dependent (plugserve.core.triton_pdl). kv_scale:
+    # the pool's (1.0 but for fp8), already in qk_scale; here it scales the output.
     programmatic_prologue(PDL)
     head_block, split, t, req, kv_len, first, last = mla_program(
         num_heads, num_splits, min_split_blocks, token_req_ptr, token_kv_len_ptr, BLOCK_H, BLOCK_N)
@@ -318,8 +327,9 @@ def _mla_kernel(
 
     r = tl.arange(0, HALF_R)
     out_rows = out_ptr + t * stride_o_t + heads[:, None] * stride_o_h + split * stride_o_s
-    tl.store(out_rows + r[None, :], (acc_lo / denom[:, None]).to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
-    tl.store(out_rows + HALF_R + r[None, :], (acc_hi / denom[:, None]).to(out_ptr.dtype.element_ty),
+    out_scale = kv_scale / denom[:, None]
+    tl.store(out_rows + r[None, :], (acc_lo * out_scale).to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
+    tl.store(out_rows + HALF_R + r[None, :], (acc_hi * out_scale).to(out_ptr.dtype.element_ty),
              mask=head_mask[:, None] & (HALF_R + r < R)[None, :])
     if SPLIT:
         tl.store(lse_ptrs, m + tl.log2(denom), mask=head_mask)
@@ -385,13 +395,14 @@ def mla_attention(
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     tree: tuple[torch.Tensor, torch.Tensor] | None = None,
     w_vc: torch.Tensor | None = None,
+    kv_scale: float = 1.0,
 ) -> torch.Tensor:
     """Absorbed MLA, one row per query token.
 
     q_nope [T, H, R], q_rope [T, H, P] (fp16 / bf16 / fp32, last dim contiguous); kv_buffer
-    [num_slots, R + P] of q's dtype (latent, then rope key); block_table [B, max_pages] int32;
-    token_req [T] int32 (each token's block-table row); token_kv_len [T] int32 (keys the token sees:
-    positions 0..len-1 of its request, at least 1). `config`: launch parameters (`mla_config`);
+    [num_slots, R + P] of q's dtype, or float8_e4m3fn holding value / kv_scale (latent, then rope key);
+    block_table [B, max_pages] int32; token_req [T] int32 (each token's block-table row); token_kv_len [T] int32
+    (keys the token sees: positions 0..len-1 of its request, at least 1). `config`: launch parameters (`mla_config`);
     `num_splits` >= 1 KV splits per token (`mla_num_splits`): with more than one, float32 partials
     [T, H, splits, R] and log-sum-exps [T, H, splits] go to `workspace` (two flat float32 buffers of at
     least `mla_workspace_size` rows times R, and rows; allocated here when None), then a second kernel
@@ -413,6 +424,11 @@ def mla_attention(
     capability = torch.cuda.get_device_capability(device) if checked else None
     if config.tma and not mla_tma_fits(config, r, p, page_size, capability):
         raise ValueError(f"MLA config {config} cannot use TMA with page size {page_size}, latent {r}, rope {p}")
+    if kv_buffer.dtype not in (q_nope.dtype, torch.float8_e4m3fn):
+        raise ValueError(f"MLA decode reads a KV pool of q's dtype {q_nope.dtype} or float8_e4m3fn, not "
+                         f"{kv_buffer.dtype}")
+    if kv_buffer.dtype != q_nope.dtype and (config.tma or config.gluon):
+        raise ValueError(f"MLA config {config} reads the pool in q's dtype: an fp8 pool takes pointer loads")
     if config.gluon and not mla_gluon_fits(config, r, p, page_size, q_nope.dtype, capability):
         raise ValueError(f"MLA config {config} cannot run the Gluon kernel with page size {page_size}, latent {r}, "
                          f"rope {p}, {q_nope.dtype} on {'the CPU' if capability is None else f'sm{capability}'}")
@@ -443,7 +459,7 @@ def mla_attention(
                          sm_scale * LOG2E, page_size)
     else:
         _launch_mla_kernel(grid, config, q_nope, q_rope, kv_buffer, block_table, token_req, token_kv_len, tree,
-                           part_out, part_lse, o_strides, lse_strides, num_splits, page_size, sm_scale, pdl)
+                           part_out, part_lse, o_strides, lse_strides, num_splits, page_size, sm_scale, kv_scale, pdl)
     if num_splits == 1:
         return out if w_vc is None else torch.bmm(out.transpose(0, 1), w_vc).transpose(0, 1)
     v = 0 if w_vc is None else w_vc.shape[2]
@@ -465,7 +481,7 @@ def _launch_mla_kernel(grid: tuple[int], config: MlaConfig, q_nope: torch.Tensor
                        token_kv_len: torch.Tensor, tree: tuple[torch.Tensor, torch.Tensor] | None,
                        part_out: torch.Tensor, part_lse: torch.Tensor, o_strides: tuple[int, int, int],
                        lse_strides: tuple[int, int], num_splits: int, page_size: int, sm_scale: float,
-                       pdl: dict) -> None:
+                       kv_scale: float, pdl: dict) -> None:
     """Stage 1 of `mla_attention` as `_mla_kernel`: `config`, else the first of its fallbacks that compiles here
     (arguments as `mla_attention` made them)."""
     r, p, h = q_nope.shape[2], q_rope.shape[2], q_nope.shape[1]
@@ -485,13 +501,13 @@ def _launch_mla_kernel(grid: tuple[int], config: MlaConfig, q_nope: torch.Tensor
                 part_out, part_lse,
                 q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), kv_buffer.stride(0),
                 block_table.stride(0), *o_strides, *lse_strides, h, num_splits,
-                triton.cdiv(mla_min_split_keys(h), launch["BLOCK_N"]), sm_scale * LOG2E)
+                triton.cdiv(mla_min_split_keys(h), launch["BLOCK_N"]), sm_scale * LOG2E * kv_scale, kv_scale)
 
     launches = [shape | dict(BLOCK_N=c.block_n, TMA=c.tma, RELOAD_Q=c.reload_q, num_warps=c.num_warps,
                              num_stages=c.num_stages)
                 for c in _mla_fallbacks(config)]
-    launch_first_fitting(_mla_kernel, grid, args, launches, ("mla", q_nope.device, q_nope.dtype, r, p, page_size,
-                                                              config, num_splits > 1, tree is not None))
+    launch_first_fitting(_mla_kernel, grid, args, launches, ("mla", q_nope.device, q_nope.dtype, kv_buffer.dtype, r, p,
+                                                              page_size, config, num_splits > 1, tree is not None))
 
 
 def _mla_fallbacks(config: MlaConfig) -> list[MlaConfig]:

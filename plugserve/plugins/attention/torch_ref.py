@@ -205,14 +205,16 @@ class TorchRefPlan:
 class TorchRefAttention(AttentionBackend):
     """Reference MLA attention: every method and forward mode, any head dims and page size, CPU or CUDA.
 
-    Computes in float32; outputs in q's dtype, lse float32. The slowest backend everywhere but the
-    only one on the CPU."""
+    Computes in float32 (the KV cache, of any dtype, read as `MLAKVPool.read` dequantizes it); outputs in q's
+    dtype, lse float32. The slowest backend everywhere but the only one on the CPU."""
 
     name: ClassVar[str] = "torch_ref"
     verified: ClassVar[str] = "cpu"
     capabilities: ClassVar[AttentionCapabilities] = AttentionCapabilities(
         dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
         devices=frozenset({"cpu", "cuda"}),
+        # Any KV cache dtype: the rows are upcast to float32 (fp8 ones times the pool's scale) before the math.
+        kv_cache_dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn}),
         tree_verify=True,
     )
     priority: ClassVar[dict[str, int]] = {"default": 0, "cpu": 10}
@@ -230,7 +232,7 @@ class TorchRefAttention(AttentionBackend):
         batch = self.batch
         pool = batch.kv_pool
         self.check_mla_inputs(q_nope, q_rope)
-        rows = pool.gather(layer_id, self.plan_state.kv_slots)  # [sum(seq_lens), R + P]
+        rows = pool.read(layer_id, self.plan_state.kv_slots, torch.float32)  # [sum(seq_lens), R + P]
         latent, k_rope = rows[:, : pool.kv_lora_rank], rows[:, pool.kv_lora_rank :]
         out, _ = mla_attention_reference(
             q_nope, q_rope, latent, k_rope, batch.extend_lens_cpu, batch.seq_lens_cpu, self.spec.softmax_scale,

@@ -80,8 +80,9 @@ class TritonPlan:
 class TritonAttention(AttentionBackend):
     """MLA attention in Triton kernels: CUDA, or the CPU under TRITON_INTERPRET=1 (tests only).
 
-    Activations fp16 / bf16 / fp32, the KV cache in the activation dtype, any head count, head dims
-    and page size. Accumulation is float32; fp32 dots are exact (no TF32), and slow: fp32 is for accuracy checks.
+    Activations fp16 / bf16 / fp32, the KV cache in the activation dtype or float8_e4m3fn (with the pool's
+    per-tensor scale), any head count, head dims and page size. Accumulation is float32; fp32 dots are exact (no
+    TF32), and slow: fp32 is for accuracy checks.
     forward_mla's launch parameters and KV split count are chosen on the host from the shape only
     (`mla_decode.mla_config`, `mla_num_splits`). Under CUDA graphs the split count of each captured
     size is fixed for the longest sequence a graph serves (splits past a shorter sequence's end are empty
@@ -93,6 +94,9 @@ class TritonAttention(AttentionBackend):
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
         devices=frozenset({"cuda", "cpu"}),
         min_capability=(8, 0),  # bf16 tl.dot needs Ampere or newer
+        # forward_mla upcasts an fp8 pool's tiles in registers (sm89+ convert fp8; the interpreter too). The MHA paths
+        # get k / v the model dequantized.
+        kv_cache_dtypes=frozenset({torch.float8_e4m3fn}),
         graph_modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND}),
         tree_verify=True,  # up to MAX_TREE_NODES nodes a request, masked per token by a 64-bit set
         graph_plan_on_device=True,  # plan_replay: token_req / token_kv_len from the static extend_lens / positions
@@ -188,8 +192,8 @@ class TritonAttention(AttentionBackend):
 
     def _mla_config_for(self, page_size: int) -> MlaConfig:
         spec = self.spec
-        return self._mla_decode.mla_config(spec.num_heads, spec.kv_cache_dtype or spec.dtype, self._capability,
-                                           page_size, spec.kv_lora_rank, spec.qk_rope_head_dim)
+        return self._mla_decode.mla_config(spec.num_heads, spec.dtype, self._capability, page_size, spec.kv_lora_rank,
+                                           spec.qk_rope_head_dim, spec.kv_dtype)
 
     def _mla_splits(self, num_tokens: int, max_kv_len: int) -> int:
         """KV splits for num_tokens query rows times the config's head blocks (host-side, no sync)."""
@@ -263,6 +267,7 @@ class TritonAttention(AttentionBackend):
         return self._mla_decode.mla_attention(
             q_nope, q_rope, pool.buffer(layer_id), batch.block_table, plan.token_req, plan.token_kv_len,
             pool.page_size, self.spec.softmax_scale, config, plan.num_splits, plan.workspace, plan.tree, w_vc,
+            pool.scale,
         )
 
     def forward_mha(

@@ -217,7 +217,7 @@ def test_forward_through_the_kernel_contract(fake_flashinfer, case: str, heads: 
     out = backend.forward_mla(q_nope, q_rope, LAYER)
     assert out.shape == (t, heads, 512) and out.dtype == torch.bfloat16
     assert_close(out, reference.forward_mla(q_nope, q_rope, LAYER), torch.bfloat16, f"cutlass_mla {case}")
-    with pytest.raises(ValueError, match="KV cache dtype"):
+    with pytest.raises(ValueError, match="activation dtype"):
         backend.forward_mla(q_nope.float(), q_rope.float(), LAYER)
 
 

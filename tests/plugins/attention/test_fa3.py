@@ -321,7 +321,7 @@ def test_forward_mla(fake_libraries, case: str, page_size: int) -> None:
     out = backend.forward_mla(q_nope, q_rope, LAYER)
     assert out.dtype == spec.dtype
     assert_close(out, reference.forward_mla(q_nope, q_rope, LAYER), spec.dtype, f"forward_mla {case} page {page_size}")
-    with pytest.raises(ValueError, match="KV cache dtype"):
+    with pytest.raises(ValueError, match="activation dtype"):
         backend.forward_mla(q_nope.float(), q_rope.float(), LAYER)
 
 

@@ -305,7 +305,7 @@ def test_forward_mla_checks_its_inputs(fake_flash_mla: FakeFlashMLA) -> None:
     spec = AttentionSpec(num_heads=4, page_size=64)
     batch = random_batch(ForwardMode.DECODE, [20, 7], [1, 1], spec, CPU)
     backend, _ = planned(spec, batch)
-    with pytest.raises(ValueError, match="KV cache dtype"):
+    with pytest.raises(ValueError, match="activation dtype"):
         backend.forward_mla(torch.randn(2, 4, 512), torch.randn(2, 4, 64), LAYER)
     with pytest.raises(ValueError, match="forward_mla expects"):
         backend.forward_mla(torch.randn(3, 4, 512, dtype=torch.bfloat16), torch.randn(3, 4, 64), LAYER)

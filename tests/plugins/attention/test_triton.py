@@ -10,6 +10,7 @@ tl.dot mishandles bf16, which the conformance kit checks on the GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import itertools
@@ -236,6 +237,35 @@ def test_forward_mla_projected_folds_w_uv_into_the_reduce(kernels: ModuleType, d
                 assert_close(out, expected, dtype, f"mla_attention with W_UV, {splits} KV splits")
 
 
+@interpreted
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_mla_reads_an_fp8_pool_times_its_scale(kernels: ModuleType, dtype: torch.dtype,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """An e4m3 pool of scale 0.37 (stored values / 0.37): the kernel at 1 and 3 KV splits, and through the backend
+    with W_UV folded into the reduce, against the oracle over the dequantized cache; the torch reference too. The
+    kernel refuses TMA boxes over it (they would read q's dtype)."""
+    monkeypatch.setattr(kernels, "mla_min_split_keys", lambda num_heads: 1)
+    spec = dataclasses.replace(spec_of(dtype, page_size=16), kv_cache_dtype=torch.float8_e4m3fn)
+    batch = random_batch(ForwardMode.DECODE, [1, 70, 130], [1, 1, 1], spec, CPU, kv_scale=0.37)
+    backend, reference = backends(spec, batch)
+    q_nope, q_rope, latent, k_rope = new_tokens(spec, batch)
+    expected, _ = oracle.mla(batch, LAYER, q_nope, q_rope, latent, k_rope, oracle.softmax_scale(spec))
+    backend.set_kv(LAYER, batch.out_cache_loc, latent, k_rope)
+    assert_close(reference.forward_mla(q_nope, q_rope, LAYER), expected, dtype, "torch_ref over an fp8 pool")
+    plan, buffer = backend.plan_state, batch.kv_pool.buffer(LAYER)
+    call = functools.partial(kernels.mla_attention, q_nope, q_rope, buffer, batch.block_table, plan.token_req,
+                             plan.token_kv_len, 16, spec.softmax_scale)
+    for splits in (1, 3):
+        out = call(kernels.MlaConfig(16, 16, 1, 1), splits, kv_scale=0.37)
+        assert_close(out, expected, dtype, f"mla_attention over an fp8 pool, {splits} KV splits")
+    w_vc = (torch.randn(HEADS, R, V) / R**0.5).to(dtype)
+    projected = backend.forward_mla_projected(q_nope, q_rope, LAYER, w_vc)
+    assert_close(projected, torch.einsum("thr,hrv->thv", expected.to(dtype).double(), w_vc.double()), dtype,
+                 "forward_mla_projected over an fp8 pool")
+    with pytest.raises(ValueError, match="an fp8 pool takes pointer loads"):
+        call(kernels.MlaConfig(16, 16, 1, 1, tma=True), 1, kv_scale=0.37)
+
+
 def test_mla_refuses_what_does_not_fit(kernels: ModuleType) -> None:
     spec = spec_of(torch.float16, page_size=16)
     batch = random_batch(ForwardMode.DECODE, [40, 9], [1, 1], spec, CPU)
@@ -261,6 +291,9 @@ def test_launch_heuristics(kernels: ModuleType) -> None:
     assert kernels.mla_config(128, bf16, sm90, 64, 512, 64) == kernels.MlaConfig(64, 64, 8, 2, tma=True, gluon=True)
     assert kernels.mla_config(128, bf16, sm90, 16, 512, 64) == kernels.MlaConfig(64, 64, 8, 2)  # blocks span pages
     assert kernels.mla_config(128, bf16, sm90, 64, 256, 64) == kernels.MlaConfig(64, 64, 8, 2, tma=True)
+    # An fp8 pool: pointer loads upcast in registers, neither TMA boxes nor the Gluon kernel (which read q's dtype).
+    fp8 = torch.float8_e4m3fn
+    assert kernels.mla_config(128, bf16, sm90, 64, 512, 64, fp8) == kernels.MlaConfig(64, 64, 8, 2)
     assert kernels.mla_config(128, bf16, None, 64, 512, 64) == kernels.MlaConfig(64, 64, 1, 1)  # the interpreter
     assert kernels.mla_config(16, bf16, sm90, 64, 512, 64) == kernels.MlaConfig(16, 32, 4, 5, reload_q=True)
     assert kernels.mla_min_split_keys(128) == 256 and kernels.mla_min_split_keys(16) == 32
