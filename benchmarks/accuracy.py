@@ -42,6 +42,7 @@ import torch
 
 from plugserve.core.forward_batch import AttnForwardMethod, ForwardBatch, ForwardMode
 from plugserve.core.kv_cache import pages_needed
+from plugserve.core.loader import read_config
 from plugserve.core.tokenizer import EMBEDDED_MODEL_DIR, load_tokenizer
 from plugserve.registry import SelectionError, get_registry
 from plugserve.runtime import speculative
@@ -127,7 +128,11 @@ def default_combinations(dtype: str) -> list[str]:
 
 def server_args(base: ServerArgs, combination: dict[str, str]) -> ServerArgs:
     """`base` with the combination's backends and dtype; a KV pool of KV_POOL_TOKENS unless --max-total-tokens says
-    otherwise (what the harness runs needs little, and a pool sized to fill a GPU takes long to allocate)."""
+    otherwise (what the harness runs needs little, and a pool sized to fill a GPU takes long to allocate). A model
+    without block-FP8 weights runs no FP8 GEMM: its GEMM backend is left unnamed, as the server asks."""
+    config, _ = read_config(base.model_dir, base.model_preset, base.quantization)
+    if config.fp8_block is None:
+        combination = {key: value for key, value in combination.items() if key != "gemm"}
     values = base.model_dump() | {FLAGS[key]: value for key, value in combination.items()}
     return ServerArgs(**values | {"max_total_tokens": base.max_total_tokens or KV_POOL_TOKENS})
 

@@ -19,6 +19,7 @@ from plugserve.core.dispatch import (
 )
 from plugserve.core.forward_batch import AttnForwardMethod, ForwardMode, Phase
 from plugserve.core.hardware import Hardware
+from plugserve.core.interfaces import VERIFIED
 from plugserve.core.specs import KINDS, Kind
 from plugserve.registry import (
     BATCH_BUCKETS,
@@ -56,6 +57,7 @@ def describe(registry: Registry, hardware: Hardware, kinds: Sequence[Kind], expl
                 "available": available.ok,
                 "reason": available.reason,
                 "cuda_graph": cuda_graph_support(entry.cls),
+                "verified": entry.cls.verified,
                 # --kv-cache-dtype: the KV cache dtypes an attention backend reads, and why no other
                 "kv_cache": entry.cls.capabilities.kv_cache_dtype_names() if kind == "attention" else None,
                 "kernels": registry.kernels(kind, entry.name, hardware),
@@ -124,15 +126,18 @@ def _dispatch_table(registry: Registry, hardware: Hardware) -> dict[str, Any]:
 def print_report(report: dict[str, Any], explain: bool, console: Console) -> None:
     hw = report["hardware"]
     console.print(f"[bold]Device:[/] {hw['name']} ({hw['arch']}, {hw['memory_gib']} GiB)")
-    table = Table("kind", "backend", "package", "prefill", "decode", "CUDA graphs", *(["kernels"] if explain else []),
-                  title="Registered backends")
+    table = Table("kind", "backend", "package", "prefill", "decode", "CUDA graphs", "verified",
+                  *(["kernels"] if explain else []), title="Registered backends")
     for b in report["backends"]:
         cells = [
             "[green]usable[/]" if p["usable"] else f"[red]no[/]: {p['reason']}" for p in b["phases"].values()
         ]
-        table.add_row(b["kind"], b["name"], b["package"], *cells, b["cuda_graph"],
+        verified = b["verified"] if b["verified"] != "stand-ins" else "[yellow]stand-ins only[/]"
+        table.add_row(b["kind"], b["name"], b["package"], *cells, b["cuda_graph"], verified,
                       *([b["kernels"]] if explain else []))
     console.print(table)
+    console.print("verified: " + "; ".join(f"{key}: {meaning}" for key, meaning in VERIFIED.items()
+                                           if any(b["verified"] == key for b in report["backends"])))
     kv = Table("backend", "reads the KV cache in", title="--kv-cache-dtype")
     for b in report["backends"]:
         if b["kv_cache"] is not None:

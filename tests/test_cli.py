@@ -3,11 +3,14 @@ import os
 import subprocess
 import sys
 
+import pytest
 from rich.console import Console
 
 from plugserve.backends_report import describe, print_report
 from plugserve.cli import main
 from plugserve.core.hardware import Hardware
+from plugserve.core.names import KINDS
+from plugserve.plugins.attention.torch_ref import TorchRefAttention
 from plugserve.registry import TABLES_ENV, get_registry
 
 
@@ -30,6 +33,28 @@ def test_backends_table_and_kind_filter(capsys):
     assert main(["backends", "--kind", "moe"]) == 0
     out = capsys.readouterr().out
     assert "torch_ref" in out and "auto selection" in out and "attention" not in out
+
+
+def test_backends_say_which_were_verified_only_against_stand_ins_of_their_library(capsys):
+    """cutlass_mla (sm100) and fa3_mla (FA3's qv kernels) never ran on a GPU lent: their tests check them through a
+    fake FlashInfer and a fake flash_attn_interface, and `backends` says so; every other built-in passed the kit
+    against the oracle, on a GPU (torch_ref, the oracle's own backend, on the CPU)."""
+    assert main(["backends", "--json"]) == 0
+    verified = {(b["kind"], b["name"]): b["verified"] for b in json.loads(capsys.readouterr().out)["backends"]}
+    assert {key for key, where in verified.items() if where == "stand-ins"} == {("attention", "cutlass_mla"),
+                                                                                 ("attention", "fa3_mla")}
+    assert {key for key, where in verified.items() if where == "cpu"} == {(kind, "torch_ref") for kind in KINDS}
+    assert set(verified.values()) == {"gpu", "cpu", "stand-ins"}
+    assert main(["backends", "--kind", "attention"]) == 0
+    out = capsys.readouterr().out
+    assert "stand-ins only" in next(line for line in out.splitlines() if "cutlass_mla" in line)
+    assert "stand-ins: only against hand-written stand-ins of its library" in " ".join(out.split())
+
+    class Claims(TorchRefAttention):
+        verified = "somewhere"
+
+    with pytest.raises(TypeError, match=r"Claims\.verified is 'somewhere', not one of"):
+        Claims.check_declaration()
 
 
 def test_broken_plugin_is_reported_and_the_command_still_succeeds(make_plugin):

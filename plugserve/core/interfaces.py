@@ -224,14 +224,25 @@ class MoECapabilities(Capabilities):
 # Backends
 
 
+# Where a backend was checked against the kit's oracle, as `plugserve backends` says it.
+VERIFIED: dict[str, str] = {
+    "gpu": "on a GPU it runs on, against the kit's oracle",
+    "cpu": "on the CPU, against the kit's oracle",
+    "stand-ins": "only against hand-written stand-ins of its library (never run on a GPU it runs on)",
+    "undeclared": "its plugin does not say",
+}
+
+
 class Backend(ABC):
     """Common to every kind. `priority` maps an arch ("sm90"), a device type ("cuda", "cpu") or
-    "default" to a rank; `auto` takes the highest usable one when no measured table decides."""
+    "default" to a rank; `auto` takes the highest usable one when no measured table decides. `verified`: a key of
+    `VERIFIED`, where the backend's kit run passed."""
 
     kind: ClassVar[Kind]
     name: ClassVar[str]
     capabilities: ClassVar[Capabilities]
     priority: ClassVar[Mapping[str, int]] = {}
+    verified: ClassVar[str] = "undeclared"
 
     def __init__(self, spec: Any, device: torch.device) -> None:
         """`spec`: the AttentionSpec, GemmSpec or MoESpec of the kind; `device`: where tensors live."""
@@ -257,6 +268,8 @@ class Backend(ABC):
             raise TypeError(f"{cls.__qualname__} has no `name`")
         if not isinstance(getattr(cls, "capabilities", None), Capabilities):
             raise TypeError(f"{cls.__qualname__} has no `capabilities` record")
+        if cls.verified not in VERIFIED:
+            raise TypeError(f"{cls.__qualname__}.verified is {cls.verified!r}, not one of {sorted(VERIFIED)}")
 
     @classmethod
     def priority_on(cls, hardware: Hardware) -> int:

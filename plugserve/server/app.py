@@ -37,6 +37,7 @@ from plugserve.server.protocol import (
     now,
     usage,
 )
+from plugserve.server.responses import GATE, errors, json_or_events, text
 
 # What answers before the engine is ready (the rest gets 503).
 READY_FREE_PATHS = frozenset({"/health", "/metrics", "/server_info", "/get_server_info", "/get_model_info", "/version",
@@ -83,22 +84,23 @@ def create_app(engine: Engine) -> FastAPI:
         message = f"internal server error: {type(exc).__name__}: {exc}"
         return JSONResponse(error_body(message, "internal_error", code=500), 500, headers={"Connection": "close"})
 
-    @app.get("/health")
+    @app.get("/health", responses=errors(413, 503))
     async def health() -> Response:
         if not _serving(engine):
             return _not_serving(engine)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=errors(*GATE))
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": now(),
                                              "owned_by": "plugserve", "max_model_len": engine.runner.context_length}]}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response,
+             responses={200: text("text/plain", "Prometheus text"), **errors(*GATE)})
     async def metrics() -> Response:
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses={200: json_or_events("The completion"), **errors(400, 404, *GATE)})
     async def completions(body: CompletionRequest, request: Request) -> Response:
         prepare.check_model(engine, body.model)
         prepare.check_supported(body)
@@ -121,7 +123,8 @@ def create_app(engine: Engine) -> FastAPI:
         return JSONResponse({"id": rid, "object": "text_completion", "created": now(), "model": model,
                              "choices": choices, "usage": _usage(results, len(prompts), body.n).model_dump()})
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions",
+              responses={200: json_or_events("The chat completion"), **errors(400, 404, *GATE)})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         prepare.check_model(engine, body.model)
         prepare.check_supported(body)
@@ -153,7 +156,7 @@ def create_app(engine: Engine) -> FastAPI:
         return JSONResponse({"id": rid, "object": "chat.completion", "created": now(), "model": model,
                              "choices": choices, "usage": _usage(results, 1, body.n).model_dump()})
 
-    @app.post("/generate")
+    @app.post("/generate", responses={200: json_or_events("The generation"), **errors(400, *GATE)})
     async def generate(body: GenerateRequest, request: Request) -> Response:
         if (body.text is None) == (body.input_ids is None):
             raise BadRequest("give exactly one of text and input_ids", "text")

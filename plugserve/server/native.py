@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import ConfigDict
+from pydantic import ConfigDict, StrictBool, StrictStr
 
 from plugserve import __version__
 from plugserve.registry import get_registry
@@ -18,19 +18,22 @@ from plugserve.runtime.engine import Engine, EngineStopped
 from plugserve.runtime.request import FinishReason
 from plugserve.runtime.sampling import SamplingParams
 from plugserve.server.protocol import RequestBody, TokenId, error_body
+from plugserve.server.responses import GATE, errors, text
 
 router = APIRouter()
 # The prompt of /health_generate: one token generated from it proves a forward runs end to end.
 HEALTH_PROMPT = "Hello"
 FLUSH_REFUSED = ("Cache not flushed: requests are queued or running (the prefix cache is flushed only when the server "
                  "is idle).")
+FLUSH_RESPONSES = {200: text("text/plain", "Cache flushed."), 400: text("text/plain", FLUSH_REFUSED),
+                   **errors(401, 413, 503)}
 
 
 def _engine(request: Request) -> Engine:
     return request.app.state.engine
 
 
-@router.get("/health_generate")
+@router.get("/health_generate", responses=errors(*GATE))
 async def health_generate(request: Request) -> Response:
     """200 once a one-token generation ran; 503 with why otherwise."""
     engine = _engine(request)
@@ -43,7 +46,7 @@ async def health_generate(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
 
-@router.get("/get_model_info")
+@router.get("/get_model_info", responses=errors(*GATE))
 async def get_model_info(request: Request) -> dict[str, Any]:
     engine = _engine(request)
     return {"model_path": engine.args.model_dir or engine.args.model_preset, "tokenizer_path":
@@ -51,8 +54,8 @@ async def get_model_info(request: Request) -> dict[str, Any]:
             "is_generation": True, "max_model_len": engine.runner.context_length}
 
 
-@router.get("/server_info")
-@router.get("/get_server_info")
+@router.get("/server_info", responses=errors(*GATE))
+@router.get("/get_server_info", responses=errors(*GATE))
 async def server_info(request: Request) -> dict[str, Any]:
     """The launch flags and what they resolved to: model, hardware, backends, graphs, scheduling."""
     engine = _engine(request)
@@ -91,8 +94,8 @@ def speculative_info(engine: Engine) -> dict[str, Any] | None:
     return dataclasses.asdict(spec) | {"accept_length": worker.accept_length}
 
 
-@router.post("/flush_cache")
-@router.get("/flush_cache")
+@router.post("/flush_cache", response_class=PlainTextResponse, responses=FLUSH_RESPONSES)
+@router.get("/flush_cache", response_class=PlainTextResponse, responses=FLUSH_RESPONSES)
 async def flush_cache(request: Request) -> Response:
     """SGLang's answer: 200 "Cache flushed." when idle, else 400 and the cache is left as it is."""
     if await asyncio.to_thread(_engine(request).flush_cache):  # waits for the scheduler thread: off the event loop
@@ -103,20 +106,20 @@ async def flush_cache(request: Request) -> Response:
 class TokenizeRequest(RequestBody):
     model_config = ConfigDict(extra="forbid")
 
-    model: str | None = None
-    prompt: str
-    add_special_tokens: bool = True
+    model: StrictStr | None = None
+    prompt: StrictStr
+    add_special_tokens: StrictBool = True
 
 
 class DetokenizeRequest(RequestBody):
     model_config = ConfigDict(extra="forbid")
 
-    model: str | None = None
+    model: StrictStr | None = None
     tokens: list[TokenId]
-    skip_special_tokens: bool = False
+    skip_special_tokens: StrictBool = False
 
 
-@router.post("/v1/tokenize")
+@router.post("/v1/tokenize", responses=errors(400, *GATE))
 async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     """SGLang's and vLLM's shape: the ids, their count and the context length."""
     engine = _engine(request)
@@ -125,7 +128,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     return {"tokens": ids, "count": len(ids), "max_model_len": engine.runner.context_length}
 
 
-@router.post("/v1/detokenize")
+@router.post("/v1/detokenize", responses=errors(400, *GATE))
 async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
     engine = _engine(request)
     vocab = len(engine.tokenizer)
@@ -137,6 +140,6 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
     return JSONResponse({"text": text})
 
 
-@router.get("/version")
+@router.get("/version", responses=errors(*GATE))
 async def version() -> dict[str, str]:
     return {"version": __version__}

@@ -11,10 +11,12 @@ import time
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from plugserve.core.forward_batch import ForwardMode
 from plugserve.core.kv_cache import PoolAccountingError
 from plugserve.runtime.engine import Engine, served_model_names
+from plugserve.runtime.metrics import SGLANG_NAMES
 from plugserve.runtime.request import FinishReason
 from plugserve.runtime.sampling import SamplingParams
 from plugserve.runtime.server_args import ServerArgs
@@ -381,42 +383,77 @@ def _sample(engine: Engine, name: str) -> float:
     return engine.metrics.registry.get_sample_value(name) or 0.0
 
 
-IDLE_GAUGES = ("plugserve_num_running_requests", "plugserve_num_waiting_requests", "plugserve_gen_throughput")
+def _exported(engine: Engine) -> dict[str, float]:
+    """/metrics as the server sends it: each unlabelled-but-for-model_name sample, by its exported name."""
+    families = text_string_to_metric_families(engine.metrics.render().decode())
+    return {s.name: s.value for f in families for s in f.samples if set(s.labels) == {"model_name"}}
+
+
+def _idle_values(engine: Engine) -> dict[str, float]:
+    """What an idle server's gauges read: nothing running, queued or generated; the KV pages in use are those the
+    prefix cache keeps (evictable only)."""
+    allocator = engine.runner.allocator
+    cached = engine.radix.evictable_pages / allocator.num_pages
+    capacity = _sample(engine, "plugserve_max_total_num_tokens")
+    values = {"plugserve_num_running_requests": 0.0, "plugserve_num_waiting_requests": 0.0,
+              "plugserve_gen_throughput": 0.0, "plugserve_kv_cache_usage": cached,
+              "plugserve_num_used_tokens": float(round(cached * capacity))}
+    return values | {SGLANG_NAMES[name]: value for name, value in values.items()}
 
 
 def _assert_idle(engine: Engine, deadline: float) -> None:
-    """The idle gauges read zero once the loop has seen it has nothing to run (a few 50 ms ticks)."""
-    while any(_sample(engine, g) for g in IDLE_GAUGES) and time.monotonic() < deadline:
+    """Every gauge reads its idle value, under plugserve's and SGLang's names, once the loop has seen it has
+    nothing to run (a few 50 ms ticks)."""
+    def readings() -> tuple[dict[str, float], dict[str, float]]:
+        exported, idle = _exported(engine), _idle_values(engine)
+        return {name: exported.get(name) for name in idle}, idle
+
+    while (state := readings())[0] != pytest.approx(state[1]) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert {g: _sample(engine, g) for g in IDLE_GAUGES} == dict.fromkeys(IDLE_GAUGES, 0.0)
+    assert state[0] == pytest.approx(state[1])
+    assert engine.radix.protected_pages == 0 and state[1]["plugserve_kv_cache_usage"] > 0  # the cache keeps some
 
 
 def test_idle_gauges_read_zero_and_token_counters_match_usage():
-    """After a mix of requests ends (batched, n > 1, streamed, aborted), the gauges read an idle server and the
-    token counters match the usage the requests reported: the running gauge used to keep the last batch's
-    requests, throughput its last busy value, and the generated-token counter missed each first token."""
-    engine = Engine(ServerArgs(model_preset="tiny"))
+    """After a mix of requests ends (batched, n > 1, streamed, aborted, failed in its forward), every gauge of
+    /metrics reads an idle server and the token counters match the usage the requests reported: the running
+    gauge used to keep the last batch's requests, throughput its last busy value, and the generated-token counter
+    missed each first token."""
+    bad_ids: list[int] = []
+
+    def fault_hook(mode, requests):
+        if any(r.prompt_ids == bad_ids for r in requests):
+            raise RuntimeError("forward failure")
+
+    engine = Engine(ServerArgs(model_preset="tiny"), fault_hook=fault_hook)
     try:
         finals = list(engine.generate(PROMPTS, GREEDY))
         finals += engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=6, temperature=1.0, seed=3, n=3))
         finals.append(list(engine.stream(PROMPTS[2], GREEDY))[-1])
+        bad_ids += engine.tokenize("A prompt whose forward raises")
+        [failed] = engine.generate(bad_ids, GREEDY)
+        assert failed.finish_reason is FinishReason.ERROR and failed.completion_tokens == 0
         deadline = time.monotonic() + 30
         _assert_idle(engine, time.monotonic() + 5)
         outputs: list = []
         rid = engine.submit(PROMPTS[1], SamplingParams(max_new_tokens=2000, ignore_eos=True), outputs.append)
-        # Running past a throughput window (1 s) before the abort, so that the gauge had a busy value.
+        # Running past a throughput window (1 s) before the abort, so that the gauges had busy values.
         while (sum(len(o.token_ids) for o in outputs) < 3 or _sample(engine, "plugserve_gen_throughput") == 0) \
                 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert _sample(engine, "plugserve_gen_throughput") > 0
+        busy = _exported(engine)
+        assert busy["sglang:gen_throughput"] > 0 and busy["sglang:num_running_reqs"] == 1
         engine.abort(rid)
         while not (outputs and outputs[-1].finished) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert outputs[-1].finish_reason is FinishReason.ABORT
         finals.append(outputs[-1])
         _assert_idle(engine, deadline)
-        assert _sample(engine, "plugserve_generation_tokens_total") == sum(f.completion_tokens for f in finals)
-        assert _sample(engine, "plugserve_prompt_tokens_total") == sum(f.prompt_tokens for f in finals)
+        exported = _exported(engine)
+        for name in ("plugserve_generation_tokens_total", "sglang:generation_tokens_total"):
+            assert exported[name] == sum(f.completion_tokens for f in finals), name
+        for name in ("plugserve_prompt_tokens_total", "sglang:prompt_tokens_total"):
+            assert exported[name] == sum(f.prompt_tokens for f in finals), name
     finally:
         engine.shutdown()
 

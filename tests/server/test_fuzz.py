@@ -1,7 +1,9 @@
 """API fuzzing: schemathesis drives every endpoint of the app's own OpenAPI schema against a live server on the
-embedded model. Per endpoint: every one of schemathesis' boundary cases (each field at and just past its limits,
-missing, of the wrong type; other HTTP methods), then Hypothesis-generated bodies, valid and invalid. No answer
-may be a 5xx or take longer than a hang would; afterwards the server still serves. Found so far: a
+random-weight `tiny` preset. Per endpoint: every one of schemathesis' boundary cases (each field at and just past
+its limits, missing, of the wrong type; other HTTP methods), then Hypothesis-generated bodies, valid and invalid.
+Each answer passes schemathesis' conformance checks (`CHECKS`): no 5xx, a status code and content type the schema
+documents for the operation, a body that matches the schema of its status, and an invalid request rejected with a
+4xx; no answer takes longer than a hang would; afterwards the server still serves. Found so far: a
 repetition_penalty of 5e-324 (0 in float32) made inf logits and a 500 when their logprobs went out as JSON."""
 
 from __future__ import annotations
@@ -21,6 +23,14 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
+from schemathesis.checks import (
+    content_type_conformance,
+    negative_data_rejection,
+    not_a_server_error,
+    response_schema_conformance,
+    status_code_conformance,
+)
+from schemathesis.core.failures import FailureGroup
 
 from plugserve.runtime.server_args import ServerArgs
 from tests.live_server import API_KEY, SERVED_MODEL, RunningServer, start_server
@@ -29,6 +39,8 @@ EXAMPLES = 20  # per endpoint and mode (valid bodies, invalid bodies), generated
 CONCURRENCY = 8  # boundary cases in flight at once
 TIMEOUT_S = 30  # an answer slower than this is a hang: the server's context is 32 tokens
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
+          negative_data_rejection]
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +63,7 @@ def _fuzz(operation, mode: GenerationMode, send: Callable[[str, Any], None]) -> 
     fuzz()
 
 
-def test_fuzzing_every_endpoint_finds_no_5xx_and_no_hang(fuzz_server: RunningServer, capsys):
+def test_fuzzing_every_endpoint_finds_every_answer_conforming_and_no_hang(fuzz_server: RunningServer, capsys):
     schema = schemathesis.openapi.from_url(f"{fuzz_server.base_url}/openapi.json", headers=HEADERS)
     sessions = threading.local()  # one connection pool per sending thread
     tried: Counter[str] = Counter()
@@ -71,8 +83,12 @@ def test_fuzzing_every_endpoint_finds_no_5xx_and_no_hang(fuzz_server: RunningSer
         except requests.RequestException as exc:
             failures.append(f"{label}: {type(exc).__name__} after {time.monotonic() - started:.0f} s for {case.body!r}")
             return
-        if response.status_code >= 500:
-            failures.append(f"{label}: {response.status_code} {response.text[:200]} for {case.body!r}")
+        try:
+            case.validate_response(response, checks=CHECKS, headers=HEADERS)
+        except FailureGroup as group:  # each failed check, titled
+            titles = "; ".join(failure.title for failure in group.exceptions)
+            titles += f" ({' '.join(group.exceptions[0].message.split())[:300]})"
+            failures.append(f"{label}: {response.status_code} {titles} for {case.body!r}: {response.text[:200]}")
 
     operations = [result.ok() for result in schema.get_all_operations()]
     for operation in operations:
@@ -88,7 +104,11 @@ def test_fuzzing_every_endpoint_finds_no_5xx_and_no_hang(fuzz_server: RunningSer
     with capsys.disabled():  # the counts belong in the test run's output
         print(f"\nAPI fuzzing: {sum(tried.values())} requests over {len(tried)} endpoints: "
               + ", ".join(f"{label} {n}" for label, n in tried.items()))
-    assert not failures, f"{len(failures)} of {sum(tried.values())} requests failed:\n" + "\n".join(failures[:20])
+    kinds = Counter(failure.split(" for ", 1)[0] for failure in failures)  # one line per endpoint and failed check
+    first = {failure.split(" for ", 1)[0]: failure for failure in reversed(failures)}
+    assert not failures, (f"{len(failures)} of {sum(tried.values())} requests failed, {len(kinds)} ways:\n"
+                          + "\n".join(f"{n} x {kind}" for kind, n in kinds.most_common())
+                          + "\nthe first of each:\n" + "\n".join(first[kind] for kind in kinds))
     assert {op.label for op in operations} >= {"POST /v1/completions", "POST /v1/chat/completions", "POST /generate",
                                                "GET /health", "GET /v1/models"}
     assert all(tried[label] > 2 * EXAMPLES for label in ("POST /v1/completions", "POST /v1/chat/completions"))

@@ -191,6 +191,7 @@ class FA3Attention(AttentionBackend):
     bf16 / fp16, qk 192 / v 128. `libraries`: the packages tried, in order."""
 
     name: ClassVar[str] = "fa3"
+    verified: ClassVar[str] = "gpu"
     capabilities: ClassVar[AttentionCapabilities] = AttentionCapabilities(
         dtypes=frozenset({torch.float16, torch.bfloat16}),
         devices=frozenset({"cuda"}),
@@ -275,6 +276,7 @@ class FA3MLAAttention(FA3Attention):
     flash_attn_with_kvcache (q_rope as q, q_nope as qv); latent 512, rope 64, any page size."""
 
     name: ClassVar[str] = "fa3_mla"
+    verified: ClassVar[str] = "stand-ins"  # a fake flash_attn_interface in its tests (FA3 not on the GPUs lent)
     capabilities: ClassVar[AttentionCapabilities] = AttentionCapabilities(
         dtypes=frozenset({torch.float16, torch.bfloat16}),
         devices=frozenset({"cuda"}),

@@ -216,6 +216,7 @@ class FlashInferMLAAttention(AttentionBackend):
     DeepSeek's dims (latent 512, rope 64, MHA qk 192 / v 128), any page size and head count."""
 
     name: ClassVar[str] = "flashinfer_mla"
+    verified: ClassVar[str] = "gpu"
     capabilities: ClassVar[AttentionCapabilities] = AttentionCapabilities(
         dtypes=frozenset({torch.float16, torch.bfloat16}),
         devices=frozenset({"cuda"}),

@@ -138,6 +138,7 @@ class FlashMLAAttention(AttentionBackend):
     absorbed-MLA EXTEND batches, mixed query lengths left-padded. No MHA: it pairs with a prefill backend."""
 
     name: ClassVar[str] = "flashmla"
+    verified: ClassVar[str] = "gpu"
     capabilities: ClassVar[AttentionCapabilities] = AttentionCapabilities(
         dtypes=frozenset({torch.bfloat16}),  # tools/device/build_flashmla.sh builds no fp16 kernels
         devices=frozenset({"cuda"}),

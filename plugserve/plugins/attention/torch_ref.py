@@ -209,6 +209,7 @@ class TorchRefAttention(AttentionBackend):
     dtype, lse float32. The slowest backend everywhere but the only one on the CPU."""
 
     name: ClassVar[str] = "torch_ref"
+    verified: ClassVar[str] = "cpu"
     capabilities: ClassVar[AttentionCapabilities] = AttentionCapabilities(
         dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
         devices=frozenset({"cpu", "cuda"}),

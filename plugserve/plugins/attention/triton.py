@@ -89,6 +89,7 @@ class TritonAttention(AttentionBackend):
     and cost one early exit), and the splits' partials go to one workspace allocated by init_cuda_graph."""
 
     name: ClassVar[str] = "triton"
+    verified: ClassVar[str] = "gpu"
     capabilities: ClassVar[AttentionCapabilities] = AttentionCapabilities(
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
         devices=frozenset({"cuda", "cpu"}),

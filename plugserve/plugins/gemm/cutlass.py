@@ -189,6 +189,7 @@ def pack_weight(
 
 class CutlassFp8Gemm(Fp8GemmBackend):
     name: ClassVar[str] = "cutlass"
+    verified: ClassVar[str] = "gpu"
     capabilities: ClassVar[GemmCapabilities] = GemmCapabilities(
         dtypes=frozenset({torch.bfloat16}),
         devices=frozenset({"cuda"}),

@@ -62,6 +62,7 @@ class DeepGemmFp8Weight:
 
 class DeepGemmFp8Gemm(Fp8GemmBackend):
     name: ClassVar[str] = "deepgemm"
+    verified: ClassVar[str] = "gpu"
     capabilities: ClassVar[GemmCapabilities] = GemmCapabilities(
         dtypes=frozenset({torch.bfloat16}),  # the sm90 kernel writes bf16 only
         devices=frozenset({"cuda"}),

@@ -51,6 +51,7 @@ class TorchRefFp8Weight:
 
 class TorchRefFp8Gemm(Fp8GemmBackend):
     name: ClassVar[str] = "torch_ref"
+    verified: ClassVar[str] = "cpu"
     capabilities: ClassVar[GemmCapabilities] = GemmCapabilities(
         dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
         devices=frozenset({"cpu", "cuda"}),

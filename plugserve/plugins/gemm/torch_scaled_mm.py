@@ -107,6 +107,7 @@ class TorchScaledMmWeight:
 
 class TorchScaledMmFp8Gemm(Fp8GemmBackend):
     name: ClassVar[str] = "torch_scaled_mm"
+    verified: ClassVar[str] = "gpu"
     capabilities: ClassVar[GemmCapabilities] = GemmCapabilities(
         dtypes=frozenset({torch.bfloat16, torch.float32}),  # the outputs torch's sm90 block-wise tests cover
         devices=frozenset({"cuda"}),

@@ -131,6 +131,7 @@ class TritonFp8Weight:
 
 class TritonFp8Gemm(Fp8GemmBackend):
     name: ClassVar[str] = "triton"
+    verified: ClassVar[str] = "gpu"
     capabilities: ClassVar[GemmCapabilities] = GemmCapabilities(
         dtypes=frozenset({torch.bfloat16, torch.float16, torch.float32}),
         devices=frozenset({"cuda", "cpu"}),

@@ -71,6 +71,7 @@ class DeepGemmMoE(MoEBackend):
     """Routed experts as DeepGEMM grouped GEMMs; see the module docstring."""
 
     name: ClassVar[str] = "deepgemm"
+    verified: ClassVar[str] = "gpu"
     capabilities: ClassVar[DeepGemmMoECapabilities] = DeepGemmMoECapabilities(
         dtypes=frozenset({torch.bfloat16}),  # the sm90 grouped kernels write bf16 only
         devices=frozenset({"cuda"}),

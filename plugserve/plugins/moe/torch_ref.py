@@ -154,6 +154,7 @@ class TorchRefMoEWeights:
 
 class TorchRefMoE(MoEBackend):
     name: ClassVar[str] = "torch_ref"
+    verified: ClassVar[str] = "cpu"
     capabilities: ClassVar[MoECapabilities] = MoECapabilities(
         dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
         devices=frozenset({"cpu", "cuda"}),

@@ -76,6 +76,7 @@ class TritonMoE(MoEBackend):
     """Routed experts (and optionally the shared ones) as Triton kernels; see the module docstring."""
 
     name: ClassVar[str] = "triton"
+    verified: ClassVar[str] = "gpu"
     capabilities: ClassVar[TritonMoECapabilities] = TritonMoECapabilities(
         dtypes=frozenset({torch.bfloat16, torch.float16, torch.float32}),
         devices=frozenset({"cuda", "cpu"}),
