@@ -93,7 +93,7 @@ class Row:
 @dataclass
 class Measured:
     nll: torch.Tensor  # [N] float64: -log p(token) over the text's predicted positions
-    cached_nll: torch.Tensor  # [N] float64: the same, each position scored by a DECODE step over the cache
+    cached_nll: torch.Tensor | None  # [N] float64: the same, each position scored by a DECODE step over the cache
     top1: torch.Tensor  # [N] int64: the argmax at each
     nextn: float
     greedy: list[list[int]]
@@ -236,13 +236,14 @@ def forced_decode(runner: ModelRunner, prompts: list[list[int]], continuations: 
 
 
 def measure(args: ServerArgs, tokens: list[int], prompts: list[list[int]], window: int, batch: int,
-            max_new_tokens: int, reference: list[list[int]] | None) -> tuple[Measured, str]:
-    """One combination: the text, then the prompts fed `reference` (the reference's greedy continuations; its own
-    when None), through a ModelRunner; then the prompts through an Engine (each loads the model)."""
+            max_new_tokens: int, reference: list[list[int]] | None, cached: bool = False) -> tuple[Measured, str]:
+    """One combination: the text (with `cached` also a DECODE step a token over the cache), then the prompts fed
+    `reference` (the reference's greedy continuations; its own when None), through a ModelRunner; then the prompts
+    through an Engine (each loads the model)."""
     runner = speculative.build_runner(args)
     chosen = ", ".join(f"{c.kind} {c.phase}: {c.name}" for c in runner.backends.chosen)
     nll, top1, nextn = score_text(runner, tokens, window, batch)
-    cached_nll = score_text_cached(runner, tokens, window, batch)
+    cached_nll = score_text_cached(runner, tokens, window, batch) if cached else None
     greedy = greedy_continuations(args, prompts, max_new_tokens) if reference is None else None
     forced = forced_decode(runner, prompts, reference or greedy)
     del runner
@@ -276,8 +277,9 @@ def prefix_agreement(ours: list[list[int]], reference: list[list[int]]) -> float
 
 
 def run(base: ServerArgs, combinations: list[str], text: Path, max_text_tokens: int, window: int, batch: int,
-        max_new_tokens: int, num_prompts: int | None, dtype: str) -> list[Row]:
-    """Every combination against the first, which is the reference."""
+        max_new_tokens: int, num_prompts: int | None, dtype: str, cached: bool = False) -> list[Row]:
+    """Every combination against the first, which is the reference; `cached`: also the perplexity over the KV cache
+    (one forward a token: what a --kv-cache-dtype moves)."""
     tokens = text_tokens(base, text, max_text_tokens)
     prompts = prompt_tokens(base)[:num_prompts]
     rows, reference = [], None
@@ -286,7 +288,7 @@ def run(base: ServerArgs, combinations: list[str], text: Path, max_text_tokens: 
         try:
             measured, row.backends = measure(server_args(base, parse_combination(combination, dtype)), tokens,
                                              prompts, window, batch, max_new_tokens,
-                                             None if reference is None else reference.greedy)
+                                             None if reference is None else reference.greedy, cached)
         except SelectionError as exc:
             row.skipped = str(exc).split(". ")[0]
             rows.append(row)
@@ -295,8 +297,9 @@ def run(base: ServerArgs, combinations: list[str], text: Path, max_text_tokens: 
             reference = measured
         row.perplexity = math.exp(measured.nll.mean().item())
         row.delta = row.perplexity / math.exp(reference.nll.mean().item()) - 1
-        row.cached_perplexity = math.exp(measured.cached_nll.mean().item())
-        row.cached_delta = row.cached_perplexity / math.exp(reference.cached_nll.mean().item()) - 1
+        if measured.cached_nll is not None and reference.cached_nll is not None:
+            row.cached_perplexity = math.exp(measured.cached_nll.mean().item())
+            row.cached_delta = row.cached_perplexity / math.exp(reference.cached_nll.mean().item()) - 1
         row.top1 = (measured.top1 == reference.top1).double().mean().item()
         row.forced = sum(a == b for ours, theirs in zip(measured.forced, reference.greedy, strict=True)
                          for a, b in zip(ours, theirs, strict=True)) / sum(map(len, reference.greedy))
@@ -331,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=32, help="greedy tokens per prompt")
     parser.add_argument("--num-prompts", type=int, help="the first N prompts of the set only")
     parser.add_argument("--result-filename", type=Path, help="write the rows here as JSON")
+    parser.add_argument("--cached", action="store_true",
+                        help="also score the text one DECODE step a token over the KV cache (slow; what "
+                             "--kv-cache-dtype moves: a window's own prefill never reads the cache)")
     namespace = parser.parse_args(argv)
     base = server_args_from(namespace, parser)
     device = base.device if base.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -338,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     combinations = ["reference", *[c for c in (namespace.combos or default_combinations(dtype)[1:])
                                    if c != "reference"]]
     rows = run(base, combinations, namespace.text, namespace.max_text_tokens, namespace.window,
-               namespace.text_batch, namespace.max_new_tokens, namespace.num_prompts, dtype)
+               namespace.text_batch, namespace.max_new_tokens, namespace.num_prompts, dtype, namespace.cached)
     print(table(rows))
     if namespace.result_filename:
         namespace.result_filename.write_text(json.dumps({"model": base.model_path or base.model_preset or "embedded",

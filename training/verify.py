@@ -42,9 +42,9 @@ CHAT_PROMPTS = (
     "How do I read a file line by line?",
 )
 SCALE_SUFFIX = "_scale_inv"
-# ServerArgs of the torch reference backends in float32: the same math as transformers' on the dequantized weights.
-REFERENCE_FLAGS = {"attention_backend": "torch_ref", "fp8_gemm_backend": "torch_ref", "moe_runner_backend": "torch_ref",
-                   "dtype": "float32"}
+# ServerArgs of the torch reference backends in float32: the same math as transformers' on the dequantized weights
+# (which have no block-FP8 GEMM to name a backend for).
+REFERENCE_FLAGS = {"attention_backend": "torch_ref", "moe_runner_backend": "torch_ref", "dtype": "float32"}
 
 
 def dequantized_copy(src: Path, dst: Path) -> Path:
