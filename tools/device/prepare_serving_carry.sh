@@ -8,7 +8,12 @@ out=.carry/slim
 mkdir -p $out
 python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-  -d $out pluggy pydantic rich fastapi uvicorn prometheus_client tqdm safetensors "transformers==5.23.0" httpx
+  -d $out pluggy pydantic rich fastapi uvicorn prometheus_client tqdm safetensors "transformers==5.23.0" httpx \
+  xgrammar psutil jinja2
+# The grammar tests' client side (tools/device/run_grammar_on_device.sh):
+python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  -d $out pytest openai jsonschema_rs
 # Provided by the machine's image, and far too big to carry:
 rm -f $out/torch-* $out/triton-* $out/numpy-* $out/nvidia_* $out/cuda_* $out/hf_xet-*
 du -sh $out
