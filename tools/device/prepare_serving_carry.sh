@@ -9,7 +9,10 @@ mkdir -p $out
 python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d $out pluggy pydantic rich fastapi uvicorn prometheus_client tqdm safetensors "transformers==5.23.0" httpx \
-  xgrammar psutil jinja2
+  psutil jinja2 apache-tvm-ffi
+# xgrammar without its dependencies (torch and triton among them: the machine has them).
+python3 -m pip download -q --only-binary=:all: --no-deps --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 -d $out xgrammar
 # The grammar tests' client side (tools/device/run_grammar_on_device.sh):
 python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
