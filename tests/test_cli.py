@@ -12,6 +12,7 @@ from plugserve.core.hardware import Hardware
 from plugserve.core.names import KINDS
 from plugserve.plugins.attention.torch_ref import TorchRefAttention
 from plugserve.registry import TABLES_ENV, get_registry
+from tests.imports import imported_after
 
 
 def test_backends_json_lists_reference_backends_and_auto_picks(capsys):
@@ -134,9 +135,6 @@ def test_explain_names_the_table_used_and_why(tmp_path, monkeypatch, capsys):
 
 def test_help_imports_neither_torch_nor_transformers():
     """`plugserve --help` and `plugserve serve --help` answer at once: the heavy imports wait for a command."""
-    code = ("import sys\nfrom plugserve.cli import build_parser\nfor argv in (['--help'], ['serve', '--help']):\n"
-            "    try:\n        build_parser().parse_args(argv)\n    except SystemExit:\n        pass\n"
-            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONPATH": os.getcwd()}).stdout
-    assert out.strip().splitlines()[-1] == "[]"
+    code = ("from plugserve.cli import build_parser\nfor argv in (['--help'], ['serve', '--help']):\n"
+            "    try:\n        build_parser().parse_args(argv)\n    except SystemExit:\n        pass")
+    assert imported_after(code, ("torch", "transformers")) == []

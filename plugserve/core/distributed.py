@@ -197,7 +197,7 @@ def leave_parallel_group() -> None:
     for); NCCL's communicators are left to this process's exit: destroying them waits for ranks that are gone, and
     aborting them hung on the GPUs measured (docs/parallelism.md), so a process joins one NCCL world at most."""
     _close_channels()
-    if dist.is_initialized() and dist.get_backend() != "nccl":
+    if dist.is_initialized() and not joined_nccl_world():
         dist.destroy_process_group()
 
 
