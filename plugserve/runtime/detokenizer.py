@@ -1,5 +1,5 @@
-"""A running request's output text, decoded a token at a time: re-decoding the whole output at every step cost
-time quadratic in its length on the scheduler thread (a third of a millisecond a request at 2,000 tokens)."""
+"""A running request's output text, decoded a token at a time: re-decoding the whole output at every step costs
+time quadratic in its length, on the scheduler thread."""
 
 from __future__ import annotations
 
