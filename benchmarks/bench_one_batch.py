@@ -29,7 +29,7 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -50,7 +50,7 @@ from plugserve.runtime.warmup import warm_up
 from plugserve.server.launch import add_server_args, server_args_from
 
 
-class _NoText:
+class NoText:
     """Random token ids need no detokenization: the benchmark times the model, not the tokenizer."""
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -95,8 +95,8 @@ def run_once(runner: ModelRunner, batch_size: int, input_len: int, output_len: i
     random tokens (what speculative decoding's acceptance depends on)."""
     # Under DP attention the requests spread over the groups, as the engine spreads them.
     scheduler: Scheduler | DPScheduler = (
-        DPScheduler(runner, _NoText(), None, radix_cache=False) if runner.dp_size > 1
-        else Scheduler(runner, RadixCache(runner.allocator, runner.page_size, enabled=False), _NoText()))
+        DPScheduler(runner, NoText(), None, radix_cache=False) if runner.dp_size > 1
+        else Scheduler(runner, RadixCache(runner.allocator, runner.page_size, enabled=False), NoText()))
     groups = scheduler.groups if isinstance(scheduler, DPScheduler) else [scheduler]
     scheduler.overlap = False  # the prefill timed alone in either mode
     generator = torch.Generator().manual_seed(seed)
@@ -241,12 +241,12 @@ def benchmark(runner: ModelRunner, namespace: argparse.Namespace) -> None:
                         f.write(json.dumps(result) + "\n")
 
 
-if __name__ == "__main__":
-    # Ended with os._exit: a multi-GPU run's NCCL world is left to the process's exit, where NCCL's own teardown can
-    # hang (docs/parallelism.md, "Leaving").
+def run_then_exit(main: Callable[[Sequence[str]], None], argv: Sequence[str]) -> None:
+    """main(argv), then os._exit with its status: a multi-GPU run's NCCL world is left to the process's exit, where
+    NCCL's own teardown can hang (docs/parallelism.md, "Leaving")."""
     status = 0
     try:
-        main(sys.argv[1:])
+        main(argv)
     except SystemExit as exit_:
         status = exit_.code if isinstance(exit_.code, int) else 1 if exit_.code else 0
     except BaseException:
@@ -255,3 +255,7 @@ if __name__ == "__main__":
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+if __name__ == "__main__":
+    run_then_exit(main, sys.argv[1:])

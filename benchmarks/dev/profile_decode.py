@@ -50,7 +50,7 @@ def profile_steps(runner: ModelRunner, namespace: argparse.Namespace) -> None:
     """Prefill, one decode step, then --steps decode steps under the profilers; the report printed and written."""
     batch_size, input_len = namespace.batch_size[0], namespace.input_len[0]
     scheduler = Scheduler(runner, RadixCache(runner.allocator, runner.page_size, enabled=False),
-                          bench_one_batch._NoText())
+                          bench_one_batch.NoText())
     params = SamplingParams(max_new_tokens=namespace.output_len[0], temperature=0, ignore_eos=True)
     generator = torch.Generator().manual_seed(0)
     for i in range(batch_size):
@@ -117,30 +117,31 @@ def _host_profile(scheduler: Scheduler, steps: int) -> list[str]:
             f"cProfile over {steps} steps (times are totals, inflated by cProfile itself):", out.getvalue()]
 
 
-def _phase_targets(scheduler: Scheduler) -> list[tuple[object, str]]:
+def phase_targets(scheduler: Scheduler) -> list[tuple[object, str]]:
     """(owner, attribute) of the functions a step's host time is split by: scheduling, the forward's pieces
     (speculative ones too), the graph replays' input loads and attention plans, processing the outputs."""
     from plugserve.core import forward_batch, graph_inputs
-    from plugserve.runtime import cuda_graph_runner, speculative
+    from plugserve.runtime import acceptance, cuda_graph_runner, model_runner, speculative
 
+    worker = speculative.SpeculativeWorker
     targets: list[tuple[object, str]] = [
-        (Scheduler, "_schedule"), (Scheduler, "_run"), (Scheduler, "_process"),
-        (forward_batch.ForwardBatch, "build"), (cuda_graph_runner.CudaGraphRunner, "replay"),
-        (graph_inputs.GraphInputs, "load"), (cuda_graph_runner.CudaGraphRunner, "_launch"),
-        (speculative.SpeculativeWorker, "_draft"), (speculative.SpeculativeWorker, "_draft_step"),
-        (speculative.SpeculativeWorker, "_verify_chains"), (speculative.SpeculativeWorker, "_draft_extend"),
-        (speculative.SpeculativeWorker, "_logits"), (speculative, "verify_drafts"), (speculative, "_draft_tokens"),
+        (Scheduler, "schedule"), (Scheduler, "run"), (Scheduler, "forward"), (Scheduler, "sample"),
+        (Scheduler, "process"), (forward_batch.ForwardBatch, "build"), (model_runner.ModelRunner, "forward"),
+        (cuda_graph_runner.CudaGraphRunner, "replay"), (graph_inputs.GraphInputs, "load"),
+        (cuda_graph_runner.CudaGraphRunner, "_launch"), (worker, "_draft"), (worker, "_draft_step"),
+        (worker, "_verify_chains"), (worker, "_verify_tree"), (worker, "_draft_extend"), (worker, "_logits"),
+        (acceptance, "verify_drafts"), (acceptance, "verify_tree"), (speculative, "_draft_tokens"),
     ]
     backends = {type(b.backend) for b in scheduler.runner.backends.decode_buckets}
     return targets + [(backend, "plan_replay") for backend in backends if "plan_replay" in backend.__dict__]
 
 
 def _time_phases(scheduler: Scheduler, steps: int) -> list[str]:
-    """The same steps again with each of `_phase_targets` timed on the host (inclusive of what it calls and of any
+    """The same steps again with each of `phase_targets` timed on the host (inclusive of what it calls and of any
     wait on the GPU inside it; nothing synchronized but the step's end): calls and milliseconds a step."""
     totals: dict[str, list[float]] = {}
     originals = []
-    for owner, name in _phase_targets(scheduler):
+    for owner, name in phase_targets(scheduler):
         raw = owner.__dict__[name]
         function = raw.__func__ if isinstance(raw, classmethod) else raw
         label = f"{getattr(owner, '__name__', owner)}.{name}".removeprefix("plugserve.core.")
@@ -174,4 +175,4 @@ def _time_phases(scheduler: Scheduler, steps: int) -> list[str]:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    bench_one_batch.run_then_exit(main, sys.argv[1:])
