@@ -1,16 +1,21 @@
 """The engine over several GPUs (`pytest -m multigpu tests`, on a lent machine of 2 or 4): TP, EP, DP attention and
 their mixes on the tiny V3 in float32 give one GPU's greedy tokens, which are HF transformers'; aborts under DP
-attention leave every page owned; a killed rank ends the engine with an error naming it. Each multi-GPU engine runs
+attention leave every page owned; a killed rank ends the engine with an error naming it; two nodes started as on two
+hosts give one GPU's tokens. Each multi-GPU engine runs
 in a process of its own (its NCCL world lives until that process exits)."""
 
 from __future__ import annotations
 
+import os
 import queue
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from plugserve.core.distributed import pick_free_port
 from plugserve.core.tokenizer import EMBEDDED_MODEL_DIR
 from plugserve.runtime.engine import Engine
 from plugserve.runtime.request import RequestOutput
@@ -154,3 +159,33 @@ def _killed_rank(model_dir: Path) -> None:
 @needs_gpus(2)
 def test_a_killed_rank_ends_the_engine_with_an_error_naming_it(model_dir: Path) -> None:
     run_in_process(_killed_rank, model_dir, timeout_s=ENGINE_TIMEOUT_S)
+
+
+def _two_nodes(model_dir: Path, world: int) -> tuple[list[list[int]], int]:
+    """Node 0 (this process's engine, GPUs 0 .. world/2 - 1) and node 1 (`plugserve serve --node-rank 1` in a process
+    of its own that sees only the other half of the GPUs, as a second host would): the greedy tokens, node 1's exit
+    code once node 0 shuts down."""
+    per_node = world // 2
+    address = f"127.0.0.1:{pick_free_port()}"
+    flags = ["--model-path", str(model_dir), "--tokenizer-path", str(EMBEDDED_MODEL_DIR), "--device", "cuda",
+             "--dtype", "float32", "--max-total-tokens", "4096", "--max-running-requests", "16", "--tp-size",
+             str(world), "--nnodes", "2", "--dist-init-addr", address]
+    env = os.environ | {"CUDA_VISIBLE_DEVICES": ",".join(str(per_node + i) for i in range(per_node))}
+    node1 = subprocess.Popen([sys.executable, "-m", "plugserve", "serve", *flags, "--node-rank", "1"], env=env)
+    try:
+        engine = Engine(_args(model_dir, world, nnodes=2, dist_init_addr=address))
+        try:
+            tokens = _tokens(engine)
+        finally:
+            engine.shutdown()
+        return tokens, node1.wait(timeout=60)
+    finally:
+        node1.kill()
+
+
+@pytest.mark.parametrize("world", [pytest.param(world, id=f"tp{world}", marks=multi_gpu(world)) for world in (2, 4)])
+def test_two_nodes_give_one_gpus_greedy_tokens(model_dir: Path, one_gpu_tokens: list[list[int]], world: int) -> None:
+    """--nnodes 2 on one machine, each node's processes seeing only its own GPUs."""
+    tokens, node1_exit = run_in_process(_two_nodes, model_dir, world, timeout_s=ENGINE_TIMEOUT_S)
+    assert tokens == one_gpu_tokens
+    assert node1_exit == 0
