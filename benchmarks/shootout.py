@@ -9,10 +9,11 @@ side by side with the device's own ceilings measured in the same run.
         --merge-into plugserve/tables/<gpu>.json ...   # those two re-ranked where they stand in the table
 
 For each case and backend: time (CUDA events after warm-up, median of --reps), achieved GB/s and
-TFLOP/s, and the fraction of the limit, where limit = max(bytes / measured copy GB/s, flops / measured
-dense TFLOP/s of the dtype). Writes shootout.json, shootout.md, one PNG per kind, and the selection
-table `auto` reads (`<device_key>.json`, to copy into plugserve/tables/), ranking backends per kind,
-phase and batch bucket by measured time.
+TFLOP/s, and the fraction of the limit, where limit = max(bytes / measured read GB/s, flops / measured
+dense TFLOP/s of the dtype); on a GPU each timed replay starts with a cold L2 (as in a model's step), and a
+fraction above 1 fails the run (the limit or the case's byte count would be wrong). Writes shootout.json,
+shootout.md, one PNG per kind, and the selection table `auto` reads (`<device_key>.json`, to copy into
+plugserve/tables/), ranking backends per kind, phase and batch bucket by measured time.
 
 Shapes are one rank's (--tp-size P, --ep-size E), sliced as the model slices them (ModelConfig.attention_spec /
 moe_spec, core/layers/parallel.py): attention at heads / P; GEMMs at DeepSeek-V3's projections' per-rank [N, K];
@@ -36,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import gpu_timing
 from plugserve.conformance.batches import random_batch
 from plugserve.core.config import ModelConfig, ModelConfigError, preset_config
 from plugserve.core.dispatch import prepare_attention
@@ -89,7 +91,8 @@ class Row:
 def timed(fn: Callable[[], object], device: torch.device, warmup: int, reps: int) -> tuple[float, str]:
     """Median seconds of fn() after warm-up, and how it was timed: "graph" (CUDA-graph replay, so host
     launch overhead is excluded alike for every backend), else "events" (CUDA events around eager calls:
-    fn syncs with the host or cannot be captured) or "wall" on the CPU."""
+    fn syncs with the host or cannot be captured) or "wall" on the CPU. On a GPU the L2 is flushed before each
+    timed call."""
     for _ in range(warmup):
         fn()
     if device.type != "cuda":
@@ -101,9 +104,11 @@ def timed(fn: Callable[[], object], device: torch.device, warmup: int, reps: int
         return statistics.median(samples), "wall"
     graph = _capture(fn)
     run = graph.replay if graph is not None else fn
+    flush = torch.empty(gpu_timing.FLUSH_BYTES, dtype=torch.uint8, device=device)
     samples = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        flush.zero_()  # a cold L2, outside the timed events
         start.record()
         run()
         end.record()
@@ -127,16 +132,15 @@ def _capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph | None:
 
 
 def measure_ceilings(device: torch.device, quick: bool) -> dict[str, float]:
-    """Copy GB/s (read + write), dense bf16 and fp8 TFLOP/s, measured here and now."""
+    """Read GB/s (a read-only stream: the memory limit), copy GB/s (read + write, kept beside it), dense bf16 and
+    fp8 TFLOP/s, measured here and now."""
     n_bytes = (2 << 30) if not quick else (64 << 20)
-    src = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    copy_s, _ = timed(lambda: dst.copy_(src), device, 3, 10)
+    ceilings = {"read_gbps": gpu_timing.read_gbps(device, n_bytes), "copy_gbps": gpu_timing.copy_gbps(device, n_bytes)}
     size = 8192 if not quick else 512
     a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
     b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
     bf16_s, _ = timed(lambda: a @ b, device, 3, 10)
-    ceilings = {"copy_gbps": 2 * n_bytes / copy_s / 1e9, "bf16_tflops": 2 * size**3 / bf16_s / 1e12}
+    ceilings["bf16_tflops"] = 2 * size**3 / bf16_s / 1e12
     if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
         a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
         one = torch.ones((), device=device)
@@ -322,9 +326,10 @@ def moe_case(spec: MoESpec, dtype: torch.dtype, topk_ids: torch.Tensor) -> Case:
 
 
 def limit_seconds(case: Case, ceilings: dict[str, float]) -> float:
-    """The case's limit: max(bytes / measured copy bandwidth, flops / measured dense rate of its flop dtype)."""
+    """The case's limit: max(bytes read and written / measured read rate, flops / measured dense rate of its flop
+    dtype). Writes count at the read rate too: a lower bound on the time, so no fraction of it can honestly pass 1."""
     tflops_ceiling = ceilings["fp8_tflops" if case.flop_dtype == "fp8" else "bf16_tflops"]
-    return max(case.bytes / (ceilings["copy_gbps"] * 1e9), case.flops / (tflops_ceiling * 1e12))
+    return max(case.bytes / (ceilings["read_gbps"] * 1e9), case.flops / (tflops_ceiling * 1e12))
 
 
 def run_moe(backends: list, device: torch.device, dtype: torch.dtype, args, emit) -> None:
@@ -572,6 +577,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.merge_into is not None:
         merge_rankings(args.merge_into, selection_table(rows, hardware.name, command, args.tp_size, args.ep_size,
                                                         heads))
+    if device.type == "cuda":
+        check_limits(rows)
+
+
+def check_limits(rows: list[Row]) -> None:
+    """Exits naming every row faster than its limit (the results are written first, to look at): the limit is a
+    lower bound on the time, so such a row means a byte or flop count, or a ceiling, is wrong. On a GPU only: a
+    CPU's caches are not flushed between calls, so small cases there run from cache."""
+    over = [f"{r.kind} {r.shape} {r.backend}: {r.fraction_of_limit:.2f}" for r in rows if r.fraction_of_limit > 1.0]
+    if over:
+        sys.exit("faster than the limit (fraction of the limit above 1):\n  " + "\n  ".join(over))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Where the `triton` MoE backend's time goes at prefill sizes: DeepSeek-V3's block-FP8 experts (one rank's under
 tensor parallelism), each batch's forward replayed from a CUDA graph with a cold L2 (as the shootout times it),
 beside the GPU time of each kernel in it (torch profiler over the same replays) and the limit the shootout counts:
-max(activated experts' weight bytes / copy bandwidth, FP8 flops / dense FP8 rate).
+max(activated experts' weight bytes / read bandwidth, FP8 flops / dense FP8 rate).
 
     python -m benchmarks.dev.profile_moe --tp-sizes 1 8 --batch-sizes 512 2048 4096
 """
@@ -31,7 +31,7 @@ def main() -> None:
         raise SystemExit("profile_moe times CUDA kernels: run it on a GPU")
     device = torch.device("cuda")
     ceilings = measure_ceilings(device, quick=False)
-    print(f"copy {ceilings['copy_gbps']:.0f} GB/s, dense fp8 {ceilings['fp8_tflops']:.0f} TFLOP/s", flush=True)
+    print(f"read {ceilings['read_gbps']:.0f} GB/s, dense fp8 {ceilings['fp8_tflops']:.0f} TFLOP/s", flush=True)
     for tp in args.tp_sizes:
         spec = preset_config("deepseek-v3").moe_spec(torch.bfloat16, tp, 1, 0)
         backend = TritonMoE(spec, device)

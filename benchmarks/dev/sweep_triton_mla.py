@@ -1,5 +1,5 @@
 """Sweep the launch parameters of the Triton MLA decode kernel on the GPU, against the limit measured in
-the same run: max(KV bytes / copy GB/s, flops / bf16 TFLOP/s), as benchmarks/shootout.py computes it.
+the same run: max(KV bytes / read GB/s, flops / bf16 TFLOP/s), as benchmarks/shootout.py computes it.
 
     PYTHONPATH=. python benchmarks/dev/sweep_triton_mla.py [--heads 16 128] [--shapes 1x32768 32x8192] \
         [--quick] [--output sweep.json]
@@ -75,7 +75,7 @@ def sweep_shape(heads: int, batch_size: int, kv: int, ceilings: dict[str, float]
     q_rope = torch.randn(batch_size, heads, spec.qk_rope_head_dim, device=device, dtype=dtype)
     kv_bytes = batch_size * kv * (spec.kv_lora_rank + spec.qk_rope_head_dim) * 2
     flops = 2 * batch_size * heads * kv * (2 * spec.kv_lora_rank + spec.qk_rope_head_dim)
-    limit = max(kv_bytes / (ceilings["copy_gbps"] * 1e9), flops / (ceilings["bf16_tflops"] * 1e12))
+    limit = max(kv_bytes / (ceilings["read_gbps"] * 1e9), flops / (ceilings["bf16_tflops"] * 1e12))
     backend = TritonAttention(spec, device)
     backend.plan(batch)
     expected = backend.forward_mla(q_nope, q_rope, 0).float()
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     ceilings = measure_ceilings(device, quick=device.type != "cuda")
-    print(f"{name}: copy {ceilings['copy_gbps']:.0f} GB/s, "
+    print(f"{name}: read {ceilings['read_gbps']:.0f} GB/s, "
           f"bf16 {ceilings['bf16_tflops']:.0f} TFLOP/s", flush=True)
     runs = []
     for heads in args.heads:

@@ -19,7 +19,7 @@ fastest tiles again with K cut into 2, 4 or 8 runs (SPLIT_K), for batches whose 
 GPU. Larger counts time the w2 pass's fastest tiles again with 4, 16 or 64 column blocks a program
 (COLUMN_BLOCKS), where its K, the intermediate size per rank, is short (at most COLUMN_MAX_K, 512). Every count
 also prints its fraction of the weight-read limit (the bytes of the distinct experts the batch routes to
-over the copy bandwidth measured at start). --update keeps the other token counts of an existing file.
+over the read bandwidth measured at start). --update keeps the other token counts of an existing file.
 
     python -m benchmarks.tune.tune_fused_moe --quick
     python -m benchmarks.tune.tune_fused_moe --model v2-lite --batch-sizes 1 2 4 8 --update
@@ -97,14 +97,11 @@ def decode_space(fp8: bool, dtype: torch.dtype, pairs_per_expert: float) -> tupl
     return block_ms, [GemmConfig(*values) for values in itertools.product(*axes)]
 
 
-def copy_bandwidth(device: torch.device) -> float:
-    """Bytes per second of a 1 GiB device-to-device copy, read plus write."""
-    import triton.testing
+def read_bandwidth(device: torch.device) -> float:
+    """Bytes per second of reading 1 GiB once (benchmarks/gpu_timing.py): the weight-read limit's rate."""
+    from benchmarks.gpu_timing import read_gbps
 
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=5, rep=50, return_mode="median")
-    return 2 * src.numel() / (ms * 1e-3)
+    return read_gbps(device, 1 << 30) * 1e9
 
 
 def time_ms(fn: Callable[[], None], quick: bool) -> float:
@@ -261,8 +258,8 @@ def tune_model(name: str, model: Model, tp: int, ep: int, dtype_name: str, batch
     print(f"{name}: E={spec.num_local_experts} of {spec.num_experts} top-{spec.top_k} H={spec.hidden_size} "
           f"N={spec.intermediate_size} (TP {tp}, EP {ep}) {dtype_name} on {hardware.describe()}", flush=True)
     experts = Experts.random(spec, device)
-    bandwidth = copy_bandwidth(device)
-    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)
+    bandwidth = read_bandwidth(device)
+    print(f"read bandwidth {bandwidth / 1e12:.2f} TB/s (the weight-read limit's)", flush=True)
     path = out_dir / configs.config_file_name(spec.num_local_experts, spec.intermediate_size, hardware.device_key,
                                               dtype, BLOCK_SHAPE if fp8 else None)
     kept = (configs.load_config_file.__wrapped__(path) or {}) if update else {}

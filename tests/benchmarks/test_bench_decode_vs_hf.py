@@ -116,7 +116,7 @@ def test_whole_script_on_the_cpu(tmp_path, capsys, monkeypatch):
     assert "Decode step: plugserve vs transformers" in printed and "Decode.  median latency:" in printed
     report = json.loads(out.read_text())
     assert report["device"] and report["args"]["model_preset"] == "tiny-v2-lite"
-    assert {"torch", "transformers"} <= set(report["versions"]) and report["ceilings"]["copy_gbps"] > 0
+    assert {"torch", "transformers"} <= set(report["versions"]) and report["ceilings"]["read_gbps"] > 0
     assert {(b["kind"], b["phase"]) for b in report["plugserve"]["backends"]} >= {("attention", "decode"),
                                                                                  ("moe", "decode")}
     assert report["hf_mode"] == "eager" and report["config"]["num_hidden_layers"] == 2

@@ -672,7 +672,7 @@ def test_tuner_writes_each_finished_count(tmp_path: Path, monkeypatch: pytest.Mo
     cpu = Hardware.detect("cpu")
     monkeypatch.setattr(tuner.Hardware, "detect", lambda device: cpu)
     monkeypatch.setattr(tuner.Experts, "random", lambda spec, device: None)
-    monkeypatch.setattr(tuner, "copy_bandwidth", lambda device: 1e12)
+    monkeypatch.setattr(tuner, "read_bandwidth", lambda device: 1e12)
 
     def tune_batch(experts, m, block_ms, tiles, quick, kept):
         if m == 64:
