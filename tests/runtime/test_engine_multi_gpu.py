@@ -218,7 +218,8 @@ def _speculative_layouts() -> list[object]:
 def _speculative_tokens(model_dir: Path, world: int, flags: dict[str, object]) -> tuple[object, ...]:
     """In its own process: the greedy tokens of PROMPTS with speculative decoding (Triton decode attention, which
     runs the round's graphs), the CUDA graphs' status, rank 0's replays of the greedy round's graph, the accept
-    length and the workers' exit codes."""
+    length once sampled requests ran too (whose drafts and acceptance rank 0 sends the other ranks mid-round; the
+    random NextN layer's greedy drafts are seldom accepted) and the workers' exit codes."""
     engine = Engine(_args(model_dir, world, decode_attention_backend="triton", **flags))
     replay, round_replays = CudaGraphRunner.replay, []
 
@@ -229,6 +230,8 @@ def _speculative_tokens(model_dir: Path, world: int, flags: dict[str, object]) -
     CudaGraphRunner.replay = counting  # type: ignore[method-assign]  # this process's own engine only
     try:
         tokens = _tokens(engine)
+        sampled = engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=8, temperature=1.0, seed=3))
+        assert [r.error for r in sampled] == [None, None]
         graphs = engine.runner.graphs.status
         accept_length = engine.scheduler.spec.accept_length  # type: ignore[union-attr]
         engine.check_pool_accounting()

@@ -74,7 +74,8 @@ def test_tp2_speculative_gives_the_greedy_tokens_of_one_rank_without_it(checkpoi
     try:
         assert _generate_mixed(engine) == plain_tokens
         worker = engine.scheduler.spec  # type: ignore[attr-defined]
-        assert worker.verify_steps and worker.accepted_tokens > worker.verify_steps  # some drafts were accepted
+        # Some drafts were accepted: the sampled request's at least (the random NextN layer's greedy chains seldom are).
+        assert worker.verify_steps and worker.accepted_tokens > worker.verify_steps
     finally:
         engine.shutdown()
     assert engine.ranks is not None and [p.exitcode for p in engine.ranks.workers.values()] == [0]
