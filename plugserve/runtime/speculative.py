@@ -54,13 +54,13 @@ attention backends also plan on the device: draft steps, verify, greedy acceptan
 load, so that the host's time per round stays close to a decode step's. A batch past the largest graph runs
 eagerly, with the same outputs.
 
-Under tensor parallelism every rank has a SpeculativeWorker and runs every forward of a round. Rank 0's sends the
-step's batch, inputs and kind (`rank_protocol.Step`: which of the paths above the round takes) before it (`follow`
-runs it on the others); what rank 0 alone decides with its requests' state (drafts and first tokens drawn with their
+Under tensor parallelism every rank has a SpeculativeWorker and runs every forward of a round. Rank 0's worker
+sends the step's batch, inputs and kind (`rank_protocol.Step`: which of the paths above the round takes) before it
+(`follow` runs it on the others); what rank 0 alone decides with its requests' state (tokens drawn with their
 generators, acceptance under their penalties) goes to the others mid-step (`rank_protocol.from_leader`). Greedy
 argmaxes (the round graph's drafts and acceptance, the first greedy draft, trees' top-k) are replicated instead:
-every rank computes them from the same all-reduced, all-gathered logits, and the round graph then needs no
-collective beyond the model's.
+every rank computes them from the same all-reduced, all-gathered logits (as every rank routes MoE tokens from the
+same hidden states), and the round graph then needs no collective beyond the model's.
 """
 
 from __future__ import annotations
