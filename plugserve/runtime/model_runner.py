@@ -10,6 +10,7 @@ has none."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -295,12 +296,24 @@ class ModelRunner:
             rank_protocol.send(self.group, headers, parts)
         return self._forward_own(parts[self.dp_rank], headers)
 
+    def announce(self, part: rank_protocol.Part, step: rank_protocol.Step) -> None:
+        """Rank 0 of several, before a speculative step: its batch and inputs to the other ranks, whose `follow`
+        hands them to their speculative worker."""
+        if self.group.world_size > 1:
+            rank_protocol.send(self.group, [rank_protocol.Header.of(part, step)], [part])
+
     @torch.inference_mode()
-    def follow(self) -> None:
-        """Ranks 1..P-1, after `warm_up`: run each forward rank 0 runs (their group's part of it), until rank 0
-        releases them (`release_followers`)."""
+    def follow(self, speculative: Callable[[rank_protocol.Part, rank_protocol.Header], None] | None = None) -> None:
+        """Ranks 1..P-1, after `warm_up`: run each forward rank 0 runs (their group's part of it), and each
+        speculative step with `speculative`, until rank 0 releases them (`release_followers`)."""
         while (received := rank_protocol.receive(self.group, self.dp_rank, self.pool, self.prepare)) is not None:
-            self._forward_own(*received)
+            part, headers = received
+            header = headers[self.dp_rank]
+            if header is not None and header.step is not rank_protocol.Step.FORWARD:
+                assert part is not None and speculative is not None, "speculative steps come with speculation on"
+                speculative(part, header)
+            else:
+                self._forward_own(part, headers)
 
     def release_followers(self) -> None:
         """Rank 0, once its forwards are over: end the other ranks' `follow`."""
@@ -313,14 +326,14 @@ class ModelRunner:
         if part is None:
             part = rank_protocol.idle_part(self.pool)
         if self.dp_size == 1:
-            return [self._forward(*part)]
+            return [self._forward(part.input_ids, part.batch, part.sample_rows)]
         sampled = [0 if h is None else h.num_sampled for h in headers]
         graph = self.graphs.runners.get(ForwardMode.DECODE.name)
         if graph is not None and (size := dp_graph_size(graph, headers)) is not None:  # alike on every rank
             logits = graph.replay_dp(part.input_ids, part.batch, size)[0]
             return [logits[g * size : g * size + n, : self.sample_vocab] for g, n in enumerate(sampled)]
         part.batch.dp_tokens = [0 if h is None else h.sizes[0] for h in headers]
-        return list(self._forward(*part, dp_sampled=sampled).split(sampled))
+        return list(self._forward(part.input_ids, part.batch, part.sample_rows, dp_sampled=sampled).split(sampled))
 
     def _forward(self, input_ids: torch.Tensor, batch: ForwardBatch, sample_rows: torch.Tensor,
                  dp_sampled: list[int] | None = None) -> torch.Tensor:

@@ -27,7 +27,7 @@ from plugserve.core.distributed import (
 )
 from plugserve.runtime.model_runner import ModelRunner, rank_device
 from plugserve.runtime.server_args import ServerArgs
-from plugserve.runtime.speculative import build_runner
+from plugserve.runtime.speculative import build_runner, follow
 from plugserve.runtime.warmup import warm_up
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ def _worker_main(rank: int, args: ServerArgs, address: str) -> None:
     group = init_parallel_group(rank, args.tp_size, address, rank_device(args, rank), one_host=args.nnodes == 1)
     runner = build_runner(args, group)
     warm_up(runner)
-    runner.follow()
+    follow(runner)
     # Released: leave at once. NCCL's process-group teardown waits on the other ranks (and was seen hanging with
     # CUDA graphs alive); rank 0 aborts its side instead (`Ranks.stop`).
     logging.shutdown()

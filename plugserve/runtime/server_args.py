@@ -355,9 +355,6 @@ class ServerArgs(BaseModel):
         if self.enable_dp_attention:
             raise ValueError(f"{flag('speculative_algorithm')} does not combine with {flag('enable_dp_attention')}: "
                              "the draft and verify forwards do not run per DP group yet")
-        if self.tp_size > 1:
-            raise ValueError(f"{flag('speculative_algorithm')} runs with {flag('tp_size')} 1 only for now: the draft "
-                             "and verify forwards are not yet sent to the other ranks")
         draft = self.speculative_draft_model_path
         if draft is not None and not (Path(draft) / "config.json").is_file():
             raise ValueError(f"{flag('speculative_draft_model_path')} {draft}: not a checkpoint directory (no "

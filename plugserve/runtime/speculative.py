@@ -53,6 +53,14 @@ chains (every request greedy, without penalties) is one graph replay (`greedy_ro
 attention backends also plan on the device: draft steps, verify, greedy acceptance and draft extend, with one input
 load, so that the host's time per round stays close to a decode step's. A batch past the largest graph runs
 eagerly, with the same outputs.
+
+Under tensor parallelism every rank has a SpeculativeWorker and runs every forward of a round. Rank 0's worker
+sends the step's batch, inputs and kind (`rank_protocol.Step`: which of the paths above the round takes) before it
+(`follow` runs it on the others); what rank 0 alone decides with its requests' state (tokens drawn with their
+generators, acceptance under their penalties) goes to the others mid-step (`rank_protocol.from_leader`). Greedy
+argmaxes (the round graph's drafts and acceptance, the first greedy draft, trees' top-k) are replicated instead:
+every rank computes them from the same all-reduced, all-gathered logits (as every rank routes MoE tokens from the
+same hidden states), and the round graph then needs no collective beyond the model's.
 """
 
 from __future__ import annotations
@@ -71,6 +79,7 @@ from plugserve.core.moved import moved_names
 from plugserve.runtime import acceptance
 from plugserve.runtime.cuda_graph_runner import CudaGraphRunner, GraphForward, GraphPlan, GraphPlans
 from plugserve.runtime.model_runner import ModelRunner
+from plugserve.runtime.rank_protocol import Header, Part, Step, from_leader
 from plugserve.runtime.sampling import SampleOutput, SamplingParams, draw, filtered_probs
 from plugserve.runtime.server_args import ServerArgs, SpeculativeConfig, flag
 
@@ -111,6 +120,12 @@ def build_runner(args: ServerArgs, group: ParallelGroup = SINGLE) -> ModelRunner
     """This rank's ModelRunner, capturing the speculative round's forwards (`graph_plans`) when `args` asks for
     speculative decoding."""
     return ModelRunner(args, group, graph_plans(args.speculative) if args.speculative is not None else None)
+
+
+def follow(runner: ModelRunner) -> None:
+    """Ranks 1..P-1: `runner.follow`, with a SpeculativeWorker for rank 0's speculative steps when speculating."""
+    spec = runner.args.speculative
+    runner.follow(None if spec is None else SpeculativeWorker(runner, spec).follow)
 
 
 def plan_in_graph(attention: AttentionBackend, batch: ForwardBatch) -> None:
@@ -160,11 +175,37 @@ class SpeculativeWorker:
         input_ids [T] int64; next_ids [T] int64, the token after each (rows `sample_rows` [S] int64 are overwritten
         with the tokens sampled there); table_rows: the block-table rows of the S requests sampled; `sample` turns
         their logits [S, vocab] float32 into tokens."""
-        hidden, attention = self._target(input_ids, batch)
-        sampled = sample(self._logits(hidden[sample_rows]))
-        next_ids = next_ids.index_copy(0, sample_rows, sampled.token_ids)
-        self._keep(self._rows(table_rows), self.model.forward_nextn(next_ids, hidden, batch, attention)[sample_rows])
+        rows = self._rows(table_rows)
+        self.runner.announce(Part(input_ids, batch, sample_rows, torch.cat([next_ids, rows])), Step.SPEC_EXTEND)
+        sampled = self._extend(batch, input_ids, next_ids, sample_rows, rows, sample)
+        assert sampled is not None
         return sampled
+
+    def _extend(self, batch: ForwardBatch, input_ids: torch.Tensor, next_ids: torch.Tensor, sample_rows: torch.Tensor,
+                rows: torch.Tensor, sample: Callable[[torch.Tensor], SampleOutput] | None) -> SampleOutput | None:
+        """`extend` on every rank (rows [S] int64: the block-table rows); `sample` None: another rank than 0,
+        which gets rank 0's tokens."""
+        hidden, attention = self._target(input_ids, batch)
+        logits = self._logits(hidden[sample_rows])
+        sampled = None if sample is None else sample(logits)
+        (tokens,) = self._from_leader(None if sampled is None else [sampled.token_ids], [(len(rows),)])
+        next_ids = next_ids.index_copy(0, sample_rows, tokens)
+        self._keep(rows, self.model.forward_nextn(next_ids, hidden, batch, attention)[sample_rows])
+        return sampled
+
+    @torch.inference_mode()
+    def follow(self, part: Part, header: Header) -> None:
+        """Ranks 1..P-1: rank 0's speculative step (`rank_protocol.Step`) with the inputs it sent."""
+        assert part.extra is not None
+        if header.step is Step.SPEC_EXTEND:
+            next_ids, rows = part.extra.split([part.input_ids.numel(), part.sample_rows.numel()])
+            self._extend(part.batch, part.input_ids, next_ids, part.sample_rows, rows, None)
+        else:
+            self._round(header.step, part.batch, part.input_ids, part.extra, None, None)
+
+    def _from_leader(self, tensors: Sequence[torch.Tensor] | None, shapes: Sequence[tuple[int, ...]]
+                     ) -> list[torch.Tensor]:
+        return from_leader(self.runner.group, tensors, shapes, self.hidden.device)
 
     @torch.inference_mode()
     def verify(self, batch: ForwardBatch, input_ids: torch.Tensor, requests: Sequence[Request],
@@ -172,25 +213,45 @@ class SpeculativeWorker:
         """One round for the requests of a TARGET_VERIFY `batch` (n = num_draft_tokens tokens each): draft, verify,
         accept, draft extend. input_ids [B * n] int64 hold each request's last token at its first row (the drafts
         go in the others). Returns `verify_drafts`' output (`verify_tree`'s with topk > 1)."""
-        b, n = batch.batch_size, self.num_draft_tokens
         rows = self._rows([r.table_row for r in requests])
         if self.topk > 1:
+            step = Step.SPEC_TREE
+        elif self.runner.graphs.get(ROUND, batch) is not None and all(_plain_greedy(r.params) for r in requests):
+            step = Step.SPEC_ROUND
+        else:
+            step = Step.SPEC_CHAINS_GREEDY if all(r.params.is_greedy for r in requests) else Step.SPEC_CHAINS_SAMPLED
+        self.runner.announce(Part(input_ids, batch, rows[:0], rows), step)
+        out = self._round(step, batch, input_ids, rows, requests, default_generator)
+        assert out is not None
+        return out
+
+    def _round(self, step: Step, batch: ForwardBatch, input_ids: torch.Tensor, rows: torch.Tensor,
+               requests: Sequence[Request] | None, default_generator: torch.Generator | None) -> SampleOutput | None:
+        """`verify` on every rank along the path `step` names (rows [B] int64: the block-table rows); `requests`
+        None: another rank than 0, which gets what rank 0 decides and returns None."""
+        b, n = batch.batch_size, self.num_draft_tokens
+        if step is Step.SPEC_TREE:
             return self._verify_tree(batch, input_ids.view(b, n)[:, :1], requests, rows, default_generator)
-        round_graph = self.runner.graphs.get(ROUND, batch)
-        if round_graph is not None and all(_plain_greedy(r.params) for r in requests):
+        if step is Step.SPEC_ROUND:
+            round_graph = self.runner.graphs.get(ROUND, batch)
+            assert round_graph is not None, "every rank holds the same round graphs"
             return self._greedy_round(round_graph, batch, input_ids, requests, rows)
-        drafts, draft_probs = self._draft(batch, requests, rows, default_generator)
+        drafts, draft_probs = self._draft(batch, requests, rows, default_generator,
+                                          greedy=step is Step.SPEC_CHAINS_GREEDY)
         ids = torch.cat([input_ids.view(b, n)[:, :1], drafts], dim=1)
         hidden, logits = self._verify_chains(ids.view(-1), batch)
-        out = acceptance.verify_drafts(logits.view(b, n, -1), drafts, draft_probs, [r.params for r in requests],
-                            [r.prompt_ids for r in requests], [r.output_ids[: r.num_resolved] for r in requests],
-                            [r.generator for r in requests], default_generator)
-        self._draft_extend(batch, hidden, out, rows)
+        out = None if requests is None else acceptance.verify_drafts(
+            logits.view(b, n, -1), drafts, draft_probs, [r.params for r in requests], [r.prompt_ids for r in requests],
+            [r.output_ids[: r.num_resolved] for r in requests], [r.generator for r in requests], default_generator)
+        tokens, accept_lens = self._from_leader(None if out is None else [out.token_ids, out.accept_lens],
+                                                [(b, n), (b,)])
+        self._draft_extend(batch, hidden, tokens, accept_lens, rows)
         return out
 
     def _greedy_round(self, graph: CudaGraphRunner, batch: ForwardBatch, input_ids: torch.Tensor,
-                      requests: Sequence[Request], rows: torch.Tensor) -> SampleOutput:
-        """`verify` of greedy chains in one replay of the round graph (`greedy_round_forward`)."""
+                      requests: Sequence[Request] | None, rows: torch.Tensor) -> SampleOutput | None:
+        """`verify` of greedy chains in one replay of the round graph (`greedy_round_forward`); None without
+        `requests` (on ranks 1..P-1)."""
         b, n = batch.batch_size, self.num_draft_tokens
         ids = input_ids.view(b, n).clone()
         ids[:, 1] = self.first_draft[rows]
@@ -198,8 +259,8 @@ class SpeculativeWorker:
         self.hidden[rows] = drafted
         self.first_draft[rows] = greedy
         # The graph's outputs are rewritten by its next replay, which may come before the scheduler reads these.
-        out = acceptance.with_logprobs(logits.view(b, n, -1), tokens.view(b, n).clone(), accept_lens.clone(),
-                             [r.params for r in requests])
+        out = None if requests is None else acceptance.with_logprobs(
+            logits.view(b, n, -1), tokens.view(b, n).clone(), accept_lens.clone(), [r.params for r in requests])
         self.verify_steps += b
         self.accepted_tokens += b + int(accept_lens.sum())  # after the launch: this waits for the round
         return out
@@ -214,22 +275,25 @@ class SpeculativeWorker:
         hidden, _ = self._target(input_ids, batch)
         return hidden, self._logits(hidden)
 
-    def _verify_tree(self, batch: ForwardBatch, roots: torch.Tensor, requests: Sequence[Request], rows: torch.Tensor,
-                     default_generator: torch.Generator | None) -> SampleOutput:
+    def _verify_tree(self, batch: ForwardBatch, roots: torch.Tensor, requests: Sequence[Request] | None,
+                     rows: torch.Tensor, default_generator: torch.Generator | None) -> SampleOutput | None:
         """`verify` with draft trees; roots [B, 1] int64: each request's last token."""
         drafts, parents = self._draft_tree(batch, rows)
         tree = batch.with_tree(DraftTree.of(parents))
         tokens = torch.cat([roots, drafts], dim=1)
         hidden, _ = self._target(tokens.view(-1), tree)
-        out, path = acceptance.verify_tree(self._logits(hidden).view(*tokens.shape, -1), tokens, parents,
-                                [r.params for r in requests], [r.prompt_ids for r in requests],
-                                [r.output_ids[: r.num_resolved] for r in requests], [r.generator for r in requests],
-                                default_generator)
+        logits = self._logits(hidden).view(*tokens.shape, -1)
+        out, path = (None, None) if requests is None else acceptance.verify_tree(
+            logits, tokens, parents, [r.params for r in requests], [r.prompt_ids for r in requests],
+            [r.output_ids[: r.num_resolved] for r in requests], [r.generator for r in requests], default_generator)
+        accepted, accept_lens, path = self._from_leader(
+            None if out is None else [out.token_ids, out.accept_lens, path], [tokens.shape, tokens.shape[:1],
+                                                                              tokens.shape])
         slots = batch.out_cache_loc.view(tokens.shape)
         batch.kv_pool.copy_slots(slots.gather(1, path[:, 1:]).view(-1), slots[:, 1:].reshape(-1),
                                  range(len(self.model.layers)))
         picked = hidden.view(*tokens.shape, -1).gather(1, path[:, :, None].expand(*tokens.shape, hidden.shape[-1]))
-        self._draft_extend(batch, picked.view(hidden.shape), out, rows)
+        self._draft_extend(batch, picked.view(hidden.shape), accepted, accept_lens, rows)
         return out
 
     def _draft_tree(self, verify: ForwardBatch, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -283,12 +347,12 @@ class SpeculativeWorker:
         root = torch.full((b, 1), -1, dtype=torch.int64, device=device)
         return torch.cat(cand_tokens, dim=1).gather(1, kept), torch.cat([root, parents], dim=1)
 
-    def _draft(self, verify: ForwardBatch, requests: Sequence[Request], rows: torch.Tensor,
-               default_generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The k drafts of each request of `verify` (`rows` [B] int64: their block-table rows): [B, k] int64, and
-        the distributions they were drawn from, [B, k, vocab] float32 (None when every request is greedy)."""
+    def _draft(self, verify: ForwardBatch, requests: Sequence[Request] | None, rows: torch.Tensor,
+               default_generator: torch.Generator | None, greedy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The k drafts of each request of `verify` (`rows` [B] int64: their block-table rows; `greedy`: every
+        request is): [B, k] int64, and the distributions they were drawn from, [B, k, vocab] float32 (None when
+        every request is greedy, and on ranks 1..P-1, which pass no `requests` and get rank 0's drafts)."""
         k = self.num_steps
-        params, generators = [r.params for r in requests], [r.generator for r in requests]
         hidden = self.hidden[rows]
         tokens: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
@@ -296,35 +360,36 @@ class SpeculativeWorker:
             if step:
                 # Step j = step + 1 sits at position L - 3 + j, the verify's token j - 2 (it starts at L - 1).
                 hidden, logits = self._draft_step(tokens[-1], hidden, verify.token_as_decode(step - 1))
-            elif all(p.is_greedy for p in params):
+            elif greedy:
                 tokens.append(self.first_draft[rows])
                 continue
             else:
                 logits = self._logits(hidden)
-            token, q = _draft_tokens(logits, params, generators, default_generator)
-            tokens.append(token)
+            token, q = (None, None) if requests is None else _draft_tokens(
+                logits, [r.params for r in requests], [r.generator for r in requests], default_generator)
+            tokens.append(self._from_leader(None if token is None else [token], [(len(rows),)])[0])
             if q is not None:
                 probs.append(q)
         return torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None
 
-    def _draft_extend(self, verify: ForwardBatch, hidden: torch.Tensor, out: SampleOutput, rows: torch.Tensor
-                      ) -> None:
+    def _draft_extend(self, verify: ForwardBatch, hidden: torch.Tensor, tokens: torch.Tensor,
+                      accept_lens: torch.Tensor, rows: torch.Tensor) -> None:
         """The NextN layer over each request's accepted tokens, padded to the verify's n per request (module
-        docstring): out.token_ids [B, n] int64, hidden [B * n, H] the target's at them (its hidden states of the
-        verify, along the accepted path for trees), `verify` the chain-shaped TARGET_VERIFY batch. Keeps h'."""
+        docstring): tokens [B, n] int64 (request b's first accept_lens[b] + 1, accept_lens [B] int64), hidden
+        [B * n, H] the target's at them (its hidden states of the verify, along the accepted path for trees),
+        `verify` the chain-shaped TARGET_VERIFY batch. Keeps h'."""
         b, n = verify.batch_size, self.num_draft_tokens
-        assert out.accept_lens is not None
         batch = dataclasses.replace(verify, mode=ForwardMode.DRAFT_EXTEND)
         # Row of each request's h': its last accepted token's.
-        last = torch.arange(0, b * n, n, device=hidden.device) + out.accept_lens
+        last = torch.arange(0, b * n, n, device=hidden.device) + accept_lens
         graph = self.runner.graphs.get(DRAFT_EXTEND, batch)
         if graph is not None:
-            greedy, drafted = graph.replay(out.token_ids.view(-1), batch, hidden)
+            greedy, drafted = graph.replay(tokens.view(-1), batch, hidden)
             self._keep(rows, drafted[last], greedy[last])
         else:
-            self._keep(rows, self._nextn(out.token_ids.view(-1), hidden, batch)[last])
+            self._keep(rows, self._nextn(tokens.view(-1), hidden, batch)[last])
         self.verify_steps += b
-        self.accepted_tokens += b + int(out.accept_lens.sum())  # after the launch: this waits for the round
+        self.accepted_tokens += b + int(accept_lens.sum())  # after the launch: this waits for the round
 
     def _keep(self, rows: torch.Tensor, drafted: torch.Tensor, greedy: torch.Tensor | None = None) -> None:
         """h' [B, H] of the requests at block-table rows [B] int64, and its greedy token [B] int64 (the argmax of its

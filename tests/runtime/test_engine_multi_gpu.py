@@ -1,7 +1,8 @@
 """The engine over several GPUs (`pytest -m multigpu tests`, on a lent machine of 2 or 4): TP, EP, DP attention and
-their mixes on the tiny V3 in float32 give one GPU's greedy tokens, which are HF transformers'; aborts under DP
-attention leave every page owned; a killed rank ends the engine with an error naming it; two nodes started as on two
-hosts give one GPU's tokens. Each multi-GPU engine runs
+their mixes on the tiny V3 in float32 give one GPU's greedy tokens, which are HF transformers', and so does
+speculative decoding (chains in the greedy round's graph, trees) under TP and TP+EP; aborts under DP attention
+leave every page owned; a killed rank ends the engine with an error naming it; two nodes started as on two hosts
+give one GPU's tokens. Each multi-GPU engine runs
 in a process of its own (its NCCL world lives until that process exits)."""
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ import torch
 
 from plugserve.core.distributed import pick_free_port
 from plugserve.core.tokenizer import EMBEDDED_MODEL_DIR
+from plugserve.runtime.cuda_graph_runner import CudaGraphRunner
 from plugserve.runtime.engine import Engine
 from plugserve.runtime.request import RequestOutput
 from plugserve.runtime.sampling import SamplingParams
 from plugserve.runtime.server_args import ServerArgs
-from tests.checkpoints import random_hf_model, save_hf_model, tiny_v3_config
+from plugserve.runtime.speculative import ROUND
+from tests.checkpoints import add_mtp_layer, random_hf_model, save_hf_model, tiny_v3_config
 from tests.engine_checks import assert_killing_rank_1_ends_the_engine
 from tests.multiprocess import multi_gpu, needs_gpus, run_in_process
 
@@ -40,6 +43,14 @@ def hf_model():
 @pytest.fixture(scope="module")
 def model_dir(hf_model, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_hf_model(hf_model, tmp_path_factory.mktemp("v3"))
+
+
+@pytest.fixture(scope="module")
+def nextn_dir(hf_model, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same model with a NextN layer to draft with."""
+    directory = save_hf_model(hf_model, tmp_path_factory.mktemp("v3-nextn"))
+    add_mtp_layer(directory, num_layers=tiny_v3_config().num_hidden_layers)
+    return directory
 
 
 @pytest.fixture(scope="module")
@@ -189,3 +200,60 @@ def test_two_nodes_give_one_gpus_greedy_tokens(model_dir: Path, one_gpu_tokens: 
     tokens, node1_exit = run_in_process(_two_nodes, model_dir, world, timeout_s=ENGINE_TIMEOUT_S)
     assert tokens == one_gpu_tokens
     assert node1_exit == 0
+
+
+CHAINS = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 3}
+TREE = {"speculative_algorithm": "EAGLE", "speculative_num_steps": 3, "speculative_eagle_topk": 2,
+        "speculative_num_draft_tokens": 6}
+
+
+def _speculative_layouts() -> list[object]:
+    layouts = []
+    for world in (2, 4):
+        for name, flags in [("chains-tp", CHAINS), ("chains-tp-ep", CHAINS | {"ep_size": world}), ("tree-tp", TREE)]:
+            layouts.append(pytest.param(world, flags, id=f"{name}{world}", marks=multi_gpu(world)))
+    return layouts
+
+
+def _speculative_tokens(model_dir: Path, world: int, flags: dict[str, object]) -> tuple[object, ...]:
+    """In its own process: the greedy tokens of PROMPTS with speculative decoding (Triton decode attention, which
+    runs the round's graphs), the CUDA graphs' status, rank 0's replays of the greedy round's graph, the accept
+    length once sampled requests ran too (whose drafts and acceptance rank 0 sends the other ranks mid-round; the
+    random NextN layer's greedy drafts are seldom accepted) and the workers' exit codes."""
+    engine = Engine(_args(model_dir, world, decode_attention_backend="triton", **flags))
+    replay, round_replays = CudaGraphRunner.replay, []
+
+    def counting(self: CudaGraphRunner, *args: object) -> object:
+        round_replays.append(self is engine.runner.graphs.runners.get(ROUND))
+        return replay(self, *args)
+
+    CudaGraphRunner.replay = counting  # type: ignore[method-assign]  # this process's own engine only
+    try:
+        tokens = _tokens(engine)
+        sampled = engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=8, temperature=1.0, seed=3))
+        assert [r.error for r in sampled] == [None, None]
+        graphs = engine.runner.graphs.status
+        accept_length = engine.scheduler.spec.accept_length  # type: ignore[union-attr]
+        engine.check_pool_accounting()
+    finally:
+        engine.shutdown()
+    assert engine.ranks is not None
+    return tokens, graphs, sum(round_replays), accept_length, [p.exitcode for p in engine.ranks.workers.values()]
+
+
+@pytest.mark.parametrize(("world", "flags"), _speculative_layouts())
+def test_speculative_decoding_over_ranks_gives_one_gpus_greedy_tokens(nextn_dir: Path,
+                                                                       one_gpu_tokens: list[list[int]], world: int,
+                                                                       flags: dict[str, object]) -> None:
+    """Every rank runs the draft, verify and draft-extend forwards, chains in the greedy round's graph."""
+    tokens, graphs, round_replays, accept_length, exit_codes = run_in_process(
+        _speculative_tokens, nextn_dir, world, flags, timeout_s=ENGINE_TIMEOUT_S)
+    assert tokens == one_gpu_tokens
+    sizes = "captured at batch sizes [1, 2, 4, 8, 12, 16]"
+    if "speculative_eagle_topk" in flags:
+        assert graphs.startswith(f"DRAFT_EXTEND {sizes}"), graphs
+    else:
+        assert graphs.startswith(f"TARGET_VERIFY, draft DECODE, DRAFT_EXTEND, greedy round {sizes}"), graphs
+        assert round_replays > 0
+    assert accept_length is not None and accept_length > 1
+    assert exit_codes == [0] * (world - 1)

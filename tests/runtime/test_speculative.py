@@ -65,7 +65,7 @@ def _copying_draft(expected: dict[tuple[int, ...], list[int]], wrong_every: int 
     prompt), so that whole runs are accepted; `wrong_every` n > 0 spoils each draft at an output index i with
     (i + prompt length) % n == 0, so that requests of one batch accept different lengths."""
 
-    def draft(verify, requests, rows, default_generator):
+    def draft(verify, requests, rows, default_generator, greedy):
         drafts = []
         for request in requests:
             done = request.num_resolved
@@ -186,8 +186,8 @@ def test_the_nextn_layer_drafts_from_the_state_the_rounds_leave(checkpoint, spec
     worker, seen = spec.scheduler.spec, []
     real = worker._draft
 
-    def spy(verify, requests, rows, default_generator):
-        drafts, probs = real(verify, requests, rows, default_generator)
+    def spy(verify, requests, rows, default_generator, greedy):
+        drafts, probs = real(verify, requests, rows, default_generator, greedy)
         for request, chain in zip(requests, drafts.tolist(), strict=True):
             seen.append((request.prompt_ids + request.output_ids[: request.num_resolved], chain))
         return drafts, probs
@@ -214,11 +214,11 @@ def test_abort_between_rounds_frees_the_request(spec, monkeypatch):
     worker = spec.scheduler.spec
     real, resume, blocked = worker._draft, threading.Event(), threading.Event()
 
-    def draft(verify, requests, rows, default_generator):
+    def draft(verify, requests, rows, default_generator, greedy):
         if requests[0].num_resolved >= 3:
             blocked.set()
             resume.wait(30)
-        return real(verify, requests, rows, default_generator)
+        return real(verify, requests, rows, default_generator, greedy)
 
     monkeypatch.setattr(worker, "_draft", draft)
     outputs, done = [], threading.Event()
@@ -275,8 +275,8 @@ def _recording_drafts(engine: Engine, monkeypatch) -> list[list[list[int]]]:
     worker, drafts = engine.scheduler.spec, []
     draft = worker._draft
 
-    def recording(verify, requests, rows, default_generator):
-        tokens, probs = draft(verify, requests, rows, default_generator)
+    def recording(verify, requests, rows, default_generator, greedy):
+        tokens, probs = draft(verify, requests, rows, default_generator, greedy)
         drafts.append(tokens.tolist())
         return tokens, probs
 

@@ -236,11 +236,11 @@ def test_graphed_rounds_leave_the_nextn_layer_the_state_of_the_accepted_tokens(c
         real = worker._draft
         copying = _copying_draft({tuple(p): e for p, e in zip(PROMPTS, expected, strict=True)}, wrong_every=3)
 
-        def spy(verify, requests, rows, default_generator):
-            drafts, _ = real(verify, requests, rows, default_generator)
+        def spy(verify, requests, rows, default_generator, greedy):
+            drafts, _ = real(verify, requests, rows, default_generator, greedy)
             for request, chain in zip(requests, drafts.tolist(), strict=True):
                 seen.append((request.prompt_ids + request.output_ids[: request.num_resolved], chain))
-            return copying(verify, requests, rows, default_generator)
+            return copying(verify, requests, rows, default_generator, greedy)
 
         monkeypatch.setattr(worker, "_draft", spy)
         params = dataclasses.replace(GREEDY, max_new_tokens=GREEDY.max_new_tokens - CHAINS["speculative_num_steps"])

@@ -13,7 +13,9 @@
 #   tune      the Triton MoE's per-rank configs for V2-Lite at TP 2 (GPU 0) and TP 2 + EP 2 (GPU 1, after the one-GPU
 #             baseline bench there), --quick at batch 1-64, into the package and $OUT/moe_configs.tar; then --tp-size 2 and
 #             --tp-size 2 --ep-size 2 with them (tune-*.txt)
-# Usage: bash tools/device/run_multi_gpu_on_device.sh [tests] [allreduce] [tp] [profile] [fp8kv] [tune]
+#   spec      the tp step's bench with --speculative-algorithm NEXTN (a dummy NextN layer) and without --overlap: a
+#             round's time and accept length, one GPU then --tp-size 2 (spec.txt)
+# Usage: bash tools/device/run_multi_gpu_on_device.sh [tests] [allreduce] [tp] [profile] [fp8kv] [tune] [spec]
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD
 python3 -m pip install -q --no-index --no-deps --target /tmp/site ${CARRY:-.carry/slim}/*.whl 2>&1 | tail -1
@@ -70,6 +72,13 @@ for step in "$@"; do
         --plugserve-report $OUT/fp8kv-kit.json > $OUT/fp8kv-kit.txt 2>&1
       wait
       tail -n 3 $OUT/fp8kv-kit.txt; grep -i "fp8kv" $OUT/fp8kv-shootout.log | head -n 40 ;;
+    spec)
+      for tp in 1 2; do
+        devices=$([ $tp = 1 ] && echo 0 || echo 0,1)
+        CUDA_VISIBLE_DEVICES=$devices timeout 280 python3 -m benchmarks.bench_one_batch ${v2lite% --overlap} \
+          --tp-size $tp --speculative-algorithm NEXTN > $OUT/spec$tp.txt 2>&1
+        echo "spec tp $tp (rc $?): $(grep '^Decode.  median' $OUT/spec$tp.txt | tr '\n' ' ')"
+      done | tee $OUT/spec.txt ;;
   esac
   echo "[$step: $((SECONDS - start)) s]"
 done
