@@ -262,7 +262,8 @@ SHORT = SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True)
 
 
 def _triton_outputs(checkpoint, **flags) -> list[tuple]:
-    engine = Engine(_args(checkpoint, **TRITON, **flags))
+    # Room for the two requests only: the warm-up walks each decode batch size up to it through the interpreter.
+    engine = Engine(_args(checkpoint, **TRITON, max_running_requests=2, **flags))
     try:
         return _outputs(engine.generate(PROMPTS[:2], SHORT))
     finally:

@@ -69,7 +69,13 @@ def dequantize_block_fp8(
             f"got {tuple(scale_inv.shape)}"
         )
     bn, bk = block_shape
-    scales = scale_inv.float().repeat_interleave(bn, dim=0).repeat_interleave(bk, dim=1)
-    return w.float() * scales[:rows, :cols]
+    out = w.float()
+    # Row scales [rows, ceil(K/bk)]; each applied in place to its run of bk columns (the last run may be shorter).
+    scales = scale_inv.float().repeat_interleave(bn, dim=0)[:rows]
+    whole = cols // bk
+    out[:, : whole * bk].view(rows, whole, bk).mul_(scales[:, :whole, None])
+    if whole * bk < cols:
+        out[:, whole * bk :].mul_(scales[:, whole:])
+    return out
 
 
