@@ -6,7 +6,7 @@ bits with the batch around it, and a greedy near-tie can flip. Row-wise reductio
 short last dim vectorizes across rows when there are many, along the row when there are few), and so do
 transcendental element-wise ops (an element past the last whole vector takes the scalar exp / sigmoid, whose last bit
 differs from the vector one's: where it falls depends on the tensor's size). Inside
-`BatchInvariantMode` every mm / addmm / bmm / baddbmm on this thread runs in fixed blocks of `ROW_BLOCK` rows, and
+`BatchInvariantMode` every mm / addmm / bmm / baddbmm on this thread runs one row at a time (one batched call), and
 every sum / mean / softmax / log-softmax over the last dim in fixed blocks of `REDUCE_BLOCK` rows (the last block
 zero-padded), and every exp / log / sigmoid / silu / tanh / erf / gelu on a copy zero-padded to whole `VECTOR_PAD`
 element groups (every element through the vector path): every row goes through one kernel of one shape, whatever the
@@ -24,7 +24,6 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-ROW_BLOCK = 16
 REDUCE_BLOCK = 256
 VECTOR_PAD = 64  # a multiple of every CPU vector loop's step (2 x 16 float32 lanes on AVX-512)
 KEY_TILE = 64
@@ -33,21 +32,15 @@ _state = threading.local()
 _aten = torch.ops.aten
 
 
-def row_blocked_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [M, K] @ b [K, N] -> [M, N], computed ROW_BLOCK rows at a time (a zero-padded to a whole block)."""
-    m = a.shape[0]
-    padded = -(-m // ROW_BLOCK) * ROW_BLOCK
-    if padded != m or not a.is_contiguous():
-        a = torch.cat([a, a.new_zeros(padded - m, a.shape[1])]) if padded != m else a.contiguous()
-    out = torch.empty(padded, b.shape[1], dtype=torch.promote_types(a.dtype, b.dtype), device=a.device)
-    for start in range(0, padded, ROW_BLOCK):
-        torch.mm(a[start : start + ROW_BLOCK], b, out=out[start : start + ROW_BLOCK])
-    return out[:m]
+def row_invariant_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [M, K] @ b [K, N] -> [M, N], each row its own [1, K] @ [K, N] product of one batched call (b broadcast, not
+    copied): no row shares a kernel tile with another, so none sees where it sits or how many rows there are."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(0).expand(a.shape[0], *b.shape)).squeeze(1)
 
 
-def row_blocked_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [Bt, M, K] @ b [Bt, K, N] -> [Bt, M, N], each batch entry through `row_blocked_mm`."""
-    return torch.stack([row_blocked_mm(a[i], b[i]) for i in range(a.shape[0])])
+def row_invariant_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [Bt, M, K] @ b [Bt, K, N] -> [Bt, M, N], each batch entry through `row_invariant_mm`."""
+    return torch.stack([row_invariant_mm(a[i], b[i]) for i in range(a.shape[0])])
 
 
 def row_blocked_reduce(func: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -76,8 +69,8 @@ def _reduces_last_dim(x: torch.Tensor, dims: Any) -> bool:
 
 
 class BatchInvariantMode(TorchDispatchMode):
-    """Routes this thread's matmuls through the fixed-row-block versions above (the same products, reached by one
-    kernel shape per weight). A composite op that becomes one of those (matmul, linear, einsum, softmax: seen whole
+    """Routes this thread's matmuls, last-dim reductions and transcendentals through the row-invariant versions above
+    (the same values up to rounding, rounded the same way for a row wherever it sits). A composite op that becomes one of those (matmul, linear, einsum, softmax: seen whole
     under inference mode) is decomposed with the mode on, so that its parts come back here."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -97,15 +90,15 @@ class BatchInvariantMode(TorchDispatchMode):
             with self:
                 return func.decompose(*args, **kwargs)
         if func is _aten.mm.default:
-            return row_blocked_mm(*args)
+            return row_invariant_mm(*args)
         if func is _aten.addmm.default:
             bias, a, b = args
-            return _scaled(row_blocked_mm(a, b), bias, kwargs)
+            return _scaled(row_invariant_mm(a, b), bias, kwargs)
         if func is _aten.bmm.default:
-            return row_blocked_bmm(*args)
+            return row_invariant_bmm(*args)
         if func is _aten.baddbmm.default:
             bias, a, b = args
-            return _scaled(row_blocked_bmm(a, b), bias, kwargs)
+            return _scaled(row_invariant_bmm(a, b), bias, kwargs)
         return func(*args, **kwargs)
 
 

@@ -51,8 +51,9 @@ def test_cold_then_twice_from_the_prefix_cache_gives_the_same_tokens(engine, col
 
 
 def test_streamed_gives_the_tokens_of_the_whole_answer(engine, cold):
-    engine.flush_cache()
+    """As a client meets it: the same request streamed after it was answered whole (its prompt now cached)."""
     outputs = list(engine.stream(PROMPT, GREEDY))
+    assert outputs[-1].cached_tokens > 0
     streamed = ([t for o in outputs for t in o.token_ids], [lp.logprob for o in outputs for lp in o.logprobs])
     assert streamed == cold
 
