@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from plugserve.core.batch_invariant import batch_invariant
 from plugserve.core.dispatch import prepare_attention
 from plugserve.core.forward_batch import AttnForwardMethod, ForwardBatch, ForwardMode
 from plugserve.core.kv_cache import MLAKVPool
 from plugserve.core.specs import AttentionSpec
-from plugserve.core.batch_invariant import batch_invariant
 from plugserve.plugins.attention.torch_ref import (
     TorchRefAttention,
     causal_mask,
