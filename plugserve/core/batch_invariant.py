@@ -70,8 +70,9 @@ def _reduces_last_dim(x: torch.Tensor, dims: Any) -> bool:
 
 class BatchInvariantMode(TorchDispatchMode):
     """Routes this thread's matmuls, last-dim reductions and transcendentals through the row-invariant versions above
-    (the same values up to rounding, rounded the same way for a row wherever it sits). A composite op that becomes one of those (matmul, linear, einsum, softmax: seen whole
-    under inference mode) is decomposed with the mode on, so that its parts come back here."""
+    (the same values up to rounding, rounded the same way for a row wherever it sits). A composite op that becomes
+    one of those (matmul, linear, einsum, softmax: seen whole under inference mode) is decomposed with the mode on,
+    so that its parts come back here."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
