@@ -169,7 +169,15 @@ class TorchRefMoE(MoEBackend):
         self, router_logits: torch.Tensor, correction_bias: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """router_logits [T, E] float32 -> (topk_weights [T, k] float32, topk_ids [T, k] int32)."""
-        return select_experts(router_logits, self.spec.router, correction_bias)
+        with batch_invariant(self.spec.batch_invariant):
+            return select_experts(router_logits, self.spec.router, correction_bias)
+
+    def route_hidden(
+        self, x: torch.Tensor, gate: torch.Tensor, correction_bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`MoEBackend.route_hidden`, its gate GEMM batch-invariant too under the spec's flag."""
+        with batch_invariant(self.spec.batch_invariant):
+            return super().route_hidden(x, gate, correction_bias)
 
     def prepare(self, weights: MoEWeights) -> TorchRefMoEWeights:
         """The routed experts of `weights` (no shared ones: this backend does not fuse them), kept as they are."""
