@@ -12,7 +12,8 @@ and stored too.
 Prints SGLang's bench_one_batch format; --result-filename appends one JSON line per run (with the server flags
 it ran under). Every server flag is taken, the parallel ones included: with --tp-size N (and --ep-size) this
 process is rank 0 and starts the node's other ranks as workers, as the Engine does (runtime/ranks.py); other nodes
-of --nnodes run `plugserve serve --node-rank n`.
+of --nnodes run `plugserve serve --node-rank n`. The cost of --enable-deterministic-inference is a run with it
+against the same command without it.
 
     python benchmarks/bench_one_batch.py --model-preset deepseek-v3 --num-layers 4 --load-format dummy \\
         --batch-size 1 8 32 --input-len 256 --output-len 32

@@ -60,6 +60,8 @@ def describe(registry: Registry, hardware: Hardware, kinds: Sequence[Kind], expl
                 "verified": entry.cls.verified,
                 # --kv-cache-dtype: the KV cache dtypes an attention backend reads, and why no other
                 "kv_cache": entry.cls.capabilities.kv_cache_dtype_names() if kind == "attention" else None,
+                # --enable-deterministic-inference: batch-invariant, or why not
+                "batch_invariant": batch_invariance(entry.cls),
                 "kernels": registry.kernels(kind, entry.name, hardware),
                 "phases": {
                     phase.value: {"usable": by_phase[phase][i].availability.ok,
@@ -97,6 +99,12 @@ def _table_used(hardware: Hardware) -> dict[str, Any]:
         return {"path": None, "reason": selection_table_match(hardware).reason}
     table, path, match = loaded
     return {"path": str(path), "reason": match.reason, "tp_size": table.tp_size, "ep_size": table.ep_size}
+
+
+def batch_invariance(cls: type) -> str:
+    """Whether --enable-deterministic-inference may use the backend, and why not."""
+    caps = cls.capabilities
+    return "yes" if caps.batch_invariant else f"no: {caps.batch_invariant_note or 'not declared'}"
 
 
 def cuda_graph_support(cls: type) -> str:
@@ -144,6 +152,10 @@ def print_report(report: dict[str, Any], explain: bool, console: Console) -> Non
             kv.add_row(b["name"], b["kv_cache"])
     if kv.row_count:
         console.print(kv)
+    invariant = Table("kind", "backend", "batch-invariant", title="--enable-deterministic-inference")
+    for b in report["backends"]:
+        invariant.add_row(b["kind"], b["name"], b["batch_invariant"])
+    console.print(invariant)
     for broken in report["broken_plugins"]:
         console.print(f"[red]broken plugin[/] {broken['plugin']} ({broken['package']}): {broken['error']}")
     if explain:

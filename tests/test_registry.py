@@ -149,6 +149,19 @@ def test_spec_mismatch_makes_a_backend_unusable_for_that_model():
     assert fp16["anything"].reason == "dtype float16 is not supported (supports bfloat16, float32)"
 
 
+def test_deterministic_inference_takes_only_batch_invariant_backends():
+    fast = _backend("fast", {"default": 90}, batch_invariant_note="splits the KV by the batch size")
+    registry = _registry(fast, _backend("invariant", {"default": 1}, batch_invariant=True))
+    spec = AttentionSpec(batch_invariant=True)
+    assert registry.select("attention", Phase.DECODE, 8, H100).backend.name == "fast"
+    assert registry.select("attention", Phase.DECODE, 8, H100, spec=spec).backend.name == "invariant"
+    with pytest.raises(SelectionError) as err:
+        registry.select("attention", Phase.DECODE, 8, H100, "fast", spec=spec)
+    assert ("not batch-invariant, which --enable-deterministic-inference needs: splits the KV by the batch size"
+            in str(err.value))
+    assert "Usable: invariant" in str(err.value)
+
+
 def test_auto_takes_the_highest_priority_for_this_arch():
     registry = _registry(
         _backend("hopper_fast", {"sm90": 90, "default": 10}),

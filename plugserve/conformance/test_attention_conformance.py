@@ -107,6 +107,37 @@ def _check_forward_mla(spec: AttentionSpec, backend: AttentionBackend, batch: Fo
         assert_close(projected, expected, dtype, f"forward_mla_projected {what}")
 
 
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE], ids=["extend", "decode"])
+def test_forward_mla_is_batch_invariant(attention_target: Target, mode: ForwardMode, page_size: int,
+                                        attention_heads: int, plugserve_hardware, plugserve_device):
+    """A backend declaring `batch_invariant`, built for it: a request's rows are the same bits alone as inside a
+    batch of other lengths, and (EXTEND) its last token's row the same after a cached prefix as in a whole prefill."""
+    if not attention_target.cls.capabilities.batch_invariant:
+        pytest.skip(f"{attention_target.entry.name} does not declare batch_invariant")
+    seq_lens, extend_lens = (70, 9, 133), ((6, 9, 1) if mode is ForwardMode.EXTEND else (1, 1, 1))
+    spec = AttentionSpec(num_heads=attention_heads, dtype=attention_target.dtype, page_size=page_size,
+                         batch_invariant=True)
+    backend = _backend(attention_target, spec, Phase.DECODE, plugserve_hardware, plugserve_device)
+    batch = random_batch(mode, seq_lens, extend_lens, spec, plugserve_device)
+    t, h, dtype, device = batch.num_tokens, spec.num_heads, spec.dtype, plugserve_device
+    q_nope = torch.randn(t, h, spec.kv_lora_rank, device=device, dtype=dtype)
+    q_rope = torch.randn(t, h, spec.qk_rope_head_dim, device=device, dtype=dtype)
+    backend.plan(batch)
+    backend.set_kv(LAYER, batch.out_cache_loc, torch.randn(t, spec.kv_lora_rank, device=device, dtype=dtype),
+                   torch.randn(t, spec.qk_rope_head_dim, device=device, dtype=dtype))
+    together = backend.forward_mla(q_nope, q_rope, LAYER)
+    first = 0
+    for row, (seq_len, new) in enumerate(zip(seq_lens, extend_lens, strict=True)):
+        for alone_new in sorted({new, 1}):  # the request's own tokens, then its last one after the rest as a prefix
+            alone = ForwardBatch.build(mode, [seq_len], [alone_new], batch.block_table[row : row + 1], batch.kv_pool)
+            alone.attn_method = AttnForwardMethod.MLA
+            backend.plan(alone)
+            rows = slice(first + new - alone_new, first + new)
+            out = backend.forward_mla(q_nope[rows], q_rope[rows], LAYER)
+            assert torch.equal(out, together[rows]), f"request {row} ({alone_new} of {new} new tokens) alone"
+        first += new
+
+
 def test_forward_mla_in_cuda_graph(attention_target: Target, graph_case: GraphCase, page_size: int,
                                    plugserve_hardware, plugserve_device):
     """Capture set_kv + forward_mla once, then replay on batches of other sizes (padded), lengths and

@@ -53,3 +53,24 @@ def test_apply(gemm_target: Target, gemm_case: GemmCase, plugserve_hardware, plu
     expected = oracle.fp8_gemm(x, w_q, w_scale_inv, block)
     assert out.dtype == gemm_target.dtype
     assert_close(out, expected, gemm_target.dtype, f"block-FP8 GEMM {gemm_case}")
+
+
+# Rows of the batch-invariance case: more than one tile of any kernel's M, so that tails and splits show.
+INVARIANCE_ROWS = 37
+
+
+def test_apply_is_batch_invariant(gemm_target: Target, plugserve_hardware, plugserve_device):
+    """A backend declaring `batch_invariant`, built for it: each row of x is the same bits alone, in a prefix of the
+    rows, or in the whole batch."""
+    if not gemm_target.cls.capabilities.batch_invariant:
+        pytest.skip(f"{gemm_target.entry.name} does not declare batch_invariant")
+    require_available(gemm_target, plugserve_hardware)
+    spec = GemmSpec(dtype=gemm_target.dtype, batch_invariant=True)
+    backend = gemm_target.cls(spec, plugserve_device)  # type: ignore[call-arg]
+    w_q, w_scale_inv = quantize_block_fp8(torch.randn(256, 384, device=plugserve_device) / 384**0.5, spec.block_shape)
+    packed = backend.prepare(w_q, w_scale_inv)
+    x = torch.randn(INVARIANCE_ROWS, 384, device=plugserve_device, dtype=spec.dtype)
+    whole = backend.apply(x, packed)
+    for m in (1, 2, 5, 16, INVARIANCE_ROWS - 1):
+        assert torch.equal(backend.apply(x[:m], packed), whole[:m]), f"the first {m} rows alone"
+    assert torch.equal(backend.apply(x[-1:], packed), whole[-1:]), "the last row alone"

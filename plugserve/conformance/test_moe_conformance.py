@@ -16,7 +16,7 @@ from plugserve.conformance.tolerances import W8A8_MOE_ATOL, assert_close
 from plugserve.core.forward_batch import Phase
 from plugserve.core.interfaces import MoEBackend, MoEWeights
 from plugserve.core.layers.quant import quantize_block_fp8
-from plugserve.core.specs import MoESpec
+from plugserve.core.specs import MoESpec, RouterConfig
 
 ROUTED_SCALING_FACTOR = 2.5  # DeepSeek-V3's; != 1 so that a backend ignoring it fails
 
@@ -185,3 +185,29 @@ def test_forward_on_one_ranks_experts(moe_target: Target, moe_case: MoECase, wei
     assert out.dtype == spec.dtype
     assert_close(out, expected, spec.dtype, f"MoE forward {moe_case} {weight_format}, rank {EP_RANK} of {EP_SIZE}",
                  W8A8_MOE_ATOL if fp8 else None, slack)
+
+
+# DeepSeek-V3's router at a small scale (sigmoid, noaux_tc, groups), over more tokens than one kernel tile.
+INVARIANCE_ROUTER, INVARIANCE_TOKENS = RouterConfig(num_experts=16, top_k=4, n_group=4, topk_group=2), 37
+
+
+def test_forward_is_batch_invariant(moe_target: Target, plugserve_hardware, plugserve_device):
+    """A backend declaring `batch_invariant`, built for it: route_hidden and forward give each token the same bits
+    alone, in a prefix of the tokens, or in the whole batch."""
+    if not moe_target.cls.capabilities.batch_invariant:
+        pytest.skip(f"{moe_target.entry.name} does not declare batch_invariant")
+    spec = MoESpec(256, 128, moe_target.dtype, torch.float8_e4m3fn, router=INVARIANCE_ROUTER, batch_invariant=True)
+    backend = _backend(moe_target, spec, plugserve_hardware, plugserve_device)
+    e, device = spec.num_experts, plugserve_device
+    packed = backend.prepare(MoEWeights(*_experts(spec, e, device)))
+    x = torch.randn(INVARIANCE_TOKENS, spec.hidden_size, device=device, dtype=spec.dtype)
+    gate = (torch.randn(e, spec.hidden_size, device=device) / spec.hidden_size**0.5).to(spec.dtype)
+    bias = torch.randn(e, device=device) * 0.1 if spec.router.topk_method == "noaux_tc" else None
+
+    def run(rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        weights, ids = backend.route_hidden(rows, gate, bias)
+        return weights, ids, backend.forward(rows, packed, ids, weights, ROUTED_SCALING_FACTOR)
+
+    whole = run(x)
+    for m in (1, 2, 16, INVARIANCE_TOKENS - 1):
+        assert all(torch.equal(a, b[:m]) for a, b in zip(run(x[:m]), whole, strict=True)), f"the first {m} tokens"

@@ -31,11 +31,17 @@ def choose_attn_forward_method(
     chunked_prefix_cache_threshold: int = DEFAULT_CHUNKED_PREFIX_CACHE_THRESHOLD,
     prefix_chunk_capacity: int = DEFAULT_PREFIX_CHUNK_CAPACITY,
     prefill_supports_mla: bool = True,
+    deterministic: bool = False,
 ) -> tuple[fb.AttnForwardMethod, str]:
     """The method for one batch and why. `prefill_supports_mla=False` (an MHA-only prefill backend)
-    sends short-prefix batches through MHA as well."""
+    sends short-prefix batches through MHA as well. `deterministic`: absorbed MLA for every batch, so that a token
+    runs the same arithmetic cold, after a cached prefix, in a chunk or decoding."""
     if mode is not ForwardMode.EXTEND:
         return fb.AttnForwardMethod.MLA, f"{mode.name} always runs absorbed MLA over the paged cache"
+    if deterministic:
+        if not prefill_supports_mla:
+            raise ValueError("deterministic inference runs prefill as absorbed MLA: the prefill backend has none")
+        return fb.AttnForwardMethod.MLA, "deterministic inference: one path for every prefill"
     prefix_sum = sum(prefix_lens)
     if prefix_sum == 0:
         return fb.AttnForwardMethod.MHA, "no cached prefix"
@@ -83,6 +89,7 @@ def prepare_attention(
     chunked_prefix_cache_threshold: int = DEFAULT_CHUNKED_PREFIX_CACHE_THRESHOLD,
     prefix_chunk_capacity: int = DEFAULT_PREFIX_CHUNK_CAPACITY,
     prefill_supports_mla: bool = True,
+    deterministic: bool = False,
 ) -> ForwardBatch:
     """Fill `batch.attn_method` (and `batch.prefix_chunks` for MHA_CHUNKED_KV) before backends plan."""
     method, _ = choose_attn_forward_method(
@@ -92,6 +99,7 @@ def prepare_attention(
         chunked_prefix_cache_threshold=chunked_prefix_cache_threshold,
         prefix_chunk_capacity=prefix_chunk_capacity,
         prefill_supports_mla=prefill_supports_mla,
+        deterministic=deterministic,
     )
     batch.attn_method = method
     batch.prefix_chunks = (

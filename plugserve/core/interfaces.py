@@ -84,6 +84,10 @@ class Capabilities:
     # decision that depends on tensor contents. Attention backends declare it per forward mode instead
     # (`AttentionCapabilities.graph_modes`), since they also keep per-batch metadata.
     cuda_graph: bool = False
+    # A row's output does not depend on the other rows of the call (split counts, tile configs and reduction
+    # orders fixed whatever the batch), as deterministic inference needs; `batch_invariant_note`: why not.
+    batch_invariant: bool = False
+    batch_invariant_note: str = ""
 
     def phases(self) -> frozenset[Phase]:
         return frozenset(Phase)
@@ -107,7 +111,15 @@ class Capabilities:
 
     def check(self, spec: Any, phase: Phase) -> Availability:
         """Does the backend fit this problem (a spec of its kind) in this phase? Kinds add checks."""
-        return _first_failure(self.check_phase(phase), _member(spec.dtype, self.dtypes, "dtype"))
+        return _first_failure(self.check_phase(phase), _member(spec.dtype, self.dtypes, "dtype"),
+                              self.check_batch_invariant(spec))
+
+    def check_batch_invariant(self, spec: Any) -> Availability:
+        """OK unless the spec asks for batch invariance (--enable-deterministic-inference) and this is not."""
+        if not getattr(spec, "batch_invariant", False) or self.batch_invariant:
+            return OK
+        why = f": {self.batch_invariant_note}" if self.batch_invariant_note else ""
+        return Availability.no(f"not batch-invariant, which --enable-deterministic-inference needs{why}")
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ class AttentionSpec:
     """MLA shapes of one model (defaults: DeepSeek-V3 on one GPU). `page_size` None lets the decode
     backend choose. `sm_scale` None is 1/sqrt(qk_nope + qk_rope); YaRN models pass their own.
     `kv_cache_dtype` None is the activation dtype `dtype`; float8_e4m3fn stores the pool scaled by the pool's
-    per-tensor `MLAKVPool.scale` (`kv_dtype` resolves it)."""
+    per-tensor `MLAKVPool.scale` (`kv_dtype` resolves it). `batch_invariant`: a request's output must not depend
+    on the batch around it (only backends whose capabilities declare `batch_invariant` fit)."""
 
     num_heads: int = 128
     kv_lora_rank: int = 512
@@ -34,6 +35,7 @@ class AttentionSpec:
     kv_cache_dtype: torch.dtype | None = None  # None: the activation dtype
     page_size: int | None = None
     sm_scale: float | None = None
+    batch_invariant: bool = False
 
     @property
     def qk_head_dim(self) -> int:
@@ -52,10 +54,11 @@ class AttentionSpec:
 @dataclass(frozen=True)
 class GemmSpec:
     """Block-FP8 linear: e4m3 weights in `block_shape` blocks, activations quantized per
-    1 x block_shape[1] token group, output in `dtype`."""
+    1 x block_shape[1] token group, output in `dtype`. `batch_invariant` as in `AttentionSpec`."""
 
     dtype: torch.dtype = torch.bfloat16
     block_shape: tuple[int, int] = (128, 128)
+    batch_invariant: bool = False
 
 
 @dataclass(frozen=True)
@@ -90,7 +93,7 @@ class MoESpec:
     rank, `ep_rank`, holds the E / ep_size whole experts [first_expert, first_expert + num_local_experts).
     `route` still ranks all E and returns their global ids; `prepare` gets the local experts only, and
     `forward` adds only their terms (a slot naming another rank's expert contributes zero), so that the
-    ranks' outputs sum to the whole layer's."""
+    ranks' outputs sum to the whole layer's. `batch_invariant` as in `AttentionSpec`."""
 
     hidden_size: int = 7168
     intermediate_size: int = 2048
@@ -101,6 +104,7 @@ class MoESpec:
     num_shared_experts: int = 0
     ep_size: int = 1
     ep_rank: int = 0
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.num_experts % self.ep_size or not 0 <= self.ep_rank < self.ep_size:

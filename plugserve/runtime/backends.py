@@ -75,9 +75,11 @@ class RunnerBackends:
 
         # The backend of the largest decode batch fixes the page size; every other bucket must live with it.
         built: dict[str, Any] = {}
+        invariant = args.enable_deterministic_inference  # only batch-invariant backends fit such specs
+        attention_spec = config.attention_spec(dtype, args.page_size, kv_dtype, group.world_size // dp_size)
         decode = self._build("attention", Phase.DECODE, args.decode_attention, decode_flag,
-                             config.attention_spec(dtype, args.page_size, kv_dtype, group.world_size // dp_size),
-                             max_batch, with_page_size, built)
+                             dataclasses.replace(attention_spec, batch_invariant=invariant), max_batch, with_page_size,
+                             built)
         spec = decode.spec
         self.page_size: int = spec.page_size
         self.decode_buckets = self._buckets(Phase.DECODE, args.decode_attention, decode_flag, spec, max_batch,
@@ -94,7 +96,9 @@ class RunnerBackends:
             if getattr(args, name) != "auto" and not has:
                 raise ValueError(f"{flag(name)} {getattr(args, name)}: the model has no {needed}")
         if config.n_routed_experts:
-            moe_spec = config.moe_spec(dtype, group.world_size, args.ep_size, group.rank if args.ep_size > 1 else 0)
+            moe_spec = dataclasses.replace(config.moe_spec(dtype, group.world_size, args.ep_size,
+                                                           group.rank if args.ep_size > 1 else 0),
+                                           batch_invariant=invariant)
             moe = self._build_packed("moe", args.moe_runner_backend, moe_spec, max_batch, prefill_tokens,
                                      self._fuse_shared_experts)
         if args.enable_shared_experts_fusion and not (moe is not None and moe.spec.num_shared_experts):
@@ -102,8 +106,9 @@ class RunnerBackends:
                    "triton)" if moe is not None and config.n_shared_experts else "the model has no shared experts")
             raise ValueError(f"{flag('enable_shared_experts_fusion')}: {why}")
         if config.fp8_block:
-            gemm = self._build_packed("gemm", args.fp8_gemm_backend, config.gemm_spec(dtype), max_batch,
-                                      prefill_tokens)
+            gemm = self._build_packed("gemm", args.fp8_gemm_backend,
+                                      dataclasses.replace(config.gemm_spec(dtype), batch_invariant=invariant),
+                                      max_batch, prefill_tokens)
         self.model = ModelBackends(attention_prefill=prefill, attention_decode=decode, moe=moe, gemm=gemm)
 
     def attention(self, batch: ForwardBatch) -> AttentionBackend:

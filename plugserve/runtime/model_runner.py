@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from plugserve.core.batch_invariant import batch_invariant
 from plugserve.core.block_table import DeviceBlockTable
 from plugserve.core.dispatch import prepare_attention
 from plugserve.core.distributed import SINGLE, ParallelGroup
@@ -254,9 +255,11 @@ class ModelRunner:
 
     def capture_graphs(self) -> None:
         """Capture `graph_plans` at every size up to the largest graph batch (`CudaGraphs.capture`)."""
-        self.graphs.capture(self.graph_plans, capture_sizes(self.graph_max_bs), self.backends, self.model,
-                            self.sample_vocab, (self.config.hidden_size, self.dtype), self.pool, self.padding_page,
-                            min(self.block_table.max_pages, self.allocator.num_pages), self.dp_size)
+        with batch_invariant(self.args.enable_deterministic_inference):
+            self.graphs.capture(self.graph_plans, capture_sizes(self.graph_max_bs), self.backends, self.model,
+                                self.sample_vocab, (self.config.hidden_size, self.dtype), self.pool,
+                                self.padding_page, min(self.block_table.max_pages, self.allocator.num_pages),
+                                self.dp_size)
 
     # -- running -------------------------------------------------------------------------------------
 
@@ -268,6 +271,7 @@ class ModelRunner:
             batch,
             chunked_prefix_cache_threshold=self.args.chunked_prefix_cache_threshold,
             prefill_supports_mla=AttnForwardMethod.MLA in prefill.capabilities.methods,
+            deterministic=self.args.enable_deterministic_inference,
         )
 
     def logits(self, input_ids: torch.Tensor, batch: ForwardBatch, attention: AttentionBackend, plan: bool
@@ -276,7 +280,8 @@ class ModelRunner:
         every rank's rows)."""
         if plan:
             attention.plan(batch)
-        return self.model.compute_logits(self.model(input_ids, batch, attention), batch.dp_tokens)
+        with batch_invariant(self.args.enable_deterministic_inference):
+            return self.model.compute_logits(self.model(input_ids, batch, attention), batch.dp_tokens)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, sample_rows: torch.Tensor) -> torch.Tensor:
@@ -346,8 +351,9 @@ class ModelRunner:
         if batch.mode is not ForwardMode.IDLE:
             attention = self.backends.attention(batch)
             attention.plan(batch)
-        hidden = self.model(input_ids, batch, attention)
-        return self.model.compute_logits(hidden[sample_rows], dp_sampled)[:, : self.sample_vocab]
+        with batch_invariant(self.args.enable_deterministic_inference):
+            hidden = self.model(input_ids, batch, attention)
+            return self.model.compute_logits(hidden[sample_rows], dp_sampled)[:, : self.sample_vocab]
 
 
 __getattr__ = moved_names(__name__)

@@ -114,6 +114,7 @@ class ServerArgs(BaseModel):
     mem_fraction_static: float | None = Field(None, gt=0, lt=1)
     disable_radix_cache: bool = False
     disable_overlap_schedule: bool = False
+    enable_deterministic_inference: bool = False
     # GPU performance switches
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = Field(None, ge=1)
@@ -215,6 +216,12 @@ class ServerArgs(BaseModel):
             raise ValueError(f"{flag('schedule_policy')} lpm needs the prefix cache (drop "
                              f"{flag('disable_radix_cache')}, or give {flag('schedule_policy')} fcfs): without it no "
                              "request has a cached prefix to order by")
+        if self.enable_deterministic_inference and self.speculative_algorithm is not None:
+            raise ValueError(f"{flag('enable_deterministic_inference')} does not combine with "
+                             f"{flag('speculative_algorithm')} yet: the draft forwards are not batch-invariant")
+        if self.enable_deterministic_inference and self.tp_size > 1:
+            raise ValueError(f"{flag('enable_deterministic_inference')} runs with {flag('tp_size')} 1 only for now: "
+                             "the all-reduce's algorithm, and so its order of summation, follows the batch's size")
         if self.log_requests_level and not self.log_requests:
             raise ValueError(f"{flag('log_requests_level')} {self.log_requests_level} needs {flag('log_requests')} "
                              "(the level says what each request's line holds)")

@@ -87,6 +87,12 @@ HELP = {
                            "a GPU); on the CPU, of the machine's memory (without it the CPU's pool is 512 MiB)",
     "disable_radix_cache": "do not reuse cached prompt prefixes",
     "disable_overlap_schedule": "schedule only while the device is idle (no CPU/GPU overlap)",
+    "enable_deterministic_inference": "the same greedy request gives the same tokens whatever the batch around it, a "
+                                      "cached prefix, prefill chunking, streaming or overlap: batch-invariant "
+                                      "backends only (auto picks among them, another is refused), row-invariant "
+                                      "matmuls and reductions, keys summed in fixed tiles, every prefill as absorbed "
+                                      "MLA; costs speed (about 2x a decode step on the CPU); not with speculative "
+                                      "decoding nor --tp-size > 1",
     "disable_cuda_graph": "do not capture decode (nor speculative rounds) in CUDA graphs (GPU only: refused on the "
                           "CPU, which has none)",
     "cuda_graph_max_bs": "largest decode batch (or speculative round) captured in CUDA graphs (default: "

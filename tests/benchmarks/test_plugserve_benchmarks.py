@@ -42,6 +42,15 @@ def test_bench_one_batch_times_decode_under_the_overlap_scheduler(tmp_path):
     assert row["overlap"] is True and row["decode_steps"] == 4 and row["median_decode_latency"] > 0
 
 
+def test_bench_one_batch_builds_the_deterministic_runner_the_server_builds(tmp_path):
+    """--enable-deterministic-inference reaches the runner: its cost is the same command without it."""
+    out = tmp_path / "one_batch.jsonl"
+    bench_one_batch.main(["--batch-size", "2", "--input-len", "16", "--output-len", "3",
+                          "--enable-deterministic-inference", "--result-filename", str(out)])
+    [row] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["server_args"]["enable_deterministic_inference"] is True and row["decode_steps"] == 2
+
+
 def test_bench_one_batch_reports_the_accept_length_of_speculative_decoding(tmp_path, capsys):
     """Each decode step is a speculative round: they run until the requests are done, the accept length beside."""
     directory = save_hf_model(random_hf_model(tiny_v3_config()), tmp_path / "v3-nextn")

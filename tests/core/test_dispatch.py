@@ -28,6 +28,16 @@ def test_dispatch_rule(mode, prefix, new, supports_mla, expected):
     assert method is expected and reason
 
 
+@pytest.mark.parametrize(("prefix", "new"), [([0, 0], [100, 5]), ([100, 0], [5, 5]), ([16000, 2000], [10, 10])])
+def test_deterministic_inference_runs_every_prefill_as_absorbed_mla(prefix, new):
+    """One path whether or not a prefix is cached, and however long: a token's arithmetic never changes with it."""
+    seq = [p + n for p, n in zip(prefix, new, strict=True)]
+    method, reason = choose_attn_forward_method(ForwardMode.EXTEND, prefix, seq, deterministic=True)
+    assert method is MLA and "deterministic" in reason
+    with pytest.raises(ValueError, match="absorbed MLA"):
+        choose_attn_forward_method(ForwardMode.EXTEND, prefix, seq, prefill_supports_mla=False, deterministic=True)
+
+
 def test_threshold_is_configurable():
     method, reason = choose_attn_forward_method(ForwardMode.EXTEND, [100], [110], chunked_prefix_cache_threshold=64)
     assert method is MHA and "--chunked-prefix-cache-threshold 64" in reason

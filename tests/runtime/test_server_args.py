@@ -50,6 +50,10 @@ def test_speculation_is_off_by_default():
          "draft: at most 21"),
         ({"speculative_algorithm": "NEXTN", "speculative_num_steps": 3, "speculative_num_draft_tokens": 6},
          "--speculative-num-draft-tokens 6 must be --speculative-num-steps + 1 = 4"),
+        ({"speculative_algorithm": "NEXTN", "enable_deterministic_inference": True},
+         "--enable-deterministic-inference does not combine with --speculative-algorithm"),
+        ({"tp_size": 2, "enable_deterministic_inference": True},
+         "--enable-deterministic-inference runs with --tp-size 1 only for now"),
     ],
 )
 def test_bad_speculative_flags_are_refused_naming_the_flag(flags, message):

@@ -64,6 +64,14 @@ def _chosen(kind: str, phase: str) -> Callable[[ModelRunner], bool]:
     return lambda r: any(c.kind == kind and c.phase == phase and c.reason == "requested" for c in r.backends.chosen)
 
 
+def _batch_invariant(runner: ModelRunner) -> bool:
+    """Every backend built for batch-invariant specs (and so one that declares it)."""
+    backends = [b.backend for b in runner.backends.decode_buckets + runner.backends.prefill_buckets]
+    model = runner.backends.model
+    backends += [b for b in (model.moe, model.gemm) if b is not None]
+    return all(b.spec.batch_invariant and b.capabilities.batch_invariant for b in backends)
+
+
 _NOT_SUPPORTED = Refused("is not supported")
 
 # flag -> (its argv, with {key_file} filled in; the outcome on this machine)
@@ -131,6 +139,7 @@ ROWS: dict[str, Row] = {
                               Warns("--mem-fraction-static 0.5 is not used: --max-total-tokens 64 sizes the KV pool")),
     "--disable-radix-cache": (["--disable-radix-cache"], Sets(lambda a: a.disable_radix_cache)),
     "--disable-overlap-schedule": (["--disable-overlap-schedule"], Sets(lambda a: a.disable_overlap_schedule)),
+    "--enable-deterministic-inference": (["--enable-deterministic-inference"], Runs(_batch_invariant)),
     # GPU performance switches
     "--disable-cuda-graph": (["--disable-cuda-graph"], Refused("needs a CUDA device: there are no CUDA graphs on")),
     "--cuda-graph-max-bs": (["--cuda-graph-max-bs", "8"], Refused("needs a CUDA device: there are no CUDA graphs on")),

@@ -139,6 +139,7 @@ class CutlassMLAAttention(AttentionBackend):
         qk_rope_head_dims=frozenset({ROPE}),
         page_sizes=frozenset({PAGE_SIZE}),
         graph_modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND}),
+        batch_invariant_note="CUTLASS picks the KV split from the SM count over the batch's rows",
         kv_cache_note="not wired for fp8: the CUTLASS MLA kernel takes q and the cache in one dtype, so an e4m3 "
                       "cache would need e4m3 queries, a different accuracy contract",
     )

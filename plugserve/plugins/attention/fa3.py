@@ -198,6 +198,7 @@ class FA3Attention(AttentionBackend):
         min_capability=(9, 0),
         max_capability=(9, 0),  # FA3's qk != v kernels are Hopper-only; flash_attn.cute's sm90 path is the one used
         methods=frozenset({AttnForwardMethod.MHA, AttnForwardMethod.MHA_CHUNKED_KV}),
+        batch_invariant_note="MHA prefill only: deterministic inference runs every prefill as absorbed MLA",
         mha_head_dims=DEEPSEEK_MHA_DIMS,
     )
     priority: ClassVar[dict[str, int]] = {"sm90": 60}  # above Triton's 50 until a shootout table ranks them
@@ -288,6 +289,7 @@ class FA3MLAAttention(FA3Attention):
         graph_modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND}),
         kv_cache_note="not wired for fp8: FA3 reads the paged latent in q's dtype; its fp8 mode takes q, k and v all "
                       "in e4m3 with descales",
+        batch_invariant_note="FA3 picks its KV splits by the batch's size and lengths",
     )
     priority: ClassVar[dict[str, int]] = {"sm90": 61}  # fa3's prefill, and MLA for short prefixes too
     libraries: ClassVar[tuple[str, ...]] = (FA3,)

@@ -225,6 +225,7 @@ class FlashInferMLAAttention(AttentionBackend):
         qk_rope_head_dims=frozenset({64}),
         mha_head_dims=frozenset({(192, 128)}),
         graph_modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND}),
+        batch_invariant_note="FlashInfer's planner splits the KV by the batch's size and lengths",
         kv_cache_note="not wired for fp8: its MLA wrapper is planned here with the cache in q's dtype, and an e4m3 "
                       "cache with a scale through it has not been checked against the kit on a GPU",
     )

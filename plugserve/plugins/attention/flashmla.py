@@ -152,6 +152,7 @@ class FlashMLAAttention(AttentionBackend):
         qk_rope_head_dims=frozenset({64}),
         page_sizes=frozenset({PAGE_SIZE}),
         graph_modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND}),
+        batch_invariant_note="FlashMLA's scheduler splits the KV by the batch's size and lengths",
         kv_cache_note="FlashMLA's dense decode reads bf16 only; its FP8 cache is its sparse decode's own layout "
                       "(e4m3 latent with per-tile scales, bf16 rope), not this pool's",
         # plan_replay is host layout only, the same for every replay of a captured size, and the scheduler metadata

@@ -22,6 +22,8 @@ from typing import ClassVar
 
 import torch
 
+from plugserve.core import batch_invariant
+from plugserve.core.batch_invariant import KEY_TILE
 from plugserve.core.forward_batch import AttnForwardMethod, ForwardBatch
 from plugserve.core.interfaces import AttentionBackend, AttentionCapabilities
 from plugserve.core.kv_cache import sequence_slots
@@ -66,8 +68,14 @@ def dense_attention(
     one key/value head shared by all query heads, broadcast without copying). visible [n, m] bool, when
     given, replaces the causal mask.
     Returns out [n, H, Dv] float32 and lse [n, H] float32 (natural log of the sum of exp(scores));
-    a query with no visible key gets out = 0, lse = -inf.
+    a query with no visible key gets out = 0, lse = -inf. Under `batch_invariant` the keys are reduced in tiles
+    at absolute key positions (`key_tiled_attention`).
     """
+    if batch_invariant.active():
+        if visible is None:
+            visible = causal_mask(q.shape[0], k.shape[0], q.device) if causal else q.new_ones(q.shape[0], k.shape[0],
+                                                                                              dtype=torch.bool)
+        return key_tiled_attention(q, k, v, sm_scale, visible)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * sm_scale  # [H, n, m]
     if visible is not None:
         scores = scores.masked_fill(~visible, NEG_INF)
@@ -77,6 +85,32 @@ def dense_attention(
     probs = torch.exp(scores - _zero_where_neg_inf(lse).unsqueeze(-1))
     out = torch.einsum("hqk,khd->qhd", probs, v.float())
     return out, lse.transpose(0, 1)
+
+
+def key_tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, visible: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`dense_attention` with every sum over keys taken KEY_TILE keys at a time from key 0, tile after tile: a
+    query's result is the same whatever number of keys (visible to it or not) the call holds, so a token computes
+    the same values in a whole prefill, a chunk of one, after a cached prefix, or decoding. Shapes as
+    `dense_attention`'s, visible [n, m] bool."""
+    n, m = q.shape[0], k.shape[0]
+    padded = -(-m // KEY_TILE) * KEY_TILE
+    k = torch.cat([k.float(), k.new_zeros(padded - m, *k.shape[1:], dtype=torch.float32)])
+    v = torch.cat([v.float(), v.new_zeros(padded - m, *v.shape[1:], dtype=torch.float32)])
+    visible = torch.cat([visible, visible.new_zeros(n, padded - m)], dim=1)
+    tiles = range(0, padded, KEY_TILE)
+    scores = [torch.einsum("qhd,khd->hqk", q.float(), k[t : t + KEY_TILE]).mul_(sm_scale)
+              .masked_fill_(~visible[:, t : t + KEY_TILE], NEG_INF) for t in tiles]  # each [H, n, KEY_TILE]
+    top = _zero_where_neg_inf(torch.stack([s.amax(dim=-1) for s in scores]).amax(dim=0)).unsqueeze(-1)  # [H, n, 1]
+    total = torch.zeros_like(top)
+    out = torch.zeros(q.shape[1], n, v.shape[2], dtype=torch.float32, device=q.device)  # [H, n, Dv]
+    for t, s in zip(tiles, scores, strict=True):
+        probs = torch.exp(s - top)
+        total += probs.sum(dim=-1, keepdim=True)
+        out += torch.einsum("hqk,khd->hqd", probs, v[t : t + KEY_TILE])
+    lse = (top + torch.log(total)).squeeze(-1)  # [H, n]; -inf where nothing is visible
+    out = torch.where(total > 0, out / total, 0.0)
+    return out.transpose(0, 1), lse.transpose(0, 1)
 
 
 def _offsets(lens: Sequence[int]) -> list[int]:
@@ -216,6 +250,7 @@ class TorchRefAttention(AttentionBackend):
         # Any KV cache dtype: the rows are upcast to float32 (fp8 ones times the pool's scale) before the math.
         kv_cache_dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn}),
         tree_verify=True,
+        batch_invariant=True,  # fixed row blocks and key tiles (core/batch_invariant.py) under the spec's flag
     )
     priority: ClassVar[dict[str, int]] = {"default": 0, "cpu": 10}
     plan_state: TorchRefPlan
@@ -234,10 +269,11 @@ class TorchRefAttention(AttentionBackend):
         self.check_mla_inputs(q_nope, q_rope)
         rows = pool.read(layer_id, self.plan_state.kv_slots, torch.float32)  # [sum(seq_lens), R + P]
         latent, k_rope = rows[:, : pool.kv_lora_rank], rows[:, pool.kv_lora_rank :]
-        out, _ = mla_attention_reference(
-            q_nope, q_rope, latent, k_rope, batch.extend_lens_cpu, batch.seq_lens_cpu, self.spec.softmax_scale,
-            tree_masks=None if batch.tree is None else batch.tree.mask,
-        )
+        with batch_invariant.batch_invariant(self.spec.batch_invariant):
+            out, _ = mla_attention_reference(
+                q_nope, q_rope, latent, k_rope, batch.extend_lens_cpu, batch.seq_lens_cpu, self.spec.softmax_scale,
+                tree_masks=None if batch.tree is None else batch.tree.mask,
+            )
         return out
 
     def _mha_kv_lens(self, batch: ForwardBatch, prefix_chunk: int | None) -> tuple[list[int], bool, str]:
@@ -268,7 +304,8 @@ class TorchRefAttention(AttentionBackend):
                              f"k {tuple(k.shape)} and v {tuple(v.shape)}")
         if q.shape[0] != batch.num_tokens:
             raise ValueError(f"forward_mha: q must have {batch.num_tokens} rows (the new tokens), got {tuple(q.shape)}")
-        return ragged_attention(q, k, v, batch.extend_lens_cpu, kv_lens, self.spec.softmax_scale, causal)
+        with batch_invariant.batch_invariant(self.spec.batch_invariant):
+            return ragged_attention(q, k, v, batch.extend_lens_cpu, kv_lens, self.spec.softmax_scale, causal)
 
     def merge_attn_states(
         self, out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor

@@ -98,6 +98,7 @@ class TritonAttention(AttentionBackend):
         # get k / v the model dequantized.
         kv_cache_dtypes=frozenset({torch.float8_e4m3fn}),
         graph_modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND}),
+        batch_invariant_note="its KV split count and split reduce width follow the batch size (mla_num_splits)",
         tree_verify=True,  # up to MAX_TREE_NODES nodes a request, masked per token by a 64-bit set
         graph_plan_on_device=True,  # plan_replay: token_req / token_kv_len from the static extend_lens / positions
     )

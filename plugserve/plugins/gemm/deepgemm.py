@@ -70,6 +70,7 @@ class DeepGemmFp8Gemm(Fp8GemmBackend):
         max_capability=(9, 0),
         block_shapes=frozenset({(BLOCK, BLOCK)}),
         cuda_graph=True,  # DeepGEMM decides by shapes alone; warm each M up before capture (its JIT)
+        batch_invariant_note="DeepGEMM picks its block sizes by M",
     )
     # The fastest block-FP8 GEMM measured on Hopper (device README); a shootout table overrides this.
     priority: ClassVar[dict[str, int]] = {"sm90": 60}

@@ -14,6 +14,7 @@ from typing import ClassVar
 
 import torch
 
+from plugserve.core.batch_invariant import batch_invariant
 from plugserve.core.interfaces import Fp8GemmBackend, GemmCapabilities
 from plugserve.core.layers.quant import dequantize_block_fp8, per_token_group_quant_fp8
 from plugserve.registry import hookimpl
@@ -56,6 +57,7 @@ class TorchRefFp8Gemm(Fp8GemmBackend):
         dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
         devices=frozenset({"cpu", "cuda"}),
         cuda_graph=True,  # torch ops sized by shapes alone
+        batch_invariant=True,  # matmuls in fixed row blocks (core/batch_invariant.py) under the spec's flag
     )
     priority: ClassVar[dict[str, int]] = {"default": 0}
 
@@ -73,7 +75,8 @@ class TorchRefFp8Gemm(Fp8GemmBackend):
             raise ValueError(f"x must be [M, {k}] of dtype {self.spec.dtype}, "
                              f"got shape {tuple(x.shape)} of dtype {x.dtype}")
         x_q, x_scales = self.quantize_activation(x)
-        return _times_dequantized(x_q, x_scales, packed.w, self.spec.block_shape[1], self.spec.dtype)
+        with batch_invariant(self.spec.batch_invariant):
+            return _times_dequantized(x_q, x_scales, packed.w, self.spec.block_shape[1], self.spec.dtype)
 
     def quantize_activation(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [M, K] -> (x_q [M, K] float8_e4m3fn, scales [M, ceil(K/bk)] float32)."""

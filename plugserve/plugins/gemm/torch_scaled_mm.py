@@ -115,6 +115,7 @@ class TorchScaledMmFp8Gemm(Fp8GemmBackend):
         max_capability=(9, 0),
         block_shapes=frozenset({(BLOCK, BLOCK)}),
         cuda_graph=True,  # padding decided by shapes; cuBLASLt's workspace is torch's
+        batch_invariant_note="cuBLASLt picks its kernel (and split-K) by M",
     )
     priority: ClassVar[dict[str, int]] = {"sm90": 40}  # below Triton's 50 until a shootout table ranks them
 

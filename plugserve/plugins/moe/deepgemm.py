@@ -80,6 +80,7 @@ class DeepGemmMoE(MoEBackend):
         weight_formats=frozenset({"fp8_block"}),
         block_shapes=frozenset({(BLOCK, BLOCK)}),
         cuda_graph=True,  # layouts built on the device and sized from T (see the module docstring)
+        batch_invariant_note="DeepGEMM picks its block sizes by the token count",
     )
     priority: ClassVar[dict[str, int]] = {"sm90": 40}  # below `triton` until a shootout table ranks it
 

@@ -15,6 +15,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from plugserve.core.batch_invariant import batch_invariant
 from plugserve.core.interfaces import MoEBackend, MoECapabilities, MoEWeights, check_tensor
 from plugserve.core.layers.quant import FP8_DTYPE, ceil_div, dequantize_block_fp8, per_token_group_quant_fp8
 from plugserve.core.specs import RouterConfig
@@ -160,6 +161,7 @@ class TorchRefMoE(MoEBackend):
         devices=frozenset({"cpu", "cuda"}),
         cuda_graph=False,  # forward loops over the experts it finds on the host (unique().tolist())
         expert_parallel=True,
+        batch_invariant=True,  # matmuls in fixed row blocks (core/batch_invariant.py) under the spec's flag
     )
     priority: ClassVar[dict[str, int]] = {"default": 0}
 
@@ -167,7 +169,15 @@ class TorchRefMoE(MoEBackend):
         self, router_logits: torch.Tensor, correction_bias: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """router_logits [T, E] float32 -> (topk_weights [T, k] float32, topk_ids [T, k] int32)."""
-        return select_experts(router_logits, self.spec.router, correction_bias)
+        with batch_invariant(self.spec.batch_invariant):
+            return select_experts(router_logits, self.spec.router, correction_bias)
+
+    def route_hidden(
+        self, x: torch.Tensor, gate: torch.Tensor, correction_bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`MoEBackend.route_hidden`, its gate GEMM batch-invariant too under the spec's flag."""
+        with batch_invariant(self.spec.batch_invariant):
+            return super().route_hidden(x, gate, correction_bias)
 
     def prepare(self, weights: MoEWeights) -> TorchRefMoEWeights:
         """The routed experts of `weights` (no shared ones: this backend does not fuse them), kept as they are."""
@@ -207,10 +217,11 @@ class TorchRefMoE(MoEBackend):
             # Ids are route's, of every expert: one outside them is a caller's bug, not another rank's expert.
             raise ValueError(f"topk_ids must lie in [0, {num_experts}), got [{int(topk_ids.min())}, "
                              f"{int(topk_ids.max())}]")
-        return fused_experts_reference(
-            x, packed.w13, packed.w2, topk_ids, topk_weights, routed_scaling_factor,
-            packed.w13_scale_inv, packed.w2_scale_inv, self.spec.block_shape, self.spec.first_expert,
-        )
+        with batch_invariant(self.spec.batch_invariant):
+            return fused_experts_reference(
+                x, packed.w13, packed.w2, topk_ids, topk_weights, routed_scaling_factor,
+                packed.w13_scale_inv, packed.w2_scale_inv, self.spec.block_shape, self.spec.first_expert,
+            )
 
 
 @hookimpl

@@ -81,6 +81,7 @@ class TritonMoE(MoEBackend):
         dtypes=frozenset({torch.bfloat16, torch.float16, torch.float32}),
         devices=frozenset({"cuda", "cpu"}),
         cuda_graph=True,  # every buffer and grid sized from T alone; the alignment's counts stay on the device
+        batch_invariant_note="its launch config (block sizes, split-K) is chosen by the token count",
         shared_experts_fusion=True,
         expert_parallel=True,  # the kernels drop ids outside the packed experts
     )

@@ -9,11 +9,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from plugserve.core.batch_invariant import batch_invariant
 from plugserve.core.dispatch import prepare_attention
 from plugserve.core.forward_batch import AttnForwardMethod, ForwardBatch, ForwardMode
 from plugserve.core.kv_cache import MLAKVPool
 from plugserve.core.specs import AttentionSpec
-from plugserve.plugins.attention.torch_ref import TorchRefAttention, merge_attn_states, ragged_attention
+from plugserve.plugins.attention.torch_ref import (
+    TorchRefAttention,
+    causal_mask,
+    dense_attention,
+    merge_attn_states,
+    ragged_attention,
+)
 from plugserve.registry import Registry
 
 CPU = torch.device("cpu")
@@ -354,3 +361,25 @@ def test_registry_finds_the_backend() -> None:
     registry = Registry(builtin=["plugserve.plugins.attention.torch_ref"], entry_points=False)
     assert registry.backends["attention"]["torch_ref"].cls is TorchRefAttention
     assert not registry.broken
+
+
+def test_key_tiled_attention_gives_a_query_the_same_bits_whatever_the_call_holds():
+    """Under batch_invariant (deterministic inference) a query's out and lse do not depend on how many keys past its
+    own the call holds (a whole prefill, a chunk, decoding) nor on the queries beside it; and they match SDPA."""
+    torch.manual_seed(0)
+    keys, n, sm_scale = 150, 20, 0.3  # three key tiles, the last one partial
+    q, k, v = torch.randn(keys, H, 8), torch.randn(keys, 1, 8), torch.randn(keys, 1, 6)
+    with torch.inference_mode(), batch_invariant():
+        # The last n tokens as one prefill over all keys, and each alone over only the keys it sees.
+        out, lse = dense_attention(q[-n:], k, v, sm_scale, causal=True)
+        for i in range(n):
+            seen = keys - n + i + 1
+            out_i, lse_i = dense_attention(q[seen - 1 : seen], k[:seen], v[:seen], sm_scale, causal=True)
+            assert torch.equal(out_i[0], out[i]) and torch.equal(lse_i[0], lse[i])
+    expected = F.scaled_dot_product_attention(
+        q[-n:].transpose(0, 1), k.expand(-1, H, -1).transpose(0, 1), v.expand(-1, H, -1).transpose(0, 1),
+        attn_mask=causal_mask(n, keys), scale=sm_scale).transpose(0, 1)
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
+    scores = torch.einsum("qhd,khd->hqk", q[-n:].double(), k.double()) * sm_scale
+    expected_lse = scores.masked_fill(~causal_mask(n, keys), float("-inf")).logsumexp(-1).transpose(0, 1)
+    torch.testing.assert_close(lse.double(), expected_lse, atol=ATOL, rtol=RTOL)
