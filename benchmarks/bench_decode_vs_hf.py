@@ -10,8 +10,8 @@
    decode forward with the CompileConfig given, mode "reduce-overhead": CUDA graphs); --hf-no-compile runs
    it eagerly. Per step: the time from the first token to the last within one `generate` call, over
    output_len - 1 (the prefill is outside it).
-3. The limit: the bytes one decode step must read (decode_step_bytes) over the read rate measured in this run
-   (the shootout's ceiling: 2 GiB read once; the copy rate is printed beside it).
+3. The limit: the bytes one decode step must read (decode_step_bytes) over the memory rate measured in this run
+   (the shootout's ceiling: the faster of reading 2 GiB once and copying it, counting read + write).
 
 The two models do not fit one 80 GB GPU together: plugserve's is freed before transformers' is built.
 Prints one table and writes --result-filename (JSON, rewritten after each phase so a cut-off run keeps
@@ -357,7 +357,8 @@ def format_table(rows: list[dict[str, Any]], report: dict[str, Any]) -> str:
 
     lines = [f"============ Decode step: plugserve vs transformers ({report['device']}) ============",
              f"{'Model:':<40}{report['model']}",
-             f"{'Read bandwidth (GB/s, the limit):':<40}{report['ceilings']['read_gbps']:.1f}",
+             f"{'Memory bandwidth (GB/s, the limit):':<40}{report['ceilings']['memory_gbps']:.1f}",
+             f"{'Read bandwidth (GB/s, read only):':<40}{report['ceilings']['read_gbps']:.1f}",
              f"{'Copy bandwidth (GB/s, read + write):':<40}{report['ceilings']['copy_gbps']:.1f}",
              f"{'transformers:':<40}{report['hf_mode']}",
              f"{'plugserve decode steps:':<40}{report['plugserve_mode']}",
@@ -432,7 +433,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         step = decode_step_bytes(config, batch_size, input_len + output_len / 2, dtype_bytes, kv_bytes)
         report["rows"][(batch_size, input_len, output_len)] = {
             "bytes": dataclasses.asdict(step) | {"total": step.total},
-            "limit_ms": step.total / (ceilings["read_gbps"] * 1e9) * 1e3,
+            "limit_ms": step.total / (ceilings["memory_gbps"] * 1e9) * 1e3,
         }
 
     if not namespace.skip_plugserve:

@@ -66,6 +66,14 @@ def read_gbps(device: torch.device, n_bytes: int, warmup: int = 3, reps: int = 1
     return n_bytes / seconds / 1e9
 
 
+def memory_ceilings(device: torch.device, n_bytes: int) -> dict[str, float]:
+    """read_gbps, copy_gbps and memory_gbps, the faster of the two: the limit of a kernel's bytes. Whichever stream
+    a GPU runs faster bounds the achievable rate from below (on an H200 the copy's read + write measured faster than
+    torch's reductions read), so a limit with the slower one could be beaten."""
+    read, copy = read_gbps(device, n_bytes), copy_gbps(device, n_bytes)
+    return {"read_gbps": read, "copy_gbps": copy, "memory_gbps": max(read, copy)}
+
+
 def copy_gbps(device: torch.device, n_bytes: int, warmup: int = 3, reps: int = 10) -> float:
     """GB/s of copying `n_bytes`, counting the read and the write (2 * n_bytes moved): the ceiling of read + write
     work, beside read_gbps."""

@@ -9,7 +9,7 @@ side by side with the device's own ceilings measured in the same run.
         --merge-into plugserve/tables/<gpu>.json ...   # those two re-ranked where they stand in the table
 
 For each case and backend: time (CUDA events after warm-up, median of --reps), achieved GB/s and
-TFLOP/s, and the fraction of the limit, where limit = max(bytes / measured read GB/s, flops / measured
+TFLOP/s, and the fraction of the limit, where limit = max(bytes / measured memory GB/s, flops / measured
 dense TFLOP/s of the dtype); on a GPU each timed replay starts with a cold L2 (as in a model's step), and a
 fraction above 1 fails the run (the limit or the case's byte count would be wrong). Writes shootout.json,
 shootout.md, one PNG per kind, and the selection table `auto` reads (`<device_key>.json`, to copy into
@@ -132,10 +132,10 @@ def _capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph | None:
 
 
 def measure_ceilings(device: torch.device, quick: bool) -> dict[str, float]:
-    """Read GB/s (a read-only stream: the memory limit), copy GB/s (read + write, kept beside it), dense bf16 and
-    fp8 TFLOP/s, measured here and now."""
+    """Read GB/s (a read-only stream), copy GB/s (read + write), memory GB/s (the faster: the limit's), dense bf16
+    and fp8 TFLOP/s, measured here and now."""
     n_bytes = (2 << 30) if not quick else (64 << 20)
-    ceilings = {"read_gbps": gpu_timing.read_gbps(device, n_bytes), "copy_gbps": gpu_timing.copy_gbps(device, n_bytes)}
+    ceilings = gpu_timing.memory_ceilings(device, n_bytes)
     size = 8192 if not quick else 512
     a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
     b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
@@ -326,10 +326,10 @@ def moe_case(spec: MoESpec, dtype: torch.dtype, topk_ids: torch.Tensor) -> Case:
 
 
 def limit_seconds(case: Case, ceilings: dict[str, float]) -> float:
-    """The case's limit: max(bytes read and written / measured read rate, flops / measured dense rate of its flop
-    dtype). Writes count at the read rate too: a lower bound on the time, so no fraction of it can honestly pass 1."""
+    """The case's limit: max(bytes read and written / measured memory rate (memory_gbps), flops / measured dense
+    rate of its flop dtype). Writes count at that rate too: a lower bound on the time, so no fraction can pass 1."""
     tflops_ceiling = ceilings["fp8_tflops" if case.flop_dtype == "fp8" else "bf16_tflops"]
-    return max(case.bytes / (ceilings["read_gbps"] * 1e9), case.flops / (tflops_ceiling * 1e12))
+    return max(case.bytes / (ceilings["memory_gbps"] * 1e9), case.flops / (tflops_ceiling * 1e12))
 
 
 def run_moe(backends: list, device: torch.device, dtype: torch.dtype, args, emit) -> None:

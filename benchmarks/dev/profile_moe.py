@@ -1,7 +1,7 @@
 """Where the `triton` MoE backend's time goes at prefill sizes: DeepSeek-V3's block-FP8 experts (one rank's under
 tensor parallelism), each batch's forward replayed from a CUDA graph with a cold L2 (as the shootout times it),
 beside the GPU time of each kernel in it (torch profiler over the same replays) and the limit the shootout counts:
-max(activated experts' weight bytes / read bandwidth, FP8 flops / dense FP8 rate).
+max(activated experts' weight bytes / memory bandwidth (the faster of read and copy), FP8 flops / dense FP8 rate).
 
     python -m benchmarks.dev.profile_moe --tp-sizes 1 8 --batch-sizes 512 2048 4096
 """

@@ -1,5 +1,5 @@
 """Sweep the launch parameters of the Triton MLA decode kernel on the GPU, against the limit measured in
-the same run: max(KV bytes / read GB/s, flops / bf16 TFLOP/s), as benchmarks/shootout.py computes it.
+the same run: max(KV bytes / memory GB/s, flops / bf16 TFLOP/s), as benchmarks/shootout.py computes it.
 
     PYTHONPATH=. python benchmarks/dev/sweep_triton_mla.py [--heads 16 128] [--shapes 1x32768 32x8192] \
         [--quick] [--output sweep.json]
@@ -75,7 +75,7 @@ def sweep_shape(heads: int, batch_size: int, kv: int, ceilings: dict[str, float]
     q_rope = torch.randn(batch_size, heads, spec.qk_rope_head_dim, device=device, dtype=dtype)
     kv_bytes = batch_size * kv * (spec.kv_lora_rank + spec.qk_rope_head_dim) * 2
     flops = 2 * batch_size * heads * kv * (2 * spec.kv_lora_rank + spec.qk_rope_head_dim)
-    limit = max(kv_bytes / (ceilings["read_gbps"] * 1e9), flops / (ceilings["bf16_tflops"] * 1e12))
+    limit = max(kv_bytes / (ceilings["memory_gbps"] * 1e9), flops / (ceilings["bf16_tflops"] * 1e12))
     backend = TritonAttention(spec, device)
     backend.plan(batch)
     expected = backend.forward_mla(q_nope, q_rope, 0).float()

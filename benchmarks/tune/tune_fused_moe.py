@@ -98,10 +98,11 @@ def decode_space(fp8: bool, dtype: torch.dtype, pairs_per_expert: float) -> tupl
 
 
 def read_bandwidth(device: torch.device) -> float:
-    """Bytes per second of reading 1 GiB once (benchmarks/gpu_timing.py): the weight-read limit's rate."""
-    from benchmarks.gpu_timing import read_gbps
+    """Bytes per second of the faster of reading 1 GiB once and copying it (benchmarks/gpu_timing.py): the
+    weight-read limit's rate."""
+    from benchmarks.gpu_timing import memory_ceilings
 
-    return read_gbps(device, 1 << 30) * 1e9
+    return memory_ceilings(device, 1 << 30)["memory_gbps"] * 1e9
 
 
 def time_ms(fn: Callable[[], None], quick: bool) -> float:

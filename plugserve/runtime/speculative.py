@@ -118,8 +118,11 @@ def graph_plans(config: SpeculativeConfig) -> GraphPlans:
 
 def build_runner(args: ServerArgs, group: ParallelGroup = SINGLE) -> ModelRunner:
     """This rank's ModelRunner, capturing the speculative round's forwards (`graph_plans`) when `args` asks for
-    speculative decoding."""
-    return ModelRunner(args, group, graph_plans(args.speculative) if args.speculative is not None else None)
+    speculative decoding (checked first: `check_runner`)."""
+    runner = ModelRunner(args, group, graph_plans(args.speculative) if args.speculative is not None else None)
+    if args.speculative is not None:
+        check_runner(runner, args.speculative)
+    return runner
 
 
 def follow(runner: ModelRunner) -> None:
@@ -134,22 +137,28 @@ def plan_in_graph(attention: AttentionBackend, batch: ForwardBatch) -> None:
     attention.plan_capture(batch)
 
 
+def check_runner(runner: ModelRunner, config: SpeculativeConfig) -> None:
+    """Raises, naming the flag, when `runner` cannot draft as `config` asks (no NextN layer; trees without a
+    tree-verifying decode backend): before any warm-up forward would reach the missing part."""
+    if runner.model.nextn is None:
+        raise ValueError(f"{flag('speculative_algorithm')} {config.algorithm}: the model has no NextN layer to "
+                         f"draft with (the checkpoint lacks model.layers.{runner.config.num_hidden_layers}"
+                         f".eh_proj): give one with {flag('speculative_draft_model_path')}")
+    if config.topk > 1:
+        for bucket in runner.backends.decode_buckets:
+            if not bucket.backend.capabilities.tree_verify:
+                raise ValueError(f"{flag('speculative_eagle_topk')} {config.topk}: draft trees need a decode "
+                                 f"attention backend that declares tree_verify, and {bucket.backend.name} does "
+                                 f"not (choose one that does with {flag('decode_attention_backend')}, e.g. "
+                                 "torch_ref, or draft chains with topk 1)")
+
+
 class SpeculativeWorker:
     """Drafts with the NextN layer, verifies with the target, and keeps the draft's state per request (its KV in
     the pool's NextN layer, h' by block-table row)."""
 
     def __init__(self, runner: ModelRunner, config: SpeculativeConfig) -> None:
-        if runner.model.nextn is None:
-            raise ValueError(f"{flag('speculative_algorithm')} {config.algorithm}: the model has no NextN layer to "
-                             f"draft with (the checkpoint lacks model.layers.{runner.config.num_hidden_layers}"
-                             f".eh_proj): give one with {flag('speculative_draft_model_path')}")
-        if config.topk > 1:
-            for bucket in runner.backends.decode_buckets:
-                if not bucket.backend.capabilities.tree_verify:
-                    raise ValueError(f"{flag('speculative_eagle_topk')} {config.topk}: draft trees need a decode "
-                                     f"attention backend that declares tree_verify, and {bucket.backend.name} does "
-                                     f"not (choose one that does with {flag('decode_attention_backend')}, e.g. "
-                                     "torch_ref, or draft chains with topk 1)")
+        check_runner(runner, config)
         self.runner, self.model, self.num_steps = runner, runner.model, config.num_steps
         self.topk, self.num_draft_tokens = config.topk, config.num_draft_tokens
         # h' [rows, hidden] in the model dtype: one row per block-table row, i.e. per request holding KV.

@@ -19,7 +19,8 @@ def test_quick_shootout_writes_results_and_a_selection_table_auto_can_read(tmp_p
                    "--warmup", "1", "--reps", "2", "--reference-reps", "1", "--output-dir", str(tmp_path),
                    "--backends", "attention:torch_ref", "gemm:torch_ref", "moe:torch_ref"])
     data = json.loads((tmp_path / "shootout.json").read_text())
-    assert {"read_gbps", "copy_gbps", "bf16_tflops", "fp8_tflops"} <= set(data["ceilings"])
+    assert {"read_gbps", "copy_gbps", "memory_gbps", "bf16_tflops", "fp8_tflops"} <= set(data["ceilings"])
+    assert data["ceilings"]["memory_gbps"] == max(data["ceilings"]["read_gbps"], data["ceilings"]["copy_gbps"])
     kinds = {row["kind"] for row in data["rows"]}
     assert kinds == {"attention", "gemm", "moe"}
     assert all(row["us"] > 0 and row["fraction_of_limit"] > 0 for row in data["rows"])
@@ -29,11 +30,11 @@ def test_quick_shootout_writes_results_and_a_selection_table_auto_can_read(tmp_p
     assert (tmp_path / "moe.png").stat().st_size > 0
 
 
-def test_the_memory_limit_is_the_read_rate_and_a_row_past_it_fails_the_run():
-    """Reading weights streams faster than a copy: the limit divides bytes by the read rate, so a case that reads at
-    the copy rate's speed is not "past the limit"; a row faster than its limit fails the run, naming it."""
+def test_the_memory_limit_is_the_faster_stream_and_a_row_past_it_fails_the_run():
+    """Reading weights can stream faster than a copy: the limit divides bytes by the faster rate, so a case that
+    reads faster than the copy rate is not "past the limit"; a row faster than its limit fails the run, naming it."""
     case = shootout.Case("moe", "decode", "t64", 4, 4000e9, 0.0, "bf16")
-    ceilings = {"read_gbps": 4000.0, "copy_gbps": 2700.0, "bf16_tflops": 1.0, "fp8_tflops": 1.0}
+    ceilings = {"read_gbps": 4000.0, "copy_gbps": 2700.0, "memory_gbps": 4000.0, "bf16_tflops": 1.0, "fp8_tflops": 1.0}
     assert shootout.limit_seconds(case, ceilings) == pytest.approx(1.0)
     rows = [shootout.Row("moe", "decode", "t64", b, us, 0, 0, fraction, 64, "graph")
             for b, us, fraction in [("fast", 1.0, 0.98), ("impossible", 0.5, 1.59)]]

@@ -270,6 +270,17 @@ def test_a_model_without_a_nextn_layer_is_refused_naming_the_flag():
         Engine(ServerArgs(model_preset="tiny", speculative_algorithm="NEXTN", max_total_tokens=64))
 
 
+def test_bench_one_batch_refuses_a_model_without_a_nextn_layer_before_warming_up():
+    """bench_one_batch builds its runner through speculative.build_runner and warms up itself: the refusal must come
+    from the build, not from a warm-up forward reaching the missing layer."""
+    from benchmarks import bench_one_batch
+
+    with pytest.raises(ValueError, match=r"--speculative-algorithm NEXTN: the model has no NextN layer"):
+        bench_one_batch.main(["--model-preset", "tiny", "--load-format", "dummy", "--device", "cpu",
+                              "--batch-size", "1", "--input-len", "8", "--output-len", "4",
+                              "--speculative-algorithm", "NEXTN"])
+
+
 def _recording_drafts(engine: Engine, monkeypatch) -> list[list[list[int]]]:
     """The drafts of every round the engine's worker makes from now on: [round][request][step] token ids."""
     worker, drafts = engine.scheduler.spec, []

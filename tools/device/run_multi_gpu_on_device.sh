@@ -13,8 +13,8 @@
 #   tune      the Triton MoE's per-rank configs for V2-Lite at TP 2 (GPU 0) and TP 2 + EP 2 (GPU 1, after the one-GPU
 #             baseline bench there), --quick at batch 1-64, into the package and $OUT/moe_configs.tar; then --tp-size 2 and
 #             --tp-size 2 --ep-size 2 with them (tune-*.txt)
-#   spec      the tp step's bench with --speculative-algorithm NEXTN (a dummy NextN layer) and without --overlap: a
-#             round's time and accept length, one GPU then --tp-size 2 (spec.txt)
+#   spec      bench_one_batch on the embedded model (V2-Lite has no NextN layer) with --speculative-algorithm NEXTN
+#             over held-out text: a round's time and accept length, one GPU then --tp-size 2 (spec.txt)
 # Usage: bash tools/device/run_multi_gpu_on_device.sh [tests] [allreduce] [tp] [profile] [fp8kv] [tune] [spec]
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD
@@ -75,8 +75,8 @@ for step in "$@"; do
     spec)
       for tp in 1 2; do
         devices=$([ $tp = 1 ] && echo 0 || echo 0,1)
-        CUDA_VISIBLE_DEVICES=$devices timeout 280 python3 -m benchmarks.bench_one_batch ${v2lite% --overlap} \
-          --tp-size $tp --speculative-algorithm NEXTN > $OUT/spec$tp.txt 2>&1
+        CUDA_VISIBLE_DEVICES=$devices timeout 280 python3 -m benchmarks.bench_one_batch --input-len 256 \
+          --output-len 32 --batch-size 1 64 --prompt-text benchmarks/data/heldout_docs.txt --tp-size $tp --speculative-algorithm NEXTN > $OUT/spec$tp.txt 2>&1
         echo "spec tp $tp (rc $?): $(grep '^Decode.  median' $OUT/spec$tp.txt | tr '\n' ' ')"
       done | tee $OUT/spec.txt ;;
   esac
