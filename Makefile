@@ -29,13 +29,14 @@ backends: install
 # tl.dot is wrong; bf16 is checked on the GPU). TRITON_INTERPRET is set explicitly each time because
 # tests/conftest.py defaults it to 1 and pytest loads that file for --pyargs runs from the repo root too.
 # The unit tests run in TEST_WORKERS processes (pytest-xdist), a test file per process at a time (module fixtures
-# stay whole): on CI's two cores that takes the suite from 12.5 to 7.5 minutes.
+# stay whole); the interpreted kit's cases in TEST_WORKERS processes too.
 TEST_WORKERS ?= 2
 TRITON_BACKENDS := --plugserve-backend attention:triton --plugserve-backend gemm:triton --plugserve-backend moe:triton
 test: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 	TRITON_INTERPRET=0 $(PY) -m pytest -q -p no:cacheprovider --pyargs plugserve.conformance
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider --pyargs plugserve.conformance $(TRITON_BACKENDS) \
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(TEST_WORKERS) -p no:cacheprovider --pyargs plugserve.conformance \
+		$(TRITON_BACKENDS) \
 		--plugserve-device cpu --plugserve-dtypes float16,float32
 
 lint: install

@@ -1,4 +1,4 @@
-"""Soak: a few hundred mixed requests, 64 at once, against a KV pool far too small for them (retraction all
+"""Soak: two hundred mixed requests, 64 at once, against a KV pool far too small for them (retraction all
 along): streamed and not, n > 1, stop strings, logprobs, /generate, clients that leave mid-stream or before a
 non-streamed answer, hostile ones (a 10 MB body, a 200 x 64 fan-out, a lone surrogate), refused with their 4xx,
 and requests whose forward fails (the engine's fault hook), answered with a JSON 500. Afterwards every other
@@ -25,7 +25,7 @@ from plugserve.runtime.sampling import SamplingParams
 from plugserve.runtime.server_args import ServerArgs
 from tests.live_server import API_KEY, SERVED_MODEL, RunningServer, start_server
 
-REQUESTS = 300
+REQUESTS = 200
 CONCURRENCY = 64
 POOL_TOKENS = 256  # ~6 of the longest requests at once; 64 are in flight
 HANG_S = 120  # the whole soak; one request never waits this long unless something hangs
