@@ -112,7 +112,8 @@ def plugserve_backends():
 def _kit(folder: Path, report: Path, *args: str) -> dict[str, set[str]]:
     """Run the kit in float32 on the CPU over the plugin in `folder`; {backend: names of its failed tests}."""
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs", "plugserve.conformance",
+        [sys.executable, "-m", "pytest", "-q", "--tb=line", "-p", "no:cacheprovider", "--pyargs",
+         "plugserve.conformance",
          "--plugserve-device", "cpu", "--plugserve-dtypes", "float32", "--plugserve-report", str(report), *args],
         capture_output=True, text=True, check=False,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))},
