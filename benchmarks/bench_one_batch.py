@@ -46,7 +46,7 @@ from plugserve.runtime.ranks import Ranks
 from plugserve.runtime.request import Request
 from plugserve.runtime.sampling import SamplingParams
 from plugserve.runtime.scheduler import Scheduler
-from plugserve.runtime.server_args import ServerArgs
+from plugserve.runtime.server_args import ServerArgs, flag
 from plugserve.runtime.warmup import warm_up
 from plugserve.server.launch import add_server_args, server_args_from
 
@@ -174,6 +174,11 @@ def rank_zero_runner(args: ServerArgs) -> Iterator[ModelRunner]:
         ranks.stop(runner)
 
 
+# The flags build_runner sets for a static batch, which a server launched with the same flags would not have.
+SET_BY_THE_BENCHMARK = ("disable_overlap_schedule", "disable_radix_cache", "chunked_prefill_size",
+                        "max_running_requests", "max_total_tokens")
+
+
 @contextlib.contextmanager
 def build_runner(namespace: argparse.Namespace, parser: argparse.ArgumentParser) -> Iterator[ModelRunner]:
     """The static-batch runner of the parsed flags (rank 0 of its ranks, see rank_zero_runner): radix cache off
@@ -183,6 +188,7 @@ def build_runner(namespace: argparse.Namespace, parser: argparse.ArgumentParser)
         parser.error("--overlap times decode under the overlap scheduler, which --disable-overlap-schedule turns off")
     if namespace.overlap and namespace.speculative_algorithm:
         parser.error("--overlap: speculative decoding runs the non-overlap scheduler")
+    given = {name: getattr(namespace, name) for name in SET_BY_THE_BENCHMARK}
     namespace.disable_overlap_schedule = not namespace.overlap
     namespace.disable_radix_cache = True
     # Each request's tokens in whole pages of the largest page size a built-in backend asks for, plus the
@@ -201,7 +207,15 @@ def build_runner(namespace: argparse.Namespace, parser: argparse.ArgumentParser)
         warm_up(runner)  # as the engine does before serving: JIT compiles and CUDA-graph capture
         print(f"max_total_num_tokens={runner.max_total_tokens}")
         for c in runner.backends.chosen:
-            print(f"{c.kind} {c.phase}: {c.name} ({c.reason})")
+            print(f"{c.kind} {c.phase} up to {c.max_batch_size}: {c.name} ({c.reason})")
+        for kind, rows in runner.backends.by_rows.items():
+            print(f"{kind} by rows: {rows}")
+        changed = [f"{flag(name)} {getattr(args, name)} (given: {given[name]})" for name in SET_BY_THE_BENCHMARK
+                   if getattr(args, name) != given[name]]
+        if changed:
+            print("differs from `plugserve serve` with these flags in: " + ", ".join(changed) + "; backends go by "
+                  "batch size, so a batch of b runs what serve runs for b, but GEMM and MoE calls above "
+                  f"{runner.max_running_requests} rows (prefill) run the prefill picks")
         print(f"cuda_graph: {runner.graphs.status}")
         print(f"all_reduce: {runner.all_reduce_status}")
         print("Warmup ...")
@@ -237,6 +251,7 @@ def benchmark(runner: ModelRunner, namespace: argparse.Namespace) -> None:
                     result |= {"run_name": namespace.run_name, "device": runner.hardware.name,
                                "cuda_graph": runner.graphs.status, "all_reduce": runner.all_reduce_status,
                                "backends": {f"{c.kind}:{c.phase}": c.name for c in runner.backends.chosen},
+                               "by_rows": runner.backends.by_rows,
                                "server_args": runner.args.model_dump(mode="json")}
                     with open(namespace.result_filename, "a") as f:
                         f.write(json.dumps(result) + "\n")

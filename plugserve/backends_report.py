@@ -86,9 +86,16 @@ def describe(registry: Registry, hardware: Hardware, kinds: Sequence[Kind], expl
         "selection_table": _table_used(hardware),
         "auto": auto,
     }
+    if explain and {"gemm", "moe"} & set(kinds):
+        result["gemm_moe_rows"] = ROW_RULE
     if explain and "attention" in kinds:
         result["mla_dispatch"] = _dispatch_table(registry, hardware)
     return result
+
+
+# How serve applies the gemm and moe rows above (plugserve.runtime.row_buckets).
+ROW_RULE = ("gemm and moe: serve runs a call of M rows (tokens) on the decode pick for M up to "
+            "--max-running-requests, on the prefill pick above it (one pack of the weights per backend in use)")
 
 
 def _table_used(hardware: Hardware) -> dict[str, Any]:
@@ -170,6 +177,8 @@ def print_report(report: dict[str, Any], explain: bool, console: Console) -> Non
         auto.add_row(kind, phase, _span(sizes[0], sizes[-1]), backend or "[red]none[/]",
                      *([reason] if explain else []))
     console.print(auto)
+    if "gemm_moe_rows" in report:
+        console.print(report["gemm_moe_rows"])
     if "mla_dispatch" in report:
         d = report["mla_dispatch"]
         dispatch = Table("mode", "requests", "prefix tokens", "new tokens", "method", "why",

@@ -22,6 +22,7 @@ def test_backends_json_lists_reference_backends_and_auto_picks(capsys):
     assert {("attention", "torch_ref"), ("gemm", "torch_ref"), ("moe", "torch_ref")} <= usable
     picks = {(r["kind"], r["phase"], r["max_batch_size"]): r["backend"] for r in report["auto"]}
     assert picks[("gemm", "decode", 1)] is not None
+    assert report["gemm_moe_rows"].startswith("gemm and moe: serve runs a call of M rows (tokens) on the decode pick")
     methods = [row["method"] for row in report["mla_dispatch"]["examples"]]
     assert methods == ["MHA", "MLA", "MHA", "MHA_CHUNKED_KV", "MLA", "MLA", "MLA"]
     kv_cache = {b["name"]: b["kv_cache"] for b in report["backends"] if b["kind"] == "attention"}

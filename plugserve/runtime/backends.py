@@ -1,5 +1,5 @@
 """The backends one ModelRunner runs, chosen through the registry: attention per phase and batch-size bucket (all
-on one KV pool), and the model's MoE and FP8 GEMM backends (one each: their packed weights exist once)."""
+on one KV pool), the model's MoE and FP8 GEMM backends per row-count bucket (`row_buckets`)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,11 @@ from plugserve.core.config import ModelConfig
 from plugserve.core.distributed import ParallelGroup
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode, Phase
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import AttentionBackend
+from plugserve.core.interfaces import AttentionBackend, Backend
 from plugserve.core.models.deepseek import ModelBackends
 from plugserve.core.specs import AttentionSpec, MoESpec
 from plugserve.registry import SelectionError, get_registry, load_selection_table
+from plugserve.runtime.row_buckets import Bucket, GemmByRows, MoEByRows, in_bucket
 from plugserve.runtime.server_args import ServerArgs, flag
 
 logger = logging.getLogger(__name__)
@@ -30,27 +31,15 @@ WARMUP_PREFILL_TOKENS = 8192
 
 @dataclass(frozen=True)
 class ChosenBackend:
-    """One selection, as /server_info and the log report it: for batches up to `max_batch_size`
-    requests (decode) or tokens (prefill)."""
+    """One selection, as /server_info and the log report it: for batches up to `max_batch_size` requests (decode
+    attention), tokens (prefill attention) or rows (GEMM and MoE: a decode pick up to the largest batch, above it
+    a prefill pick)."""
 
     kind: str
     phase: str
     name: str
     reason: str
     max_batch_size: int
-
-
-@dataclass(frozen=True)
-class Bucket:
-    """An attention backend for batches up to `max_size` requests (decode) or tokens (prefill)."""
-
-    max_size: int
-    backend: AttentionBackend
-
-
-def in_bucket(buckets: list[Bucket], size: int) -> AttentionBackend:
-    """The backend of the first bucket holding `size` (a size beyond the last bucket uses it)."""
-    return next((b.backend for b in buckets if size <= b.max_size), buckets[-1].backend)
 
 
 class RunnerBackends:
@@ -119,6 +108,19 @@ class RunnerBackends:
         return in_bucket(self.decode_buckets, batch.batch_size)
 
     @property
+    def by_rows(self) -> dict[str, str]:
+        """The GEMM and MoE backends by row count, and the memory their packs take beyond the weights (for
+        /server_info and the log after loading)."""
+        out = {}
+        for kind, backend in (("gemm", self.model.gemm), ("moe", self.model.moe)):
+            if isinstance(backend, GemmByRows | MoEByRows):
+                out[kind] = (f"{backend.rows.describe()}; their packs add {backend.rows.extra_bytes / 2**20:.1f} MiB "
+                             "to the first's")
+            elif backend is not None:
+                out[kind] = f"{backend.name} at every row count"
+        return out
+
+    @property
     def shared_experts_mode(self) -> str:
         """How the MoE layers run their shared experts (for /server_info)."""
         moe = self.model.moe
@@ -146,7 +148,7 @@ class RunnerBackends:
         return backend
 
     def _buckets(self, phase: Phase, requested: str, flag_name: str, spec: AttentionSpec, largest: int,
-                 first: AttentionBackend, built: dict[str, Any]) -> list[Bucket]:
+                 first: AttentionBackend, built: dict[str, Any]) -> list[Bucket[AttentionBackend]]:
         """`first` (chosen for `largest`) plus, under `auto`, the backend ranked first at each smaller
         bucket bound of the measured table: one instance per backend, all on one KV pool."""
         buckets = [Bucket(largest, first)]
@@ -168,16 +170,29 @@ class RunnerBackends:
 
     def _build_packed(self, kind: str, requested: str, spec: Any, max_batch: int, prefill_tokens: int,
                       fit_spec: Callable[[type, Any], Any] | None = None) -> Any:
-        """A MoE or GEMM backend: one for the model, since its packed weights exist once. The decode pick
-        (most of serving's time) runs prefill too; when the table ranks another first for prefill, the
-        choice says so."""
+        """A MoE or GEMM backend for the model. Under `auto` with a measured table, the table's pick for each bucket
+        of rows (tokens): the decode ranking up to `max_batch` rows, the prefill ranking above, as `backends
+        --explain` lists them; a `GemmByRows` / `MoEByRows` when the picks differ."""
         name = flag("moe_runner_backend" if kind == "moe" else "fp8_gemm_backend")
-        backend = self._build(kind, Phase.DECODE, requested, name, spec, max_batch, fit_spec)
-        if requested == "auto":
-            preferred = get_registry().select(kind, Phase.PREFILL, prefill_tokens, self.hardware, spec=spec)  # type: ignore[arg-type]
-            if preferred.backend.name != backend.name:
-                reason = (f"weights are packed once per model: the decode pick runs prefill too, though "
-                          f"{preferred.backend.name} ranks first there ({preferred.reason})")
-                logger.info("%s prefill backend: %s (%s)", kind, backend.name, reason)
-                self.chosen.append(ChosenBackend(kind, Phase.PREFILL.value, backend.name, reason, prefill_tokens))
-        return backend
+        built: dict[str, Any] = {}
+        primary = self._build(kind, Phase.DECODE, requested, name, spec, max_batch, fit_spec, built)
+        loaded = load_selection_table(self.hardware)
+        if requested != "auto" or loaded is None:
+            return primary
+        table = loaded[0]
+        bounds = [(Phase.DECODE, b) for b in table.bucket_bounds(kind, Phase.DECODE, max_batch)[:-1]]  # type: ignore[arg-type]
+        bounds += [(Phase.PREFILL, b) for b in table.bucket_bounds(kind, Phase.PREFILL, prefill_tokens)  # type: ignore[arg-type]
+                   if b > max_batch]
+        buckets: list[Bucket[Backend]] = []
+        for phase, bound in sorted([*bounds, (Phase.DECODE, max_batch)], key=lambda pair: pair[1]):
+            backend = primary if bound == max_batch else self._build(kind, phase, requested, name, spec, bound,
+                                                                       fit_spec, built)
+            if backend.spec != primary.spec:  # e.g. one fuses the shared experts: the model packs for one spec
+                reason = f"{backend.name} ranks first but runs another spec than {primary.name} ({backend.spec})"
+                logger.info("%s up to %d rows: %s: %s", kind, bound, primary.name, reason)
+                self.chosen[-1] = ChosenBackend(kind, phase.value, primary.name, reason, bound)
+                backend = primary
+            buckets.append(Bucket(bound, backend))
+        if len({id(b.backend) for b in buckets}) == 1:
+            return primary
+        return (MoEByRows if kind == "moe" else GemmByRows)(buckets)  # type: ignore[arg-type]

@@ -42,7 +42,8 @@ from plugserve.core.interfaces import AttentionBackend
 from plugserve.core.kv_cache import MLAKVPool
 from plugserve.core.moved import moved_names
 from plugserve.core.progress import Progress
-from plugserve.runtime.backends import RunnerBackends, in_bucket
+from plugserve.runtime.backends import RunnerBackends
+from plugserve.runtime.row_buckets import in_bucket
 
 if TYPE_CHECKING:
     from plugserve.core.models.deepseek import DeepseekForCausalLM

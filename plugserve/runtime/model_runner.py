@@ -134,6 +134,8 @@ class ModelRunner:
                                 device=self.device, seed=args.seed, group=group, expert_parallel=args.ep_size > 1,
                                 dp_attention=self.dp_size > 1, draft_model_path=args.speculative_draft_model_path,
                                 dummy_nextn=args.speculative is not None)
+        for kind, rows in self.backends.by_rows.items():
+            logger.info("%s backends by rows: %s", kind, rows)
         small_ops = SmallOps.compiled(args.compile_max_bs) if args.enable_torch_compile else EAGER
         self.model.use_small_ops(small_ops.with_fused_kernels(self.device))
         if self.device.type == "cuda":

@@ -74,6 +74,7 @@ async def server_info(request: Request) -> dict[str, Any]:
         "backends": [dataclasses.asdict(c) for c in runner.backends.chosen],
         "kernels": {f"{c.kind}:{c.name}": get_registry().kernels(c.kind, c.name, runner.hardware)
                     for c in runner.backends.chosen},
+        "by_rows": runner.backends.by_rows,
         "cuda_graph": runner.graphs.status,
         "all_reduce": runner.all_reduce_status,
         "overlap_schedule": engine.scheduler.overlap_status,

@@ -18,6 +18,9 @@ def test_bench_one_batch_prints_sglang_format_and_writes_json(tmp_path, capsys):
     assert printed.count("Prefill. latency:") == 3  # warm-up + two runs
     assert re.search(r"Decode\.  median latency: [\d.]+ s, median throughput: +[\d.]+ token/s", printed)
     assert re.search(r"Total\. latency: [\d.]+ s, throughput: +[\d.]+ token/s", printed)
+    # It says where its runner differs from the server's: it raises --max-running-requests to its largest batch.
+    assert re.search(r"differs from `plugserve serve` with these flags in: .*--max-running-requests 3 \(given: None\)",
+                     printed)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["batch_size"] for r in rows] == [1, 3]
     assert all(r["prefill_throughput"] > 0 and r["median_decode_latency"] > 0 for r in rows)

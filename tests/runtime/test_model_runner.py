@@ -77,9 +77,11 @@ def test_auto_runs_the_measured_fastest_backend_per_batch_bucket(tmp_path, monke
     buckets run it (one instance per backend, one pool), the others the torch reference."""
     import json
 
+    from plugserve.backends_report import describe
     from plugserve.core.forward_batch import ForwardBatch, ForwardMode
     from plugserve.core.hardware import Hardware
-    from plugserve.registry import TABLES_ENV
+    from plugserve.registry import TABLES_ENV, get_registry
+    from plugserve.runtime.row_buckets import MoEByRows
 
     hardware = Hardware.detect("cpu")
     table = {"device_name": hardware.name, "rankings": {"attention": {
@@ -95,13 +97,17 @@ def test_auto_runs_the_measured_fastest_backend_per_batch_bucket(tmp_path, monke
     assert [(b.max_size, b.backend.name) for b in decode] == [(2, "triton"), (8, "torch_ref")]
     assert [(b.max_size, b.backend.name) for b in prefill] == [(16, "triton"), (64, "torch_ref")]
     assert decode[0].backend is prefill[0].backend  # one instance per backend
-    # One MoE backend (its packed weights exist once): decode's pick, which says prefill would rank another first.
-    [moe_prefill] = [c for c in runner.backends.chosen if c.kind == "moe" and c.phase == "prefill"]
-    assert moe_prefill.name == "torch_ref" and "triton ranks first there" in moe_prefill.reason
-    assert runner.model.backends.moe.name == "torch_ref"
-    attention = {(c.phase, c.max_batch_size): c.name for c in runner.backends.chosen if c.kind == "attention"}
-    assert attention == {("decode", 2): "triton", ("decode", 8): "torch_ref", ("prefill", 16): "triton",
-                         ("prefill", 64): "torch_ref"}
+    # MoE by rows, as `backends --explain` lists it: the decode ranking up to 8 rows, the prefill ranking above.
+    moe = runner.backends.model.moe
+    assert isinstance(moe, MoEByRows) and moe.rows.describe() == "torch_ref up to 8 rows, triton above"
+    assert [(c.phase, c.name, c.max_batch_size) for c in runner.backends.chosen if c.kind == "moe"] == [
+        ("decode", "torch_ref", 8), ("prefill", "triton", 64)]
+    assert runner.backends.by_rows["moe"].startswith("torch_ref up to 8 rows, triton above; their packs add")
+    # ... which is what `plugserve backends --explain` shows for those rows.
+    picks = {(r["phase"], r["max_batch_size"]): r["backend"]
+             for r in describe(get_registry(), hardware, ["moe"], explain=True)["auto"]}
+    assert [moe.rows.of(m).name for m in (1, 8, 64, 512)] == [picks[("decode", 1)], picks[("decode", 8)],
+                                                              picks[("prefill", 64)], picks[("prefill", 512)]]
 
     def batch(mode: ForwardMode, n: int, new: int) -> ForwardBatch:
         return ForwardBatch.build(mode, [new] * n, [new] * n, torch.zeros(n, 32, dtype=torch.int32), runner.pool)
