@@ -20,6 +20,7 @@ from plugserve.runtime.sampling import SamplingParams
 from plugserve.runtime.scheduled_batch import ScheduledBatch
 from plugserve.runtime.scheduler import Scheduler
 from plugserve.runtime.server_args import ServerArgs
+from tests.checkpoints import random_hf_model, save_hf_model, tiny_v3_config
 from tests.engine_checks import assert_every_page_is_back
 
 CHUNK = 16
@@ -209,3 +210,32 @@ def test_the_flag_is_refused_with_speculative_decoding():
     assert ServerArgs(enable_mixed_chunk=True).enable_mixed_chunk
     with pytest.raises(ValueError, match="--enable-mixed-chunk does not combine with --speculative-algorithm"):
         ServerArgs(enable_mixed_chunk=True, speculative_algorithm="NEXTN")
+
+
+def test_under_dp_attention_each_group_mixes_its_own_requests(tmp_path):
+    """--tp-size 2 --dp-size 2 on the CPU (rank 1 a worker process): the long prompt's group decodes its other
+    request inside the chunks, with the tokens of one process without the flag."""
+    model_dir = save_hf_model(random_hf_model(tiny_v3_config()), tmp_path)
+    prompts = [[5, 17, 250, 3], [300, 1, 64], [7, 99, 42], list(range(40, 140))]  # the tiny vocabulary's ids
+    params = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
+    flags = {"model_path": str(model_dir), "tokenizer_path": str(EMBEDDED_MODEL_DIR), "device": "cpu",
+             "max_total_tokens": 2048, "chunked_prefill_size": CHUNK}
+    single = Engine(ServerArgs(**flags))  # type: ignore[arg-type]
+    try:
+        expected = [r.token_ids for r in single.generate(prompts, params)]
+    finally:
+        single.shutdown()
+    riders: list[int] = []  # the requests of each EXTEND forward that were decoding already
+
+    def fault_hook(mode: ForwardMode, requests: list[Request]) -> None:
+        if mode is ForwardMode.EXTEND:
+            riders.append(sum(len(r.output_ids) > 1 for r in requests))
+
+    engine = Engine(ServerArgs(**flags, tp_size=2, enable_dp_attention=True, dp_size=2,  # type: ignore[arg-type]
+                               enable_mixed_chunk=True), fault_hook=fault_hook)
+    try:
+        assert [r.token_ids for r in engine.generate(prompts, params)] == expected
+        assert max(riders) >= 1, riders
+        engine.check_pool_accounting()
+    finally:
+        engine.shutdown()
