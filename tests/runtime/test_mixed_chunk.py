@@ -41,9 +41,10 @@ def plain() -> Iterator[Engine]:
     engine.shutdown()
 
 
-def _mixed_engine(**flags: object) -> tuple[Engine, list[int]]:
-    """A ready engine with the flag, and the riders of each forward it runs from now on (0: not a mixed batch)."""
-    engine = Engine(_args(enable_mixed_chunk=True, **flags))
+def _mixed_engine(args: ServerArgs | None = None, **flags: object) -> tuple[Engine, list[int]]:
+    """A ready engine with the flag (`args`, else the tiny preset's with `flags`), and the riders of each forward it
+    runs from now on (0: not a mixed batch)."""
+    engine = Engine(args or _args(enable_mixed_chunk=True, **flags))
     assert engine.ready.wait(60)
     riders: list[int] = []
     forward = engine.scheduler.forward
@@ -166,6 +167,25 @@ def test_an_abort_and_a_failing_prefill_leave_the_riders_tokens(plain, overlap):
             assert results[f"r{i}"][-1].finish_reason is FinishReason.LENGTH, results[f"r{i}"][-1].error
             assert [t for o in results[f"r{i}"] for t in o.token_ids] == clean[i]
         assert_every_page_is_back(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_deterministic_inference_gives_a_riders_tokens_bit_for_bit():
+    """On the embedded model, whose greedy tokens batching moves without --enable-deterministic-inference: a request
+    decoding inside another prompt's chunks gives the tokens and logprobs it gives alone."""
+    engine, riders = _mixed_engine(ServerArgs(enable_deterministic_inference=True, enable_mixed_chunk=True,
+                                              chunked_prefill_size=8))
+    params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True, logprobs=True)
+    prompt = "To reset a user password in Django,"
+    try:
+        [alone] = engine.generate(prompt, params)
+        engine.flush_cache()
+        riders.clear()
+        ridden = engine.generate([prompt, "The history of the Roman empire, " * 6], params)[0]
+        assert max(riders) == 1, riders
+        assert ridden.token_ids == alone.token_ids
+        assert [lp.logprob for lp in ridden.logprobs] == [lp.logprob for lp in alone.logprobs]
     finally:
         engine.shutdown()
 
