@@ -26,7 +26,7 @@ from tests.engine_checks import assert_every_page_is_back
 CHUNK = 16
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
 # The short prompts are prefilled first; the long one's chunks follow while they decode.
-PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):", "import numpy as np\n" * 20]
+PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):", "import numpy as np\n" * 16]
 LONG = "import numpy as np\n" * 40
 
 
@@ -60,17 +60,19 @@ def _mixed_engine(args: ServerArgs | None = None, **flags: object) -> tuple[Engi
 @pytest.mark.parametrize(
     "flags",
     [{}, {"disable_overlap_schedule": True}, {"chunked_prefix_cache_threshold": 0},
-     {"max_total_tokens": 200, "max_running_requests": 3}],
+     {"max_total_tokens": 160}],
     ids=["overlap", "no-overlap", "mha-over-prefixes", "tiny-pool"],
 )
 def test_greedy_outputs_equal_those_without_the_flag(plain, flags):
-    """mha-over-prefixes: the riders' long prefixes de-compressed (MHA) rather than absorbed MLA; tiny-pool: requests
-    wait for room and are retracted."""
-    expected = [r.token_ids for r in plain.generate(PROMPTS, GREEDY)]
+    """40 tokens each. mha-over-prefixes: the riders' prefixes de-compressed (MHA) rather than absorbed MLA;
+    tiny-pool: requests wait for room and are retracted (the four need more than its 160 tokens)."""
+    params = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
+    expected = [r.token_ids for r in plain.generate(PROMPTS, params)]
     engine, riders = _mixed_engine(**flags)
     try:
-        assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == expected
+        assert [r.token_ids for r in engine.generate(PROMPTS, params)] == expected
         assert max(riders) >= 2, riders  # the short requests decoded inside the long prompt's chunks
+        assert engine.metrics.retractions._value.get() > 0 or "max_total_tokens" not in flags
         assert_every_page_is_back(engine)
     finally:
         engine.shutdown()
