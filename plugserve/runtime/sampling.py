@@ -90,6 +90,27 @@ class SampleOutput:
     # verified position, [B, N, ...], and request b's tokens are its first accept_lens[b] + 1.
     accept_lens: torch.Tensor | None = None
 
+    def runs(self) -> tuple[list[list[int]], list[list[float]] | None, list[list[tuple[tuple[int, float], ...]]],
+                            list[int]]:
+        """On the host, per request: its run of tokens (one, or a verified run), their logprobs (None where no row
+        asked), their top logprobs as (id, logprob) pairs (empty where none was asked), and the run's length."""
+        tokens, logprobs, top_ids, top_values = (
+            None if t is None else t.tolist()
+            for t in (self.token_ids, self.logprobs, self.top_logprob_ids, self.top_logprob_values))
+        assert tokens is not None
+        if self.accept_lens is None:  # one token per sampled request: runs of one
+            tokens, logprobs, top_ids, top_values = (
+                None if v is None else [[x] for x in v] for v in (tokens, logprobs, top_ids, top_values))
+            counts = [1] * len(tokens)  # type: ignore[arg-type]
+        else:  # each request's run of accepted tokens and the target's after them
+            counts = [a + 1 for a in self.accept_lens.tolist()]
+        if top_ids is None:
+            tops = [[()] * len(run) for run in tokens]  # type: ignore[union-attr]
+        else:
+            tops = [[tuple(zip(i, v, strict=True)) for i, v in zip(ids, values, strict=True)]
+                    for ids, values in zip(top_ids, top_values, strict=True)]  # type: ignore[arg-type]
+        return tokens, logprobs, tops, counts  # type: ignore[return-value]
+
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
     """The generator a seeded request keeps for its whole life (None when unseeded: it uses the default one)."""

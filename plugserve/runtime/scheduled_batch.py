@@ -30,11 +30,17 @@ class ScheduledBatch:
     # Speculative prefill: [T] int64 on the device, the token after each new one (0 where it is being sampled)
     next_ids: torch.Tensor | None = None
     masks: BatchGrammar | None = None  # the sampled requests' structured-output masks (None: none)
+    # --enable-mixed-chunk: the last `mixed` requests of an EXTEND batch are running ones decoding a token each
+    mixed: int = 0
 
     @property
     def sampled_requests(self) -> list[Request]:
         """The requests this batch samples a token for, in the order of `sample_rows`."""
         return [r for r, s in zip(self.requests, self.sampled, strict=True) if s]
+
+    def prefills(self, index: int) -> bool:
+        """Whether the request at `index` computes prompt tokens here (not a decode step, mixed in or not)."""
+        return self.mode is ForwardMode.EXTEND and index < len(self.requests) - self.mixed
 
     def with_inputs(self, input_ids: torch.Tensor) -> ScheduledBatch:
         """This batch with its inputs [T] int64 complete (the batch in flight's tokens filled in)."""
@@ -62,4 +68,5 @@ class ScheduledBatch:
         return ScheduledBatch(self.mode, [self.requests[i] for i in indices], lens, sampled, forward,
                               self.input_ids[tokens], to_device(torch.tensor(rows, dtype=torch.int64), device),
                               [self.ends[i] for i in indices], [],
-                              None if self.next_ids is None else self.next_ids[tokens], masks)
+                              None if self.next_ids is None else self.next_ids[tokens], masks,
+                              sum(not self.prefills(i) for i in indices) if self.mixed else 0)

@@ -29,6 +29,7 @@ from plugserve.core.moved import moved_names
 from plugserve.runtime import grammar, isolation, overlap
 from plugserve.runtime.detokenizer import IncrementalText
 from plugserve.runtime.metrics import Metrics
+from plugserve.runtime.mixed_chunk import Riders
 from plugserve.runtime.model_runner import ModelRunner
 from plugserve.runtime.overlap import OverlapLoop
 from plugserve.runtime.page_owners import check_pool_accounting
@@ -64,6 +65,7 @@ class Scheduler:
         self.max_running = runner.max_running_requests
         self.chunk_size = args.prefill_token_budget
         self.schedule_policy, self.stream_interval = args.schedule_policy, args.stream_interval
+        self.mixed_chunk = args.enable_mixed_chunk  # refused with speculative decoding (ServerArgs)
         self.waiting = RequestQueue()
         self.running: list[Request] = []
         self.chunked: Request | None = None  # mid chunked prefill: first in the next prefill batch
@@ -169,6 +171,8 @@ class Scheduler:
 
     def _schedule_extend(self) -> ScheduledBatch | None:
         budget = self.chunk_size if self.chunk_size is not None else 1 << 62
+        riders = Riders.of(self.running if self.mixed_chunk else [], budget, self._last_token_planned)
+        budget = riders.prefill_budget
         candidates = ([self.chunked] if self.chunked else []) + order_waiting(self.schedule_policy, self.waiting,
                                                                              self.radix)
         requests: list[Request] = []
@@ -198,9 +202,8 @@ class Scheduler:
                 self.waiting.remove(request)
                 if self.metrics:
                     self.metrics.observe_scheduled(request)
-            done = request.cached_len + n == request.seq_len
-            sampled.append(done)
-            if done:
+            sampled.append(request.cached_len + n == request.seq_len)
+            if sampled[-1]:
                 self.running.append(request)
             else:
                 self.chunked = request
@@ -209,8 +212,10 @@ class Scheduler:
         if self.spec is not None:  # the next prompt token, or 0 where the token after the prompt is sampled
             next_ids = torch.tensor([t for r, n in zip(requests, lens, strict=True)
                                      for t in [*r.all_ids[r.cached_len + 1 : r.cached_len + n + 1], 0][:n]])
+        riders.requests = self._grow(riders.requests)  # their pages were set aside by `_take_pages`
+        riders.merge(requests, lens, sampled, ids)
         return self._build(ForwardMode.EXTEND, requests, lens, sampled, torch.tensor(ids, dtype=torch.int64),
-                           next_ids)
+                           next_ids, len(riders.requests))
 
     def _take_pages(self, request: Request, budget: int, batched: int) -> int:
         """How many of a waiting (or chunked) request's uncached tokens this prefill computes, at most `budget`,
@@ -248,8 +253,7 @@ class Scheduler:
         active = [r for r in self.running if not self._last_token_planned(r)]
         if not active:
             return None
-        # Every running request needs a slot for its last token (and its drafts); retract the newest until they
-        # all fit.
+        # Every running request needs a slot for its last token (and drafts): retract the newest until all fit.
         while True:
             need = sum(self._missing_pages(r) for r in active)
             if need <= self._pages_available() or len(self.running) == 1:
@@ -258,7 +262,21 @@ class Scheduler:
             self._retract(newest)
             if newest in active:
                 active.remove(newest)
-        for request in active:
+        requests = self._grow(active)
+        if not requests:
+            return None
+        last, sampled = torch.tensor([r.last_id for r in requests], dtype=torch.int64), [True] * len(requests)
+        if self.spec is None:
+            return self._build(ForwardMode.DECODE, requests, [1] * len(requests), sampled, last)
+        n = self.verify_width
+        ids = torch.zeros(len(requests), n, dtype=torch.int64)
+        ids[:, 0] = last
+        return self._build(ForwardMode.TARGET_VERIFY, requests, [n] * len(requests), sampled, ids.view(-1))
+
+    def _grow(self, requests: list[Request]) -> list[Request]:
+        """Allocate the pages running requests lack for their next step -> those still running (one that the whole
+        pool cannot hold stops)."""
+        for request in requests:
             try:
                 missing = self._missing_pages(request)
                 if missing > self._pages_available():  # alone and still too long for the whole pool
@@ -269,17 +287,7 @@ class Scheduler:
             except Exception as exc:
                 self._fail(request, "being scheduled", exc)
         self._drop_finished()
-        requests = [r for r in active if not r.finished]
-        if not requests:
-            return None
-        last = torch.tensor([r.last_id for r in requests], dtype=torch.int64)
-        sampled = [True] * len(requests)
-        if self.spec is None:
-            return self._build(ForwardMode.DECODE, requests, [1] * len(requests), sampled, last)
-        n = self.verify_width
-        ids = torch.zeros(len(requests), n, dtype=torch.int64)
-        ids[:, 0] = last
-        return self._build(ForwardMode.TARGET_VERIFY, requests, [n] * len(requests), sampled, ids.view(-1))
+        return [r for r in requests if not r.finished]
 
     def _missing_pages(self, request: Request) -> int:
         """Pages a running request lacks for its next decode step (its last token and its drafts)."""
@@ -302,18 +310,19 @@ class Scheduler:
             self.metrics.retractions.inc()
 
     def _build(self, mode: ForwardMode, requests: list[Request], lens: list[int], sampled: list[bool],
-               input_ids: torch.Tensor, next_ids: torch.Tensor | None = None) -> ScheduledBatch | None:
+               input_ids: torch.Tensor, next_ids: torch.Tensor | None = None, mixed: int = 0) -> ScheduledBatch | None:
         """The batch of `requests`, `lens` new tokens each (`input_ids`, `next_ids` [sum(lens)] int64 on the host),
-        ready to run; None if it could not be built: its requests end with the error, and no other request does."""
+        the last `mixed` of them decoding in a prefill; None if it could not be built: its requests end with the
+        error, and no other request does."""
         try:
-            return self._assemble(mode, requests, lens, sampled, input_ids, next_ids)
+            return self._assemble(mode, requests, lens, sampled, input_ids, next_ids, mixed)
         except Exception as exc:
             logger.exception("a %s batch of %d requests could not be built", mode.name, len(requests))
             self.fail_batch(requests, f"{type(exc).__name__}: {exc}")
             return None
 
     def _assemble(self, mode: ForwardMode, requests: list[Request], lens: list[int], sampled: list[bool],
-                  input_ids: torch.Tensor, next_ids: torch.Tensor | None) -> ScheduledBatch:
+                  input_ids: torch.Tensor, next_ids: torch.Tensor | None, mixed: int) -> ScheduledBatch:
         device, table = self.runner.device, self.block_table
         for request in requests:
             if request.table_row < 0:
@@ -342,7 +351,7 @@ class Scheduler:
         return ScheduledBatch(mode, requests, lens, sampled, batch, to_device(input_ids, device),
                               to_device(torch.tensor(rows, dtype=torch.int64), device),
                               [r.cached_len for r in requests], resolve,
-                              None if next_ids is None else to_device(next_ids, device), masks)
+                              None if next_ids is None else to_device(next_ids, device), masks, mixed)
 
     # -- running -------------------------------------------------------------------------------------
 
@@ -395,19 +404,11 @@ class Scheduler:
 
     def _take_tokens(self, batch: ScheduledBatch, result: BatchResult) -> None:
         sample = result.wait()
-        tokens, logprobs, top_ids, top_values = (
-            None if t is None else t.tolist()
-            for t in (sample.token_ids, sample.logprobs, sample.top_logprob_ids, sample.top_logprob_values))
-        assert tokens is not None
+        tokens, logprobs, tops, counts = sample.runs()
         verified = sample.accept_lens is not None
-        if verified:  # each request's run of accepted tokens and the target's after them
-            counts = [a + 1 for a in sample.accept_lens.tolist()]  # type: ignore[union-attr]
-        else:  # one token per sampled request: runs of one
-            tokens, logprobs, top_ids, top_values = (
-                None if v is None else [[x] for x in v] for v in (tokens, logprobs, top_ids, top_values))
-            counts = [1] * len(tokens)  # type: ignore[arg-type]
         row = appended = 0
-        for request, was_sampled, end in zip(batch.requests, batch.sampled, batch.ends, strict=True):
+        for index, (request, was_sampled, end) in enumerate(zip(batch.requests, batch.sampled, batch.ends,
+                                                                strict=True)):
             if not request.finished:  # its KV is written now (none if it was retracted since: pages given back)
                 if verified:  # the KV past the accepted tokens is stale
                     request.cached_len -= self.verify_width - counts[row]
@@ -415,9 +416,8 @@ class Scheduler:
             try:
                 if was_sampled and not request.finished:  # finished by an earlier batch: the extra token is dropped
                     for i in range(counts[row]):  # the tokens after a stop are dropped
-                        top = (tuple(zip(top_ids[row][i], top_values[row][i], strict=True))  # type: ignore[index]
-                               if top_ids is not None else ())
-                        self._append(request, tokens[row][i], None if logprobs is None else logprobs[row][i], top)
+                        self._append(request, tokens[row][i], None if logprobs is None else logprobs[row][i],
+                                     tops[row][i])
                         appended += 1
                         if request.finished:
                             break
@@ -427,7 +427,7 @@ class Scheduler:
                 # Prompt pages are shared at once (concurrent requests with the prompt reuse them); pages filled
                 # by decoding are cached when the request releases them: inserting a running sequence's path
                 # at every decode step cost more host time than the step's GPU work at batch 64.
-                if not request.finished and batch.mode is ForwardMode.EXTEND:
+                if not request.finished and batch.prefills(index):
                     self._cache_prefix(request)
             except Exception as exc:
                 self._fail(request, "its output was processed", exc)

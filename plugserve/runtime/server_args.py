@@ -114,6 +114,7 @@ class ServerArgs(BaseModel):
     mem_fraction_static: float | None = Field(None, gt=0, lt=1)
     disable_radix_cache: bool = False
     disable_overlap_schedule: bool = False
+    enable_mixed_chunk: bool = False
     enable_deterministic_inference: bool = False
     # GPU performance switches
     disable_cuda_graph: bool = False
@@ -216,6 +217,9 @@ class ServerArgs(BaseModel):
             raise ValueError(f"{flag('schedule_policy')} lpm needs the prefix cache (drop "
                              f"{flag('disable_radix_cache')}, or give {flag('schedule_policy')} fcfs): without it no "
                              "request has a cached prefix to order by")
+        if self.enable_mixed_chunk and self.speculative_algorithm is not None:
+            raise ValueError(f"{flag('enable_mixed_chunk')} does not combine with {flag('speculative_algorithm')}: "
+                             "a speculative decode step is a verify forward of drafts, which no prefill batch holds")
         if self.enable_deterministic_inference and self.speculative_algorithm is not None:
             raise ValueError(f"{flag('enable_deterministic_inference')} does not combine with "
                              f"{flag('speculative_algorithm')} yet: the draft forwards are not batch-invariant")

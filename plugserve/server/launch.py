@@ -87,6 +87,9 @@ HELP = {
                            "a GPU); on the CPU, of the machine's memory (without it the CPU's pool is 512 MiB)",
     "disable_radix_cache": "do not reuse cached prompt prefixes",
     "disable_overlap_schedule": "schedule only while the device is idle (no CPU/GPU overlap)",
+    "enable_mixed_chunk": "the running requests decode a token each inside every prefill batch (one forward, within "
+                          "--chunked-prefill-size), so decoding goes on while a long prompt is prefilled chunk by "
+                          "chunk; not with speculative decoding",
     "enable_deterministic_inference": "the same greedy request gives the same tokens whatever the batch around it, a "
                                       "cached prefix, prefill chunking, streaming or overlap: batch-invariant "
                                       "backends only (auto picks among them, another is refused), row-invariant "
@@ -163,7 +166,6 @@ REFUSED = {
     "--moe-dense-tp-size": "the dense MLPs are split over every tensor-parallel rank",
     "--cuda-graph-bs": "graphs are captured at SGLang's default sizes up to --cuda-graph-max-bs",
     "--is-embedding": "plugserve serves generation only",
-    "--enable-mixed-chunk": "decode steps run as batches of their own between prefill chunks, not inside them",
 }
 # Where the API key comes from when no flag gives it.
 API_KEY_VARIABLE = "PLUGSERVE_API_KEY"

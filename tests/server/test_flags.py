@@ -139,6 +139,7 @@ ROWS: dict[str, Row] = {
                               Warns("--mem-fraction-static 0.5 is not used: --max-total-tokens 64 sizes the KV pool")),
     "--disable-radix-cache": (["--disable-radix-cache"], Sets(lambda a: a.disable_radix_cache)),
     "--disable-overlap-schedule": (["--disable-overlap-schedule"], Sets(lambda a: a.disable_overlap_schedule)),
+    "--enable-mixed-chunk": (["--enable-mixed-chunk"], Sets(lambda a: a.enable_mixed_chunk)),
     "--enable-deterministic-inference": (["--enable-deterministic-inference"], Runs(_batch_invariant)),
     # GPU performance switches
     "--disable-cuda-graph": (["--disable-cuda-graph"], Refused("needs a CUDA device: there are no CUDA graphs on")),
@@ -184,7 +185,6 @@ ROWS: dict[str, Row] = {
     "--moe-dense-tp-size": (["--moe-dense-tp-size", "1"], _NOT_SUPPORTED),
     "--cuda-graph-bs": (["--cuda-graph-bs", "1", "2"], _NOT_SUPPORTED),
     "--is-embedding": (["--is-embedding"], _NOT_SUPPORTED),
-    "--enable-mixed-chunk": (["--enable-mixed-chunk"], _NOT_SUPPORTED),
 }
 
 
