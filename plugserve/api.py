@@ -10,6 +10,8 @@ from plugserve.core.interfaces import (
     Availability,
     Backend,
     Capabilities,
+    CommBackend,
+    CommCapabilities,
     Fp8GemmBackend,
     GemmCapabilities,
     MoEBackend,
@@ -28,7 +30,7 @@ from plugserve.core.layers.quant import (
     quantize_block_fp8,
     scale_grid,
 )
-from plugserve.core.specs import AttentionSpec, GemmSpec, MoESpec, RouterConfig
+from plugserve.core.specs import AttentionSpec, CommSpec, GemmSpec, MoESpec, RouterConfig
 from plugserve.registry import hookimpl
 
 __all__ = [
@@ -43,6 +45,9 @@ __all__ = [
     "Availability",
     "Backend",
     "Capabilities",
+    "CommBackend",
+    "CommCapabilities",
+    "CommSpec",
     "DeviceMatch",
     "DraftTree",
     "ForwardBatch",

@@ -69,6 +69,8 @@ def describe(registry: Registry, hardware: Hardware, kinds: Sequence[Kind], expl
                     for phase in Phase
                 },
             })
+        if kind == "comm":
+            continue  # a chain by message size (`comm_chain`), not a pick per phase and batch
         for phase in Phase:
             for bucket in BATCH_BUCKETS:
                 row: dict[str, Any] = {"kind": kind, "phase": phase.value, "max_batch_size": bucket}
@@ -86,6 +88,8 @@ def describe(registry: Registry, hardware: Hardware, kinds: Sequence[Kind], expl
         "selection_table": _table_used(hardware),
         "auto": auto,
     }
+    if "comm" in kinds:
+        result["comm_chain"] = comm_chain(registry, hardware)
     if explain and {"gemm", "moe"} & set(kinds):
         result["gemm_moe_rows"] = ROW_RULE
     if explain and "attention" in kinds:
@@ -96,6 +100,19 @@ def describe(registry: Registry, hardware: Hardware, kinds: Sequence[Kind], expl
 # How serve applies the gemm and moe rows above (plugserve.runtime.row_buckets).
 ROW_RULE = ("gemm and moe: serve runs a call of M rows (tokens) on the decode pick for M up to "
             "--max-running-requests, on the prefill pick above it (one pack of the weights per backend in use)")
+
+
+def comm_chain(registry: Registry, hardware: Hardware) -> list[dict[str, Any]]:
+    """The usable comm backends in the order `auto` chains them: each all-reduce goes to the first that takes its
+    size (`runtime/comm.py`), the first that takes any size ending the chain."""
+    chain = []
+    for selection in registry.candidates("comm", Phase.DECODE, 1, hardware):
+        bounds = selection.backend.capabilities.max_bytes  # type: ignore[attr-defined]
+        chain.append({"backend": selection.backend.name, "reason": selection.reason,
+                      "max_bytes": None if bounds is None else {str(w): b for w, b in sorted(bounds.items())}})
+        if bounds is None:
+            break
+    return chain
 
 
 def _table_used(hardware: Hardware) -> dict[str, Any]:
@@ -176,7 +193,12 @@ def print_report(report: dict[str, Any], explain: bool, console: Console) -> Non
         sizes = [r["max_batch_size"] for r in rows]  # consecutive buckets with one pick share a row
         auto.add_row(kind, phase, _span(sizes[0], sizes[-1]), backend or "[red]none[/]",
                      *([reason] if explain else []))
-    console.print(auto)
+    if auto.row_count:
+        console.print(auto)
+    if "comm_chain" in report:
+        links = [f"{c['backend']} (" + (", ".join(f"{w} ranks up to {b >> 10} KiB" for w, b in c["max_bytes"].items())
+                                        if c["max_bytes"] else "any size") + ")" for c in report["comm_chain"]]
+        console.print("all-reduce chain (auto; --all-reduce-backend names one): " + " -> ".join(links))
     if "gemm_moe_rows" in report:
         console.print(report["gemm_moe_rows"])
     if "mla_dispatch" in report:

@@ -49,6 +49,7 @@ BUILTIN_PLUGINS = (
     "plugserve.plugins.attention.torch_ref",
     "plugserve.plugins.gemm.torch_ref",
     "plugserve.plugins.moe.torch_ref",
+    "plugserve.plugins.comm.torch_ref",
     "plugserve.plugins.attention.triton",
     "plugserve.plugins.gemm.triton",
     "plugserve.plugins.moe.triton",
@@ -60,6 +61,7 @@ BUILTIN_PLUGINS = (
     "plugserve.plugins.gemm.cutlass",
     "plugserve.plugins.gemm.deepgemm",
     "plugserve.plugins.moe.deepgemm",
+    "plugserve.plugins.comm.symmetric_memory",
 )
 # Upper edges of the batch-size (token count) buckets that selection tables and --explain use.
 BATCH_BUCKETS = (1, 8, 64, 512, 4096)

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from plugserve.core.interfaces import CommBackend
 from plugserve.core.shm_broadcast import ShmChannel
-from plugserve.core.symmetric_all_reduce import SymmetricAllReduce
 
 # torch 2.13 renamed all_gather_into_tensor (the old name warns on every call); torch 2.4 has only the old one.
 _all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -31,15 +31,15 @@ CONTROL_TIMEOUT = timedelta(days=365)
 class ParallelGroup:
     """Rank `rank` of `world_size` ranks. `group`: their torch.distributed process group (None: the
     default group, or no torch.distributed at all at world size 1). `control`: a gloo group of the same
-    ranks for `broadcast_object` (None: `group`). `small_all_reduce`: the all-reduce of small messages
-    (None: `group`'s for every size). `channel`: rank 0's shared-memory channel to the others for
-    `broadcast_bytes` (None: the control group)."""
+    ranks for `broadcast_object` (None: `group`). `comm`: the comm backends a sum goes to, the first that takes it
+    (none, or none that takes it: `group`'s own all-reduce). `channel`: rank 0's shared-memory channel to the others
+    for `broadcast_bytes` (None: the control group)."""
 
     rank: int = 0
     world_size: int = 1
     group: dist.ProcessGroup | None = None
     control: dist.ProcessGroup | None = None
-    small_all_reduce: SymmetricAllReduce | None = None
+    comm: tuple[CommBackend, ...] = ()
     channel: ShmChannel | None = None
 
     def __post_init__(self) -> None:
@@ -48,17 +48,19 @@ class ParallelGroup:
 
     def all_reduce(self, x: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
         """Sum (or `op`) x over the ranks (any shape and dtype, the same on every rank) -> the result: x itself,
-        reduced in place, or a new tensor where `small_all_reduce` takes it."""
+        reduced in place, or a new tensor where a comm backend out of place takes it."""
         if self.world_size == 1:
             return x
-        if op == dist.ReduceOp.SUM and self.small_all_reduce is not None and self.small_all_reduce.applies(x):
-            return self.small_all_reduce(x)
+        if op == dist.ReduceOp.SUM:
+            for backend in self.comm:
+                if backend.takes(x):
+                    return backend.all_reduce(x)
         dist.all_reduce(x, op=op, group=self.group)
         return x
 
-    def with_small_all_reduce(self, small_all_reduce: SymmetricAllReduce | None) -> ParallelGroup:
-        """This group, its small all-reduces through `small_all_reduce`."""
-        return replace(self, small_all_reduce=small_all_reduce)
+    def with_comm(self, comm: tuple[CommBackend, ...]) -> ParallelGroup:
+        """This group, its sums through the comm backends `comm` (in order: each sum to the first that takes it)."""
+        return replace(self, comm=comm)
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's x into x on every rank, in place; returns x (the same shape and dtype on every rank)."""

@@ -1,5 +1,5 @@
-"""The three backend interfaces (attention, FP8 GEMM, MoE) and what each declares it supports; the problems
-a model asks them to solve (specs) are in `specs.py`.
+"""The four backend interfaces (attention, FP8 GEMM, MoE, and the all-reduces between tensor-parallel ranks) and
+what each declares it supports; the problems a model asks them to solve (specs) are in `specs.py`.
 
 A backend class declares `name`, `capabilities` and `priority`; `availability(hardware)` says whether
 this machine can run it (importing optional packages there, never at module import). Whether it
@@ -22,7 +22,7 @@ from plugserve.core.moved import moved_names
 from plugserve.core.specs import Kind
 
 if TYPE_CHECKING:
-    from plugserve.core.specs import AttentionSpec, GemmSpec, MoESpec
+    from plugserve.core.specs import AttentionSpec, CommSpec, GemmSpec, MoESpec
 
 
 
@@ -230,6 +230,28 @@ class MoECapabilities(Capabilities):
             Availability.no("does not run a slice of the experts (expert parallelism)")
             if spec.ep_size > 1 and not self.expert_parallel else OK,
         )
+
+
+@dataclass(frozen=True)
+class CommCapabilities(Capabilities):
+    """`max_bytes`: by world size, the largest message (bytes) it sums, the sizes where it was measured to pay; a
+    world size absent: it does not run that world (None: any world, any size). `multi_node`: its ranks may sit on
+    several hosts (a kernel over NVLink may not)."""
+
+    max_bytes: Mapping[int, int] | None = None
+    multi_node: bool = False
+
+    def check(self, spec: CommSpec, phase: Phase) -> Availability:
+        if self.max_bytes is not None and spec.world_size not in self.max_bytes:
+            worlds = ", ".join(map(str, sorted(self.max_bytes)))
+            return Availability.no(f"measured for worlds of {worlds} ranks only, not {spec.world_size}")
+        if spec.nodes > 1 and not self.multi_node:
+            return Availability.no(f"runs within one host, not over {spec.nodes} nodes")
+        return super().check(spec, phase)
+
+    def largest(self, world_size: int) -> int | None:
+        """The largest message in bytes it takes in a world of `world_size` (None: any)."""
+        return None if self.max_bytes is None else self.max_bytes.get(world_size, 0)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -543,10 +565,33 @@ class MoEBackend(Backend):
         token group (e4m3, float32 scale amax / 448) as the GEMM contract's activations are."""
 
 
+class CommBackend(Backend):
+    """Sums of a tensor over the ranks of a tensor-parallel group (the all-reduces after row-parallel layers and
+    the MoE). Building one is collective: every rank of `spec.group` builds the same backends in the same order.
+    The runtime chains a group's backends: each all-reduce goes to the first that `takes` it."""
+
+    kind: ClassVar[Kind] = "comm"
+    capabilities: ClassVar[CommCapabilities]
+    spec: CommSpec
+
+    def takes(self, x: torch.Tensor) -> bool:
+        """Whether `all_reduce` sums x: on this backend's device type, of the spec's dtype, no larger than
+        `capabilities.largest(world_size)` bytes."""
+        largest = self.capabilities.largest(self.spec.world_size)
+        return (x.device.type == self.device.type and x.dtype == self.spec.dtype
+                and (largest is None or x.numel() * x.element_size() <= largest))
+
+    @abstractmethod
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """x [...] (one shape on every rank, `takes(x)`) -> the sum of every rank's x, of x's shape and dtype: x
+        itself reduced in place, or a new tensor (x left as it was or not: the caller no longer reads it)."""
+
+
 BACKEND_BASES: dict[Kind, type[Backend]] = {
     "attention": AttentionBackend,
     "gemm": Fp8GemmBackend,
     "moe": MoEBackend,
+    "comm": CommBackend,
 }
 
 

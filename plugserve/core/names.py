@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-Kind = Literal["attention", "gemm", "moe"]
-KINDS: tuple[Kind, ...] = ("attention", "gemm", "moe")
+Kind = Literal["attention", "gemm", "moe", "comm"]
+KINDS: tuple[Kind, ...] = ("attention", "gemm", "moe", "comm")
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 

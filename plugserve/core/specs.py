@@ -1,11 +1,11 @@
 """What a model asks a backend to solve: the shapes and dtypes of its attention, block-FP8 linears and MoE
-layers, per rank."""
+layers, per rank, and the all-reduces of its tensor-parallel ranks."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -15,7 +15,7 @@ from plugserve.core.names import KINDS, Kind
 KV_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
                                      "fp8_e4m3": torch.float8_e4m3fn}
 
-__all__ = ["KINDS", "SPEC_TYPES", "AttentionSpec", "GemmSpec", "Kind", "MoESpec", "RouterConfig"]
+__all__ = ["KINDS", "SPEC_TYPES", "AttentionSpec", "CommSpec", "GemmSpec", "Kind", "MoESpec", "RouterConfig"]
 
 
 @dataclass(frozen=True)
@@ -147,4 +147,16 @@ class MoESpec:
         return "fp8_block" if self.is_fp8 else "unquantized"
 
 
-SPEC_TYPES: dict[Kind, type] = {"attention": AttentionSpec, "gemm": GemmSpec, "moe": MoESpec}
+@dataclass(frozen=True)
+class CommSpec:
+    """The all-reduces of one tensor-parallel group: `world_size` ranks on `nodes` hosts, summing tensors of
+    `dtype` (the model's activations). `group`: their torch.distributed process group (None: the default group),
+    which a backend builds on; not part of the problem's identity."""
+
+    world_size: int = 2
+    dtype: torch.dtype = torch.bfloat16
+    nodes: int = 1
+    group: Any = field(default=None, compare=False, repr=False)
+
+
+SPEC_TYPES: dict[Kind, type] = {"attention": AttentionSpec, "gemm": GemmSpec, "moe": MoESpec, "comm": CommSpec}

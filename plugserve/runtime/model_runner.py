@@ -28,9 +28,9 @@ from plugserve.core.layers.small_ops import EAGER, SmallOps
 from plugserve.core.loader import load_model, read_config, resolve_dtype
 from plugserve.core.moved import moved_names
 from plugserve.core.specs import KV_DTYPES
-from plugserve.core.symmetric_all_reduce import build_symmetric_all_reduce
 from plugserve.runtime import rank_protocol
 from plugserve.runtime.backends import RunnerBackends
+from plugserve.runtime.comm import build_comm
 from plugserve.runtime.cuda_graph_runner import (
     CudaGraphs,
     GraphPlans,
@@ -113,7 +113,7 @@ class ModelRunner:
         self.device = rank_device(args, group.rank)
         self.hardware = Hardware.detect(self.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
-        self.group = group = self._with_small_all_reduce(group)
+        self.group = group = self._with_comm(group)
         self.kv_dtype = self.dtype if args.kv_cache_dtype == "auto" else KV_DTYPES[args.kv_cache_dtype]
         self.config, checkpoint_layers = read_config(args.model_dir, args.model_preset, args.quantization,
                                                      args.num_layers)
@@ -165,26 +165,15 @@ class ModelRunner:
         self.graphs = CudaGraphs("disabled by --disable-cuda-graph" if args.disable_cuda_graph else
                                  "no CUDA graphs on the CPU" if self.device.type != "cuda" else "not captured yet")
 
-    def _with_small_all_reduce(self, group: ParallelGroup) -> ParallelGroup:
-        """`group`, its small all-reduces in the symmetric-memory one-shot kernel where all its ranks share this
-        node's NVLink (every rank decides alike: the build is collective)."""
-        self.all_reduce_status = "one rank: no all-reduce"
-        if group.world_size == 1:
-            return group
-        if self.device.type != "cuda":
-            if self.args.disable_custom_all_reduce:
-                raise ValueError(f"{flag('disable_custom_all_reduce')} needs CUDA devices: the CPU's ranks use gloo "
-                                 "for every all-reduce")
-            self.all_reduce_status = "gloo"
-            return group
-        if self.args.disable_custom_all_reduce or self.args.nnodes > 1:
-            why = flag("disable_custom_all_reduce") if self.args.disable_custom_all_reduce else "ranks on several nodes"
-            self.all_reduce_status = f"NCCL ({why})"
-            return group
-        fast, self.all_reduce_status = build_symmetric_all_reduce(group.group or dist.group.WORLD, group.world_size,
-                                                                  self.device, self.dtype)
-        logger.info("all-reduce: %s", self.all_reduce_status)
-        return group.with_small_all_reduce(fast)
+    def _with_comm(self, group: ParallelGroup) -> ParallelGroup:
+        """`group`, its sums through the comm backends every rank agreed on (`runtime/comm.py`)."""
+        if self.device.type != "cuda" and self.args.disable_custom_all_reduce:
+            raise ValueError(f"{flag('disable_custom_all_reduce')} needs CUDA devices: the CPU's ranks use gloo "
+                             "for every all-reduce")
+        comm, self.all_reduce_status = build_comm(self.args, group, self.device, self.dtype)
+        if group.world_size > 1:
+            logger.info("all-reduce: %s", self.all_reduce_status)
+        return group.with_comm(comm)
 
     # -- memory --------------------------------------------------------------------------------------
 

@@ -102,6 +102,7 @@ class ServerArgs(BaseModel):
     decode_attention_backend: str | None = None
     fp8_gemm_backend: str = "auto"
     moe_runner_backend: str = "auto"
+    all_reduce_backend: str = "auto"
     # memory and scheduling
     page_size: int | None = Field(None, ge=1)
     kv_cache_dtype: str = "auto"
@@ -306,8 +307,12 @@ class ServerArgs(BaseModel):
             raise ValueError(f"{flag('enable_shared_experts_fusion')} does not combine with {flag('ep_size')} "
                              f"{self.ep_size}: the shared experts are split by width, the routed ones by expert")
         self._check_dp_attention()
-        if self.disable_custom_all_reduce and self.tp_size == 1:
-            raise ValueError(f"{flag('disable_custom_all_reduce')} is for several ranks: give {flag('tp_size')} > 1")
+        for name in ("disable_custom_all_reduce", "all_reduce_backend"):
+            if getattr(self, name) not in (False, "auto") and self.tp_size == 1:
+                raise ValueError(f"{flag(name)} is for several ranks: give {flag('tp_size')} > 1")
+        if self.disable_custom_all_reduce and self.all_reduce_backend not in ("auto", "torch_ref"):
+            raise ValueError(f"{flag('disable_custom_all_reduce')} sums with torch_ref, not "
+                             f"{flag('all_reduce_backend')} {self.all_reduce_backend}: give one of them")
         if self.tp_size > 1 and self.device.startswith("cuda:"):
             raise ValueError(f"{flag('device')} {self.device} names one GPU: with {flag('tp_size')} {self.tp_size} "
                              "rank r of a node takes cuda:r (give auto or cuda)")

@@ -67,8 +67,11 @@ HELP = {
     "node_rank": "this node's number; node 0 serves HTTP, the others run their ranks only",
     "dist_init_addr": "host:port of node 0 where the ranks meet (needed with --nnodes > 1; default: a free local "
                       "port)",
-    "disable_custom_all_reduce": "sum every tensor-parallel all-reduce with NCCL (default: the small ones, as in a "
-                                 "decode step, with torch's symmetric-memory one-shot kernel over NVLink, one node)",
+    "disable_custom_all_reduce": "sum every tensor-parallel all-reduce with the group's own collective, NCCL "
+                                 "(--all-reduce-backend torch_ref)",
+    "all_reduce_backend": "comm backend of the tensor-parallel all-reduces (auto: the ranked chain, e.g. "
+                          "symmetric_memory for small sums over NVLink and torch_ref above; or a name from "
+                          "`plugserve backends --kind comm`)",
     "attention_backend": "attention backend for both phases (auto, or a name from `plugserve backends`)",
     "prefill_attention_backend": "attention backend for prefill (default: --attention-backend)",
     "decode_attention_backend": "attention backend for decode / verify (default: --attention-backend)",

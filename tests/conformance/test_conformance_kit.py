@@ -12,7 +12,9 @@ WRONG_BACKENDS = '''
 import dataclasses
 
 import torch
+from plugserve.core.interfaces import CommCapabilities
 from plugserve.plugins.attention.torch_ref import TorchRefAttention
+from plugserve.plugins.comm.torch_ref import TorchDistributedAllReduce
 from plugserve.plugins.gemm.torch_ref import TorchRefFp8Gemm
 from plugserve.plugins.moe.torch_ref import TorchRefMoE
 from plugserve.registry import hookimpl
@@ -67,9 +69,27 @@ class LastBlockScaleIgnored(TorchRefFp8Gemm):
         return super().prepare(weight, weight_scale_inv[:, :1].expand_as(weight_scale_inv).contiguous())
 
 
+class OwnRowsOnly(TorchDistributedAllReduce):
+    """Returns its own rank's tensor: a sum that was never sent."""
+    name = "own_rows_only"
+
+    def all_reduce(self, x):
+        return x
+
+
+class PastItsBound(TorchDistributedAllReduce):
+    """Declares 4 KiB at two ranks, but takes messages of any size."""
+    name = "past_its_bound"
+    capabilities = CommCapabilities(dtypes=frozenset({torch.float32}), devices=frozenset({"cpu", "cuda"}),
+                                    max_bytes={2: 4096})
+
+    def takes(self, x):
+        return True
+
+
 @hookimpl
 def plugserve_backends():
-    return [NoRope, HotSoftmax, NoScaling, WrongExpert, NoBias, LastBlockScaleIgnored]
+    return [NoRope, HotSoftmax, NoScaling, WrongExpert, NoBias, LastBlockScaleIgnored, OwnRowsOnly, PastItsBound]
 '''
 
 # Subtle bugs put into the torch references themselves: before the kit had its own oracle it compared
@@ -138,6 +158,8 @@ def test_kit_fails_wrong_backends(make_plugin, tmp_path: Path):
         "moe:wrong_expert": {"test_forward", "test_forward_on_one_ranks_experts"},
         "moe:no_bias": {"test_route", "test_route_hidden"},  # route_hidden's default goes through route
         "gemm:one_scale": {"test_apply"},
+        "comm:own_rows_only": {"test_all_reduce"},
+        "comm:past_its_bound": {"test_all_reduce"},
     }
     folder = make_plugin("wrong-kernels", "wrong_kernels_plugin", WRONG_BACKENDS)
     failed = _kit(folder, tmp_path / "report.json", *(a for b in expected for a in ("--plugserve-backend", b)))

@@ -117,6 +117,7 @@ ROWS: dict[str, Row] = {
     "--node-rank": (["--node-rank", "1"], Refused("1 must be below --nnodes 1")),
     "--dist-init-addr": (["--dist-init-addr", "h:1"], Refused("is for several ranks")),
     "--disable-custom-all-reduce": (["--disable-custom-all-reduce"], Refused("is for several ranks")),
+    "--all-reduce-backend": (["--all-reduce-backend", "torch_ref"], Refused("is for several ranks")),
     # backends
     "--attention-backend": (["--attention-backend", "torch_ref"],
                             Runs(lambda r: _chosen("attention", "decode")(r) and _chosen("attention", "prefill")(r))),

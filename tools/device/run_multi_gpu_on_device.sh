@@ -27,7 +27,7 @@ for step in "$@"; do
   case $step in
     tests)
       timeout 540 python3 -m pytest -q -p no:cacheprovider -m multigpu -rA --durations=0 -o faulthandler_timeout=300 \
-        tests/core/test_symmetric_all_reduce.py tests/runtime/test_engine_multi_gpu.py \
+        tests/plugins/comm/test_symmetric_memory.py tests/runtime/test_engine_multi_gpu.py \
         > $OUT/tests-multigpu.txt 2>&1
       tail -n 3 $OUT/tests-multigpu.txt ;;
     allreduce)

@@ -1,5 +1,6 @@
-"""The symmetric-memory one-shot all-reduce: NCCL's sums on 2 GPUs, eagerly and in CUDA-graph replay, through
-`ParallelGroup.all_reduce`; larger messages and other ops stay with NCCL; no measured size, no fast path."""
+"""The symmetric-memory one-shot all-reduce: NCCL's sums on 2 GPUs, eagerly and in CUDA-graph replay, through the
+chain `ParallelGroup.all_reduce` walks; larger messages and other ops stay with NCCL; a world without a measured
+size is not one it runs."""
 
 from __future__ import annotations
 
@@ -7,27 +8,37 @@ import torch
 import torch.distributed as dist
 
 from plugserve.core.distributed import ParallelGroup
-from plugserve.core.symmetric_all_reduce import ONE_SHOT_MAX_BYTES, build_symmetric_all_reduce
+from plugserve.core.forward_batch import Phase
+from plugserve.core.hardware import Hardware
+from plugserve.core.specs import CommSpec
+from plugserve.plugins.comm.symmetric_memory import ONE_SHOT_MAX_BYTES, SymmetricMemoryAllReduce
+from plugserve.runtime.comm import build_comm
+from plugserve.runtime.server_args import ServerArgs
 from tests.multiprocess import needs_gpus, run_ranks
 
 
-def test_without_a_measured_size_for_the_world_every_all_reduce_is_nccl() -> None:
+def test_it_runs_the_measured_worlds_of_one_node_on_gpus_only() -> None:
+    caps = SymmetricMemoryAllReduce.capabilities
     assert 3 not in ONE_SHOT_MAX_BYTES
-    fast, reason = build_symmetric_all_reduce(None, 3, torch.device("cpu"), torch.bfloat16)  # type: ignore[arg-type]
-    assert fast is None and "no measured one-shot size for 3 ranks" in reason
+    assert "measured for worlds of 2 ranks only, not 3" in caps.check(CommSpec(3), Phase.DECODE).reason
+    assert "runs within one host, not over 2 nodes" in caps.check(CommSpec(2, nodes=2), Phase.DECODE).reason
+    assert caps.check(CommSpec(2), Phase.DECODE)
+    assert "runs on cuda, not cpu" in SymmetricMemoryAllReduce.availability(Hardware.detect("cpu")).reason
 
 
 def _sums_as_nccl(group: ParallelGroup) -> None:
     device = torch.device("cuda", group.rank)
-    fast, reason = build_symmetric_all_reduce(group.group, group.world_size, device, torch.bfloat16)
-    assert fast is not None, reason
-    group = group.with_small_all_reduce(fast)
+    comm, status = build_comm(ServerArgs(model_preset="tiny", tp_size=2), group, device, torch.bfloat16)
+    assert [b.name for b in comm] == ["symmetric_memory", "torch_ref"], status
+    assert status == "symmetric_memory up to 2048 KiB, torch_ref (nccl) above"
+    fast = comm[0]
+    group = group.with_comm(comm)
     generator = torch.Generator(device=device).manual_seed(group.rank)
     for rows in (1, 7, 64):
         x = torch.randn(rows, 2048, device=device, generator=generator).bfloat16()
         want = x.clone()
         dist.all_reduce(want)
-        assert fast.applies(x)
+        assert fast.takes(x)
         got = group.all_reduce(x)
         assert got is not x and torch.equal(got, want)
     # Captured in a CUDA graph, replayed on new inputs.
@@ -46,8 +57,8 @@ def _sums_as_nccl(group: ParallelGroup) -> None:
         torch.cuda.synchronize()
         assert torch.equal(out, torch.full_like(static, float(1 + 2 * step)))
     # Too large, another dtype or another op: NCCL, in place.
-    large = torch.ones(fast.max_bytes // 2 + 1, device=device, dtype=torch.bfloat16)
-    assert not fast.applies(large) and group.all_reduce(large) is large and bool((large == 2).all())
+    large = torch.ones(ONE_SHOT_MAX_BYTES[2] // 2 + 1, device=device, dtype=torch.bfloat16)
+    assert not fast.takes(large) and group.all_reduce(large) is large and bool((large == 2).all())
     single = torch.ones(4, device=device)
     assert group.all_reduce(single) is single and bool((single == 2).all())
     smallest = torch.tensor([5 - group.rank], device=device)

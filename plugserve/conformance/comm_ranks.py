@@ -1,0 +1,102 @@
+"""The kit's ranks for comm backends: two processes spawned and joined over gloo (CPU) or NCCL (rank r on cuda:r),
+each building the backend under test on the world's group and checking its sums against the oracle, eagerly and,
+where the backend declares CUDA graphs, in graph replay."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from plugserve.conformance.tolerances import assert_close
+from plugserve.core.distributed import destroy_parallel_group, init_parallel_group, pick_free_port
+from plugserve.core.interfaces import CommBackend
+from plugserve.core.specs import CommSpec
+
+WORLD = 2
+TIMEOUT_S = 120.0  # a rank that never comes fails the case rather than hang it
+# Rows x hidden: a decode step of one token to a prefill chunk's, odd widths among them.
+SHAPES = [(1, 7), (3, 1024), (16, 2048), (64, 7168)]
+
+
+def run_ranks(fn: Callable[..., None], *args: Any, device_type: str) -> None:
+    """fn(rank, device, *args) on WORLD spawned ranks (fn a module-level function); a rank's exception fails the
+    caller with its traceback, ranks still running after TIMEOUT_S are killed."""
+    init_method = f"tcp://127.0.0.1:{pick_free_port()}"
+    context = mp.spawn(_rank_main, args=(fn, init_method, device_type, args), nprocs=WORLD, join=False)
+    deadline = time.monotonic() + TIMEOUT_S
+    while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                process.kill()
+            raise AssertionError(f"comm ranks still running after {TIMEOUT_S} s")
+
+
+def _rank_main(rank: int, fn: Callable[..., None], init_method: str, device_type: str, args: tuple[Any, ...]
+               ) -> None:
+    torch.set_num_threads(1)  # the ranks share the machine's cores
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    init_parallel_group(rank, WORLD, init_method, device, timeout_s=TIMEOUT_S)
+    try:
+        fn(rank, device, *args)
+    finally:
+        destroy_parallel_group()
+
+
+def _inputs(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """Every rank's tensor of `shape` (each rank draws them all: the oracle needs the others')."""
+    generator = torch.Generator().manual_seed(shape[0] * 100_003 + shape[1])
+    return [torch.randn(shape, generator=generator).to(device, dtype) for _ in range(WORLD)]
+
+
+def check_sums(rank: int, device: torch.device, name: str, dtype_name: str) -> None:
+    """The comm backend `name` on this rank sums every shape it takes as the oracle (float64 sum of the ranks'
+    tensors) does, within the dtype's tolerance; refuses a message past its declared bound; and replays its sum
+    in a CUDA graph on new inputs where it declares graphs."""
+    from plugserve.registry import get_registry
+
+    dtype = getattr(torch, dtype_name)
+    cls: type[CommBackend] = get_registry().get("comm", name).cls  # type: ignore[assignment]
+    backend = cls(CommSpec(WORLD, dtype), device)  # type: ignore[call-arg]
+    largest = cls.capabilities.largest(WORLD)
+    element = torch.empty(0, dtype=dtype).element_size()
+    shapes = [s for s in SHAPES if largest is None or s[0] * s[1] * element <= largest]
+    if largest is not None:
+        shapes.append((1, largest // element))  # its bound, exactly
+    if not shapes:
+        raise AssertionError(f"{name} takes none of the kit's shapes ({largest} bytes at {WORLD} ranks)")
+    for shape in shapes:
+        inputs = _inputs(shape, dtype, device)
+        x = inputs[rank].clone()
+        if not backend.takes(x):
+            raise AssertionError(f"{name} does not take a {shape} {dtype_name} tensor within its bound")
+        out = backend.all_reduce(x)
+        assert out.shape == shape and out.dtype == dtype, f"{name}: {tuple(out.shape)} {out.dtype} for {shape}"
+        assert_close(out, sum(i.double() for i in inputs), dtype, f"{name} all-reduce of {shape} {dtype_name}")
+    if largest is not None:
+        beyond = torch.zeros(largest // element + 2, dtype=dtype, device=device)
+        assert not backend.takes(beyond), f"{name} takes {beyond.numel() * element} bytes, past its {largest}"
+    if device.type == "cuda" and cls.capabilities.cuda_graph:
+        _check_graph_replay(backend, shapes[0], dtype, device, rank)
+
+
+def _check_graph_replay(backend: CommBackend, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                        rank: int) -> None:
+    static = torch.zeros(shape, dtype=dtype, device=device)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        backend.all_reduce(static.clone())  # warm-up outside the capture
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.all_reduce(static)
+    for step in range(3):
+        static.copy_(torch.full(shape, float(rank + step), dtype=dtype, device=device))
+        graph.replay()
+        torch.cuda.synchronize(device)
+        assert torch.equal(out, torch.full(shape, float(1 + 2 * step), dtype=dtype, device=device)), (
+            f"{backend.name}: graph replay {step} summed wrong")

@@ -1,0 +1,1 @@
+"""Comm backends: the all-reduces between tensor-parallel ranks."""
