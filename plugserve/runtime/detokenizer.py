@@ -21,14 +21,15 @@ class IncrementalText:
         self.stream = DecodeStream(skip_special_tokens=skip_special_tokens) if incremental else None
         self.text, self.fed = "", 0
 
-    def of(self, ids: Sequence[int], final: bool) -> str:
-        """The text of `ids`, which extend the ids of the previous call; `final`: the last call (the whole decode,
-        a trailing incomplete character included as the tokenizer renders it)."""
+    def of(self, ids: Sequence[int], count: int, final: bool) -> str:
+        """The text of ids[:count], which extend the ids of the previous call (only the new ones are read: no copy
+        of a long output per token); `final`: the last call (the whole decode, a trailing incomplete character
+        included as the tokenizer renders it)."""
         if final or self.stream is None:
-            return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special_tokens)
-        for token in ids[self.fed :]:
+            return self.tokenizer.decode(list(ids[:count]), skip_special_tokens=self.skip_special_tokens)
+        for token in ids[self.fed : count]:
             piece = self.stream.step(self.backend, token)
             if piece is not None:
                 self.text += piece
-        self.fed = len(ids)
+        self.fed = count
         return self.text

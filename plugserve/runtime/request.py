@@ -64,6 +64,7 @@ class Request:
     generator: torch.Generator | None = None
     grammar: object | None = None  # its xgrammar GrammarMatcher (structured output), advanced by each token
     output_ids: list[int] = field(default_factory=list)
+    num_pending: int = 0  # PENDING tokens, always output_ids' last ones (a batch in flight samples them in order)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
     table_row: int = -1  # its row of the runner's DeviceBlockTable while it holds KV (-1: none)
@@ -98,7 +99,33 @@ class Request:
     @property
     def num_resolved(self) -> int:
         """Generated tokens that have arrived (the rest are PENDING)."""
-        return self.output_ids.index(PENDING) if PENDING in self.output_ids else len(self.output_ids)
+        return len(self.output_ids) - self.num_pending
+
+    def add_pending(self) -> None:
+        """A token the planned batch will sample: PENDING until it arrives."""
+        self.output_ids.append(PENDING)
+        self.num_pending += 1
+
+    def resolve(self, token: int) -> int:
+        """Put an arrived `token` in place of the first PENDING one, or after the last (the rest of a verified run
+        of drafts); its index among the generated tokens."""
+        index = self.num_resolved
+        if self.num_pending:
+            self.output_ids[index] = token
+            self.num_pending -= 1
+        else:
+            self.output_ids.append(token)
+        return index
+
+    def drop_pending(self) -> None:
+        """Forget the PENDING tokens (a finished request's, that a later batch in flight is sampling)."""
+        del self.output_ids[self.num_resolved :]
+        self.num_pending = 0
+
+    @property
+    def penalty_ids(self) -> list[int]:
+        """The generated tokens a penalty counts: the arrived ones, or none (no copy) when it asks for no penalty."""
+        return self.output_ids[: self.num_resolved] if self.params.penalized else []
 
     @property
     def known_len(self) -> int:

@@ -65,6 +65,11 @@ class SamplingParams:
                 raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
 
     @property
+    def penalized(self) -> bool:
+        """Whether a penalty reads the tokens generated so far."""
+        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+
+    @property
     def grammar(self) -> tuple[str | None, str | None, str | None]:
         """The structured-output constraint: (json_schema, regex, ebnf), at most one of them set."""
         return self.json_schema, self.regex, self.ebnf

@@ -345,7 +345,7 @@ class Scheduler:
         for request, n, is_sampled in zip(requests, lens, sampled, strict=True):
             request.cached_len += n  # the KV of these tokens exists once the forward has run
             if is_sampled:
-                request.output_ids.append(PENDING)
+                request.add_pending()
                 request.pending_row = sample_row
                 sample_row += 1
         return ScheduledBatch(mode, requests, lens, sampled, batch, to_device(input_ids, device),
@@ -394,7 +394,7 @@ class Scheduler:
             logits,
             [r.params for r in requests],
             [r.prompt_ids for r in requests],
-            [r.output_ids[: r.num_resolved] for r in requests],
+            [r.penalty_ids for r in requests],
             [r.generator for r in requests],
             self.runner.sampling_generator,
             None if masks is None else masks.bitmask(logits.device),
@@ -443,11 +443,7 @@ class Scheduler:
         """Put a sampled token in place of the request's first PENDING one (after its last resolved one: the rest of
         a verified run) and check the stop rules. `top`: the top logprobs (id, logprob) of the batch's widest ask."""
         params = request.params
-        index = request.num_resolved
-        if index < len(request.output_ids):
-            request.output_ids[index] = token
-        else:
-            request.output_ids.append(token)
+        index = request.resolve(token)
         if params.logprobs and logprob is not None:
             request.logprobs.append(TokenLogprob(token, logprob, top[: params.top_logprobs]))
         if grammar.accept(request, token) or token in params.stop_token_ids or (
@@ -460,12 +456,11 @@ class Scheduler:
     def _decode(self, request: Request) -> None:
         """Decode the output into `request.text`, cut before a stop string (which finishes the request)."""
         params = request.params
-        ids = request.output_ids[: request.num_resolved]
-        if request.finish_reason is FinishReason.STOP and isinstance(request.matched_stop, int):
-            ids = ids[:-1]  # the stop token itself is not text
+        stop_token = request.finish_reason is FinishReason.STOP and isinstance(request.matched_stop, int)
         if request.detokenizer is None:
             request.detokenizer = IncrementalText(self.tokenizer, params.skip_special_tokens)
-        text = request.detokenizer.of(ids, final=request.finished)
+        # The stop token itself is not text.
+        text = request.detokenizer.of(request.output_ids, request.num_resolved - stop_token, final=request.finished)
         for stop in params.stop:
             at = text.find(stop, max(0, request.sent_text_len - len(stop)))
             if at != -1 and not request.finished:
@@ -492,7 +487,7 @@ class Scheduler:
         new_logprobs = request.logprobs[request.sent_tokens :]
         request.sent_tokens = request.num_resolved
         if request.finished:
-            del request.output_ids[request.num_resolved :]  # tokens a later batch in flight is sampling
+            request.drop_pending()
             self._release(request)
             if self.metrics:
                 self.metrics.observe_finish(request)

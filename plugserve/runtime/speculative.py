@@ -251,7 +251,7 @@ class SpeculativeWorker:
         hidden, logits = self._verify_chains(ids.view(-1), batch)
         out = None if requests is None else acceptance.verify_drafts(
             logits.view(b, n, -1), drafts, draft_probs, [r.params for r in requests], [r.prompt_ids for r in requests],
-            [r.output_ids[: r.num_resolved] for r in requests], [r.generator for r in requests], default_generator)
+            [r.penalty_ids for r in requests], [r.generator for r in requests], default_generator)
         tokens, accept_lens = self._from_leader(None if out is None else [out.token_ids, out.accept_lens],
                                                 [(b, n), (b,)])
         self._draft_extend(batch, hidden, tokens, accept_lens, rows)
@@ -294,7 +294,7 @@ class SpeculativeWorker:
         logits = self._logits(hidden).view(*tokens.shape, -1)
         out, path = (None, None) if requests is None else acceptance.verify_tree(
             logits, tokens, parents, [r.params for r in requests], [r.prompt_ids for r in requests],
-            [r.output_ids[: r.num_resolved] for r in requests], [r.generator for r in requests], default_generator)
+            [r.penalty_ids for r in requests], [r.generator for r in requests], default_generator)
         accepted, accept_lens, path = self._from_leader(
             None if out is None else [out.token_ids, out.accept_lens, path], [tokens.shape, tokens.shape[:1],
                                                                               tokens.shape])

@@ -1,0 +1,79 @@
+"""Host time of the serving loop without the device: the engine's scheduler (planning, block tables, sampling's
+bookkeeping, stop rules, detokenization, streaming callbacks, metrics) over a runner whose forward returns fixed
+logits at once, so that what a step costs is the host path alone, the part a GPU step must hide under overlap.
+
+    python -m benchmarks.dev.bench_host_path --batch-size 64 256 --output-len 128 1024
+
+Per case: decode steps, output tokens per second and milliseconds of host time per step (median of --repeat runs),
+greedy, every request running to --output-len (ignore_eos). Where the time goes: run it under a sampling profiler
+that sees every thread (`py-spy record --native -- python -m benchmarks.dev.bench_host_path ...`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from plugserve.runtime import rank_protocol
+from plugserve.runtime.engine import Engine
+from plugserve.runtime.sampling import SamplingParams
+from plugserve.runtime.server_args import ServerArgs
+
+
+class FixedLogits:
+    """A stand-in for `ModelRunner.forward_groups`: each sampled row's logits peak on a token that moves every step
+    (never EOS), made without running a model."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab, self.steps = vocab, 0
+
+    def __call__(self, parts: list[rank_protocol.Part | None]) -> list[torch.Tensor]:
+        self.steps += 1
+        out = []
+        for part in parts:
+            rows = 0 if part is None else part.sample_rows.shape[0]
+            logits = torch.zeros(rows, self.vocab)
+            logits[:, 100 + self.steps % 50] = 10.0
+            out.append(logits)
+        return out
+
+
+def run(engine: Engine, forward: FixedLogits, batch_size: int, output_len: int) -> tuple[int, float]:
+    """One batch of `batch_size` greedy requests of `output_len` tokens -> (steps, seconds)."""
+    prompts = [[5 + i % 1000, 6, 7, 8, 9, 10, 11, 12] for i in range(batch_size)]
+    params = SamplingParams(max_new_tokens=output_len, temperature=0, ignore_eos=True)
+    steps = forward.steps
+    start = time.perf_counter()
+    engine.generate(prompts, params)
+    return forward.steps - steps, time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-size", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--output-len", type=int, nargs="+", default=[128, 1024])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--disable-overlap-schedule", action="store_true")
+    args = parser.parse_args()
+    engine = Engine(ServerArgs(model_preset="tiny", max_running_requests=max(args.batch_size), log_level="warning",
+                               disable_overlap_schedule=args.disable_overlap_schedule))
+    forward = FixedLogits(engine.runner.sample_vocab)
+    engine.runner.forward_groups = forward  # type: ignore[method-assign]
+    try:
+        engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4))
+        print("batch  output  steps  tok/s     host ms/step")
+        for batch_size in args.batch_size:
+            for output_len in args.output_len:
+                runs = [run(engine, forward, batch_size, output_len) for _ in range(args.repeat)]
+                steps, seconds = runs[0][0], statistics.median(s for _, s in runs)
+                print(f"{batch_size:5d}  {output_len:6d}  {steps:5d}  {batch_size * output_len / seconds:8.0f}  "
+                      f"{1000 * seconds / steps:8.2f}")
+    finally:
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
