@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -89,6 +90,12 @@ class SampleOutput:
     # Speculative verification: [B] int64 drafts accepted per request; every tensor above then has one row per
     # verified position, [B, N, ...], and request b's tokens are its first accept_lens[b] + 1.
     accept_lens: torch.Tensor | None = None
+
+    def split(self, counts: Sequence[int]) -> list[SampleOutput]:
+        """The outputs of consecutive runs of `counts` requests (sum(counts) = B): each DP group's of a
+        speculative round decided for every group at once."""
+        parts = [None if t is None else t.split(list(counts)) for t in (getattr(self, f.name) for f in fields(self))]
+        return [SampleOutput(*(None if p is None else p[i] for p in parts)) for i in range(len(counts))]
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
