@@ -169,21 +169,18 @@ class DPScheduler:
                                                                              b.sample_rows) for b in full])
             return [None if b is None else g.sample(rows, b.sampled_requests, b.masks)
                     for g, b, rows in zip(self.groups, full, logits, strict=True)]
-        outs: list[SampleOutput | None] = [None] * len(full)
+        none: list[SampleOutput | None] = [None] * len(full)
         prefills = [None if b is None or b.mode is not ForwardMode.EXTEND else
                     Prefill(b.forward_batch, b.input_ids, b.next_ids, b.sample_rows,
                             [r.table_row for r in b.sampled_requests],
                             functools.partial(g.sample, requests=b.sampled_requests))
                     for g, b in zip(self.groups, full, strict=True)]
-        if any(p is not None for p in prefills):
-            outs = [o if p is None else s for o, p, s in zip(outs, prefills, self.spec.extend_groups(prefills),
-                                                             strict=True)]
+        prefilled = self.spec.extend_groups(prefills) if any(p is not None for p in prefills) else none
         rounds = [None if b is None or b.mode is not ForwardMode.TARGET_VERIFY else
                   Round(b.forward_batch, b.input_ids, b.sampled_requests) for b in full]
-        if any(r is not None for r in rounds):
-            outs = [o if r is None else s for o, r, s in zip(outs, rounds, self.spec.verify_groups(
-                rounds, self.runner.sampling_generator), strict=True)]
-        return outs
+        verified = (self.spec.verify_groups(rounds, self.runner.sampling_generator)
+                    if any(r is not None for r in rounds) else none)
+        return [p if p is not None else v for p, v in zip(prefilled, verified, strict=True)]
 
     def _alone(self, index: int, batch: ScheduledBatch) -> SampleOutput:
         """Group `index`'s batch (or part of it) in a step of its own, the other groups idle."""

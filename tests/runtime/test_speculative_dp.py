@@ -160,7 +160,9 @@ def test_dp2_speculative_gives_one_ranks_drafts_and_greedy_tokens(checkpoint: Pa
                                                                   verified: Drafts, flags: dict[str, object],
                                                                   ep_size: int) -> None:
     one_rank = _one_rank_drafts(checkpoint, flags, plain_tokens, verified)
-    engine = Engine(_args(checkpoint, 2, ep_size=ep_size, enable_dp_attention=True, dp_size=2, **flags))
+    # Prefills in chunks of 16 tokens: those of prompt 2 but its last sample nothing.
+    engine = Engine(_args(checkpoint, 2, ep_size=ep_size, enable_dp_attention=True, dp_size=2, chunked_prefill_size=16,
+                          **flags))
     try:
         scheduler = engine.scheduler
         assert isinstance(scheduler, DPScheduler) and scheduler.spec is not None
@@ -186,3 +188,27 @@ def test_dp2_speculative_gives_one_ranks_drafts_and_greedy_tokens(checkpoint: Pa
     finally:
         engine.shutdown()
     assert engine.ranks is not None and [p.exitcode for p in engine.ranks.workers.values()] == [0]
+
+
+def test_a_failing_prefill_fails_only_its_request_under_dp_attention(checkpoint: Path,
+                                                                      plain_tokens: list[list[int]]) -> None:
+    """One request's prefill raises in a speculative step (the fault hook): each group's batch runs alone (the other
+    group idle through it), the failing one in parts; every other request gives one rank's tokens."""
+    bad = [9, 8, 7, 6]
+
+    def fault_hook(mode: ForwardMode, requests: list) -> None:
+        if mode is ForwardMode.EXTEND and any(r.prompt_ids == bad for r in requests):
+            raise RuntimeError("injected fault")
+
+    engine = Engine(_args(checkpoint, 2, enable_dp_attention=True, dp_size=2, **CHAINS), fault_hook=fault_hook)
+    try:
+        tokens: list[list[int]] = [[] for _ in range(4)]
+        errors: list[str] = []
+        prompts, params = [*PROMPTS, bad], [*(_greedy(n) for n in LENGTHS), _greedy(3)]
+        events = [_submit(engine, p, q, out, errors) for p, q, out in zip(prompts, params, tokens, strict=True)]
+        assert all(done.wait(60) for _, done in events)
+        assert tokens[:3] == plain_tokens and errors == ["RuntimeError: injected fault"]
+        assert _generate(engine, PROMPTS, [_greedy(n) for n in LENGTHS]) == plain_tokens
+        engine.check_pool_accounting()
+    finally:
+        engine.shutdown()
