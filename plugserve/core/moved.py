@@ -48,13 +48,15 @@ MOVED_NAMES: dict[str, dict[str, str]] = {
     "plugserve.runtime.model_runner": {
         "ChosenBackend": "plugserve.runtime.backends", "Bucket": "plugserve.runtime.backends",
         "WARMUP_PREFILL_TOKENS": "plugserve.runtime.backends", "Part": "plugserve.runtime.rank_protocol",
-        "GraphPlan": "plugserve.runtime.cuda_graph_runner", "plan_in_graph": "plugserve.runtime.speculative",
+        "GraphPlan": "plugserve.runtime.cuda_graph_runner", "plan_in_graph": "plugserve.runtime.speculative_graphs",
         "report_late_triton_compiles": "plugserve.runtime.metrics",
         **{name: "plugserve.runtime.warmup"
            for name in ("WARMUP_EXTEND_TOKENS", "CPU_WARMUP_TOKENS", "WARMUP_MIN_PREFILL_TOKENS")},
     },
-    "plugserve.runtime.speculative": {name: "plugserve.runtime.acceptance"
-                                      for name in ("verify_drafts", "verify_tree")},
+    "plugserve.runtime.speculative": {
+        **{name: "plugserve.runtime.acceptance" for name in ("verify_drafts", "verify_tree")},
+        **{name: "plugserve.runtime.speculative_graphs" for name in ("greedy_round_forward", "plan_in_graph")},
+    },
     "plugserve.plugins.moe.triton_kernels": {
         **{name: "plugserve.plugins.moe.router"
            for name in ("grouped_topk", "fused_router", "FUSED_ROUTER_MAX_TOKENS", "ROUTER_PROGRAMS", "NO_GROUPS",

@@ -1,8 +1,8 @@
 """CUDA-graph replay of the forwards over the paged cache, with a fixed number of new tokens per request:
 the target's DECODE (1), and with speculative decoding the target's TARGET_VERIFY (num_draft_tokens), the
 NextN layer's draft DECODE steps (1) and its DRAFT_EXTEND (num_draft_tokens: `SpeculativeWorker` pads the
-accepted tokens to that many), and a whole round of greedy chains in one graph (`speculative.greedy_round_forward`,
-num_draft_tokens).
+accepted tokens to that many), and a whole round of greedy chains in one graph
+(`speculative_graphs.greedy_round_forward`, num_draft_tokens).
 
 At start-up one graph per mode is captured per batch size of `capture_sizes(--cuda-graph-max-bs)`, largest
 first, every mode's in one memory pool. A batch of b requests replays the graph of the smallest captured size
@@ -21,9 +21,9 @@ rows ([dp_size * size, vocab]). Every rank picks the same graph for a step from 
 graphs hold collectives.
 
 What is captured is a list of `GraphPlan`s: the target's DECODE by default (`decode_graph_plans`), the
-speculative forwards when speculative decoding supplies its own (`speculative.graph_plans`). A decode backend that
-does not declare a plan's mode in `capabilities.graph_modes`, or a batch larger than the largest graph, runs
-eagerly; `CudaGraphs.status` says which and why.
+speculative forwards when speculative decoding supplies its own (`speculative_graphs.graph_plans`: none under DP
+attention). A decode backend that does not declare a plan's mode in `capabilities.graph_modes`, or a batch larger
+than the largest graph, runs eagerly; `CudaGraphs.status` says which and why.
 """
 
 from __future__ import annotations

@@ -8,17 +8,22 @@ fewest requests, running and waiting, and stays there: its KV is on that rank.
 A step plans every group's batch, then runs them in one `ModelRunner.forward_groups` (each rank its group's,
 an idle group an IDLE batch, since the MLP layers' collectives need every rank), samples each group's rows on
 rank 0 and lets each group's scheduler process its tokens, through the same `OverlapLoop` as one `Scheduler`.
-If that forward raises, each group's batch runs alone (the others idle), and a failing one in parts
-(`runtime/isolation.py`): only requests whose own forward raises fail.
+With speculative decoding the groups share one `SpeculativeWorker` (rank 0's, holding group 0's draft state; each
+other rank's holds its group's), and a step runs the groups' prefill batches in one speculative prefill step,
+then their TARGET_VERIFY batches in one round (`extend_groups`, `verify_groups`), every rank joining both (a group
+with no batch of that kind idles through it). If the step raises, each group's batch runs alone (the others idle),
+and a failing one in parts (`runtime/isolation.py`): only requests whose own forward raises fail.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from concurrent.futures import Future
 
 from plugserve.core.block_table import DeviceBlockTable
+from plugserve.core.forward_batch import ForwardMode
 from plugserve.core.kv_cache import PageAllocator
 from plugserve.runtime import isolation
 from plugserve.runtime.metrics import Metrics
@@ -30,6 +35,7 @@ from plugserve.runtime.request import Request
 from plugserve.runtime.sampling import SampleOutput
 from plugserve.runtime.scheduled_batch import ScheduledBatch
 from plugserve.runtime.scheduler import Scheduler
+from plugserve.runtime.speculative import Prefill, Round, SpeculativeWorker
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +50,8 @@ class DPScheduler:
     def __init__(self, runner: ModelRunner, tokenizer, metrics: Metrics | None, radix_cache: bool,
                  fault_hook: isolation.FaultHook | None = None) -> None:
         self.runner = runner
+        config = runner.args.speculative
+        self.spec = SpeculativeWorker(runner, config) if config is not None else None
         self.groups: list[Scheduler] = []
         for group in range(runner.dp_size):
             allocator = runner.allocator if group == 0 else PageAllocator(runner.allocator.num_pages)
@@ -51,10 +59,9 @@ class DPScheduler:
             if group:
                 table = DeviceBlockTable(table.num_rows, table.max_pages, runner.device)
             scheduler = Scheduler(runner, RadixCache(allocator, runner.page_size, enabled=radix_cache), tokenizer,
-                                  metrics, table, fault_hook)
+                                  metrics, table, fault_hook, self.spec)
             scheduler.gauges = self
             self.groups.append(scheduler)
-        self.spec = None  # refused with DP attention (ServerArgs)
         self.loop: OverlapLoop[Batches, Results] = OverlapLoop(self.groups[0].overlap)
 
     # -- requests ------------------------------------------------------------------------------------
@@ -141,10 +148,7 @@ class DPScheduler:
             for group, batch in zip(self.groups, full, strict=True):
                 if batch is not None:
                     group.check_faults(batch)
-            logits = self.runner.forward_groups([None if b is None else Part(b.input_ids, b.forward_batch,
-                                                                             b.sample_rows) for b in full])
-            return [None if b is None else BatchResult.of(g.sample(rows, b.sampled_requests, b.masks))
-                    for g, b, rows in zip(self.groups, full, logits, strict=True)]
+            return [None if out is None else BatchResult.of(out) for out in self._forward(full)]
         except Exception as exc:
             logger.warning("a DP step failed (%s: %s): each group's batch runs alone", type(exc).__name__, exc)
         results: list[BatchResult | Exception | None] = []
@@ -156,13 +160,34 @@ class DPScheduler:
                 results.append(exc)
         return results
 
+    def _forward(self, full: Batches) -> list[SampleOutput | None]:
+        """Every group's batch (inputs complete; None: the group idles) in one step -> each group's tokens: one
+        forward, or with speculative decoding a prefill step for the groups' EXTEND batches, then a round for their
+        TARGET_VERIFY ones, each joined by every group."""
+        if self.spec is None:
+            logits = self.runner.forward_groups([None if b is None else Part(b.input_ids, b.forward_batch,
+                                                                             b.sample_rows) for b in full])
+            return [None if b is None else g.sample(rows, b.sampled_requests, b.masks)
+                    for g, b, rows in zip(self.groups, full, logits, strict=True)]
+        none: list[SampleOutput | None] = [None] * len(full)
+        prefills = [None if b is None or b.mode is not ForwardMode.EXTEND else
+                    Prefill(b.forward_batch, b.input_ids, b.next_ids, b.sample_rows,
+                            [r.table_row for r in b.sampled_requests],
+                            functools.partial(g.sample, requests=b.sampled_requests))
+                    for g, b in zip(self.groups, full, strict=True)]
+        prefilled = self.spec.extend_groups(prefills) if any(p is not None for p in prefills) else none
+        rounds = [None if b is None or b.mode is not ForwardMode.TARGET_VERIFY else
+                  Round(b.forward_batch, b.input_ids, b.sampled_requests) for b in full]
+        verified = (self.spec.verify_groups(rounds, self.runner.sampling_generator)
+                    if any(r is not None for r in rounds) else none)
+        return [p if p is not None else v for p, v in zip(prefilled, verified, strict=True)]
+
     def _alone(self, index: int, batch: ScheduledBatch) -> SampleOutput:
-        """Group `index`'s batch (or part of it) in a forward of its own, the other groups idle."""
-        group = self.groups[index]
-        group.check_faults(batch)
-        parts = [Part(batch.input_ids, batch.forward_batch, batch.sample_rows) if i == index else None
-                 for i in range(len(self.groups))]
-        return group.sample(self.runner.forward_groups(parts)[index], batch.sampled_requests, batch.masks)
+        """Group `index`'s batch (or part of it) in a step of its own, the other groups idle."""
+        self.groups[index].check_faults(batch)
+        out = self._forward([batch if i == index else None for i in range(len(self.groups))])[index]
+        assert out is not None
+        return out
 
     def _finish(self, batches: Batches, futures: Results) -> None:
         for group, batch, future in zip(self.groups, batches, futures, strict=True):

@@ -152,7 +152,7 @@ class ModelRunner:
                                             pages_needed(self.context_length + 1 + lookahead, self.page_size),
                                             self.device)
         self.graph_plans = graph_plans or decode_graph_plans()
-        graph_bytes = self._graph_bytes(self.graph_max_bs) if self.graph_max_bs else 0
+        graph_bytes = self._graph_bytes(self.graph_max_bs) if self.graph_max_bs and self.graph_plans.plans else 0
         self.max_total_tokens = self._kv_tokens(graph_bytes)
         num_pages = self.max_total_tokens // self.page_size
         # One page more than the allocator hands out: padding rows of CUDA graphs read and write only it.
@@ -292,22 +292,25 @@ class ModelRunner:
             rank_protocol.send(self.group, headers, parts)
         return self._forward_own(parts[self.dp_rank], headers)
 
-    def announce(self, part: rank_protocol.Part, step: rank_protocol.Step) -> None:
-        """Rank 0 of several, before a speculative step: its batch and inputs to the other ranks, whose `follow`
-        hands them to their speculative worker."""
+    def announce(self, headers: list[rank_protocol.Header | None], parts: list[rank_protocol.Part | None]) -> None:
+        """Rank 0 of several, before a speculative step: every DP group's batch and inputs (None: the group idles
+        through the step; one group without DP attention) to the other ranks, whose `follow` hands them to their
+        speculative worker."""
         if self.group.world_size > 1:
-            rank_protocol.send(self.group, [rank_protocol.Header.of(part, step)], [part])
+            rank_protocol.send(self.group, headers, parts)
 
     @torch.inference_mode()
-    def follow(self, speculative: Callable[[rank_protocol.Part, rank_protocol.Header], None] | None = None) -> None:
+    def follow(self, speculative: Callable[[rank_protocol.Part | None, list[rank_protocol.Header | None]], None]
+               | None = None) -> None:
         """Ranks 1..P-1, after `warm_up`: run each forward rank 0 runs (their group's part of it), and each
-        speculative step with `speculative`, until rank 0 releases them (`release_followers`)."""
+        speculative step with `speculative` (every group's header has its kind; this rank's part is None when its
+        group idles through it), until rank 0 releases them (`release_followers`)."""
         while (received := rank_protocol.receive(self.group, self.dp_rank, self.pool, self.prepare)) is not None:
             part, headers = received
-            header = headers[self.dp_rank]
-            if header is not None and header.step is not rank_protocol.Step.FORWARD:
-                assert part is not None and speculative is not None, "speculative steps come with speculation on"
-                speculative(part, header)
+            step = next((h.step for h in headers if h is not None), rank_protocol.Step.FORWARD)
+            if step is not rank_protocol.Step.FORWARD:
+                assert speculative is not None, "speculative steps come with speculation on"
+                speculative(part, headers)
             else:
                 self._forward_own(part, headers)
 

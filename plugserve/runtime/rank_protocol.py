@@ -2,7 +2,8 @@
 and the batch's lengths (int64 words, host to host: `ParallelGroup.broadcast_bytes`) and one device tensor of its
 input ids, sampled rows, block table and the step's extra inputs (stream-ordered: the ids may still be being
 sampled). Without DP attention there is one group, every rank's. A speculative step (`runtime/speculative.py`)
-sends what rank 0 alone decides during it (drawn drafts, accepted tokens) with `from_leader`."""
+sends what rank 0 alone decides during it (drawn drafts, accepted tokens) with `from_leader`, for every DP group
+at once (`GroupRows`: each rank keeps its group's rows)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from plugserve.core.distributed import ParallelGroup
+from plugserve.core.distributed import ParallelGroup, unpad_rows
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode
 from plugserve.core.kv_cache import MLAKVPool
 
@@ -64,6 +65,32 @@ class Header(NamedTuple):
     def sizes(self) -> list[int]:
         """Elements of its input ids, sample rows, block table and extra inputs in the payload."""
         return [sum(self.extend_lens), self.num_sampled, len(self.seq_lens) * self.width, self.num_extra]
+
+
+class GroupRows(NamedTuple):
+    """How a speculative step's rows split over the DP groups: `counts[g]` of group g (its requests in a round,
+    its sampled rows in a prefill), this rank's group `index`; `dp` False: one group, every rank's. Under DP
+    attention every forward gathers every group's tokens before its MLPs and every LM head every group's rows,
+    so each call names every group's count: `counts` times the rows each counted one has there."""
+
+    counts: list[int]
+    index: int
+    dp: bool
+
+    def times(self, per: int) -> list[int] | None:
+        """Every group's rows at `per` rows per counted one, for the model's DP gathers (None without DP
+        attention: no gathers)."""
+        return [c * per for c in self.counts] if self.dp else None
+
+    def own(self, x: torch.Tensor, per: int = 1) -> torch.Tensor:
+        """Of x [sum(counts) * per, ...], every group's rows in group order, this rank's group's."""
+        start = sum(self.counts[: self.index]) * per
+        return x[start : start + self.counts[self.index] * per]
+
+    def gather(self, group: ParallelGroup, x: torch.Tensor) -> torch.Tensor:
+        """x [counts[index], ...] on each rank -> every group's [sum(counts), ...], in group order, on every
+        rank (x itself without DP attention)."""
+        return unpad_rows(group.gather_rows(x, self.counts), self.counts) if self.dp else x
 
 
 MODES = list(ForwardMode)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -115,6 +116,12 @@ class SampleOutput:
             tops = [[tuple(zip(i, v, strict=True)) for i, v in zip(ids, values, strict=True)]
                     for ids, values in zip(top_ids, top_values, strict=True)]  # type: ignore[arg-type]
         return tokens, logprobs, tops, counts  # type: ignore[return-value]
+
+    def split(self, counts: Sequence[int]) -> list[SampleOutput]:
+        """The outputs of consecutive runs of `counts` requests (sum(counts) = B): each DP group's of a
+        speculative round decided for every group at once."""
+        parts = [None if t is None else t.split(list(counts)) for t in (getattr(self, f.name) for f in fields(self))]
+        return [SampleOutput(*(None if p is None else p[i] for p in parts)) for i in range(len(counts))]
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:

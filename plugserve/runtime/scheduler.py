@@ -50,19 +50,19 @@ logger = logging.getLogger(__name__)
 class Scheduler:
     """One KV space's requests: its pages (`radix.allocator`, the prefix cache `radix`) and `block_table` (the
     runner's, when None). Under DP attention each DP group has one (`runtime/dp_scheduler.py`). `fault_hook`: called
-    with each batch about to run (`isolation.FaultHook`)."""
+    with each batch about to run (`isolation.FaultHook`). `spec`: the speculative worker when speculating (the DP
+    groups share the DP scheduler's), else one of its own."""
 
     def __init__(self, runner: ModelRunner, radix: RadixCache, tokenizer, metrics: Metrics | None = None,
-                 block_table: DeviceBlockTable | None = None, fault_hook: isolation.FaultHook | None = None) -> None:
+                 block_table: DeviceBlockTable | None = None, fault_hook: isolation.FaultHook | None = None,
+                 spec: SpeculativeWorker | None = None) -> None:
         args = runner.args
         self.runner, self.radix, self.tokenizer, self.metrics = runner, radix, tokenizer, metrics
         self.fault_hook = fault_hook
-        self.allocator = radix.allocator
-        self.block_table = block_table or runner.block_table
+        self.allocator, self.block_table = radix.allocator, block_table or runner.block_table
         # Whose totals the metrics' gauges report: this scheduler's, or the DP scheduler's over every group.
         self.gauges: SchedulerGauges = self
-        self.page_size = runner.page_size
-        self.max_running = runner.max_running_requests
+        self.page_size, self.max_running = runner.page_size, runner.max_running_requests
         self.chunk_size = args.prefill_token_budget
         self.schedule_policy, self.stream_interval = args.schedule_policy, args.stream_interval
         self.mixed_chunk = args.enable_mixed_chunk  # refused with speculative decoding (ServerArgs)
@@ -70,12 +70,12 @@ class Scheduler:
         self.running: list[Request] = []
         self.chunked: Request | None = None  # mid chunked prefill: first in the next prefill batch
         self.by_rid = RequestIndex()  # every request in waiting, running or chunked: what an abort looks in
-        spec = args.speculative
-        self.spec = SpeculativeWorker(runner, spec) if spec is not None else None
+        config = args.speculative
+        self.spec = spec or (SpeculativeWorker(runner, config) if config is not None else None)
         # Tokens a request's speculative decode step verifies (its last and its drafts), and the positions past its
         # length that step writes KV at (the drafts, and a tree's draft steps).
-        self.verify_width = spec.num_draft_tokens if spec is not None else 1
-        self.lookahead = spec.lookahead if spec is not None else 0
+        self.verify_width = config.num_draft_tokens if config is not None else 1
+        self.lookahead = config.lookahead if config is not None else 0
         self.loop: OverlapLoop[ScheduledBatch, Future[BatchResult]] = OverlapLoop(
             not args.disable_overlap_schedule and self.spec is None)
         self.unfilled: list[grammar.BatchGrammar] = []  # masks that wait for the batch in flight's tokens

@@ -368,9 +368,6 @@ class ServerArgs(BaseModel):
         if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
             raise ValueError(f"{flag('speculative_algorithm')} {self.speculative_algorithm!r} is not one of: "
                              "NEXTN, EAGLE (NEXTN's alias for DeepSeek models)")
-        if self.enable_dp_attention:
-            raise ValueError(f"{flag('speculative_algorithm')} does not combine with {flag('enable_dp_attention')}: "
-                             "the draft and verify forwards do not run per DP group yet")
         draft = self.speculative_draft_model_path
         if draft is not None and not (Path(draft) / "config.json").is_file():
             raise ValueError(f"{flag('speculative_draft_model_path')} {draft}: not a checkpoint directory (no "

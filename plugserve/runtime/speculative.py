@@ -46,10 +46,11 @@ positions, each reading the token after it (after the prompt's last, the one jus
 reuses the NextN layer's KV too; at a shared page's last position that KV read the token that followed in the
 sequence that computed it. That costs acceptance at most: verification alone decides the output.
 
-On a GPU the chains' draft DECODE steps, TARGET_VERIFY and DRAFT_EXTEND replay CUDA graphs (`graph_plans`,
-which the runner captures at start-up for the decode batch sizes) when the decode attention backends declare
-those modes; a tree's verify and draft forwards carry a per-round tree mask and run eagerly. A round of greedy
-chains (every request greedy, without penalties) is one graph replay (`greedy_round_forward`) when the decode
+On a GPU the chains' draft DECODE steps, TARGET_VERIFY and DRAFT_EXTEND replay CUDA graphs (`graph_plans` in
+`runtime/speculative_graphs.py`, which the runner captures at start-up for the decode batch sizes) when the decode
+attention backends declare those modes; a tree's verify and draft forwards carry a per-round tree mask and run
+eagerly. A round of greedy chains (every request greedy, without penalties) is one graph replay
+(`greedy_round_forward`) when the decode
 attention backends also plan on the device: draft steps, verify, greedy acceptance and draft extend, with one input
 load, so that the host's time per round stays close to a decode step's. A batch past the largest graph runs
 eagerly, with the same outputs.
@@ -61,13 +62,23 @@ generators, acceptance under their penalties) goes to the others mid-step (`rank
 argmaxes (the round graph's drafts and acceptance, the first greedy draft, trees' top-k) are replicated instead:
 every rank computes them from the same all-reduced, all-gathered logits (as every rank routes MoE tokens from the
 same hidden states), and the round graph then needs no collective beyond the model's.
+
+Under DP attention each rank's worker drafts and verifies its own DP group's requests (their KV and h' are on
+that rank), and rank 0 runs every group's step at once (`extend_groups`, `verify_groups`): a prefill step for the
+groups with a prefill batch, then a round for those with a TARGET_VERIFY batch, each joined by every rank, a group
+without such a batch on an IDLE one of no tokens, so that every rank runs the same forwards: the MLPs gather every
+group's tokens (`ForwardBatch.dp_tokens`) and each LM head every group's rows (`GroupRows`). Rank 0 so sees every
+group's logits and decides for every group's requests at once (drafts drawn, acceptance; trees' nodes are
+gathered to it first), and `from_leader` carries every group's decision, each rank keeping its group's rows. Every
+round's first draft is drawn from h' through that LM head (each rank's kept greedy token is its group's alone),
+and the rounds run eagerly (`speculative_graphs.DP_EAGER`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -77,51 +88,24 @@ from plugserve.core.forward_batch import DraftTree, ForwardBatch, ForwardMode
 from plugserve.core.interfaces import AttentionBackend
 from plugserve.core.moved import moved_names
 from plugserve.runtime import acceptance
-from plugserve.runtime.cuda_graph_runner import CudaGraphRunner, GraphForward, GraphPlan, GraphPlans
+from plugserve.runtime.cuda_graph_runner import CudaGraphRunner
 from plugserve.runtime.model_runner import ModelRunner
-from plugserve.runtime.rank_protocol import Header, Part, Step, from_leader
+from plugserve.runtime.rank_protocol import GroupRows, Header, Part, Step, from_leader, idle_part
 from plugserve.runtime.sampling import SampleOutput, SamplingParams, draw, filtered_probs
 from plugserve.runtime.server_args import ServerArgs, SpeculativeConfig, flag
+from plugserve.runtime.speculative_graphs import DRAFT_EXTEND, DRAFT_STEP, ROUND, VERIFY, graph_plans
 
 if TYPE_CHECKING:
-    from plugserve.core.models.deepseek import DeepseekForCausalLM
     from plugserve.runtime.request import Request
-
-# Labels of the speculative forwards captured in CUDA graphs (`graph_plans`).
-VERIFY, DRAFT_STEP, DRAFT_EXTEND, ROUND = "TARGET_VERIFY", "draft DECODE", "DRAFT_EXTEND", "greedy round"
-
-
-def graph_plans(config: SpeculativeConfig) -> GraphPlans:
-    """The forwards a speculative round replays from CUDA graphs, for the runner to capture: the target's
-    TARGET_VERIFY (logits to verify, hidden states for the draft extend), the NextN layer's draft DECODE steps
-    (logits to draft from, hidden states for the next step) and its DRAFT_EXTEND padded to num_draft_tokens
-    (hidden states: h', and the greedy tokens: the next round's first greedy draft), and for chains the greedy
-    round, all of them in one graph. Draft trees verify and draft in tree form, eagerly, and share DRAFT_EXTEND
-    with chains."""
-    n = config.num_draft_tokens
-    extend = GraphPlan.of_model(DRAFT_EXTEND, ForwardMode.DRAFT_EXTEND, n, nextn=True, logits=False, greedy=True,
-                                hidden=True)
-    if config.topk > 1:
-        return GraphPlans([extend], ("draft trees verify and draft eagerly: no attention backend runs tree attention "
-                                     "under CUDA graphs",))
-    num_steps = config.num_steps
-    return GraphPlans([
-        GraphPlan.of_model(VERIFY, ForwardMode.TARGET_VERIFY, n, hidden=True),
-        GraphPlan.of_model(DRAFT_STEP, ForwardMode.DECODE, 1, nextn=True, hidden=True),
-        extend,
-        GraphPlan(ROUND, ForwardMode.TARGET_VERIFY, n,
-                  lambda model, sample_vocab: greedy_round_forward(model, num_steps, sample_vocab, plan_in_graph),
-                  reads_hidden=True, hidden=True,
-                  modes=(ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND), plans_inside=True),
-    ])
 
 
 def build_runner(args: ServerArgs, group: ParallelGroup = SINGLE) -> ModelRunner:
     """This rank's ModelRunner, capturing the speculative round's forwards (`graph_plans`) when `args` asks for
     speculative decoding (checked first: `check_runner`)."""
-    runner = ModelRunner(args, group, graph_plans(args.speculative) if args.speculative is not None else None)
-    if args.speculative is not None:
-        check_runner(runner, args.speculative)
+    spec = args.speculative
+    runner = ModelRunner(args, group, graph_plans(spec, args.dp_attention_size) if spec is not None else None)
+    if spec is not None:
+        check_runner(runner, spec)
     return runner
 
 
@@ -129,12 +113,6 @@ def follow(runner: ModelRunner) -> None:
     """Ranks 1..P-1: `runner.follow`, with a SpeculativeWorker for rank 0's speculative steps when speculating."""
     spec = runner.args.speculative
     runner.follow(None if spec is None else SpeculativeWorker(runner, spec).follow)
-
-
-def plan_in_graph(attention: AttentionBackend, batch: ForwardBatch) -> None:
-    """How the round's graph plans each of its forwards' attention: recorded in the capture
-    (`graph_plan_on_device`)."""
-    attention.plan_capture(batch)
 
 
 def check_runner(runner: ModelRunner, config: SpeculativeConfig) -> None:
@@ -153,9 +131,33 @@ def check_runner(runner: ModelRunner, config: SpeculativeConfig) -> None:
                                  "torch_ref, or draft chains with topk 1)")
 
 
+class Prefill(NamedTuple):
+    """A DP group's prefill for `SpeculativeWorker.extend_groups`: input_ids [T] int64; next_ids [T] int64, the
+    token after each (rows `sample_rows` [S] int64 are overwritten with the tokens sampled there); table_rows: the
+    block-table rows of the S requests sampled; `sample` turns their logits [S, vocab] float32 into tokens."""
+
+    batch: ForwardBatch
+    input_ids: torch.Tensor
+    next_ids: torch.Tensor
+    sample_rows: torch.Tensor
+    table_rows: Sequence[int]
+    sample: Callable[[torch.Tensor], SampleOutput]
+
+
+class Round(NamedTuple):
+    """A DP group's TARGET_VERIFY batch for `SpeculativeWorker.verify_groups` (n = num_draft_tokens tokens per
+    request): input_ids [B * n] int64 hold each request's last token at its first row (the drafts go in the
+    others)."""
+
+    batch: ForwardBatch
+    input_ids: torch.Tensor
+    requests: Sequence[Request]
+
+
 class SpeculativeWorker:
     """Drafts with the NextN layer, verifies with the target, and keeps the draft's state per request (its KV in
-    the pool's NextN layer, h' by block-table row)."""
+    the pool's NextN layer, h' by block-table row). Under DP attention each rank's worker keeps its DP group's,
+    and rank 0's decides for every group (module docstring)."""
 
     def __init__(self, runner: ModelRunner, config: SpeculativeConfig) -> None:
         check_runner(runner, config)
@@ -169,6 +171,8 @@ class SpeculativeWorker:
         self.first_draft = torch.zeros(runner.block_table.num_rows, dtype=torch.int64, device=runner.device)
         # Since start: requests verified (one per request and round), and the tokens those rounds produced.
         self.verify_steps = self.accepted_tokens = 0
+        # How the step under way's rows split over the DP groups: set as it starts, alike on every rank.
+        self.layout = GroupRows([0], 0, False)
 
     @property
     def accept_length(self) -> float | None:
@@ -179,65 +183,133 @@ class SpeculativeWorker:
     @torch.inference_mode()
     def extend(self, batch: ForwardBatch, input_ids: torch.Tensor, next_ids: torch.Tensor, sample_rows: torch.Tensor,
                table_rows: Sequence[int], sample: Callable[[torch.Tensor], SampleOutput]) -> SampleOutput:
-        """A prefill forward, then the NextN layer over its positions.
-
-        input_ids [T] int64; next_ids [T] int64, the token after each (rows `sample_rows` [S] int64 are overwritten
-        with the tokens sampled there); table_rows: the block-table rows of the S requests sampled; `sample` turns
-        their logits [S, vocab] float32 into tokens."""
-        rows = self._rows(table_rows)
-        self.runner.announce(Part(input_ids, batch, sample_rows, torch.cat([next_ids, rows])), Step.SPEC_EXTEND)
-        sampled = self._extend(batch, input_ids, next_ids, sample_rows, rows, sample)
+        """A prefill forward, then the NextN layer over its positions (the arguments as `Prefill` has them)."""
+        (sampled,) = self.extend_groups([Prefill(batch, input_ids, next_ids, sample_rows, table_rows, sample)])
         assert sampled is not None
         return sampled
 
-    def _extend(self, batch: ForwardBatch, input_ids: torch.Tensor, next_ids: torch.Tensor, sample_rows: torch.Tensor,
-                rows: torch.Tensor, sample: Callable[[torch.Tensor], SampleOutput] | None) -> SampleOutput | None:
-        """`extend` on every rank (rows [S] int64: the block-table rows); `sample` None: another rank than 0,
-        which gets rank 0's tokens."""
-        hidden, attention = self._target(input_ids, batch)
-        logits = self._logits(hidden[sample_rows])
+    @torch.inference_mode()
+    def extend_groups(self, groups: Sequence[Prefill | None]) -> list[SampleOutput | None]:
+        """`extend` of each DP group's prefill (None: the group idles through the step; one group without DP
+        attention), every rank its group's: each group's sampled tokens (None for an idle one)."""
+        parts = [None if g is None else Part(g.input_ids, g.batch, g.sample_rows,
+                                             torch.cat([g.next_ids, self._rows(g.table_rows)])) for g in groups]
+        headers = self._announce(parts, Step.SPEC_EXTEND)
+
+        def sample(logits: torch.Tensor) -> list[SampleOutput | None]:
+            return [None if g is None else g.sample(rows)
+                    for g, rows in zip(groups, logits.split(self.layout.counts), strict=True)]
+
+        sampled = self._extend(self._own(parts), headers, sample)
+        assert sampled is not None
+        return sampled
+
+    def _extend(self, part: Part, headers: list[Header | None],
+                sample: Callable[[torch.Tensor], list[SampleOutput | None]] | None) -> list[SampleOutput | None] | None:
+        """`extend_groups` on every rank: this rank's group's `part` (its extra inputs: next ids [T], then the
+        block-table rows [S] int64); `sample` None: another rank than 0, which gets rank 0's tokens."""
+        self.layout = self._layout_of(headers, lambda h: h.num_sampled)
+        assert part.extra is not None
+        next_ids, rows = part.extra.split([part.input_ids.numel(), part.sample_rows.numel()])
+        tokens_per_group = [0 if h is None else h.sizes[0] for h in headers]
+        batch = dataclasses.replace(part.batch, dp_tokens=tokens_per_group if self.layout.dp else None)
+        hidden, attention = self._target(part.input_ids, batch)
+        logits = self._logits(hidden[part.sample_rows], 1)
         sampled = None if sample is None else sample(logits)
-        (tokens,) = self._from_leader(None if sampled is None else [sampled.token_ids], [(len(rows),)])
-        next_ids = next_ids.index_copy(0, sample_rows, tokens)
-        self._keep(rows, self.model.forward_nextn(next_ids, hidden, batch, attention)[sample_rows])
+        (tokens,) = self._from_leader(
+            None if sampled is None else [torch.cat([s.token_ids for s in sampled if s is not None])], [()])
+        next_ids = next_ids.index_copy(0, part.sample_rows, tokens)
+        self._keep(rows, self.model.forward_nextn(next_ids, hidden, batch, attention)[part.sample_rows])
         return sampled
 
     @torch.inference_mode()
-    def follow(self, part: Part, header: Header) -> None:
-        """Ranks 1..P-1: rank 0's speculative step (`rank_protocol.Step`) with the inputs it sent."""
-        assert part.extra is not None
-        if header.step is Step.SPEC_EXTEND:
-            next_ids, rows = part.extra.split([part.input_ids.numel(), part.sample_rows.numel()])
-            self._extend(part.batch, part.input_ids, next_ids, part.sample_rows, rows, None)
+    def follow(self, part: Part | None, headers: list[Header | None]) -> None:
+        """Ranks 1..P-1: rank 0's speculative step (`rank_protocol.Step`) with the inputs it sent (None: this
+        rank's DP group idles through it)."""
+        own = self._idle() if part is None else part
+        step = next(h.step for h in headers if h is not None)
+        if step is Step.SPEC_EXTEND:
+            self._extend(own, headers, None)
         else:
-            self._round(header.step, part.batch, part.input_ids, part.extra, None, None)
+            self._round(step, own, headers, None, None)
+
+    def _announce(self, parts: list[Part | None], step: Step) -> list[Header | None]:
+        """Rank 0: every group's part of a speculative step to the other ranks; their headers."""
+        headers = [Header.of(p, step) for p in parts]
+        self.runner.announce(headers, parts)
+        return headers
+
+    def _layout_of(self, headers: list[Header | None], count: Callable[[Header], int]) -> GroupRows:
+        """The step's `GroupRows`: `count` of each group's header (0 for an idle group)."""
+        return GroupRows([0 if h is None else count(h) for h in headers], self.runner.dp_rank, self.runner.dp_size > 1)
+
+    def _own(self, parts: Sequence[Part | None]) -> Part:
+        """This rank's group's part of a step rank 0 runs (an idle one when it has none)."""
+        part = parts[self.runner.dp_rank]
+        return self._idle() if part is None else part
+
+    def _idle(self) -> Part:
+        """The part of a rank whose DP group idles through a speculative step: an IDLE batch of no requests, which
+        runs every forward of the step on no tokens (joining their collectives) and keeps nothing."""
+        idle = idle_part(self.runner.pool)
+        return Part(idle.input_ids, idle.batch, idle.sample_rows, idle.input_ids)
+
+    def _every_from_leader(self, tensors: Sequence[torch.Tensor] | None, shapes: Sequence[tuple[int, ...]]
+                           ) -> list[torch.Tensor]:
+        """Rank 0's int64 `tensors`, every group's rows [sum(counts), *shape] each, on every rank."""
+        total = sum(self.layout.counts)
+        return from_leader(self.runner.group, tensors, [(total, *s) for s in shapes], self.hidden.device)
 
     def _from_leader(self, tensors: Sequence[torch.Tensor] | None, shapes: Sequence[tuple[int, ...]]
                      ) -> list[torch.Tensor]:
-        return from_leader(self.runner.group, tensors, shapes, self.hidden.device)
+        """`_every_from_leader`, this rank's group's rows of each."""
+        return [self.layout.own(t) for t in self._every_from_leader(tensors, shapes)]
 
     @torch.inference_mode()
     def verify(self, batch: ForwardBatch, input_ids: torch.Tensor, requests: Sequence[Request],
                default_generator: torch.Generator | None) -> SampleOutput:
-        """One round for the requests of a TARGET_VERIFY `batch` (n = num_draft_tokens tokens each): draft, verify,
-        accept, draft extend. input_ids [B * n] int64 hold each request's last token at its first row (the drafts
-        go in the others). Returns `verify_drafts`' output (`verify_tree`'s with topk > 1)."""
-        rows = self._rows([r.table_row for r in requests])
-        if self.topk > 1:
-            step = Step.SPEC_TREE
-        elif self.runner.graphs.get(ROUND, batch) is not None and all(_plain_greedy(r.params) for r in requests):
-            step = Step.SPEC_ROUND
-        else:
-            step = Step.SPEC_CHAINS_GREEDY if all(r.params.is_greedy for r in requests) else Step.SPEC_CHAINS_SAMPLED
-        self.runner.announce(Part(input_ids, batch, rows[:0], rows), step)
-        out = self._round(step, batch, input_ids, rows, requests, default_generator)
+        """One round for the requests of a TARGET_VERIFY `batch` (the arguments as `Round` has them): draft,
+        verify, accept, draft extend. Returns `verify_drafts`' output (`verify_tree`'s with topk > 1)."""
+        (out,) = self.verify_groups([Round(batch, input_ids, requests)], default_generator)
         assert out is not None
         return out
 
-    def _round(self, step: Step, batch: ForwardBatch, input_ids: torch.Tensor, rows: torch.Tensor,
-               requests: Sequence[Request] | None, default_generator: torch.Generator | None) -> SampleOutput | None:
-        """`verify` on every rank along the path `step` names (rows [B] int64: the block-table rows); `requests`
-        None: another rank than 0, which gets what rank 0 decides and returns None."""
+    @torch.inference_mode()
+    def verify_groups(self, groups: Sequence[Round | None], default_generator: torch.Generator | None
+                      ) -> list[SampleOutput | None]:
+        """`verify` of each DP group's batch (None: the group idles through the round; one group without DP
+        attention), every rank drafting and verifying its group's requests and rank 0 accepting for all of them:
+        each group's output (None for an idle one)."""
+        requests = [r for g in groups if g is not None for r in g.requests]
+        single = groups[0] if len(groups) == 1 else None
+        if self.topk > 1:
+            step = Step.SPEC_TREE
+        elif single is None:  # DP attention: rank 0 draws every group's first draft from the gathered LM head
+            step = Step.SPEC_CHAINS_SAMPLED
+        elif self.runner.graphs.get(ROUND, single.batch) is not None and all(_plain_greedy(r.params) for r in requests):
+            step = Step.SPEC_ROUND
+        else:
+            step = Step.SPEC_CHAINS_GREEDY if all(r.params.is_greedy for r in requests) else Step.SPEC_CHAINS_SAMPLED
+        parts: list[Part | None] = [None] * len(groups)
+        for i, group in enumerate(groups):
+            if group is not None:
+                rows = self._rows([r.table_row for r in group.requests])
+                parts[i] = Part(group.input_ids, group.batch, rows[:0], rows)
+        headers = self._announce(parts, step)
+        out = self._round(step, self._own(parts), headers, requests, default_generator)
+        assert out is not None and out.accept_lens is not None
+        self.verify_steps += len(requests)
+        self.accepted_tokens += len(requests) + int(out.accept_lens.sum())  # this waits for the round
+        return [None if g is None else o for g, o in zip(groups, out.split(self.layout.counts), strict=True)]
+
+    def _round(self, step: Step, part: Part, headers: list[Header | None], requests: Sequence[Request] | None,
+               default_generator: torch.Generator | None) -> SampleOutput | None:
+        """`verify_groups` on every rank along the path `step` names: this rank's group's `part` (its extra input:
+        the block-table rows [B] int64); `requests` (every group's) None: another rank than 0, which gets what
+        rank 0 decides and returns None."""
+        self.layout = self._layout_of(headers, lambda h: len(h.seq_lens))
+        batch, input_ids, rows = part.batch, part.input_ids, part.extra
+        assert rows is not None
         b, n = batch.batch_size, self.num_draft_tokens
         if step is Step.SPEC_TREE:
             return self._verify_tree(batch, input_ids.view(b, n)[:, :1], requests, rows, default_generator)
@@ -247,13 +319,13 @@ class SpeculativeWorker:
             return self._greedy_round(round_graph, batch, input_ids, requests, rows)
         drafts, draft_probs = self._draft(batch, requests, rows, default_generator,
                                           greedy=step is Step.SPEC_CHAINS_GREEDY)
-        ids = torch.cat([input_ids.view(b, n)[:, :1], drafts], dim=1)
+        ids = torch.cat([input_ids.view(b, n)[:, :1], self.layout.own(drafts)], dim=1)
         hidden, logits = self._verify_chains(ids.view(-1), batch)
         out = None if requests is None else acceptance.verify_drafts(
-            logits.view(b, n, -1), drafts, draft_probs, [r.params for r in requests], [r.prompt_ids for r in requests],
-            [r.penalty_ids for r in requests], [r.generator for r in requests], default_generator)
-        tokens, accept_lens = self._from_leader(None if out is None else [out.token_ids, out.accept_lens],
-                                                [(b, n), (b,)])
+            logits.view(len(requests), n, -1), drafts, draft_probs, [r.params for r in requests],
+            [r.prompt_ids for r in requests], [r.penalty_ids for r in requests],
+            [r.generator for r in requests], default_generator)
+        tokens, accept_lens = self._from_leader(None if out is None else [out.token_ids, out.accept_lens], [(n,), ()])
         self._draft_extend(batch, hidden, tokens, accept_lens, rows)
         return out
 
@@ -268,41 +340,44 @@ class SpeculativeWorker:
         self.hidden[rows] = drafted
         self.first_draft[rows] = greedy
         # The graph's outputs are rewritten by its next replay, which may come before the scheduler reads these.
-        out = None if requests is None else acceptance.with_logprobs(
+        return None if requests is None else acceptance.with_logprobs(
             logits.view(b, n, -1), tokens.view(b, n).clone(), accept_lens.clone(), [r.params for r in requests])
-        self.verify_steps += b
-        self.accepted_tokens += b + int(accept_lens.sum())  # after the launch: this waits for the round
-        return out
 
     def _verify_chains(self, input_ids: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's TARGET_VERIFY forward of chains (input_ids [B * n] int64): hidden states [B * n, H] and
-        logits [B * n, sample_vocab] float32, from its CUDA graph when one holds the batch."""
+        logits [B * n, sample_vocab] float32 (every group's rows under DP attention), from its CUDA graph when one
+        holds the batch."""
         graph = self.runner.graphs.get(VERIFY, batch)
         if graph is not None:
             logits, hidden = graph.replay(input_ids, batch)
             return hidden, logits[:, : self.runner.sample_vocab]
-        hidden, _ = self._target(input_ids, batch)
-        return hidden, self._logits(hidden)
+        n = self.num_draft_tokens
+        hidden, _ = self._target(input_ids, self._step_batch(batch, n))
+        return hidden, self._logits(hidden, n)
 
     def _verify_tree(self, batch: ForwardBatch, roots: torch.Tensor, requests: Sequence[Request] | None,
                      rows: torch.Tensor, default_generator: torch.Generator | None) -> SampleOutput | None:
-        """`verify` with draft trees; roots [B, 1] int64: each request's last token."""
+        """`verify` with draft trees; roots [B, 1] int64: each request's last token. Rank 0 accepts for every
+        group: their trees are gathered to it."""
         drafts, parents = self._draft_tree(batch, rows)
-        tree = batch.with_tree(DraftTree.of(parents))
         tokens = torch.cat([roots, drafts], dim=1)
-        hidden, _ = self._target(tokens.view(-1), tree)
-        logits = self._logits(hidden).view(*tokens.shape, -1)
+        b, n = tokens.shape
+        hidden, _ = self._target(tokens.view(-1), self._step_batch(self._with_tree(batch, parents), n))
+        logits = self._logits(hidden, n)
+        trees = self.layout.gather(self.runner.group, torch.cat([tokens, parents], dim=1))  # every group's
+        every_tokens, every_parents = trees.split([n, n], dim=1)
         out, path = (None, None) if requests is None else acceptance.verify_tree(
-            logits, tokens, parents, [r.params for r in requests], [r.prompt_ids for r in requests],
-            [r.penalty_ids for r in requests], [r.generator for r in requests], default_generator)
+            logits.view(len(requests), n, -1), every_tokens, every_parents, [r.params for r in requests],
+            [r.prompt_ids for r in requests], [r.penalty_ids for r in requests],
+            [r.generator for r in requests], default_generator)
         accepted, accept_lens, path = self._from_leader(
-            None if out is None else [out.token_ids, out.accept_lens, path], [tokens.shape, tokens.shape[:1],
-                                                                              tokens.shape])
-        slots = batch.out_cache_loc.view(tokens.shape)
+            None if out is None else [out.token_ids, out.accept_lens, path], [(n,), (), (n,)])
+        slots = batch.out_cache_loc.view(b, n)
         batch.kv_pool.copy_slots(slots.gather(1, path[:, 1:]).view(-1), slots[:, 1:].reshape(-1),
                                  range(len(self.model.layers)))
-        picked = hidden.view(*tokens.shape, -1).gather(1, path[:, :, None].expand(*tokens.shape, hidden.shape[-1]))
-        self._draft_extend(batch, picked.view(hidden.shape), accepted, accept_lens, rows)
+        width = hidden.shape[-1]
+        picked = hidden.view(b, n, width).gather(1, path[:, :, None].expand(b, n, width))
+        self._draft_extend(batch, picked.view(b * n, width), accepted, accept_lens, rows)
         return out
 
     def _draft_tree(self, verify: ForwardBatch, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -312,15 +387,16 @@ class SpeculativeWorker:
         b, k, n = verify.batch_size, self.topk, self.num_draft_tokens
         device = rows.device
         hidden = self.hidden[rows]
+        width = hidden.shape[-1]
         # Every child drafted (candidate), in creation order: score (cumulative log-probability), token, and the
         # candidate index of its parent (-1: the root).
-        scores, tokens = torch.log_softmax(self._logits(hidden), dim=-1).topk(k, dim=-1)
+        scores, tokens = torch.log_softmax(self._own_logits(hidden, 1), dim=-1).topk(k, dim=-1)
         cand_scores, cand_tokens = [scores], [tokens]
         cand_parents = [torch.full((b, k), -1, dtype=torch.int64, device=device)]
         # The nodes the next step expands: candidate index, score, token, the hidden state it reads (its parent's
         # NextN output) and its parent's index in the NextN layer's forest (-1: a root).
         frontier = torch.arange(k, device=device).expand(b, k)
-        front_scores, front_tokens, front_hidden = scores, tokens, hidden[:, None].expand(b, k, hidden.shape[-1])
+        front_scores, front_tokens, front_hidden = scores, tokens, hidden[:, None].expand(b, k, width)
         front_parents = torch.full((b, k), -1, dtype=torch.int64, device=device)
         forest_tokens: list[torch.Tensor] = []
         forest_hidden: list[torch.Tensor] = []
@@ -330,12 +406,14 @@ class SpeculativeWorker:
             forest_hidden.append(front_hidden)
             forest_parents.append(front_parents)
             m = step * k
-            batch = ForwardBatch.build(ForwardMode.TARGET_VERIFY, [p + m for p in verify.prefix_lens_cpu], [m] * b,
-                                       verify.block_table, verify.kv_pool)
-            batch = batch.with_tree(DraftTree.of(torch.cat(forest_parents, dim=1)))
+            batch = verify if not b else ForwardBatch.build(
+                ForwardMode.TARGET_VERIFY, [p + m for p in verify.prefix_lens_cpu], [m] * b, verify.block_table,
+                verify.kv_pool)
+            batch = self._with_tree(batch, torch.cat(forest_parents, dim=1))
             out = self._nextn(torch.cat(forest_tokens, dim=1).view(-1),
-                              torch.cat(forest_hidden, dim=1).view(b * m, -1), batch).view(b, m, -1)[:, -k:]
-            logprobs = torch.log_softmax(self._logits(out.reshape(b * k, -1)), dim=-1).view(b, k, -1)
+                              torch.cat(forest_hidden, dim=1).view(b * m, width), batch, m).view(b, m, width)[:, -k:]
+            logits = self._own_logits(out.reshape(b * k, width), k)
+            logprobs = torch.log_softmax(logits, dim=-1).view(b, k, logits.shape[-1])
             child_scores, child_tokens = logprobs.topk(k, dim=-1)  # [B, k (parent), k]
             child_scores = (front_scores[:, :, None] + child_scores).view(b, k * k)
             child_tokens = child_tokens.view(b, k * k)
@@ -346,7 +424,7 @@ class SpeculativeWorker:
             front_scores, best = child_scores.topk(k, dim=-1)
             parent = best // k  # the expanded node (of this step's k) each new frontier node hangs from
             frontier, front_tokens = offset + best, child_tokens.gather(1, best)
-            front_hidden = out.gather(1, parent[:, :, None].expand(b, k, out.shape[-1]))
+            front_hidden = out.gather(1, parent[:, :, None].expand(b, k, width))
             front_parents = (step - 1) * k + parent
         all_scores, all_parents = torch.cat(cand_scores, dim=1), torch.cat(cand_parents, dim=1)
         kept = all_scores.sort(dim=1, descending=True, stable=True).indices[:, : n - 1].sort(dim=1).values
@@ -358,9 +436,11 @@ class SpeculativeWorker:
 
     def _draft(self, verify: ForwardBatch, requests: Sequence[Request] | None, rows: torch.Tensor,
                default_generator: torch.Generator | None, greedy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The k drafts of each request of `verify` (`rows` [B] int64: their block-table rows; `greedy`: every
-        request is): [B, k] int64, and the distributions they were drawn from, [B, k, vocab] float32 (None when
-        every request is greedy, and on ranks 1..P-1, which pass no `requests` and get rank 0's drafts)."""
+        """The k drafts of each request of every group of the round, this rank's group's those of `verify` (`rows`
+        [B] int64: their block-table rows; `greedy`: every request is, and there is one group): [R, k] int64, R
+        every group's requests in group order (this rank's group's rows: `GroupRows.own`), and the distributions
+        they were drawn from, [R, k, vocab] float32 (None when every request is greedy, and on ranks 1..P-1, which
+        pass no `requests` and get rank 0's drafts)."""
         k = self.num_steps
         hidden = self.hidden[rows]
         tokens: list[torch.Tensor] = []
@@ -368,15 +448,16 @@ class SpeculativeWorker:
         for step in range(k):
             if step:
                 # Step j = step + 1 sits at position L - 3 + j, the verify's token j - 2 (it starts at L - 1).
-                hidden, logits = self._draft_step(tokens[-1], hidden, verify.token_as_decode(step - 1))
+                hidden, logits = self._draft_step(self.layout.own(tokens[-1]), hidden,
+                                                  verify.token_as_decode(step - 1))
             elif greedy:
                 tokens.append(self.first_draft[rows])
                 continue
             else:
-                logits = self._logits(hidden)
+                logits = self._logits(hidden, 1)
             token, q = (None, None) if requests is None else _draft_tokens(
                 logits, [r.params for r in requests], [r.generator for r in requests], default_generator)
-            tokens.append(self._from_leader(None if token is None else [token], [(len(rows),)])[0])
+            tokens.append(self._every_from_leader(None if token is None else [token], [()])[0])
             if q is not None:
                 probs.append(q)
         return torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None
@@ -396,90 +477,75 @@ class SpeculativeWorker:
             greedy, drafted = graph.replay(tokens.view(-1), batch, hidden)
             self._keep(rows, drafted[last], greedy[last])
         else:
-            self._keep(rows, self._nextn(tokens.view(-1), hidden, batch)[last])
-        self.verify_steps += b
-        self.accepted_tokens += b + int(accept_lens.sum())  # after the launch: this waits for the round
+            self._keep(rows, self._nextn(tokens.view(-1), hidden, batch, n)[last])
 
     def _keep(self, rows: torch.Tensor, drafted: torch.Tensor, greedy: torch.Tensor | None = None) -> None:
         """h' [B, H] of the requests at block-table rows [B] int64, and its greedy token [B] int64 (the argmax of its
-        logits, computed here unless given)."""
+        logits, computed here unless given; not under DP attention, whose rounds draw first drafts from h')."""
         self.hidden[rows] = drafted
-        self.first_draft[rows] = self._logits(drafted).argmax(dim=-1) if greedy is None else greedy
+        if greedy is not None:
+            self.first_draft[rows] = greedy
+        elif not self.layout.dp:
+            self.first_draft[rows] = self._logits(drafted, 1).argmax(dim=-1)
 
-    def _target(self, input_ids: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, AttentionBackend]:
+    def _step_batch(self, batch: ForwardBatch, per: int) -> ForwardBatch:
+        """`batch` as a forward of the step runs it: under DP attention with every group's token count (`per` per
+        counted row of the step), and IDLE when this rank's group has no requests in it."""
+        if not self.layout.dp:
+            return batch
+        return dataclasses.replace(batch, mode=batch.mode if batch.batch_size else ForwardMode.IDLE,
+                                   dp_tokens=self.layout.times(per))
+
+    def _with_tree(self, batch: ForwardBatch, parents: torch.Tensor) -> ForwardBatch:
+        """`batch` with the draft trees of `parents` [B, m] int64 (an idle group's empty batch as it is)."""
+        return batch.with_tree(DraftTree.of(parents)) if batch.batch_size else batch
+
+    def _target(self, input_ids: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, AttentionBackend | None]:
         """The target's final hidden states [T, hidden] (normed, what the NextN layer reads), and the backend
-        planned for `batch`."""
-        attention = self.runner.backends.attention(batch)
-        attention.plan(batch)
+        planned for `batch` (None for an IDLE one)."""
+        attention = None
+        if batch.mode is not ForwardMode.IDLE:
+            attention = self.runner.backends.attention(batch)
+            attention.plan(batch)
         return self.model(input_ids, batch, attention), attention
 
     def _draft_step(self, tokens: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft DECODE step of the NextN layer: tokens [B] int64 and hidden [B, H] -> its output [B, H] and
-        logits [B, sample_vocab] float32, from its CUDA graph when one holds the batch."""
+        logits [B, sample_vocab] float32 (every group's rows under DP attention), from its CUDA graph when one
+        holds the batch."""
         graph = self.runner.graphs.get(DRAFT_STEP, batch)
         if graph is not None:
             logits, out = graph.replay(tokens, batch, hidden)
             return out, logits[:, : self.runner.sample_vocab]
-        out = self._nextn(tokens, hidden, batch)
-        return out, self._logits(out)
+        out = self._nextn(tokens, hidden, batch, 1)
+        return out, self._logits(out, 1)
 
-    def _nextn(self, next_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """The NextN layer: next_ids [T] int64 and hidden [T, H] -> [T, H], from its CUDA graph when one holds
-        the batch (the graph's last output is its hidden states)."""
+    def _nextn(self, next_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, per: int) -> torch.Tensor:
+        """The NextN layer: next_ids [T] int64 and hidden [T, H] -> [T, H] (`per` tokens per counted row of the
+        step), from its CUDA graph when one holds the batch (the graph's last output is its hidden states)."""
         graph = self.runner.graphs.get(DRAFT_STEP if batch.mode is ForwardMode.DECODE else DRAFT_EXTEND, batch)
         if graph is not None:
             return graph.replay(next_ids, batch, hidden)[-1]
-        self.runner.prepare(batch)
-        attention = self.runner.backends.attention(batch)
-        attention.plan(batch)
+        batch = self._step_batch(batch, per)
+        attention = None
+        if batch.mode is not ForwardMode.IDLE:
+            self.runner.prepare(batch)
+            attention = self.runner.backends.attention(batch)
+            attention.plan(batch)
         return self.model.forward_nextn(next_ids, hidden, batch, attention)
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, H] -> logits [n, sample_vocab] float32."""
-        return self.model.compute_logits(hidden)[:, : self.runner.sample_vocab]
+    def _logits(self, hidden: torch.Tensor, per: int) -> torch.Tensor:
+        """hidden [m, H] -> logits [m, sample_vocab] float32; under DP attention every group's rows in group order
+        (each group's m: `per` per counted row of the step), as the LM head gathers them."""
+        return self.model.compute_logits(hidden, self.layout.times(per))[:, : self.runner.sample_vocab]
+
+    def _own_logits(self, hidden: torch.Tensor, per: int) -> torch.Tensor:
+        """`_logits`, this rank's group's rows alone."""
+        return self.layout.own(self._logits(hidden, per), per)
 
     def _rows(self, table_rows: Sequence[int]) -> torch.Tensor:
         return to_device(torch.tensor(table_rows, dtype=torch.int64), self.hidden.device)
-
-
-def greedy_round_forward(model: DeepseekForCausalLM, num_steps: int, sample_vocab: int,
-                         plan: Callable[[AttentionBackend, ForwardBatch], None]) -> GraphForward:
-    """A round of greedy chains as one forward, for the round graph: the k - 1 draft DECODE steps, the
-    TARGET_VERIFY, greedy acceptance and the padded DRAFT_EXTEND of `SpeculativeWorker.verify`, planning attention
-    for each sub-batch with `plan` (plan_capture in a graph: the backend must plan on the device). It takes the
-    TARGET_VERIFY batch of B requests of n = num_steps + 1 tokens, input_ids [B * n] int64 (each request's last
-    token, then its first draft d_1; the rest is unread) and hidden [>= B, H], h' of each request in its first B
-    rows. Outputs: the target's greedy tokens [B * n] int64 (request b's first accept_lens[b] + 1 are its round's),
-    accept_lens [B] int64, the verify's logits [B * n, sample_vocab] float32, and the next round's h' [B, H] and its
-    greedy token [B] int64."""
-
-    def forward(input_ids: torch.Tensor, hidden: torch.Tensor | None, batch: ForwardBatch,
-                attention: AttentionBackend) -> tuple[torch.Tensor, ...]:
-        assert hidden is not None
-        b = batch.batch_size
-        n = num_steps + 1
-        first = input_ids.view(b, n)
-        drafts, state = [first[:, 1]], hidden[:b]
-        for step in range(1, num_steps):
-            decode = batch.token_as_decode(step - 1)  # step j = step + 1 at the verify's token j - 2
-            plan(attention, decode)
-            state = model.forward_nextn(drafts[-1], state, decode, attention)
-            drafts.append(model.compute_logits(state)[:, :sample_vocab].argmax(dim=-1))
-        drafted = torch.stack(drafts, dim=1)
-        plan(attention, batch)
-        target_hidden = model(torch.cat([first[:, :1], drafted], dim=1).view(-1), batch, attention)
-        logits = model.compute_logits(target_hidden)[:, :sample_vocab]
-        target = logits.argmax(dim=-1).view(b, n)
-        accept_lens = (drafted == target[:, :num_steps]).long().cumprod(dim=1).sum(dim=1)
-        extend = dataclasses.replace(batch, mode=ForwardMode.DRAFT_EXTEND)
-        plan(attention, extend)
-        out = model.forward_nextn(target.view(-1), target_hidden, extend, attention)
-        kept = out[torch.arange(0, b * n, n, device=out.device) + accept_lens]
-        return (target.view(-1), accept_lens, logits, kept,
-                model.compute_logits(kept)[:, :sample_vocab].argmax(dim=-1))
-
-    return forward
 
 
 def _plain_greedy(params: SamplingParams) -> bool:

@@ -1,6 +1,7 @@
 """The engine over several GPUs (`pytest -m multigpu tests`, on a lent machine of 2 or 4): TP, EP, DP attention and
 their mixes on the tiny V3 in float32 give one GPU's greedy tokens, which are HF transformers', and so does
-speculative decoding (chains in the greedy round's graph, trees) under TP and TP+EP; aborts under DP attention
+speculative decoding (chains in the greedy round's graph, trees) under TP and TP+EP, and eagerly under DP attention
+(+EP); aborts under DP attention
 leave every page owned; a killed rank ends the engine with an error naming it; two nodes started as on two hosts
 give one GPU's tokens. Each multi-GPU engine runs
 in a process of its own (its NCCL world lives until that process exits)."""
@@ -24,6 +25,7 @@ from plugserve.runtime.request import RequestOutput
 from plugserve.runtime.sampling import SamplingParams
 from plugserve.runtime.server_args import ServerArgs
 from plugserve.runtime.speculative import ROUND
+from plugserve.runtime.speculative_graphs import DP_EAGER
 from tests.checkpoints import add_mtp_layer, random_hf_model, save_hf_model, tiny_v3_config
 from tests.engine_checks import assert_killing_rank_1_ends_the_engine
 from tests.multiprocess import multi_gpu, needs_gpus, run_in_process
@@ -210,7 +212,9 @@ TREE = {"speculative_algorithm": "EAGLE", "speculative_num_steps": 3, "speculati
 def _speculative_layouts() -> list[object]:
     layouts = []
     for world in (2, 4):
-        for name, flags in [("chains-tp", CHAINS), ("chains-tp-ep", CHAINS | {"ep_size": world}), ("tree-tp", TREE)]:
+        dp = {"enable_dp_attention": True, "dp_size": world}
+        for name, flags in [("chains-tp", CHAINS), ("chains-tp-ep", CHAINS | {"ep_size": world}), ("tree-tp", TREE),
+                            ("chains-dp", CHAINS | dp), ("tree-dp-ep", TREE | dp | {"ep_size": world})]:
             layouts.append(pytest.param(world, flags, id=f"{name}{world}", marks=multi_gpu(world)))
     return layouts
 
@@ -245,12 +249,15 @@ def _speculative_tokens(model_dir: Path, world: int, flags: dict[str, object]) -
 def test_speculative_decoding_over_ranks_gives_one_gpus_greedy_tokens(nextn_dir: Path,
                                                                        one_gpu_tokens: list[list[int]], world: int,
                                                                        flags: dict[str, object]) -> None:
-    """Every rank runs the draft, verify and draft-extend forwards, chains in the greedy round's graph."""
+    """Every rank runs the draft, verify and draft-extend forwards, chains in the greedy round's graph (eagerly
+    under DP attention, each rank its group's requests)."""
     tokens, graphs, round_replays, accept_length, exit_codes = run_in_process(
         _speculative_tokens, nextn_dir, world, flags, timeout_s=ENGINE_TIMEOUT_S)
     assert tokens == one_gpu_tokens
     sizes = "captured at batch sizes [1, 2, 4, 8, 12, 16]"
-    if "speculative_eagle_topk" in flags:
+    if "enable_dp_attention" in flags:
+        assert graphs == DP_EAGER and round_replays == 0, graphs
+    elif "speculative_eagle_topk" in flags:
         assert graphs.startswith(f"DRAFT_EXTEND {sizes}"), graphs
     else:
         assert graphs.startswith(f"TARGET_VERIFY, draft DECODE, DRAFT_EXTEND, greedy round {sizes}"), graphs

@@ -302,3 +302,12 @@ def test_a_token_bitmask_allows_only_its_tokens():
     bitmask = torch.tensor([[-(2**31), 0]], dtype=torch.int32)
     out = sample(logits[:1], [SamplingParams(temperature=0)], [[]], [[]], [None], token_bitmask=bitmask)
     assert out.token_ids.item() == 31
+
+
+def test_a_verified_output_splits_into_each_groups_requests():
+    tokens = torch.arange(12).view(4, 3)
+    out = SampleOutput(tokens, tokens.float(), None, None, torch.tensor([0, 2, 1, 0]))
+    first, idle, last = out.split([1, 0, 3])
+    assert first.token_ids.tolist() == [[0, 1, 2]] and first.accept_lens.tolist() == [0]  # type: ignore[union-attr]
+    assert idle.token_ids.shape == (0, 3) and idle.top_logprob_ids is None
+    assert last.logprobs.tolist() == tokens[1:].float().tolist()  # type: ignore[union-attr]

@@ -97,6 +97,12 @@ def test_dp_attention_takes_a_dp_size_of_the_tp_size(ep_size):
     assert args.dp_attention_size == 2 and ServerArgs(tp_size=2).dp_attention_size == 1
 
 
+def test_dp_attention_combines_with_speculative_decoding():
+    args = ServerArgs(tp_size=2, enable_dp_attention=True, dp_size=2, speculative_algorithm="EAGLE",
+                      speculative_eagle_topk=2, speculative_num_draft_tokens=4)
+    assert args.dp_attention_size == 2 and args.speculative is not None and args.speculative.topk == 2
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -104,8 +110,6 @@ def test_dp_attention_takes_a_dp_size_of_the_tp_size(ep_size):
         ({"tp_size": 2, "dp_size": 2}, "--dp-size 2 needs --enable-dp-attention"),
         ({"tp_size": 4, "dp_size": 2, "enable_dp_attention": True}, "--dp-size 2 must equal --tp-size (4)"),
         ({"tp_size": 2, "dp_size": 4, "enable_dp_attention": True}, "--dp-size 4 must equal --tp-size (2)"),
-        ({"tp_size": 2, "dp_size": 2, "enable_dp_attention": True, "speculative_algorithm": "NEXTN"},
-         "--speculative-algorithm does not combine with --enable-dp-attention"),
     ],
 )
 def test_bad_dp_attention_flags_are_refused_naming_the_flag(flags, message):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import plugserve.runtime.cuda_graph_runner as cuda_graph_runner_module
-import plugserve.runtime.speculative as speculative_module
+import plugserve.runtime.speculative_graphs as speculative_graphs_module
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode
 from plugserve.core.kv_cache import pages_needed
 from plugserve.core.tokenizer import EMBEDDED_MODEL_DIR
@@ -63,7 +63,7 @@ def _capture(runner: ModelRunner, monkeypatch, graph_modes: frozenset[ForwardMod
     monkeypatch.setattr(TorchRefAttention, "capabilities",
                         dataclasses.replace(TorchRefAttention.capabilities, graph_modes=graph_modes,
                                             graph_plan_on_device=plan_on_device))
-    monkeypatch.setattr(speculative_module, "plan_in_graph", lambda attention, batch: attention.plan(batch))
+    monkeypatch.setattr(speculative_graphs_module, "plan_in_graph", lambda attention, batch: attention.plan(batch))
     moe = runner.model.backends.moe
     monkeypatch.setattr(type(moe), "capabilities", dataclasses.replace(moe.capabilities, cuda_graph=moe_graph))
     monkeypatch.setattr(cuda_graph_runner_module, "CudaGraphRunner", EagerGraphRunner)

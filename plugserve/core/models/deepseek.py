@@ -439,17 +439,18 @@ class NextNLayer(nn.Module):
     """DeepSeek-V3's multi-token-prediction layer: from the main model's last hidden state at position
     i and the embedding of token i + 1, a full decoder layer predicts token i + 2. Checkpoint prefix:
     `model.layers.{num_hidden_layers}`. The embedding and head are the main model's (the checkpoint
-    repeats them; the copies are checked for shape and dropped). `eh_proj` is replicated (one small GEMM)."""
+    repeats them; the copies are checked for shape and dropped). `eh_proj` is replicated (one small GEMM).
+    `dp_attention`: its decoder layer's attention whole on this rank's tokens, as the model's."""
 
     # The checkpoint's copies of the main model's embedding and head, under the layer's prefix.
     SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
 
-    def __init__(self, p: Parameters, layer_id: int) -> None:
+    def __init__(self, p: Parameters, layer_id: int, dp_attention: bool = False) -> None:
         super().__init__()
         hidden = p.config.hidden_size
         self.enorm, self.hnorm = p.norm(hidden), p.norm(hidden)
         self.eh_proj = p.linear(2 * hidden, hidden)
-        self.layer = DecoderLayer(p, layer_id)
+        self.layer = DecoderLayer(p, layer_id, dp_attention)
         self.final_norm = p.norm(hidden)
 
     def checkpoint_tensors(self, prefix: str, vocab_size: int) -> dict[str, CheckpointTensor]:
@@ -462,9 +463,9 @@ class NextNLayer(nn.Module):
         return tensors
 
     def forward(self, embeddings: torch.Tensor, hidden: torch.Tensor, rope: RotaryEmbedding, cos_sin: CosSin,
-                batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+                batch: ForwardBatch, attn: AttentionBackend | None) -> torch.Tensor:
         """embeddings [T, hidden] of the next tokens, hidden [T, hidden] of the main model -> [T, hidden],
-        normed for the shared lm head."""
+        normed for the shared lm head. `attn` None: an IDLE batch (`DecoderLayer.forward`)."""
         x = self.eh_proj(torch.cat([self.enorm(embeddings), self.hnorm(hidden)], dim=-1))
         out, residual = self.layer(x, None, rope, cos_sin, batch, attn)
         return self.final_norm.add_forward(out, residual)[0]
@@ -489,7 +490,7 @@ class DeepseekForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(p, i, dp_attention) for i in range(config.num_hidden_layers))
         self.norm = p.norm(config.hidden_size)
         self.lm_head = ParallelLMHead(*vocab, group=group, name="lm_head")
-        self.nextn = NextNLayer(p, config.num_hidden_layers) if with_nextn else None
+        self.nextn = NextNLayer(p, config.num_hidden_layers, dp_attention) if with_nextn else None
         # One rope for every layer: the rope dims and scaling are the model's.
         self.rotary = RotaryEmbedding(config.qk_rope_head_dim, config.rope_theta, config.rope_scaling, device)
         self.backends: ModelBackends | None = None
@@ -572,10 +573,11 @@ class DeepseekForCausalLM(nn.Module):
     def forward_nextn(self, next_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
                       attention: AttentionBackend | None = None) -> torch.Tensor:
         """The MTP layer: next_ids [T] (token i + 1 for each position i of `batch`), hidden [T, hidden]
-        from `forward` -> [T, hidden] for `compute_logits` (predicting token i + 2)."""
+        from `forward` -> [T, hidden] for `compute_logits` (predicting token i + 2). An IDLE batch (DP attention)
+        attends over nothing."""
         if self.nextn is None:
             raise RuntimeError("the model was built without its NextN layer")
-        attn = self._attention(batch, attention)
+        attn = None if batch.mode is ForwardMode.IDLE else self._attention(batch, attention)
         cos_sin = self.rotary.cos_sin(batch.positions)
         return self.nextn(self.embed_tokens(next_ids), hidden, self.rotary, cos_sin, batch, attn)
 
