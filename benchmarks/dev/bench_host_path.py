@@ -3,17 +3,23 @@ bookkeeping, stop rules, detokenization, streaming callbacks, metrics) over a ru
 logits at once, so that what a step costs is the host path alone, the part a GPU step must hide under overlap.
 
     python -m benchmarks.dev.bench_host_path --batch-size 64 256 --output-len 128 1024
+    python -m benchmarks.dev.bench_host_path --http --batch-size 64 --output-len 128
 
 Per case: decode steps, output tokens per second and milliseconds of host time per step (median of --repeat runs),
-greedy, every request running to --output-len (ignore_eos). Where the time goes: run it under a sampling profiler
-that sees every thread (`py-spy record --native -- python -m benchmarks.dev.bench_host_path ...`).
+greedy, every request running to --output-len (ignore_eos). With --http the same server runs in a process of its own
+(`--serve PORT`) and `bench_serving` streams to it at concurrency --batch-size: the HTTP path (FastAPI, SSE, the
+event loop) beside the scheduler. Where the time goes: a sampling profiler that sees every thread
+(`py-spy record -p <server pid>`, or `py-spy record -- python -m benchmarks.dev.bench_host_path ...`).
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import sys
 import time
+import urllib.request
 
 import torch
 
@@ -51,17 +57,71 @@ def run(engine: Engine, forward: FixedLogits, batch_size: int, output_len: int) 
     return forward.steps - steps, time.perf_counter() - start
 
 
+def fake_engine(max_running: int, disable_overlap_schedule: bool, **kwargs) -> tuple[Engine, FixedLogits]:
+    """The tiny preset's engine with its forward replaced by `FixedLogits`."""
+    engine = Engine(ServerArgs(model_preset="tiny", max_running_requests=max_running, log_level="warning",
+                               disable_overlap_schedule=disable_overlap_schedule, **kwargs))
+    forward = FixedLogits(engine.runner.sample_vocab)
+    engine.runner.forward_groups = forward  # type: ignore[method-assign]
+    return engine, forward
+
+
+def serve(port: int, max_running: int, disable_overlap_schedule: bool) -> None:
+    """The fake engine behind the HTTP server, until killed."""
+    import uvicorn
+
+    from plugserve.server.app import create_app
+
+    engine, _ = fake_engine(max_running, disable_overlap_schedule, port=port)
+    engine.ready.wait()
+    uvicorn.run(create_app(engine), host="127.0.0.1", port=port, log_level="warning")
+
+
+def http_cases(args: argparse.Namespace) -> None:
+    """bench_serving against `serve` in a child process, per batch size (concurrency) and output length."""
+    from benchmarks import bench_serving
+    from plugserve.core.distributed import pick_free_port
+
+    port = pick_free_port()
+    command = [sys.executable, "-m", "benchmarks.dev.bench_host_path", "--serve", str(port),
+               "--batch-size", str(max(args.batch_size))]
+    server = subprocess.Popen(command + (["--disable-overlap-schedule"] if args.disable_overlap_schedule else []))
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise SystemExit("the fake server did not come up") from None
+                time.sleep(0.5)
+        print(f"server pid {server.pid}")
+        for batch_size in args.batch_size:
+            for output_len in args.output_len:
+                print(f"\n# concurrency {batch_size}, output {output_len}")
+                bench_serving.main(["--base-url", f"http://127.0.0.1:{port}", "--num-prompts", str(4 * batch_size),
+                                    "--max-concurrency", str(batch_size), "--random-input-len", "8",
+                                    "--random-output-len", str(output_len), "--random-range-ratio", "1",
+                                    "--disable-tqdm"])
+    finally:
+        server.kill()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-size", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--output-len", type=int, nargs="+", default=[128, 1024])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--disable-overlap-schedule", action="store_true")
+    parser.add_argument("--http", action="store_true", help="through the HTTP server and bench_serving")
+    parser.add_argument("--serve", type=int, default=None, metavar="PORT", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    engine = Engine(ServerArgs(model_preset="tiny", max_running_requests=max(args.batch_size), log_level="warning",
-                               disable_overlap_schedule=args.disable_overlap_schedule))
-    forward = FixedLogits(engine.runner.sample_vocab)
-    engine.runner.forward_groups = forward  # type: ignore[method-assign]
+    if args.serve is not None:
+        return serve(args.serve, max(args.batch_size), args.disable_overlap_schedule)
+    if args.http:
+        return http_cases(args)
+    engine, forward = fake_engine(max(args.batch_size), args.disable_overlap_schedule)
     try:
         engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4))
         print("batch  output  steps  tok/s     host ms/step")
