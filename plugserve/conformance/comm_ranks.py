@@ -26,9 +26,9 @@ def run_ranks(fn: Callable[..., None], *args: Any, device_type: str) -> None:
     """fn(rank, device, *args) on WORLD spawned ranks (fn a module-level function); a rank's exception fails the
     caller with its traceback, ranks still running after TIMEOUT_S are killed."""
     init_method = f"tcp://127.0.0.1:{pick_free_port()}"
-    # Forked on the CPU (no second import of torch); spawned on GPUs, where a forked CUDA context is unusable.
-    context = mp.start_processes(_rank_main, args=(fn, init_method, device_type, args), nprocs=WORLD, join=False,
-                                 start_method="spawn" if device_type == "cuda" else "fork")
+    # Spawned, never forked: a fork of a process whose OpenMP pool has run may hang in the child's first parallel op
+    # (and a forked CUDA context is unusable).
+    context = mp.spawn(_rank_main, args=(fn, init_method, device_type, args), nprocs=WORLD, join=False)
     deadline = time.monotonic() + TIMEOUT_S
     while not context.join(timeout=max(0.0, deadline - time.monotonic())):
         if time.monotonic() >= deadline:

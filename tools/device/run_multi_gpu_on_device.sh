@@ -2,7 +2,8 @@
 # The multi-GPU checks on a lent machine of 2 or 4 GPUs (nvidia-h100-x2 / -x4, nvidia-h200-x2 / -x4), from the repo
 # root with the device tool; carry .carry/slim (tools/device/prepare_serving_carry.sh). Results in $OUT.
 #   tests     pytest -m multigpu tests: the one-shot all-reduce against NCCL, and the engine's TP / EP / DP
-#             attention layouts against one GPU's and HF transformers' greedy tokens (tests-multigpu.txt)
+#             attention layouts (speculative decoding among them) against one GPU's and HF transformers' greedy
+#             tokens (tests-multigpu.txt); the comm kit over two GPUs (comm-kit.txt)
 #   allreduce benchmarks/dev/bench_allreduce.py: NCCL against the symmetric-memory one-shot and two-shot kernels per
 #             message size, in CUDA-graph replay, on every GPU (allreduce.{txt,json})
 #   tp        V2-Lite (dummy) decode step, bench_one_batch at batch 1 and 64: one GPU, then --tp-size 2 (tp.txt)
@@ -29,7 +30,11 @@ for step in "$@"; do
       timeout 540 python3 -m pytest -q -p no:cacheprovider -m multigpu -rA --durations=0 -o faulthandler_timeout=300 \
         tests/plugins/comm/test_symmetric_memory.py tests/runtime/test_engine_multi_gpu.py \
         > $OUT/tests-multigpu.txt 2>&1
-      tail -n 3 $OUT/tests-multigpu.txt ;;
+      tail -n 3 $OUT/tests-multigpu.txt
+      # The comm kit on two GPUs (NCCL): every comm backend against the oracle, in graph replay too.
+      TRITON_INTERPRET=0 timeout 200 python3 -m pytest -q -p plugserve.conformance.plugin -p no:cacheprovider \
+        --pyargs plugserve.conformance -k comm -rA > $OUT/comm-kit.txt 2>&1
+      tail -n 3 $OUT/comm-kit.txt ;;
     allreduce)
       timeout 120 python3 -m benchmarks.dev.bench_allreduce --output $OUT/allreduce.json > $OUT/allreduce.txt 2>&1
       grep -v "^ \|Traceback\|Error" $OUT/allreduce.txt ;;
