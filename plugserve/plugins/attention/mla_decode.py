@@ -61,6 +61,10 @@ MLA_REDUCE_SPLITS = 16
 # partials at 32 [H, R] float32 rows a token (8 MiB at 128 heads of latent 512), which a CUDA graph's workspace holds
 # for every token it serves.
 MLA_FIXED_MAX_SPLITS = 32
+# Batch-invariant launches hold at most this many partial rows ([R] float32 each: 128 MiB at latent 512); more tokens
+# (a prefill, which deterministic inference runs as absorbed MLA) take a launch pair per slice of them. Decode at 128
+# heads up to batch 32 over 4K-key contexts (16 splits) is one launch pair.
+MLA_FIXED_WORKSPACE_ROWS = 1 << 16
 # W_UV columns per program of the reduce that also projects: a [R, 16] tile (64 float32 registers a thread at R = 512).
 MLA_REDUCE_BLOCK_V = 16
 
@@ -197,10 +201,18 @@ def mla_fixed_num_splits(max_kv_len: int, min_keys: int) -> int:
     return max(1, min(MLA_FIXED_MAX_SPLITS, triton.cdiv(max_kv_len, min_keys)))
 
 
+def mla_fixed_tokens_per_launch(num_heads: int, num_splits: int) -> int:
+    """The most tokens a batch-invariant launch pair takes: their partials within MLA_FIXED_WORKSPACE_ROWS."""
+    return max(1, MLA_FIXED_WORKSPACE_ROWS // (num_heads * num_splits))
+
+
 def mla_workspace_size(num_tokens: int, num_heads: int, num_splits: int, fixed_splits: bool = False) -> int:
     """Partial outputs ([T, H, splits] rows of R fp32 and one log-sum-exp each) a launch needs; 0 for one split but
-    with `fixed_splits` (batch-invariant launches always reduce)."""
-    return num_tokens * num_heads * num_splits if num_splits > 1 or fixed_splits else 0
+    with `fixed_splits` (batch-invariant launches always reduce, at most `mla_fixed_tokens_per_launch` tokens at a
+    time)."""
+    if fixed_splits:
+        return min(num_tokens, mla_fixed_tokens_per_launch(num_heads, num_splits)) * num_heads * num_splits
+    return num_tokens * num_heads * num_splits if num_splits > 1 else 0
 
 
 @triton.jit
@@ -439,9 +451,19 @@ def mla_attention(
     when there are splits, else by a bmm.
     fixed_splits (batch invariance): `num_splits` from `mla_fixed_num_splits`; each token's keys split by its own
     length alone, stage 1 through `_mla_kernel` (not Gluon), and the splits always merged by the reduce kernel in
-    chunks of MLA_REDUCE_SPLITS (a workspace of `mla_workspace_size(..., fixed_splits=True)` rows).
+    chunks of MLA_REDUCE_SPLITS (a workspace of `mla_workspace_size(..., fixed_splits=True)` rows), a launch pair per
+    `mla_fixed_tokens_per_launch` tokens.
     """
     t, h, r = q_nope.shape
+    step = mla_fixed_tokens_per_launch(h, num_splits) if fixed_splits else t
+    if t > step:  # each slice's tokens compute as they would in one launch: their splits are their own
+        return torch.cat([
+            mla_attention(q_nope[i : i + step], q_rope[i : i + step], kv_buffer, block_table, token_req[i : i + step],
+                          token_kv_len[i : i + step], page_size, sm_scale, config, num_splits, workspace,
+                          None if tree is None else (tree[0][i : i + step], tree[1][i : i + step]), w_vc, kv_scale,
+                          fixed_splits)
+            for i in range(0, t, step)
+        ])
     p = q_rope.shape[2]
     device = q_nope.device
     out = torch.empty(t, h, r, dtype=q_nope.dtype, device=device)

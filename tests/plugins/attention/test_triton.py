@@ -346,7 +346,8 @@ def test_graph_replays_write_partials_to_the_workspace(dtype: torch.dtype) -> No
 def test_fixed_splits_follow_each_tokens_length_alone(kernels: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
     """Batch-invariant launches (fixed_splits): a token's row is the same bits at every split count a launch holding
     it has, from its own `mla_fixed_num_splits` (1 for the 1-key request: still reduced) to MLA_FIXED_MAX_SPLITS:
-    splits of one 16-key block, and 700 keys (44 blocks) over the most splits, of 2 blocks. Against the oracle too."""
+    splits of one 16-key block, and 700 keys (44 blocks) over the most splits, of 2 blocks; and in launches of one
+    token at a time, as a workspace too small for all of them takes them. Against the oracle too."""
     assert kernels.mla_fixed_num_splits(1, 256) == 1 and kernels.mla_fixed_num_splits(600, 256) == 3
     assert kernels.mla_fixed_num_splits(1 << 20, 256) == kernels.MLA_FIXED_MAX_SPLITS
     assert kernels.mla_workspace_size(2, 128, 1, fixed_splits=True) == 256
@@ -374,6 +375,11 @@ def test_fixed_splits_follow_each_tokens_length_alone(kernels: ModuleType, monke
                          token_req=torch.zeros(1, dtype=torch.int32), token_kv_len=plan.token_kv_len[row : row + 1],
                          num_splits=splits)
             assert torch.equal(alone, together[row : row + 1]), f"request {row} alone, {splits} splits"
+    monkeypatch.setattr(kernels, "MLA_FIXED_WORKSPACE_ROWS", HEADS * batch_splits)
+    assert kernels.mla_workspace_size(3, HEADS, batch_splits, fixed_splits=True) == HEADS * batch_splits
+    sliced = call(q_nope, q_rope, block_table=batch.block_table, token_req=plan.token_req,
+                  token_kv_len=plan.token_kv_len, num_splits=batch_splits)
+    assert torch.equal(sliced, together), "a launch pair a token"
 
 
 @interpreted
