@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from plugserve.core.batch_invariant import batch_invariant
 from plugserve.core.forward_batch import AttnForwardMethod, ForwardBatch, ForwardMode
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import AttentionBackend, AttentionCapabilities, Availability
@@ -91,7 +90,7 @@ class TritonAttention(AttentionBackend):
     Batch-invariant under spec.batch_invariant (--enable-deterministic-inference, which runs every prefill as
     absorbed MLA): forward_mla splits each token's keys by its own length alone and always merges the splits in
     the reduce kernel's fixed chunks (`mla_decode.mla_fixed_num_splits`), never in the Gluon kernel, and
-    forward_mla_projected is forward_mla then a row-invariant bmm at every token count."""
+    forward_mla_projected is forward_mla then W_UV in fixed token tiles (`mla_decode.mla_project`)."""
 
     name: ClassVar[str] = "triton"
     verified: ClassVar[str] = "gpu"
@@ -260,11 +259,9 @@ class TritonAttention(AttentionBackend):
                               ) -> torch.Tensor:
         """`AttentionBackend.forward_mla_projected`; up to FUSED_V_PROJ_MAX_TOKENS tokens (decode) the split-KV
         reduce multiplies by W_UV itself, where forward_mla and a bmm take two launches. Under spec.batch_invariant
-        forward_mla and a bmm at every token count, the bmm one row at a time (`core.batch_invariant`)."""
+        forward_mla and `mla_decode.mla_project` (fixed token tiles) at every token count."""
         if self.spec.batch_invariant:
-            out = self.forward_mla(q_nope, q_rope, layer_id)
-            with batch_invariant():
-                return torch.bmm(out.transpose(0, 1), w_vc).transpose(0, 1)
+            return self._mla_decode.mla_project(self.forward_mla(q_nope, q_rope, layer_id), w_vc)
         if q_nope.shape[0] > FUSED_V_PROJ_MAX_TOKENS:
             return super().forward_mla_projected(q_nope, q_rope, layer_id, w_vc)
         return self._mla(q_nope, q_rope, layer_id, w_vc)

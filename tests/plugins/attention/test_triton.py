@@ -399,6 +399,7 @@ def test_batch_invariant_backend_projects_and_replays_as_eager() -> None:
     w_vc = (torch.randn(HEADS, R, V) / R**0.5).to(dtype)
     eager = backend.forward_mla(q_nope, q_rope, LAYER)
     projected = backend.forward_mla_projected(q_nope, q_rope, LAYER, w_vc)
+    assert_close(projected, torch.einsum("thr,hrv->thv", eager.double(), w_vc.double()), dtype, "projected")
     for row, seq_len in enumerate(seq_lens):
         alone = ForwardBatch.build(ForwardMode.DECODE, [seq_len], [1], batch.block_table[row : row + 1], batch.kv_pool)
         alone.attn_method = AttnForwardMethod.MLA
@@ -408,6 +409,22 @@ def test_batch_invariant_backend_projects_and_replays_as_eager() -> None:
     backend.init_cuda_graph(max_batch_size=len(seq_lens), max_num_tokens=len(seq_lens), max_pages=64)
     backend.plan_capture(batch)
     assert torch.equal(backend.forward_mla(q_nope, q_rope, LAYER), eager)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_mla_project_rows_are_the_same_bits_at_any_token_count(kernels: ModuleType, dtype: torch.dtype) -> None:
+    """mla_project (W_UV in fixed tiles of MLA_PROJECT_BLOCK_T tokens): against the float64 product, and each token's
+    row the same bits in a prefix, alone, or past the first tile; V = 24 masks most of a column block."""
+    latent = torch.randn(37, HEADS, R).to(dtype)
+    w_vc = (torch.randn(HEADS, R, V) / R**0.5).to(dtype)
+    whole = kernels.mla_project(latent, w_vc)
+    assert whole.shape == (37, HEADS, V) and whole.dtype == dtype
+    assert_close(whole, torch.einsum("thr,hrv->thv", latent.double(), w_vc.double()), dtype, "mla_project")
+    for rows in (slice(0, 1), slice(0, 17), slice(36, 37), slice(5, 30)):
+        assert torch.equal(kernels.mla_project(latent[rows], w_vc), whole[rows]), f"tokens {rows}"
+    with pytest.raises(ValueError, match="w_vc must be"):
+        kernels.mla_project(latent, w_vc[:, :-1])
 
 
 @interpreted
