@@ -53,7 +53,7 @@ _SPLIT_K_MIN_BLOCKS = 4
 # Under batch invariance, for every M (any split-K or tile that follows M changes a row's summation order): 64-row
 # tiles hold a decode batch of up to 64 rows in one row tile, so each weight tile streams from memory once a step,
 # and are one warpgroup's wgmma M on Hopper; 64-column tiles give a narrow weight the most programs it gets without
-# split-K (a decode GEMM is weight-bandwidth bound, and the tuned H100 / H200 files pick 64 at M 64); the K block is
+# split-K (a decode GEMM is weight-bandwidth bound; the tuned H100 / H200 files pick 64 x 64 at M 64); the K block is
 # the 128-wide scale group; 4 stages keep four K blocks of loads in flight per program, which a decode batch's one
 # program an SM needs to stream at bandwidth.
 BATCH_INVARIANT_CONFIG: Config = {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
