@@ -31,7 +31,8 @@ def test_backends_json_lists_reference_backends_and_auto_picks(capsys):
     assert kv_cache["flashmla"].startswith("the activation dtype only (FlashMLA's dense decode reads bf16 only")
     invariant = {(b["kind"], b["name"]): b["batch_invariant"] for b in report["backends"]}
     assert invariant[("attention", "torch_ref")] == invariant[("moe", "torch_ref")] == "yes"
-    assert invariant[("gemm", "triton")] == "no: its launch config and split-K are chosen by M"
+    assert invariant[("attention", "triton")] == invariant[("gemm", "triton")] == invariant[("moe", "triton")] == "yes"
+    assert invariant[("gemm", "deepgemm")] == "no: DeepGEMM picks its block sizes by M"
 
 
 def test_backends_table_and_kind_filter(capsys):

@@ -12,6 +12,12 @@ page). Only the last block of a sequence is masked. Stage 2 (`_mla_reduce_kernel
 outputs by their log-sum-exps. Launch parameters are `MlaConfig`; the host picks them and the split count by shape
 only, never from tensor contents, so a CUDA graph captured for a batch size stays valid for any lengths.
 
+Batch-invariant launches (`mla_attention(fixed_splits=True)`, under --enable-deterministic-inference) split each
+token's keys by its own length alone (`mla_fixed_num_splits`): splits of `mla_min_split_keys` keys from key 0, more
+only past MLA_FIXED_MAX_SPLITS of them, always merged by stage 2 in chunks of MLA_REDUCE_SPLITS, the empty splits
+past a token's own changing nothing: a row's sums are the same ops alone, in any batch, after a cached prefix
+or inside a prefill.
+
 Softmaxes run in base 2 (scores scaled by sm_scale * log2(e)); accumulation is float32. An fp8 (e4m3) pool is
 upcast to q's dtype tile by tile in registers; its per-tensor scale s enters the scores' scale (q . s k = s (q . k))
 and the output (sum p s v = s sum p v), so no tile is multiplied. Per-batch counts and the
@@ -50,8 +56,23 @@ MLA_MIN_FILL = 0.8
 MLA_MAX_WAVES = 2
 # Splits the MLA reduce merges per step ([16, 512] fp32 partials: 64 registers a thread on 4 warps).
 MLA_REDUCE_SPLITS = 16
+# Batch-invariant splits (`mla_fixed_num_splits`): a token's keys over at most this many. Its splits cannot follow the
+# batch, so at batch 1 a long sequence gets no more programs than these times the head blocks; the bound keeps the
+# partials at 32 [H, R] float32 rows a token (8 MiB at 128 heads of latent 512), which a CUDA graph's workspace holds
+# for every token it serves.
+MLA_FIXED_MAX_SPLITS = 32
+# Batch-invariant launches hold at most this many partial rows ([R] float32 each: 128 MiB at latent 512); more tokens
+# (a prefill, which deterministic inference runs as absorbed MLA) take a launch pair per slice of them. Decode at 128
+# heads up to batch 32 over 4K-key contexts (16 splits) is one launch pair.
+MLA_FIXED_WORKSPACE_ROWS = 1 << 16
 # W_UV columns per program of the reduce that also projects: a [R, 16] tile (64 float32 registers a thread at R = 512).
 MLA_REDUCE_BLOCK_V = 16
+# `mla_project`'s tile at every token count (batch invariance): 16 tokens, tl.dot's least M, hold a decode batch of up
+# to 16 in one tile (64: W_UV read four times, from L2 after the first); 64 of V's 128 columns, so that batch 1 at 128
+# heads has 256 programs; the latent in 64-wide steps of the K loop.
+MLA_PROJECT_BLOCK_T = 16
+MLA_PROJECT_BLOCK_V = 64
+MLA_PROJECT_BLOCK_R = 64
 
 
 @dataclass(frozen=True)
@@ -174,8 +195,29 @@ def mla_num_splits(rows: int, max_kv_len: int, multiprocessors: int, min_keys: i
     return limit
 
 
-def mla_workspace_size(num_tokens: int, num_heads: int, num_splits: int) -> int:
-    """Partial outputs ([T, H, splits] rows of R fp32 and one log-sum-exp each) a launch needs; 0 for one split."""
+def mla_fixed_num_splits(max_kv_len: int, min_keys: int) -> int:
+    """The split count of a batch-invariant launch whose longest sequence has `max_kv_len` keys (under CUDA graphs
+    the longest a graph serves): a split per `min_keys` keys (`mla_min_split_keys`, the least the batch-dependent
+    count ever gives a split, so that a short sequence at batch 1 still spreads over SMs), at most
+    MLA_FIXED_MAX_SPLITS.
+    `mla_program` gives each split max(cdiv(blocks, count), min blocks) of a token's key blocks, which is then the
+    token's own: the min-key blocks while its keys fit `count` such splits (and they do whenever count is below the
+    bound), else cdiv(blocks, MLA_FIXED_MAX_SPLITS), for any batch that holds the token. So a token's splits start
+    at the same keys whatever the batch; its count only decides how many empty splits the launch has."""
+    return max(1, min(MLA_FIXED_MAX_SPLITS, triton.cdiv(max_kv_len, min_keys)))
+
+
+def mla_fixed_tokens_per_launch(num_heads: int, num_splits: int) -> int:
+    """The most tokens a batch-invariant launch pair takes: their partials within MLA_FIXED_WORKSPACE_ROWS."""
+    return max(1, MLA_FIXED_WORKSPACE_ROWS // (num_heads * num_splits))
+
+
+def mla_workspace_size(num_tokens: int, num_heads: int, num_splits: int, fixed_splits: bool = False) -> int:
+    """Partial outputs ([T, H, splits] rows of R fp32 and one log-sum-exp each) a launch needs; 0 for one split but
+    with `fixed_splits` (batch-invariant launches always reduce, at most `mla_fixed_tokens_per_launch` tokens at a
+    time)."""
+    if fixed_splits:
+        return min(num_tokens, mla_fixed_tokens_per_launch(num_heads, num_splits)) * num_heads * num_splits
     return num_tokens * num_heads * num_splits if num_splits > 1 else 0
 
 
@@ -341,13 +383,14 @@ def _mla_reduce_kernel(
     stride_po_t, stride_po_h, stride_po_s, stride_pl_t, stride_pl_h, stride_o_t, stride_o_h, stride_w_h, stride_w_r,
     num_splits,
     R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, V: tl.constexpr, BLOCK_V: tl.constexpr,
-    PDL: tl.constexpr,
+    FIXED: tl.constexpr, PDL: tl.constexpr,
 ):
     # One (token, head): an online log-sum-exp merge over the splits, BLOCK_S at a time. Empty splits
     # have lse -inf, weight 0, and their (unwritten) partials are not read. V > 0: program (t, h, v-block) also
     # multiplies the merged latent, rounded to out's dtype, by w_vc[h, :, v-block] (W_UV) and stores that
     # [BLOCK_V] slice of out [T, H, V]: each v-block's program merges the same splits again, which at decode costs
-    # less than a bmm's launch.
+    # less than a bmm's launch. FIXED (batch-invariant splits): a chunk that does not raise the running max scales by
+    # exactly 1, so that the all-empty chunks past a token's own splits (some launches have them) leave it unchanged.
     programmatic_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -363,7 +406,7 @@ def _mla_reduce_kernel(
         lse2 = tl.load(lse_ptr + splits, mask=splits < num_splits, other=float("-inf"))
         # Split 0 holds key 0, so m is finite after the first chunk.
         m_new = tl.maximum(m, tl.max(lse2, 0))
-        scale = tl.exp2(m - m_new)
+        scale = tl.where(m_new == m, 1.0, tl.exp2(m - m_new)) if FIXED else tl.exp2(m - m_new)
         weights = tl.exp2(lse2 - m_new)
         parts = tl.load(parts_ptr + splits[:, None] * stride_po_s, mask=(weights > 0)[:, None] & (r < R)[None, :],
                         other=0.0)
@@ -396,6 +439,7 @@ def mla_attention(
     tree: tuple[torch.Tensor, torch.Tensor] | None = None,
     w_vc: torch.Tensor | None = None,
     kv_scale: float = 1.0,
+    fixed_splits: bool = False,
 ) -> torch.Tensor:
     """Absorbed MLA, one row per query token.
 
@@ -411,8 +455,21 @@ def mla_attention(
     when it sees node j, itself and its ancestors; at most 64 nodes). Returns out [T, H, R] in q's dtype, or with
     w_vc [H, R, V] (W_UV, q's dtype) out rounded to q's dtype times w_vc per head, [T, H, V]: in the reduce kernel
     when there are splits, else by a bmm.
+    fixed_splits (batch invariance): `num_splits` from `mla_fixed_num_splits`; each token's keys split by its own
+    length alone, stage 1 through `_mla_kernel` (not Gluon), and the splits always merged by the reduce kernel in
+    chunks of MLA_REDUCE_SPLITS (a workspace of `mla_workspace_size(..., fixed_splits=True)` rows), a launch pair per
+    `mla_fixed_tokens_per_launch` tokens.
     """
     t, h, r = q_nope.shape
+    step = mla_fixed_tokens_per_launch(h, num_splits) if fixed_splits else t
+    if t > step:  # each slice's tokens compute as they would in one launch: their splits are their own
+        return torch.cat([
+            mla_attention(q_nope[i : i + step], q_rope[i : i + step], kv_buffer, block_table, token_req[i : i + step],
+                          token_kv_len[i : i + step], page_size, sm_scale, config, num_splits, workspace,
+                          None if tree is None else (tree[0][i : i + step], tree[1][i : i + step]), w_vc, kv_scale,
+                          fixed_splits)
+            for i in range(0, t, step)
+        ])
     p = q_rope.shape[2]
     device = q_nope.device
     out = torch.empty(t, h, r, dtype=q_nope.dtype, device=device)
@@ -432,14 +489,15 @@ def mla_attention(
     if config.gluon and not mla_gluon_fits(config, r, p, page_size, q_nope.dtype, capability):
         raise ValueError(f"MLA config {config} cannot run the Gluon kernel with page size {page_size}, latent {r}, "
                          f"rope {p}, {q_nope.dtype} on {'the CPU' if capability is None else f'sm{capability}'}")
-    if config.gluon and tree is not None:
-        config = replace(config, gluon=False)  # the Gluon kernel has no draft trees
-    if num_splits == 1:
+    if config.gluon and (tree is not None or fixed_splits):
+        config = replace(config, gluon=False)  # the Gluon kernel has no draft trees and splits by the batch
+    split = num_splits > 1 or fixed_splits
+    if not split:
         # Written straight into `out`: the split dim has stride 0 and no lse is kept.
         part_out, part_lse = out, out
         o_strides, lse_strides = (out.stride(0), out.stride(1), 0), (0, 0)
     else:
-        rows = mla_workspace_size(t, h, num_splits)
+        rows = mla_workspace_size(t, h, num_splits, fixed_splits)
         if workspace is None:
             workspace = (torch.empty(rows * r, dtype=torch.float32, device=device),
                          torch.empty(rows, dtype=torch.float32, device=device))
@@ -459,8 +517,9 @@ def mla_attention(
                          sm_scale * LOG2E, page_size)
     else:
         _launch_mla_kernel(grid, config, q_nope, q_rope, kv_buffer, block_table, token_req, token_kv_len, tree,
-                           part_out, part_lse, o_strides, lse_strides, num_splits, page_size, sm_scale, kv_scale, pdl)
-    if num_splits == 1:
+                           part_out, part_lse, o_strides, lse_strides, num_splits, split, page_size, sm_scale, kv_scale,
+                           pdl)
+    if not split:
         return out if w_vc is None else torch.bmm(out.transpose(0, 1), w_vc).transpose(0, 1)
     v = 0 if w_vc is None else w_vc.shape[2]
     if w_vc is not None:
@@ -470,8 +529,8 @@ def mla_attention(
         part_out, part_lse, out, w_vc,
         *part_out.stride()[:3], *part_lse.stride()[:2], out.stride(0), out.stride(1),
         w_vc.stride(0) if v else 0, w_vc.stride(1) if v else 0, num_splits,
-        R=r, BLOCK_S=min(MLA_REDUCE_SPLITS, triton.next_power_of_2(num_splits)), BLOCK_R=triton.next_power_of_2(r),
-        V=v, BLOCK_V=MLA_REDUCE_BLOCK_V, **pdl,
+        R=r, BLOCK_S=MLA_REDUCE_SPLITS if fixed_splits else min(MLA_REDUCE_SPLITS, triton.next_power_of_2(num_splits)),
+        BLOCK_R=triton.next_power_of_2(r), V=v, BLOCK_V=MLA_REDUCE_BLOCK_V, FIXED=fixed_splits, **pdl,
     )
     return out
 
@@ -480,15 +539,15 @@ def _launch_mla_kernel(grid: tuple[int], config: MlaConfig, q_nope: torch.Tensor
                        kv_buffer: torch.Tensor, block_table: torch.Tensor, token_req: torch.Tensor,
                        token_kv_len: torch.Tensor, tree: tuple[torch.Tensor, torch.Tensor] | None,
                        part_out: torch.Tensor, part_lse: torch.Tensor, o_strides: tuple[int, int, int],
-                       lse_strides: tuple[int, int], num_splits: int, page_size: int, sm_scale: float,
+                       lse_strides: tuple[int, int], num_splits: int, split: bool, page_size: int, sm_scale: float,
                        kv_scale: float, pdl: dict) -> None:
     """Stage 1 of `mla_attention` as `_mla_kernel`: `config`, else the first of its fallbacks that compiles here
-    (arguments as `mla_attention` made them)."""
+    (arguments as `mla_attention` made them; split: partials to reduce, see `_mla_kernel`'s SPLIT)."""
     r, p, h = q_nope.shape[2], q_rope.shape[2], q_nope.shape[1]
     half_r = pow2_at_least(r, 2 * MIN_DOT) // 2
     block_p = pow2_at_least(p, MIN_DOT)
     shape = dict(R=r, P=p, HALF_R=half_r, BLOCK_P=block_p, BLOCK_H=config.block_h, PAGE_SIZE=page_size,
-                 SPLIT=num_splits > 1, TREE=tree is not None, INPUT_PRECISION=input_precision(q_nope.dtype), **pdl)
+                 SPLIT=split, TREE=tree is not None, INPUT_PRECISION=input_precision(q_nope.dtype), **pdl)
     tree_start, tree_bits = tree if tree is not None else (token_kv_len, token_kv_len)  # unread without TREE
 
     def args(launch: dict) -> tuple:
@@ -507,7 +566,54 @@ def _launch_mla_kernel(grid: tuple[int], config: MlaConfig, q_nope: torch.Tensor
                              num_stages=c.num_stages)
                 for c in _mla_fallbacks(config)]
     launch_first_fitting(_mla_kernel, grid, args, launches, ("mla", q_nope.device, q_nope.dtype, kv_buffer.dtype, r, p,
-                                                              page_size, config, num_splits > 1, tree is not None))
+                                                              page_size, config, split, tree is not None))
+
+
+@triton.jit(do_not_specialize_on_alignment=["num_tokens"])
+def _mla_project_kernel(
+    latent_ptr, w_ptr, out_ptr, num_tokens,
+    stride_l_t, stride_l_h, stride_w_h, stride_w_r, stride_o_t, stride_o_h,
+    R: tl.constexpr, V: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+):
+    # Program (token tile, head, column block): out[t, h, v] = latent[t, h, :] @ w[h, :, v] for BLOCK_T tokens and
+    # BLOCK_V columns, float32 accumulation over R in BLOCK_R steps; rows past num_tokens are masked.
+    programmatic_prologue(PDL)
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1).to(tl.int64)
+    v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    token_ok, column_ok = t < num_tokens, v < V
+    acc = tl.zeros([BLOCK_T, BLOCK_V], tl.float32)
+    for r0 in tl.static_range(0, R, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        latent = tl.load(latent_ptr + t[:, None] * stride_l_t + h * stride_l_h + r[None, :],
+                         mask=token_ok[:, None] & (r < R)[None, :], other=0.0)
+        w = tl.load(w_ptr + h * stride_w_h + r[:, None] * stride_w_r + v[None, :],
+                    mask=(r < R)[:, None] & column_ok[None, :], other=0.0)
+        acc = tl.dot(latent, w, acc, input_precision=INPUT_PRECISION)
+    tl.store(out_ptr + t[:, None] * stride_o_t + h * stride_o_h + v[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=token_ok[:, None] & column_ok[None, :])
+
+
+def mla_project(latent: torch.Tensor, w_vc: torch.Tensor) -> torch.Tensor:
+    """latent [T, H, R] (forward_mla's output), w_vc [H, R, V] (W_UV) of one dtype -> [T, H, V] in it: each head's
+    product in tiles of MLA_PROJECT_BLOCK_T tokens whatever T, so a token's row is the same bits alone or in any
+    batch (a bmm's kernel, and its summation order, follows T). Batch-invariant forward_mla_projected's second step."""
+    t, h, r = latent.shape
+    v = w_vc.shape[2]
+    if tuple(w_vc.shape[:2]) != (h, r) or w_vc.dtype != latent.dtype:
+        raise ValueError(f"w_vc must be [{h}, {r}, V] of {latent.dtype}, got {tuple(w_vc.shape)} of {w_vc.dtype}")
+    out = torch.empty(t, h, v, dtype=latent.dtype, device=latent.device)
+    if t == 0:
+        return out
+    latent, w_vc = last_dim_contiguous(latent), last_dim_contiguous(w_vc)
+    grid = (triton.cdiv(t, MLA_PROJECT_BLOCK_T), h, triton.cdiv(v, MLA_PROJECT_BLOCK_V))
+    _mla_project_kernel[grid](
+        latent, w_vc, out, t, latent.stride(0), latent.stride(1), w_vc.stride(0), w_vc.stride(1), out.stride(0),
+        out.stride(1), R=r, V=v, BLOCK_T=MLA_PROJECT_BLOCK_T, BLOCK_R=min(MLA_PROJECT_BLOCK_R, pow2_at_least(r)),
+        BLOCK_V=MLA_PROJECT_BLOCK_V, INPUT_PRECISION=input_precision(latent.dtype), **launch_options(latent),
+    )
+    return out
 
 
 def _mla_fallbacks(config: MlaConfig) -> list[MlaConfig]:

@@ -86,7 +86,11 @@ class TritonAttention(AttentionBackend):
     forward_mla's launch parameters and KV split count are chosen on the host from the shape only
     (`mla_decode.mla_config`, `mla_num_splits`). Under CUDA graphs the split count of each captured
     size is fixed for the longest sequence a graph serves (splits past a shorter sequence's end are empty
-    and cost one early exit), and the splits' partials go to one workspace allocated by init_cuda_graph."""
+    and cost one early exit), and the splits' partials go to one workspace allocated by init_cuda_graph.
+    Batch-invariant under spec.batch_invariant (--enable-deterministic-inference, which runs every prefill as
+    absorbed MLA): forward_mla splits each token's keys by its own length alone and always merges the splits in
+    the reduce kernel's fixed chunks (`mla_decode.mla_fixed_num_splits`), never in the Gluon kernel, and
+    forward_mla_projected is forward_mla then W_UV in fixed token tiles (`mla_decode.mla_project`)."""
 
     name: ClassVar[str] = "triton"
     verified: ClassVar[str] = "gpu"
@@ -98,7 +102,7 @@ class TritonAttention(AttentionBackend):
         # get k / v the model dequantized.
         kv_cache_dtypes=frozenset({torch.float8_e4m3fn}),
         graph_modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND}),
-        batch_invariant_note="its KV split count and split reduce width follow the batch size (mla_num_splits)",
+        batch_invariant=True,  # under the spec's flag: KV splits by each token's length alone, fixed reduce chunks
         tree_verify=True,  # up to MAX_TREE_NODES nodes a request, masked per token by a 64-bit set
         graph_plan_on_device=True,  # plan_replay: token_req / token_kv_len from the static extend_lens / positions
     )
@@ -197,10 +201,13 @@ class TritonAttention(AttentionBackend):
                                            spec.qk_rope_head_dim, spec.kv_dtype)
 
     def _mla_splits(self, num_tokens: int, max_kv_len: int) -> int:
-        """KV splits for num_tokens query rows times the config's head blocks (host-side, no sync)."""
+        """KV splits for num_tokens query rows times the config's head blocks (host-side, no sync); under
+        spec.batch_invariant `mla_fixed_num_splits`, which does not follow num_tokens."""
+        min_keys = self._mla_decode.mla_min_split_keys(self.spec.num_heads)
+        if self.spec.batch_invariant:
+            return self._mla_decode.mla_fixed_num_splits(max_kv_len, min_keys)
         head_blocks = -(-self.spec.num_heads // self._mla_config.block_h)
-        return self._mla_decode.mla_num_splits(num_tokens * head_blocks, max_kv_len, self._multiprocessors,
-                                               self._mla_decode.mla_min_split_keys(self.spec.num_heads))
+        return self._mla_decode.mla_num_splits(num_tokens * head_blocks, max_kv_len, self._multiprocessors, min_keys)
 
     def init_cuda_graph(self, max_batch_size: int, max_num_tokens: int, max_pages: int) -> None:
         """Fixed token_kv_len [max_num_tokens] int32; splits sized for max_pages full pages, and one workspace
@@ -210,7 +217,7 @@ class TritonAttention(AttentionBackend):
         self._graph_token_kv_len = torch.ones(max_num_tokens, dtype=torch.int32, device=self.device)
         self._graph_max_kv_len = max_pages * (self.spec.page_size or 1)
         size = self._mla_decode.mla_workspace_size
-        rows = max(size(t, self.spec.num_heads, self._mla_splits(t, self._graph_max_kv_len))
+        rows = max(size(t, self.spec.num_heads, self._mla_splits(t, self._graph_max_kv_len), self.spec.batch_invariant)
                    for t in range(1, max_num_tokens + 1))
         self._graph_workspace = (
             torch.empty(rows * self.spec.kv_lora_rank, dtype=torch.float32, device=self.device),
@@ -251,7 +258,10 @@ class TritonAttention(AttentionBackend):
     def forward_mla_projected(self, q_nope: torch.Tensor, q_rope: torch.Tensor, layer_id: int, w_vc: torch.Tensor
                               ) -> torch.Tensor:
         """`AttentionBackend.forward_mla_projected`; up to FUSED_V_PROJ_MAX_TOKENS tokens (decode) the split-KV
-        reduce multiplies by W_UV itself, where forward_mla and a bmm take two launches."""
+        reduce multiplies by W_UV itself, where forward_mla and a bmm take two launches. Under spec.batch_invariant
+        forward_mla and `mla_decode.mla_project` (fixed token tiles) at every token count."""
+        if self.spec.batch_invariant:
+            return self._mla_decode.mla_project(self.forward_mla(q_nope, q_rope, layer_id), w_vc)
         if q_nope.shape[0] > FUSED_V_PROJ_MAX_TOKENS:
             return super().forward_mla_projected(q_nope, q_rope, layer_id, w_vc)
         return self._mla(q_nope, q_rope, layer_id, w_vc)
@@ -268,7 +278,7 @@ class TritonAttention(AttentionBackend):
         return self._mla_decode.mla_attention(
             q_nope, q_rope, pool.buffer(layer_id), batch.block_table, plan.token_req, plan.token_kv_len,
             pool.page_size, self.spec.softmax_scale, config, plan.num_splits, plan.workspace, plan.tree, w_vc,
-            pool.scale,
+            pool.scale, self.spec.batch_invariant,
         )
 
     def forward_mha(

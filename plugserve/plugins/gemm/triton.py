@@ -3,6 +3,9 @@ K loop applies the activation and weight block scales to a float32 accumulator, 
 block at a time (DeepSeek-V3's recipe). At decode-sized M, where the output tiles alone would leave
 SMs idle, K is split over several programs per tile (SPLIT_K) and their float32 partials summed.
 
+Under `GemmSpec.batch_invariant` (--enable-deterministic-inference) every M runs the Triton kernel with
+`BATCH_INVARIANT_CONFIG`: one tile, no split-K, no Gluon kernel, so a row's sums do not depend on the rows beside it.
+
 Kernel launch configs are tuned per weight shape and GPU (benchmarks/tune/tune_fp8_gemm.py) into
 `configs/N={N},K={K},device_name={device},dtype=fp8_w8a8,block_shape=[128, 128].json` (or the
 folder $PLUGSERVE_GEMM_CONFIG_DIR names), mapping batch sizes M to configs; a call takes the entry
@@ -47,6 +50,14 @@ LAUNCH_FLAGS = ("TMA",)
 # Untuned split-K aims at this many programs per SM, and gives each at least this many K blocks.
 _SPLIT_K_WAVES = 2
 _SPLIT_K_MIN_BLOCKS = 4
+# Under batch invariance, for every M (any split-K or tile that follows M changes a row's summation order): 64-row
+# tiles hold a decode batch of up to 64 rows in one row tile, so each weight tile streams from memory once a step,
+# and are one warpgroup's wgmma M on Hopper; 64-column tiles give a narrow weight the most programs it gets without
+# split-K (a decode GEMM is weight-bandwidth bound; the tuned H100 / H200 files pick 64 x 64 at M 64); the K block is
+# the 128-wide scale group; 4 stages keep four K blocks of loads in flight per program, which a decode batch's one
+# program an SM needs to stream at bandwidth.
+BATCH_INVARIANT_CONFIG: Config = {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
+                                  "num_warps": 4, "num_stages": 4, "SPLIT_K": 1}
 
 
 def config_file_name(n: int, k: int, device_name: str, block_shape: tuple[int, int] = (128, 128)) -> str:
@@ -130,6 +141,9 @@ class TritonFp8Weight:
 
 
 class TritonFp8Gemm(Fp8GemmBackend):
+    """Block-FP8 GEMM in Triton (Gluon on sm90 for large M): see the module docstring. Batch-invariant under the
+    spec's flag: one launch config (`BATCH_INVARIANT_CONFIG`) for every M, no split-K, no Gluon kernel."""
+
     name: ClassVar[str] = "triton"
     verified: ClassVar[str] = "gpu"
     capabilities: ClassVar[GemmCapabilities] = GemmCapabilities(
@@ -138,7 +152,7 @@ class TritonFp8Gemm(Fp8GemmBackend):
         min_capability=(8, 9),  # float8e4nv tl.dot: Ada / Hopper tensor cores
         block_shapes=frozenset({(128, 128)}),
         cuda_graph=True,  # launch configs chosen by M, a shape
-        batch_invariant_note="its launch config and split-K are chosen by M",
+        batch_invariant=True,  # under the spec's flag: BATCH_INVARIANT_CONFIG at every M, no split-K, no Gluon
     )
     priority: ClassVar[dict[str, int]] = {"cuda": 50, "cpu": -1}  # on the CPU (interpreter) the reference wins
 
@@ -170,7 +184,7 @@ class TritonFp8Gemm(Fp8GemmBackend):
         """x [M, K] of spec.dtype -> [M, N] of spec.dtype. Quantizes x with column-major scales (the
         GEMM reads one K block's M scales at a time), then runs the GEMM: the Gluon kernel where
         `gluon_gemm_fits` (sm90, from GLUON_MIN_M rows and GLUON_MIN_K deep), else the Triton kernel with the
-        config for M."""
+        config for M. Under spec.batch_invariant the Triton kernel with BATCH_INVARIANT_CONFIG at every M."""
         from plugserve.plugins.gemm import triton_kernels
 
         k = packed.weight.shape[1]
@@ -179,6 +193,9 @@ class TritonFp8Gemm(Fp8GemmBackend):
                              f"got shape {tuple(x.shape)} of dtype {x.dtype}")
         block = self.spec.block_shape
         x_q, x_scales = triton_kernels.per_token_group_quant_fp8(x, block[1], column_major_scales=True)
+        if self.spec.batch_invariant:
+            return triton_kernels.w8a8_block_fp8_matmul(x_q, x_scales, packed.weight, packed.weight_scale_inv, block,
+                                                        self.spec.dtype, BATCH_INVARIANT_CONFIG)
         if self.hardware.device_type == "cuda":
             from plugserve.plugins.gemm import gluon_gemm
 

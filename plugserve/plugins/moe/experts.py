@@ -12,7 +12,11 @@ Pipeline of `fused_experts`:
   4. block-FP8 only: `per_token_group_quant` of h.
   5. w2 pass: y[p] = weight[p] * routed_scaling_factor * (h[p] @ W2^T), [P, H].
   6. `_topk_sum_kernel`: out[t] = sum_j y[t * k + j], [T, H]. For one token the w2 pass does this sum itself
-     (its SUM_PAIRS epilogue), unless its config cuts K.
+     (its SUM_PAIRS epilogue), unless its config cuts K or the call is batch-invariant.
+
+Batch-invariant calls (`fused_experts(batch_invariant=True)`) take one path at every token count: the pairs sorted
+by `moe_align_block_size` for one token too, and the top-k sum kernel, so a token's sums are the same ops alone or in
+a batch (the caller passes one launch config for every token count).
 
 On Hopper and newer GPUs every kernel of the chain launches as a programmatic dependent
 (`plugserve.core.triton_pdl`), so that each one's launch hides behind the tail of the one before.
@@ -25,7 +29,7 @@ import triton
 import triton.language as tl
 
 from plugserve.core.triton_pdl import launch_options, programmatic_prologue
-from plugserve.plugins.moe.align import align_pairs
+from plugserve.plugins.moe.align import align_pairs, moe_align_block_size
 from plugserve.plugins.moe.configs import MoEConfig
 from plugserve.plugins.moe.grouped_gemm import grouped_gemm
 from plugserve.plugins.moe.quant import per_token_group_quant
@@ -63,6 +67,7 @@ def fused_experts(
     config: MoEConfig,
     block_shape: tuple[int, int] = (128, 128),
     arrived: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I] in x's dtype, or float8_e4m3fn
     with block scales [E, ceil(2I/bn), ceil(H/bk)] / [E, ceil(H/bn), ceil(I/bk)]; topk_ids [T, k] int
@@ -70,7 +75,8 @@ def fused_experts(
     routed_scaling_factor * sum_j topk_weights[t, j] * W2 (silu(W_gate x) * (W_up x)) of expert
     topk_ids[t, j]. With FP8 weights x and h are quantized per 1 x bk token group before their GEMMs.
     arrived: int32 zeros, at least one per column block of the w2 pass (kept by the caller across launches,
-    left at 0): one token's top-k sum then happens inside the w2 pass (SUM_PAIRS), not in a kernel of its own."""
+    left at 0): one token's top-k sum then happens inside the w2 pass (SUM_PAIRS), not in a kernel of its own.
+    batch_invariant: no one-token path (see the module docstring); `arrived` is then unused."""
     num_tokens, hidden = x.shape
     num_experts, intermediate, top_k = w13.shape[0], w2.shape[2], topk_ids.shape[1]
     out = torch.empty_like(x)
@@ -78,7 +84,8 @@ def fused_experts(
         return out
     fp8 = w13_scale_inv is not None
     ids = topk_ids.to(torch.int32).contiguous()
-    alignment = align_pairs(ids, num_experts, config.block_m)
+    align = moe_align_block_size if batch_invariant else align_pairs
+    alignment = align(ids, num_experts, config.block_m)
     num_pairs = alignment.num_pairs
 
     a, a_scale = per_token_group_quant(x, block_shape[1]) if fp8 else (x.contiguous(), None)

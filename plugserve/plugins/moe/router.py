@@ -1,7 +1,8 @@
 """DeepSeek's gate as Triton kernels: the top-k experts of each token from its router logits (`grouped_topk`), or
-from its hidden state and the gate's weight in one launch at decode sizes (`fused_router`). Imported lazily (by
-`plugserve.plugins.moe.triton`), so that loading the plugin never imports Triton; with TRITON_INTERPRET=1 set
-before this import the kernels run on the CPU in Triton's interpreter.
+from its hidden state and the gate's weight in one launch at decode sizes (`fused_router`), and the gate's logits
+alone in tiles of a fixed number of tokens (`router_logits`: a token's logits the same bits at any token count).
+Imported lazily (by `plugserve.plugins.moe.triton`), so that loading the plugin never imports Triton; with
+TRITON_INTERPRET=1 set before this import the kernels run on the CPU in Triton's interpreter.
 
 On Hopper and newer GPUs every kernel here launches as a programmatic dependent (`plugserve.core.triton_pdl`).
 """
@@ -21,6 +22,9 @@ NO_GROUPS, GROUP_BY_MAX, GROUP_BY_TOP2_SUM = tl.constexpr(0), tl.constexpr(1), t
 # about ROUTER_PROGRAMS programs.
 FUSED_ROUTER_MAX_TOKENS = 4
 ROUTER_PROGRAMS = 64
+# router_logits: tokens a program, at every token count: the fused router's largest tile (its [tokens, BLOCK_E,
+# BLOCK_K] products held in registers).
+ROUTER_BLOCK_T = FUSED_ROUTER_MAX_TOKENS
 
 
 @triton.jit
@@ -107,6 +111,39 @@ def _grouped_topk_kernel(
 
 
 @triton.jit
+def _gate_logits(x_rows, gate_rows, token_ok, expert_ok, hidden, TOKENS: tl.constexpr, BLOCK_E: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """The gate's float32 logits [TOKENS, BLOCK_E] of the tokens and experts whose rows start at x_rows [TOKENS, 1]
+    and gate_rows [BLOCK_E, 1] (masked by token_ok [TOKENS], expert_ok [BLOCK_E]): the products of BLOCK_K columns at
+    a time summed in float32, one slice after another."""
+    k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([TOKENS, BLOCK_E], tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        kk = k0 + k
+        w = tl.load(gate_rows + kk[None, :], mask=expert_ok[:, None] & (kk < hidden)[None, :], other=0.0)
+        x = tl.load(x_rows + kk[None, :], mask=token_ok[:, None] & (kk < hidden)[None, :], other=0.0)
+        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    return acc
+
+
+@triton.jit
+def _router_logits_kernel(
+    x_ptr, gate_ptr, logits_ptr, num_tokens, num_experts, hidden, stride_x, stride_gate, stride_logits,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Program (token block, expert block): the gate's logits of BLOCK_T tokens and BLOCK_E experts, token blocks
+    fastest so that the programs streaming one slice of the gate run together."""
+    programmatic_prologue(PDL)
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    token_ok, expert_ok = t < num_tokens, e < num_experts
+    acc = _gate_logits(x_ptr + t[:, None] * stride_x, gate_ptr + e[:, None].to(tl.int64) * stride_gate, token_ok,
+                       expert_ok, hidden, BLOCK_T, BLOCK_E, BLOCK_K)
+    tl.store(logits_ptr + t[:, None] * stride_logits + e[None, :], acc, mask=token_ok[:, None] & expert_ok[None, :])
+
+
+@triton.jit
 def _fused_router_kernel(
     x_ptr, gate_ptr, logits_ptr, arrived_ptr, bias_ptr, weights_ptr, ids_ptr,
     num_tokens, hidden, stride_x, stride_gate,
@@ -125,16 +162,9 @@ def _fused_router_kernel(
     experts = NUM_GROUPS * GROUP_SIZE
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     t = tl.arange(0, TOKENS_PAD)
-    k = tl.arange(0, BLOCK_K)
     token_ok, expert_ok = t < num_tokens, e < experts
-    acc = tl.zeros([TOKENS_PAD, BLOCK_E], tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        kk = k0 + k
-        w = tl.load(gate_ptr + e[:, None].to(tl.int64) * stride_gate + kk[None, :],
-                    mask=expert_ok[:, None] & (kk < hidden)[None, :], other=0.0)
-        x = tl.load(x_ptr + t[:, None] * stride_x + kk[None, :], mask=token_ok[:, None] & (kk < hidden)[None, :],
-                    other=0.0)
-        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    acc = _gate_logits(x_ptr + t[:, None] * stride_x, gate_ptr + e[:, None].to(tl.int64) * stride_gate, token_ok,
+                       expert_ok, hidden, TOKENS_PAD, BLOCK_E, BLOCK_K)
     tl.store(logits_ptr + t[:, None] * experts + e[None, :], acc, mask=token_ok[:, None] & expert_ok[None, :])
     tl.debug_barrier()  # every thread's stores before the arrival (release) below
     if tl.atomic_add(arrived_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
@@ -211,10 +241,7 @@ def fused_router(
     if x.stride(-1) != 1:
         x = x.contiguous()
     tokens_pad = triton.next_power_of_2(num_tokens)
-    # Enough programs to stream the gate at bandwidth (V3's 256 x 7168 over 64), each a [tokens, BLOCK_E, BLOCK_K]
-    # product of at most 8192 float32 (64 registers a thread on 4 warps).
-    block_e = max(1, min(triton.next_power_of_2(num_experts) // ROUTER_PROGRAMS, 16))
-    block_k = max(16, min(1024, triton.next_power_of_2(hidden), 8192 // (tokens_pad * block_e)))
+    block_e, block_k = _gate_tile(num_experts, hidden, tokens_pad)
     _fused_router_kernel[(triton.cdiv(num_experts, block_e),)](
         x, gate, logits, arrived, correction_bias.contiguous() if correction_bias is not None else None, weights, ids,
         num_tokens, hidden, x.stride(0), gate.stride(0),
@@ -222,3 +249,30 @@ def fused_router(
         TOKENS_PAD=tokens_pad, BLOCK_E=block_e, BLOCK_K=block_k, **launch_options(x), num_warps=4,
     )
     return weights, ids
+
+
+def _gate_tile(num_experts: int, hidden: int, tokens: int) -> tuple[int, int]:
+    """(BLOCK_E, BLOCK_K) of `_gate_logits` over `tokens` tokens: enough programs to stream the gate at bandwidth (V3's
+    256 x 7168 over 64), each a [tokens, BLOCK_E, BLOCK_K] product of at most 8192 float32 (64 registers a thread on 4
+    warps)."""
+    block_e = max(1, min(triton.next_power_of_2(num_experts) // ROUTER_PROGRAMS, 16))
+    return block_e, max(16, min(1024, triton.next_power_of_2(hidden), 8192 // (tokens * block_e)))
+
+
+def router_logits(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x [T, H] (last dim contiguous), gate [E, H] contiguous (any float dtype) -> the gate's logits [T, E] float32,
+    products summed in float32 in tiles of ROUTER_BLOCK_T tokens whatever T: a token's logits are the same bits alone
+    or in any batch (a cuBLAS GEMM picks its kernel, and its summation order, by T)."""
+    num_tokens, hidden = x.shape
+    num_experts = gate.shape[0]
+    logits = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=x.device)
+    if num_tokens == 0:
+        return logits
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    block_e, block_k = _gate_tile(num_experts, hidden, ROUTER_BLOCK_T)
+    _router_logits_kernel[(triton.cdiv(num_tokens, ROUTER_BLOCK_T), triton.cdiv(num_experts, block_e))](
+        x, gate, logits, num_tokens, num_experts, hidden, x.stride(0), gate.stride(0), logits.stride(0),
+        BLOCK_T=ROUTER_BLOCK_T, BLOCK_E=block_e, BLOCK_K=block_k, **launch_options(x), num_warps=4,
+    )
+    return logits

@@ -14,6 +14,10 @@ activations quantized per 1 x 128 token group).
 - Shared-expert fusion (`MoESpec.num_shared_experts`): `prepare` appends the shared MLP (`MoEWeights.shared_w13`,
   `shared_w2`) as extra experts, the router kernel gives them to every token, and `forward` returns routed +
   shared from the same GEMMs.
+- Batch invariance (`MoESpec.batch_invariant`, --enable-deterministic-inference): a token's result must not depend
+  on the tokens beside it, so every token count takes one path: `route_hidden` the gate's logits in fixed token tiles
+  (`router.router_logits`) and `route`, never the fused router; `forward` one launch config
+  (`configs.batch_invariant_config`: no split-K, no column kernel) and no one-token path (`fused_experts`).
 
 The kernels live in `router`, `align`, `quant`, `grouped_gemm` and `experts`, imported on first use:
 loading this plugin does not import Triton. On the CPU the kernels run only in Triton's interpreter
@@ -32,7 +36,7 @@ from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import OK, Availability, MoEBackend, MoECapabilities, MoEWeights, check_tensor
 from plugserve.core.layers.quant import FP8_DTYPE, ceil_div
 from plugserve.core.specs import MoESpec
-from plugserve.plugins.moe.configs import MoEConfig, get_config
+from plugserve.plugins.moe.configs import MoEConfig, batch_invariant_config, get_config
 from plugserve.plugins.triton_support import triton_availability
 from plugserve.registry import hookimpl
 
@@ -81,7 +85,7 @@ class TritonMoE(MoEBackend):
         dtypes=frozenset({torch.bfloat16, torch.float16, torch.float32}),
         devices=frozenset({"cuda", "cpu"}),
         cuda_graph=True,  # every buffer and grid sized from T alone; the alignment's counts stay on the device
-        batch_invariant_note="its launch config (block sizes, split-K) is chosen by the token count",
+        batch_invariant=True,  # under the spec's flag: one route path and one launch config at every token count
         shared_experts_fusion=True,
         expert_parallel=True,  # the kernels drop ids outside the packed experts
     )
@@ -123,14 +127,18 @@ class TritonMoE(MoEBackend):
         self, x: torch.Tensor, gate: torch.Tensor, correction_bias: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`MoEBackend.route_hidden`. Up to FUSED_ROUTER_MAX_TOKENS tokens (decode) in one kernel, `fused_router`:
-        the gate's logits and the selection, where the GEMM and `route` take two launches."""
-        from plugserve.plugins.moe.router import FUSED_ROUTER_MAX_TOKENS, fused_router
+        the gate's logits and the selection, where the GEMM and `route` take two launches. Under spec.batch_invariant
+        `router_logits` and `route` at every token count."""
+        from plugserve.plugins.moe.router import FUSED_ROUTER_MAX_TOKENS, fused_router, router_logits
 
-        if x.dim() != 2 or x.shape[0] > FUSED_ROUTER_MAX_TOKENS:
+        invariant = self.spec.batch_invariant
+        if not invariant and (x.dim() != 2 or x.shape[0] > FUSED_ROUTER_MAX_TOKENS):
             return super().route_hidden(x, gate, correction_bias)
-        if gate.dim() != 2 or gate.shape[1] != x.shape[1]:
-            raise ValueError(f"gate must be [E, {x.shape[1]}] for x {tuple(x.shape)}, got {tuple(gate.shape)}")
+        if x.dim() != 2 or gate.dim() != 2 or gate.shape[1] != x.shape[1]:
+            raise ValueError(f"gate must be [E, H] for x [T, H], got gate {tuple(gate.shape)} for x {tuple(x.shape)}")
         self._check_routing(gate.shape[0], correction_bias)
+        if invariant:
+            return self.route(router_logits(x, gate.contiguous()), correction_bias)
         return fused_router(x, gate.contiguous(), correction_bias, self.spec.router, self.spec.num_shared_experts,
                             self._router_scratch)
 
@@ -209,8 +217,11 @@ class TritonMoE(MoEBackend):
 
     def config(self, num_tokens: int) -> MoEConfig:
         """The launch configuration for a batch of `num_tokens` tokens (tuned file or default), looked
-        up under this rank's routed experts' count and top-k also when shared experts are fused."""
+        up under this rank's routed experts' count and top-k also when shared experts are fused; under
+        spec.batch_invariant `batch_invariant_config`, the same for every token count."""
         spec = self.spec
+        if spec.batch_invariant:
+            return batch_invariant_config(spec.is_fp8, spec.dtype, self._hardware.device_type)
         return get_config(num_tokens, spec.top_k, spec.num_local_experts, spec.intermediate_size, spec.dtype,
                           spec.block_shape if spec.is_fp8 else None, self._hardware)
 
@@ -238,6 +249,7 @@ class TritonMoE(MoEBackend):
         return fused_experts(
             x, packed.w13, packed.w2, packed.w13_scale_inv, packed.w2_scale_inv, topk_ids, topk_weights,
             routed_scaling_factor, self.config(x.shape[0]), spec.block_shape, self._pair_sum_arrived,
+            spec.batch_invariant,
         )
 
 

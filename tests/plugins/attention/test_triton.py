@@ -343,6 +343,91 @@ def test_graph_replays_write_partials_to_the_workspace(dtype: torch.dtype) -> No
 
 
 @interpreted
+def test_fixed_splits_follow_each_tokens_length_alone(kernels: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batch-invariant launches (fixed_splits): a token's row is the same bits at every split count a launch holding
+    it has, from its own `mla_fixed_num_splits` (1 for the 1-key request: still reduced) to MLA_FIXED_MAX_SPLITS:
+    splits of one 16-key block, and 700 keys (44 blocks) over the most splits, of 2 blocks; and in launches of one
+    token at a time, as a workspace too small for all of them takes them. Against the oracle too."""
+    assert kernels.mla_fixed_num_splits(1, 256) == 1 and kernels.mla_fixed_num_splits(600, 256) == 3
+    assert kernels.mla_fixed_num_splits(1 << 20, 256) == kernels.MLA_FIXED_MAX_SPLITS
+    assert kernels.mla_workspace_size(2, 128, 1, fixed_splits=True) == 256
+    monkeypatch.setattr(kernels, "mla_min_split_keys", lambda num_heads: 16)
+    dtype, config = torch.float32, kernels.MlaConfig(16, 16, 1, 1)
+    spec = spec_of(dtype, page_size=16)
+    seq_lens = [1, 40, 700]
+    batch = random_batch(ForwardMode.DECODE, seq_lens, [1] * 3, spec, CPU)
+    backend, _ = backends(spec, batch)
+    q_nope, q_rope, latent, k_rope = new_tokens(spec, batch)
+    expected, _ = oracle.mla(batch, LAYER, q_nope, q_rope, latent, k_rope, oracle.softmax_scale(spec))
+    backend.set_kv(LAYER, batch.out_cache_loc, latent, k_rope)
+    plan = backend.plan_state
+    call = functools.partial(kernels.mla_attention, kv_buffer=batch.kv_pool.buffer(LAYER), page_size=16,
+                             sm_scale=spec.softmax_scale, config=config, fixed_splits=True)
+    batch_splits = kernels.mla_fixed_num_splits(700, 16)
+    assert batch_splits == kernels.MLA_FIXED_MAX_SPLITS
+    together = call(q_nope, q_rope, block_table=batch.block_table, token_req=plan.token_req,
+                    token_kv_len=plan.token_kv_len, num_splits=batch_splits)
+    assert_close(together, expected, dtype, "forward_mla with fixed splits")
+    for row, seq_len in enumerate(seq_lens):
+        own = kernels.mla_fixed_num_splits(seq_len, 16)
+        for splits in sorted({own, (own + batch_splits) // 2}):
+            alone = call(q_nope[row : row + 1], q_rope[row : row + 1], block_table=batch.block_table[row : row + 1],
+                         token_req=torch.zeros(1, dtype=torch.int32), token_kv_len=plan.token_kv_len[row : row + 1],
+                         num_splits=splits)
+            assert torch.equal(alone, together[row : row + 1]), f"request {row} alone, {splits} splits"
+    monkeypatch.setattr(kernels, "MLA_FIXED_WORKSPACE_ROWS", HEADS * batch_splits)
+    assert kernels.mla_workspace_size(3, HEADS, batch_splits, fixed_splits=True) == HEADS * batch_splits
+    sliced = call(q_nope, q_rope, block_table=batch.block_table, token_req=plan.token_req,
+                  token_kv_len=plan.token_kv_len, num_splits=batch_splits)
+    assert torch.equal(sliced, together), "a launch pair a token"
+
+
+@interpreted
+def test_batch_invariant_backend_projects_and_replays_as_eager() -> None:
+    """Under spec.batch_invariant: forward_mla_projected past FUSED_V_PROJ_MAX_TOKENS gives each request the same bits
+    alone as in the batch, and a graph plan (splits for 1024 keys on a backend that believes it has 132 SMs) the same
+    forward_mla bits as the eager plan."""
+    dtype = torch.float16
+    spec = dataclasses.replace(spec_of(dtype, page_size=16), batch_invariant=True)
+    seq_lens = [1, 70, 130, 33, 5, 9, 40, 17, 64]
+    batch = random_batch(ForwardMode.DECODE, seq_lens, [1] * len(seq_lens), spec, CPU)
+    backend = TritonAttention(spec, CPU)
+    backend._multiprocessors = 132
+    backend.plan(batch)
+    q_nope, q_rope, latent, k_rope = new_tokens(spec, batch)
+    backend.set_kv(LAYER, batch.out_cache_loc, latent, k_rope)
+    w_vc = (torch.randn(HEADS, R, V) / R**0.5).to(dtype)
+    eager = backend.forward_mla(q_nope, q_rope, LAYER)
+    projected = backend.forward_mla_projected(q_nope, q_rope, LAYER, w_vc)
+    assert_close(projected, torch.einsum("thr,hrv->thv", eager.double(), w_vc.double()), dtype, "projected")
+    for row, seq_len in enumerate(seq_lens):
+        alone = ForwardBatch.build(ForwardMode.DECODE, [seq_len], [1], batch.block_table[row : row + 1], batch.kv_pool)
+        alone.attn_method = AttnForwardMethod.MLA
+        backend.plan(alone)
+        rows = slice(row, row + 1)
+        assert torch.equal(backend.forward_mla_projected(q_nope[rows], q_rope[rows], LAYER, w_vc), projected[rows])
+    backend.init_cuda_graph(max_batch_size=len(seq_lens), max_num_tokens=len(seq_lens), max_pages=64)
+    backend.plan_capture(batch)
+    assert torch.equal(backend.forward_mla(q_nope, q_rope, LAYER), eager)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_mla_project_rows_are_the_same_bits_at_any_token_count(kernels: ModuleType, dtype: torch.dtype) -> None:
+    """mla_project (W_UV in fixed tiles of MLA_PROJECT_BLOCK_T tokens): against the float64 product, and each token's
+    row the same bits in a prefix, alone, or past the first tile; V = 24 masks most of a column block."""
+    latent = torch.randn(37, HEADS, R).to(dtype)
+    w_vc = (torch.randn(HEADS, R, V) / R**0.5).to(dtype)
+    whole = kernels.mla_project(latent, w_vc)
+    assert whole.shape == (37, HEADS, V) and whole.dtype == dtype
+    assert_close(whole, torch.einsum("thr,hrv->thv", latent.double(), w_vc.double()), dtype, "mla_project")
+    for rows in (slice(0, 1), slice(0, 17), slice(36, 37), slice(5, 30)):
+        assert torch.equal(kernels.mla_project(latent[rows], w_vc), whole[rows]), f"tokens {rows}"
+    with pytest.raises(ValueError, match="w_vc must be"):
+        kernels.mla_project(latent, w_vc[:, :-1])
+
+
+@interpreted
 def test_launch_falls_back_to_a_config_that_fits(common: ModuleType) -> None:
     from triton.runtime.errors import OutOfResources
 

@@ -28,6 +28,7 @@ from plugserve.core.specs import GemmSpec
 from plugserve.plugins import triton_support
 from plugserve.plugins.gemm.torch_ref import block_fp8_matmul
 from plugserve.plugins.gemm.triton import (
+    BATCH_INVARIANT_CONFIG,
     CONFIG_DIR,
     CONFIG_DIR_ENV,
     CONFIG_KEYS,
@@ -142,6 +143,28 @@ def test_apply_matches_reference(dtype: torch.dtype, m: int, n: int, k: int) -> 
     expected = block_fp8_matmul(x_q, x_s, w_q, w_s, BLOCK, dtype)
     assert out.dtype == dtype and out.shape == (m, n)
     assert_close(out, expected, dtype, f"triton block-FP8 GEMM m{m}-n{n}-k{k}")
+
+
+def test_batch_invariant_apply_takes_one_config_at_every_m(kernels: ModuleType, monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    """Under spec.batch_invariant: BATCH_INVARIANT_CONFIG (no split-K) at every M and never the Gluon kernel, on a
+    Hopper GPU too, where the default path splits K at decode sizes and takes Gluon from 256 rows; each row of the
+    product is then the same bits alone as in the batch."""
+    from plugserve.plugins.gemm import gluon_gemm
+
+    monkeypatch.setattr(gluon_gemm, "gluon_gemm_fits", lambda *args: True)
+    monkeypatch.setattr(gluon_gemm, "gluon_block_fp8_matmul", lambda *args: pytest.fail("the Gluon kernel ran"))
+    configs = []
+    launch = kernels.w8a8_block_fp8_matmul
+    monkeypatch.setattr(kernels, "w8a8_block_fp8_matmul", lambda *args: configs.append(args[-1]) or launch(*args))
+    backend = TritonFp8Gemm(GemmSpec(dtype=torch.float32, batch_invariant=True), CPU)
+    backend.hardware = H100
+    x, w_q, w_s = _operands(300, 128, 1024)
+    packed = backend.prepare(w_q, w_s)
+    whole = backend.apply(x, packed)
+    for m in (1, 7, 64):
+        assert torch.equal(backend.apply(x[:m], packed), whole[:m]), f"the first {m} rows alone"
+    assert configs == [BATCH_INVARIANT_CONFIG] * 4
 
 
 @pytest.mark.parametrize(

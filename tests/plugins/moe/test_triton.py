@@ -232,6 +232,51 @@ def test_route_hidden_takes_one_launch_only_at_decode_sizes(router_kernels, monk
         backend.route_hidden(torch.randn(1, 32, device=DEVICE), gate[:, :16], bias)
 
 
+def test_router_logits_sum_fixed_token_tiles(router_kernels) -> None:
+    """The gate's float32 logits, each token's the same bits alone, in a prefix or in the whole batch (tiles of
+    ROUTER_BLOCK_T tokens at every count), a hidden size that is no multiple of the K chunk."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(11, 96, generator=g).to(DEVICE, torch.float16)
+    gate = (torch.randn(24, 96, generator=g) / 96**0.5).to(DEVICE, torch.float16)
+    whole = router_kernels.router_logits(x, gate)
+    assert whole.dtype == torch.float32 and whole.shape == (11, 24)
+    torch.testing.assert_close(whole, (x.double() @ gate.double().T).float(), rtol=1e-5, atol=1e-5)
+    for rows in (slice(0, 1), slice(0, 3), slice(0, 5), slice(10, 11), slice(2, 9)):
+        assert torch.equal(router_kernels.router_logits(x[rows], gate), whole[rows]), f"tokens {rows}"
+
+
+def test_batch_invariant_moe_takes_one_path_at_every_token_count(router_kernels, experts_kernels,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under spec.batch_invariant, on a GPU too: one launch config at every token count, route_hidden through
+    router_logits and route (never the fused router), and one token sorted like a batch and summed by the top-k sum
+    kernel (no pair blocks, no pair sum in the w2 pass); a token's weights, ids and output are then the same bits
+    alone as in the batch."""
+    backend = TritonMoE(MoESpec(128, 64, torch.float32, None, router=SMALL_V3, batch_invariant=True), DEVICE)
+    backend._hardware = Hardware("cuda", "NVIDIA H100 80GB HBM3", (9, 0), 80 << 30, 132)
+    assert backend.config(1) == backend.config(300) == configs.batch_invariant_config(False, torch.float32, "cuda")
+    monkeypatch.setattr(router_kernels, "fused_router", lambda *args: pytest.fail("the fused router ran"))
+    monkeypatch.setattr(experts_kernels, "align_pairs", lambda *args: pytest.fail("the one-token alignment ran"))
+    sums: list[int] = []
+    real_sum = experts_kernels._topk_sum_kernel
+    monkeypatch.setattr(experts_kernels, "_topk_sum_kernel", type("Counted", (), {
+        "__getitem__": lambda self, grid: sums.append(grid[0]) or real_sum[grid]})())
+    w13, w2, _, _ = _experts(16, 128, 64, torch.float32, False)
+    packed = backend.prepare(MoEWeights(w13, w2))
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 128, generator=g).to(DEVICE)
+    gate = (torch.randn(16, 128, generator=g) / 128**0.5).to(DEVICE)
+    bias = (torch.randn(16, generator=g) * 0.1).to(DEVICE)
+
+    def run(rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        weights, ids = backend.route_hidden(rows, gate, bias)
+        return weights, ids, backend.forward(rows, packed, ids, weights, RSF)
+
+    whole = run(x)
+    for m in (1, 2):
+        assert all(torch.equal(a, b[:m]) for a, b in zip(run(x[:m]), whole, strict=True)), f"the first {m} tokens"
+    assert sums == [5, 1, 2]
+
+
 def test_route_rejects_misused_bias(router_kernels) -> None:
     backend = TritonMoE(MoESpec(dtype=torch.float16, router=V2_LITE_ROUTER), DEVICE)
     with pytest.raises(ValueError, match="correction_bias"):

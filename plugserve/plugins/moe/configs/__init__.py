@@ -141,6 +141,22 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, fp8: bool, dty
     )
 
 
+def batch_invariant_config(fp8: bool, dtype: torch.dtype, device_type: str) -> MoEConfig:
+    """The one configuration of every token count under batch invariance (a block size or split-K that follows the
+    token count changes a pair's summation order). On the GPU: BLOCK_SIZE_M 16, the least padding of a decode batch,
+    whose 64 tokens give DeepSeek-V3's 256 experts (top-8) about 2 pairs each (the tuned H100 / H200 files pick 16 at
+    every decode size); narrow column blocks, 32 for w13 and 64 for w2, so that a decode batch's few M-blocks still
+    make enough programs to stream the expert weights at bandwidth without split-K (the tuned files' decode choice
+    for w13); K blocks, warps and stages as `default_config` (the FP8 scale group, shared memory of any sm80+ GPU).
+    On the CPU (Triton's interpreter) `default_config`, which is the same for every token count there."""
+    if device_type == "cpu":
+        return default_config(1, 1, 1, fp8, dtype, device_type)
+    block_k = 128 if fp8 else 32 if dtype == torch.float32 else 64
+    stages = 2 if dtype == torch.float32 and not fp8 else 3
+    return MoEConfig(16, GemmConfig(block_n=32, block_k=block_k, group_m=1, num_warps=4, num_stages=stages),
+                     GemmConfig(block_n=64, block_k=block_k, group_m=1, num_warps=4, num_stages=stages))
+
+
 @functools.cache
 def config_device(hardware: Hardware, num_experts: int, intermediate: int, dtype: torch.dtype,
                   block_shape: tuple[int, int] | None, config_dir: Path) -> DeviceMatch:
