@@ -153,8 +153,8 @@ class RunnerBackends:
         bucket bound of the measured table: one instance per backend, all on one KV pool."""
         buckets = [Bucket(largest, first)]
         loaded = load_selection_table(self.hardware)
-        if requested != "auto" or loaded is None:
-            return buckets
+        if requested != "auto" or loaded is None or self.args.enable_deterministic_inference:
+            return buckets  # deterministic: one backend at every size, or a row's bits would follow its batch
         bounds = loaded[0].bucket_bounds("attention", phase, largest)[:-1]
         buckets[:0] = [Bucket(b, self._build("attention", phase, requested, flag_name, spec, b, built=built))
                        for b in bounds]
@@ -177,8 +177,8 @@ class RunnerBackends:
         built: dict[str, Any] = {}
         primary = self._build(kind, Phase.DECODE, requested, name, spec, max_batch, fit_spec, built)
         loaded = load_selection_table(self.hardware)
-        if requested != "auto" or loaded is None:
-            return primary
+        if requested != "auto" or loaded is None or self.args.enable_deterministic_inference:
+            return primary  # deterministic: one backend at every size, or a row's bits would follow its batch
         table = loaded[0]
         bounds = [(Phase.DECODE, b) for b in table.bucket_bounds(kind, Phase.DECODE, max_batch)[:-1]]  # type: ignore[arg-type]
         bounds += [(Phase.PREFILL, b) for b in table.bucket_bounds(kind, Phase.PREFILL, prefill_tokens)  # type: ignore[arg-type]

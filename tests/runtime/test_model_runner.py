@@ -67,21 +67,29 @@ def test_torch_compile_swaps_in_compiled_small_ops_and_graphs_are_off_on_the_cpu
     assert not runner.graphs.runners and runner.graphs.status == "no CUDA graphs on the CPU"
 
 
+def test_deterministic_inference_runs_one_backend_of_each_kind_at_every_size(bucketed_table):
+    """Batch-invariant backends give a row the same bits in any batch, but two backends give it different ones: under
+    --enable-deterministic-inference no kind switches backend with the batch's size, whatever the table ranks."""
+    runner = ModelRunner(ServerArgs(model_preset="tiny", max_total_tokens=128, max_running_requests=8,
+                                    chunked_prefill_size=64, enable_deterministic_inference=True))
+    backends = runner.backends
+    assert len(backends.decode_buckets) == len(backends.prefill_buckets) == 1
+    assert backends.model.moe.name == "torch_ref" and backends.by_rows["moe"] == "torch_ref at every row count"
+
+
 def test_a_pool_too_small_to_hold_anything_is_refused():
     with pytest.raises(ValueError, match="--max-total-tokens"):
         ModelRunner(ServerArgs(model_preset="tiny", max_total_tokens=1))
 
 
-def test_auto_runs_the_measured_fastest_backend_per_batch_bucket(tmp_path, monkeypatch):
-    """A table ranking triton first for decode batches up to 2 and prefill up to 16 tokens: those
-    buckets run it (one instance per backend, one pool), the others the torch reference."""
+@pytest.fixture
+def bucketed_table(tmp_path, monkeypatch) -> None:
+    """A CPU selection table ranking triton first for decode batches up to 2, prefill up to 16 tokens and MoE
+    calls of prefill sizes; the torch reference elsewhere."""
     import json
 
-    from plugserve.backends_report import describe
-    from plugserve.core.forward_batch import ForwardBatch, ForwardMode
     from plugserve.core.hardware import Hardware
-    from plugserve.registry import TABLES_ENV, get_registry
-    from plugserve.runtime.row_buckets import MoEByRows
+    from plugserve.registry import TABLES_ENV
 
     hardware = Hardware.detect("cpu")
     table = {"device_name": hardware.name, "rankings": {"attention": {
@@ -91,6 +99,17 @@ def test_auto_runs_the_measured_fastest_backend_per_batch_bucket(tmp_path, monke
                "prefill": [{"max_batch_size": 8192, "order": ["triton"]}]}}}
     (tmp_path / f"{hardware.device_key}.json").write_text(json.dumps(table))
     monkeypatch.setenv(TABLES_ENV, str(tmp_path))
+
+
+def test_auto_runs_the_measured_fastest_backend_per_batch_bucket(bucketed_table):
+    """The table's buckets run triton (one instance per backend, one pool), the others the torch reference."""
+    from plugserve.backends_report import describe
+    from plugserve.core.forward_batch import ForwardBatch, ForwardMode
+    from plugserve.core.hardware import Hardware
+    from plugserve.registry import get_registry
+    from plugserve.runtime.row_buckets import MoEByRows
+
+    hardware = Hardware.detect("cpu")
     runner = ModelRunner(ServerArgs(model_preset="tiny", max_total_tokens=128, max_running_requests=8,
                                     chunked_prefill_size=64))
     decode, prefill = runner.backends.decode_buckets, runner.backends.prefill_buckets
