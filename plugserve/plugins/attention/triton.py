@@ -90,7 +90,7 @@ class TritonAttention(AttentionBackend):
     Batch-invariant under spec.batch_invariant (--enable-deterministic-inference, which runs every prefill as
     absorbed MLA): forward_mla splits each token's keys by its own length alone and always merges the splits in
     the reduce kernel's fixed chunks (`mla_decode.mla_fixed_num_splits`), never in the Gluon kernel, and
-    forward_mla_projected is forward_mla then W_UV in fixed token tiles (`mla_decode.mla_project`)."""
+    forward_mla_projected is forward_mla then W_UV in fixed token tiles (`mla_project.mla_project`)."""
 
     name: ClassVar[str] = "triton"
     verified: ClassVar[str] = "gpu"
@@ -110,9 +110,15 @@ class TritonAttention(AttentionBackend):
 
     def __init__(self, spec: AttentionSpec, device: torch.device) -> None:
         super().__init__(spec, device)
-        from plugserve.plugins.attention import merge, mha_prefill, mla_decode  # lazily: see the module docstring
+        from plugserve.plugins.attention import (  # lazily: see the module docstring
+            merge,
+            mha_prefill,
+            mla_decode,
+            mla_project,
+        )
 
         self._mla_decode: ModuleType = mla_decode
+        self._mla_project: ModuleType = mla_project
         self._mha_prefill: ModuleType = mha_prefill
         self._merge: ModuleType = merge
         hardware = Hardware.detect(device)
@@ -259,9 +265,9 @@ class TritonAttention(AttentionBackend):
                               ) -> torch.Tensor:
         """`AttentionBackend.forward_mla_projected`; up to FUSED_V_PROJ_MAX_TOKENS tokens (decode) the split-KV
         reduce multiplies by W_UV itself, where forward_mla and a bmm take two launches. Under spec.batch_invariant
-        forward_mla and `mla_decode.mla_project` (fixed token tiles) at every token count."""
+        forward_mla and `mla_project.mla_project` (fixed token tiles) at every token count."""
         if self.spec.batch_invariant:
-            return self._mla_decode.mla_project(self.forward_mla(q_nope, q_rope, layer_id), w_vc)
+            return self._mla_project.mla_project(self.forward_mla(q_nope, q_rope, layer_id), w_vc)
         if q_nope.shape[0] > FUSED_V_PROJ_MAX_TOKENS:
             return super().forward_mla_projected(q_nope, q_rope, layer_id, w_vc)
         return self._mla(q_nope, q_rope, layer_id, w_vc)

@@ -62,6 +62,11 @@ def kernels() -> ModuleType:
 
 
 @pytest.fixture(scope="module")
+def projection() -> ModuleType:
+    return importlib.import_module("plugserve.plugins.attention.mla_project")
+
+
+@pytest.fixture(scope="module")
 def mha() -> ModuleType:
     return importlib.import_module("plugserve.plugins.attention.mha_prefill")
 
@@ -413,18 +418,18 @@ def test_batch_invariant_backend_projects_and_replays_as_eager() -> None:
 
 @interpreted
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_mla_project_rows_are_the_same_bits_at_any_token_count(kernels: ModuleType, dtype: torch.dtype) -> None:
+def test_mla_project_rows_are_the_same_bits_at_any_token_count(projection: ModuleType, dtype: torch.dtype) -> None:
     """mla_project (W_UV in fixed tiles of MLA_PROJECT_BLOCK_T tokens): against the float64 product, and each token's
     row the same bits in a prefix, alone, or past the first tile; V = 24 masks most of a column block."""
     latent = torch.randn(37, HEADS, R).to(dtype)
     w_vc = (torch.randn(HEADS, R, V) / R**0.5).to(dtype)
-    whole = kernels.mla_project(latent, w_vc)
+    whole = projection.mla_project(latent, w_vc)
     assert whole.shape == (37, HEADS, V) and whole.dtype == dtype
     assert_close(whole, torch.einsum("thr,hrv->thv", latent.double(), w_vc.double()), dtype, "mla_project")
     for rows in (slice(0, 1), slice(0, 17), slice(36, 37), slice(5, 30)):
-        assert torch.equal(kernels.mla_project(latent[rows], w_vc), whole[rows]), f"tokens {rows}"
+        assert torch.equal(projection.mla_project(latent[rows], w_vc), whole[rows]), f"tokens {rows}"
     with pytest.raises(ValueError, match="w_vc must be"):
-        kernels.mla_project(latent, w_vc[:, :-1])
+        projection.mla_project(latent, w_vc[:, :-1])
 
 
 @interpreted
