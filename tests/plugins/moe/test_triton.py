@@ -324,7 +324,6 @@ def _config_id(p) -> str:
     [
         (1, torch.float32, False, None),
         (37, torch.float32, False, SMALL_TILES),
-        (37, torch.float16, False, None),
         (1, torch.float16, True, None),
         (37, torch.float16, True, SMALL_TILES),
         (37, torch.float32, True, None),
@@ -335,10 +334,8 @@ def _config_id(p) -> str:
         (1, torch.bfloat16, True, TMA_TILES),
         (1, torch.float16, True, SPLIT_TILES),
         (37, torch.float32, False, SPLIT_TILES),
-        (37, torch.float16, True, SPLIT_TILES),
         (1, torch.float16, True, COLUMN_TILES),  # one token's pair blocks: the general kernel
         (37, torch.float32, False, COLUMN_TILES),
-        (37, torch.float16, True, COLUMN_TILES),
         (37, torch.float32, True, replace(COLUMN_TILES, w2=replace(COLUMN_TILES.w2, tma=True))),
     ],
     ids=_config_id,
