@@ -91,18 +91,25 @@ class ByRows(Generic[B]):
         return in_bucket(self.buckets, rows)
 
 
+def adopt(backend: Backend, buckets: list[Bucket[B]]) -> ByRows[B]:
+    """The buckets of `backend` (a GemmByRows or MoEByRows being built), which takes their spec and device, their names
+    joined, and their first's capabilities (CUDA graphs where every one of them runs in graphs)."""
+    rows = ByRows(buckets)
+    first = rows.backends[0]
+    Backend.__init__(backend, first.spec, first.device)
+    backend.name = "+".join(b.name for b in rows.backends)  # type: ignore[misc]
+    backend.capabilities = dataclasses.replace(  # type: ignore[misc]
+        first.capabilities, cuda_graph=all(b.capabilities.cuda_graph for b in rows.backends))
+    return rows
+
+
 class GemmByRows(Fp8GemmBackend):
     """Block-FP8 linear layers through the backend of x's row count's bucket (see the module docstring)."""
 
     name = "by-rows"
 
     def __init__(self, buckets: list[Bucket[Fp8GemmBackend]]) -> None:
-        self.rows = ByRows(buckets)
-        first = self.rows.backends[0]
-        super().__init__(first.spec, first.device)
-        self.name = "+".join(b.name for b in self.rows.backends)  # type: ignore[misc]
-        self.capabilities = dataclasses.replace(  # type: ignore[misc]
-            first.capabilities, cuda_graph=all(b.capabilities.cuda_graph for b in self.rows.backends))
+        self.rows = adopt(self, buckets)
 
     def prepare(self, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> dict[str, Any]:
         return self.rows.pack((weight, weight_scale_inv), lambda b: b.prepare(weight, weight_scale_inv))
@@ -123,12 +130,7 @@ class MoEByRows(MoEBackend):
     name = "by-rows"
 
     def __init__(self, buckets: list[Bucket[MoEBackend]]) -> None:
-        self.rows = ByRows(buckets)
-        first = self.rows.backends[0]
-        super().__init__(first.spec, first.device)
-        self.name = "+".join(b.name for b in self.rows.backends)  # type: ignore[misc]
-        self.capabilities = dataclasses.replace(  # type: ignore[misc]
-            first.capabilities, cuda_graph=all(b.capabilities.cuda_graph for b in self.rows.backends))
+        self.rows = adopt(self, buckets)
 
     def route(self, router_logits: torch.Tensor, correction_bias: torch.Tensor | None
               ) -> tuple[torch.Tensor, torch.Tensor]:
