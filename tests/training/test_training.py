@@ -68,9 +68,11 @@ def test_rest_sections_keep_prose_signatures_and_code_and_drop_markup():
 
 
 def _sections() -> dict[str, list[prepare_data.Section]]:
-    """60 small documents cut from this repository's README and architecture notes (2 of them held out)."""
-    text = (REPO_ROOT / "README.md").read_text() + (REPO_ROOT / "docs" / "architecture.md").read_text()
-    paragraphs = [p for p in text.split("\n\n") if len(p) > 80]
+    """60 small documents (2 of them held out) cut from the first half of the held-out text the benchmarks score
+    (Python's documentation, fixed: a corpus of this repository's own docs changed the trained model, and which
+    near-tied tokens the parity check met, with every edit of them)."""
+    text = (REPO_ROOT / "benchmarks" / "data" / "heldout_docs.txt").read_text(encoding="utf-8")
+    paragraphs = [p for p in text[: len(text) // 2].split("\n\n") if len(p) > 80]
     return {f"doc{i}": [prepare_data.Section(f"Part {i}", p) for p in paragraphs[i::60]] for i in range(60)}
 
 
