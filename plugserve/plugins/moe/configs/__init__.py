@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -149,12 +149,10 @@ def batch_invariant_config(fp8: bool, dtype: torch.dtype, device_type: str) -> M
     make enough programs to stream the expert weights at bandwidth without split-K (the tuned files' decode choice
     for w13); K blocks, warps and stages as `default_config` (the FP8 scale group, shared memory of any sm80+ GPU).
     On the CPU (Triton's interpreter) `default_config`, which is the same for every token count there."""
+    config = default_config(1, 1, 1, fp8, dtype, device_type)  # BLOCK_SIZE_M 16: a pair an expert
     if device_type == "cpu":
-        return default_config(1, 1, 1, fp8, dtype, device_type)
-    block_k = 128 if fp8 else 32 if dtype == torch.float32 else 64
-    stages = 2 if dtype == torch.float32 and not fp8 else 3
-    return MoEConfig(16, GemmConfig(block_n=32, block_k=block_k, group_m=1, num_warps=4, num_stages=stages),
-                     GemmConfig(block_n=64, block_k=block_k, group_m=1, num_warps=4, num_stages=stages))
+        return config
+    return replace(config, w13=replace(config.w13, block_n=32))
 
 
 @functools.cache
