@@ -193,19 +193,19 @@ class TritonFp8Gemm(Fp8GemmBackend):
                              f"got shape {tuple(x.shape)} of dtype {x.dtype}")
         block = self.spec.block_shape
         x_q, x_scales = triton_kernels.per_token_group_quant_fp8(x, block[1], column_major_scales=True)
-        if self.spec.batch_invariant:
-            return triton_kernels.w8a8_block_fp8_matmul(x_q, x_scales, packed.weight, packed.weight_scale_inv, block,
-                                                        self.spec.dtype, BATCH_INVARIANT_CONFIG)
-        if self.hardware.device_type == "cuda":
+        if self.hardware.device_type == "cuda" and not self.spec.batch_invariant:
             from plugserve.plugins.gemm import gluon_gemm
 
             if gluon_gemm.gluon_gemm_fits(x_q, packed.weight, block, self.hardware.capability,
                                           self.hardware.multiprocessors):
                 return gluon_gemm.gluon_block_fp8_matmul(x_q, x_scales, packed.weight, packed.weight_scale_inv,
                                                          self.spec.dtype, self.hardware.multiprocessors)
-        n = packed.weight.shape[0]
-        sms = self.hardware.multiprocessors if self.hardware.device_type == "cuda" else None  # interpreter: no split
-        config = pick_config(x.shape[0], packed.configs, block, n, k, sms)
+        if self.spec.batch_invariant:
+            config = BATCH_INVARIANT_CONFIG
+        else:
+            # The interpreter has no SMs to fill: no split-K there.
+            sms = self.hardware.multiprocessors if self.hardware.device_type == "cuda" else None
+            config = pick_config(x.shape[0], packed.configs, block, packed.weight.shape[0], k, sms)
         return triton_kernels.w8a8_block_fp8_matmul(
             x_q, x_scales, packed.weight, packed.weight_scale_inv, block, self.spec.dtype, config
         )
