@@ -19,7 +19,7 @@ from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import AttentionBackend, Backend
 from plugserve.core.models.deepseek import ModelBackends
 from plugserve.core.specs import AttentionSpec, MoESpec
-from plugserve.registry import SelectionError, get_registry, load_selection_table
+from plugserve.registry import SelectionError, SelectionTable, get_registry, load_selection_table
 from plugserve.runtime.row_buckets import Bucket, GemmByRows, MoEByRows, in_bucket
 from plugserve.runtime.server_args import ServerArgs, flag
 
@@ -152,13 +152,22 @@ class RunnerBackends:
         """`first` (chosen for `largest`) plus, under `auto`, the backend ranked first at each smaller
         bucket bound of the measured table: one instance per backend, all on one KV pool."""
         buckets = [Bucket(largest, first)]
-        loaded = load_selection_table(self.hardware)
-        if requested != "auto" or loaded is None or self.args.enable_deterministic_inference:
-            return buckets  # deterministic: one backend at every size, or a row's bits would follow its batch
-        bounds = loaded[0].bucket_bounds("attention", phase, largest)[:-1]
+        table = self._bucket_table(requested)
+        if table is None:
+            return buckets
+        bounds = table.bucket_bounds("attention", phase, largest)[:-1]
         buckets[:0] = [Bucket(b, self._build("attention", phase, requested, flag_name, spec, b, built=built))
                        for b in bounds]
         return buckets
+
+    def _bucket_table(self, requested: str) -> SelectionTable | None:
+        """The measured table whose bucket bounds smaller sizes get their own backend at, or None: one backend at
+        every size (a backend named, no table, or deterministic inference, where a row's bits would otherwise
+        follow its batch's size)."""
+        loaded = load_selection_table(self.hardware)
+        if requested != "auto" or loaded is None or self.args.enable_deterministic_inference:
+            return None
+        return loaded[0]
 
     def _fuse_shared_experts(self, cls: type, spec: MoESpec) -> MoESpec:
         """The MoE spec a candidate backend is built with: the shared experts fused into its GEMMs under
@@ -176,10 +185,9 @@ class RunnerBackends:
         name = flag("moe_runner_backend" if kind == "moe" else "fp8_gemm_backend")
         built: dict[str, Any] = {}
         primary = self._build(kind, Phase.DECODE, requested, name, spec, max_batch, fit_spec, built)
-        loaded = load_selection_table(self.hardware)
-        if requested != "auto" or loaded is None or self.args.enable_deterministic_inference:
-            return primary  # deterministic: one backend at every size, or a row's bits would follow its batch
-        table = loaded[0]
+        table = self._bucket_table(requested)
+        if table is None:
+            return primary
         bounds = [(Phase.DECODE, b) for b in table.bucket_bounds(kind, Phase.DECODE, max_batch)[:-1]]  # type: ignore[arg-type]
         bounds += [(Phase.PREFILL, b) for b in table.bucket_bounds(kind, Phase.PREFILL, prefill_tokens)  # type: ignore[arg-type]
                    if b > max_batch]
