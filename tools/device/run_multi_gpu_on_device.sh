@@ -1,43 +1,109 @@
 #!/bin/bash
 # The multi-GPU checks on a lent machine of 2 or 4 GPUs (nvidia-h100-x2 / -x4, nvidia-h200-x2 / -x4), from the repo
-# root with the device tool; carry .carry/slim (tools/device/prepare_serving_carry.sh). Results in $OUT.
-#   tests     pytest -m multigpu tests: the one-shot all-reduce against NCCL, and the engine's TP / EP / DP
-#             attention layouts (speculative decoding among them) against one GPU's and HF transformers' greedy
-#             tokens (tests-multigpu.txt); the comm kit over two GPUs (comm-kit.txt)
-#   allreduce benchmarks/dev/bench_allreduce.py: NCCL against the symmetric-memory one-shot and two-shot kernels per
-#             message size, in CUDA-graph replay, on every GPU (allreduce.{txt,json})
+# root with the device tool; carry .carry/mg (tools/device/prepare_multi_gpu_carry.sh: the serving wheels; a
+# folder with FlashInfer in CARRY too). Results in $OUT. Steps that need one GPU run on GPU $GPU (default 0), so that several can run side
+# by side on a 4-GPU machine (`GPU=2 bash ... kits & GPU=3 bash ... serving & wait`).
+#   tests     pytest -m multigpu tests on every visible GPU: the one-shot all-reduce against NCCL, and the engine's
+#             TP / EP / DP attention layouts (speculative decoding among them) at 2 and 4 ranks against one GPU's and
+#             HF transformers' greedy tokens (tests-multigpu.txt); the comm kit over two GPUs (comm-kit.txt)
+#   allreduce benchmarks/dev/bench_allreduce.py: NCCL against the symmetric-memory one-shot and two-shot kernels and
+#             FlashInfer's (alone and fused with the residual add and RMSNorm) per message size, in CUDA-graph replay,
+#             on every visible GPU (allreduce.{txt,json})
 #   tp        V2-Lite (dummy) decode step, bench_one_batch at batch 1 and 64: one GPU, then --tp-size 2 (tp.txt)
+#   v3        V3 FP8 (dummy, 20 layers) on four GPUs, bench_one_batch at batch 1, 32 and 256: --tp-size 4, then DP
+#             attention 4 + EP 4 (v3-*.txt), then where TP 4's batch-1 step goes (v3-profile-tp4.txt)
 #   profile   where V2-Lite's batch-1 decode step goes, one GPU then --tp-size 2: benchmarks/dev/profile_decode with
 #             --host-profile (profile-tp{1,2}.txt)
 #   fp8kv     one-GPU checks side by side, GPU 0: the shootout's Triton MLA decode rows with a bf16 and an e4m3 KV
 #             cache (fp8kv-shootout/); GPU 1: the conformance kit's Triton attention at full shapes (fp8kv-kit.txt)
+#   kits      GPU $GPU: the kit's batch-invariance cases of the Triton attention, GEMM and MoE in bfloat16, compiled
+#             (kits-invariant.txt)
+#   determinism GPU $GPU: V2-Lite's decode step with and without --enable-deterministic-inference (determinism-*.txt)
+#   serving   GPU $GPU: V2-Lite (dummy) served, time to /health cold then warm (a second start), bench_serving 256
+#             prompts 256 in / 128 out at concurrency 64: plain, JSON schema, and with --enable-mixed-chunk
+#             (serving-*.txt)
 #   tune      the Triton MoE's per-rank configs for V2-Lite at TP 2 (GPU 0) and TP 2 + EP 2 (GPU 1, after the one-GPU
 #             baseline bench there), --quick at batch 1-64, into the package and $OUT/moe_configs.tar; then --tp-size 2 and
 #             --tp-size 2 --ep-size 2 with them (tune-*.txt)
 #   spec      bench_one_batch on the embedded model (V2-Lite has no NextN layer) with --speculative-algorithm NEXTN
 #             over held-out text: a round's time and accept length, one GPU then --tp-size 2 (spec.txt)
-# Usage: bash tools/device/run_multi_gpu_on_device.sh [tests] [allreduce] [tp] [profile] [fp8kv] [tune] [spec]
+# Usage: bash tools/device/run_multi_gpu_on_device.sh [STEP ...]
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD
-python3 -m pip install -q --no-index --no-deps --target /tmp/site ${CARRY:-.carry/slim}/*.whl 2>&1 | tail -1
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpus.txt
+carry=${CARRY:-.carry/mg}
+if [ ! -e /tmp/site/.installed ]; then  # once per machine: steps may run side by side
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site $carry/*.whl 2>&1 | tail -1
+  [ -f $carry/flashinfer.tar.xz ] && tar -xJf $carry/flashinfer.tar.xz -C /tmp/site
+  touch /tmp/site/.installed
+fi
+export FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16
+gpu=${GPU:-0}
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > $OUT/gpus.txt
+v3="--model-preset deepseek-v3 --num-layers 20 --load-format dummy --input-len 256 --output-len 32
+  --prefill-attention-backend triton --enable-torch-compile --overlap --tp-size 4"
 v2lite="--model-preset deepseek-v2-lite --load-format dummy --input-len 256 --output-len 32 --prefill-attention-backend
   triton --enable-torch-compile --batch-size 1 64 --overlap"
 for step in "$@"; do
   start=$SECONDS
   case $step in
     tests)
-      timeout 540 python3 -m pytest -q -p no:cacheprovider -m multigpu -rA --durations=0 -o faulthandler_timeout=300 \
-        tests/plugins/comm/test_symmetric_memory.py tests/runtime/test_engine_multi_gpu.py \
-        > $OUT/tests-multigpu.txt 2>&1
-      tail -n 3 $OUT/tests-multigpu.txt
+      timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -q -p no:cacheprovider -m multigpu -rA --durations=0 \
+        -o faulthandler_timeout=300 ${TESTS_K:+-k "$TESTS_K"} tests/plugins/comm/test_symmetric_memory.py \
+        tests/runtime/test_engine_multi_gpu.py > $OUT/tests-multigpu${TESTS_K:+-$TESTS_K}.txt 2>&1
+      tail -n 3 $OUT/tests-multigpu${TESTS_K:+-$TESTS_K}.txt
+      [ -n "${TESTS_K:-}" ] && continue
       # The comm kit on two GPUs (NCCL): every comm backend against the oracle, in graph replay too.
       TRITON_INTERPRET=0 timeout 200 python3 -m pytest -q -p plugserve.conformance.plugin -p no:cacheprovider \
         --pyargs plugserve.conformance -k comm -rA > $OUT/comm-kit.txt 2>&1
       tail -n 3 $OUT/comm-kit.txt ;;
     allreduce)
-      timeout 120 python3 -m benchmarks.dev.bench_allreduce --output $OUT/allreduce.json > $OUT/allreduce.txt 2>&1
+      timeout ${ALLREDUCE_TIMEOUT:-240} python3 -m benchmarks.dev.bench_allreduce --output $OUT/allreduce.json > $OUT/allreduce.txt 2>&1
       grep -v "^ \|Traceback\|Error" $OUT/allreduce.txt ;;
+    v3)
+      timeout 240 python3 -m benchmarks.bench_one_batch $v3 --batch-size 1 32 256 > $OUT/v3-tp4.txt 2>&1
+      echo "v3 tp4 (rc $?): $(grep '^all_reduce\|^Decode.  median' $OUT/v3-tp4.txt | tr '\n' ' ')"
+      timeout 240 python3 -m benchmarks.bench_one_batch $v3 --batch-size 1 32 256 --enable-dp-attention --dp-size 4 \
+        --ep-size 4 > $OUT/v3-dp4-ep4.txt 2>&1
+      echo "v3 dp4 ep4 (rc $?): $(grep '^Decode.  median' $OUT/v3-dp4-ep4.txt | tr '\n' ' ')"
+      timeout 150 python3 -m benchmarks.dev.profile_decode $v3 --batch-size 1 --output $OUT/v3-profile-tp4.txt \
+        > $OUT/v3-profile-tp4.log 2>&1
+      echo "v3 profile tp4 (rc $?): $(head -n 2 $OUT/v3-profile-tp4.txt 2>/dev/null | tr '\n' ' ')" ;;
+    kits)
+      CUDA_VISIBLE_DEVICES=$gpu TRITON_INTERPRET=0 timeout 400 python3 -m pytest -q -p plugserve.conformance.plugin \
+        -p no:cacheprovider --pyargs plugserve.conformance --plugserve-backend attention:triton --plugserve-backend \
+        gemm:triton --plugserve-backend moe:triton --plugserve-dtypes bfloat16 -k batch_invariant -rf \
+        > $OUT/kits-invariant.txt 2>&1
+      tail -n 3 $OUT/kits-invariant.txt ;;
+    determinism)
+      for mode in default deterministic; do
+        flags=$([ $mode = deterministic ] && echo --enable-deterministic-inference)
+        CUDA_VISIBLE_DEVICES=$gpu timeout 280 python3 -m benchmarks.bench_one_batch $v2lite $flags \
+          > $OUT/determinism-$mode.txt 2>&1
+        echo "$mode (rc $?): $(grep '^Decode.  median' $OUT/determinism-$mode.txt | tr '\n' ' ')"
+      done ;;
+    serving)
+      schema='{"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"],
+        "additionalProperties": false}'
+      for run in cold warm mixed; do
+        flags=$([ $run = mixed ] && echo --enable-mixed-chunk)
+        started=$SECONDS
+        CUDA_VISIBLE_DEVICES=$gpu python3 -m plugserve serve --model-preset deepseek-v2-lite --load-format dummy \
+          --port $((30000 + gpu)) $flags > $OUT/serving-$run-server.log 2>&1 &
+        server=$!
+        for i in $(seq 300); do curl -s localhost:$((30000 + gpu))/health | grep -q ok && break; sleep 0.5; done
+        echo "$run start: $((SECONDS - started)) s to /health ok"
+        benches=$([ $run = cold ] && echo "plain json" || echo plain)
+        for bench in $benches; do
+          extra=(); [ $bench = json ] && extra=(--json-schema "$schema")
+          timeout 150 python3 benchmarks/bench_serving.py --base-url http://127.0.0.1:$((30000 + gpu)) \
+            --backend openai-chat --num-prompts 256 --random-input-len 256 --random-output-len 128 \
+            --random-range-ratio 1 --max-concurrency 64 --disable-tqdm "${extra[@]}" \
+            --output-file $OUT/serving-$run-$bench.jsonl > $OUT/serving-$run-$bench.txt 2>&1
+          echo "$run $bench: $(grep -i 'output token throughput\|median tpot\|median ttft' $OUT/serving-$run-$bench.txt \
+            | tr -s ' ' | tr '\n' ';')"
+        done
+        kill $server; wait $server
+      done ;;
     tp)
       for tp in 1 2; do
         devices=$([ $tp = 1 ] && echo 0 || echo 0,1)
