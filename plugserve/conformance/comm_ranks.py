@@ -1,6 +1,6 @@
-"""The kit's ranks for comm backends: two processes spawned and joined over gloo (CPU) or NCCL (rank r on cuda:r),
-each building the backend under test on the world's group and checking its sums against the oracle, eagerly and,
-where the backend declares CUDA graphs, in graph replay."""
+"""The kit's ranks for comm backends: `world` processes spawned and joined over gloo (CPU) or NCCL (rank r on
+cuda:r), each building the backend under test on the world's group and checking its sums against the oracle,
+eagerly and, where the backend declares CUDA graphs, in graph replay."""
 
 from __future__ import annotations
 
@@ -16,19 +16,20 @@ from plugserve.core.distributed import destroy_parallel_group, init_parallel_gro
 from plugserve.core.interfaces import CommBackend
 from plugserve.core.specs import CommSpec
 
-WORLD = 2
+WORLDS = (2, 4)  # the ranks of a node's tensor-parallel groups that backends declare bounds for
 TIMEOUT_S = 120.0  # a rank that never comes fails the case rather than hang it
 # Rows x hidden: a decode step of one token to a prefill chunk's, odd widths among them.
 SHAPES = [(1, 7), (3, 1024), (16, 2048), (64, 7168)]
 
 
-def run_ranks(fn: Callable[..., None], *args: Any, device_type: str) -> None:
-    """fn(rank, device, *args) on WORLD spawned ranks (fn a module-level function); a rank's exception fails the
-    caller with its traceback, ranks still running after TIMEOUT_S are killed."""
+def run_ranks(fn: Callable[..., None], world: int, *args: Any, device_type: str) -> None:
+    """fn(rank, world, device, *args) on `world` spawned ranks (fn a module-level function); a rank's exception fails
+    the caller with its traceback, ranks still running after TIMEOUT_S are killed."""
     init_method = f"tcp://127.0.0.1:{pick_free_port()}"
     # Spawned, never forked: a fork of a process whose OpenMP pool has run may hang in the child's first parallel op
     # (and a forked CUDA context is unusable).
-    context = mp.spawn(_rank_main, args=(fn, init_method, device_type, args), nprocs=WORLD, join=False)
+    context = mp.spawn(_rank_main, args=(fn, world, init_method, device_type, args), nprocs=world,
+                       join=False)
     deadline = time.monotonic() + TIMEOUT_S
     while not context.join(timeout=max(0.0, deadline - time.monotonic())):
         if time.monotonic() >= deadline:
@@ -37,24 +38,24 @@ def run_ranks(fn: Callable[..., None], *args: Any, device_type: str) -> None:
             raise AssertionError(f"comm ranks still running after {TIMEOUT_S} s")
 
 
-def _rank_main(rank: int, fn: Callable[..., None], init_method: str, device_type: str, args: tuple[Any, ...]
-               ) -> None:
+def _rank_main(rank: int, fn: Callable[..., None], world: int, init_method: str, device_type: str,
+               args: tuple[Any, ...]) -> None:
     torch.set_num_threads(1)  # the ranks share the machine's cores
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
-    init_parallel_group(rank, WORLD, init_method, device, timeout_s=TIMEOUT_S)
+    init_parallel_group(rank, world, init_method, device, timeout_s=TIMEOUT_S)
     try:
-        fn(rank, device, *args)
+        fn(rank, world, device, *args)
     finally:
         destroy_parallel_group()
 
 
-def _inputs(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+def _inputs(shape: tuple[int, ...], world: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
     """Every rank's tensor of `shape` (each rank draws them all: the oracle needs the others')."""
     generator = torch.Generator().manual_seed(shape[0] * 100_003 + shape[1])
-    return [torch.randn(shape, generator=generator).to(device, dtype) for _ in range(WORLD)]
+    return [torch.randn(shape, generator=generator).to(device, dtype) for _ in range(world)]
 
 
-def check_sums(rank: int, device: torch.device, name: str, dtype_name: str) -> None:
+def check_sums(rank: int, world: int, device: torch.device, name: str, dtype_name: str) -> None:
     """The comm backend `name` on this rank sums every shape it takes as the oracle (float64 sum of the ranks'
     tensors) does, within the dtype's tolerance; refuses a message past its declared bound; and replays its sum
     in a CUDA graph on new inputs where it declares graphs."""
@@ -62,16 +63,16 @@ def check_sums(rank: int, device: torch.device, name: str, dtype_name: str) -> N
 
     dtype = getattr(torch, dtype_name)
     cls: type[CommBackend] = get_registry().get("comm", name).cls  # type: ignore[assignment]
-    backend = cls(CommSpec(WORLD, dtype), device)  # type: ignore[call-arg]
-    largest = cls.capabilities.largest(WORLD)
+    backend = cls(CommSpec(world, dtype), device)  # type: ignore[call-arg]
+    largest = cls.capabilities.largest(world)
     element = torch.empty(0, dtype=dtype).element_size()
     shapes = [s for s in SHAPES if largest is None or s[0] * s[1] * element <= largest]
     if largest is not None:
         shapes.append((1, largest // element))  # its bound, exactly
     if not shapes:
-        raise AssertionError(f"{name} takes none of the kit's shapes ({largest} bytes at {WORLD} ranks)")
+        raise AssertionError(f"{name} takes none of the kit's shapes ({largest} bytes at {world} ranks)")
     for shape in shapes:
-        inputs = _inputs(shape, dtype, device)
+        inputs = _inputs(shape, world, dtype, device)
         x = inputs[rank].clone()
         if not backend.takes(x):
             raise AssertionError(f"{name} does not take a {shape} {dtype_name} tensor within its bound")
@@ -82,11 +83,11 @@ def check_sums(rank: int, device: torch.device, name: str, dtype_name: str) -> N
         beyond = torch.zeros(largest // element + 2, dtype=dtype, device=device)
         assert not backend.takes(beyond), f"{name} takes {beyond.numel() * element} bytes, past its {largest}"
     if device.type == "cuda" and cls.capabilities.cuda_graph:
-        _check_graph_replay(backend, shapes[0], dtype, device, rank)
+        _check_graph_replay(backend, shapes[0], dtype, device, rank, world)
 
 
 def _check_graph_replay(backend: CommBackend, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-                        rank: int) -> None:
+                        rank: int, world: int) -> None:
     static = torch.zeros(shape, dtype=dtype, device=device)
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
@@ -100,5 +101,6 @@ def _check_graph_replay(backend: CommBackend, shape: tuple[int, ...], dtype: tor
         static.copy_(torch.full(shape, float(rank + step), dtype=dtype, device=device))
         graph.replay()
         torch.cuda.synchronize(device)
-        assert torch.equal(out, torch.full(shape, float(1 + 2 * step), dtype=dtype, device=device)), (
+        want = float(world * (world - 1) // 2 + world * step)  # the sum over ranks r of r + step
+        assert torch.equal(out, torch.full(shape, want, dtype=dtype, device=device)), (
             f"{backend.name}: graph replay {step} summed wrong")

@@ -1,23 +1,27 @@
-"""Comm backends against the oracle: sums over two ranks the kit spawns (gloo on the CPU; NCCL, rank r on cuda:r,
-where two GPUs are visible), every shape the backend takes, its declared bound honoured, graphs replayed."""
+"""Comm backends against the oracle: sums over two and four ranks the kit spawns (gloo on the CPU, where two show
+the code; NCCL, rank r on cuda:r, where that many GPUs are visible), every shape the backend takes, its declared
+bound honoured, graphs replayed."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from plugserve.conformance.comm_ranks import WORLD, check_sums, run_ranks
+from plugserve.conformance.comm_ranks import WORLDS, check_sums, run_ranks
 from plugserve.conformance.plugin import Target, require_available
 from plugserve.core.forward_batch import Phase
 from plugserve.core.specs import CommSpec
 
 
-def test_all_reduce(comm_target: Target, plugserve_hardware, plugserve_device):
+@pytest.mark.parametrize("world", WORLDS, ids=[f"world{w}" for w in WORLDS])
+def test_all_reduce(comm_target: Target, plugserve_hardware, plugserve_device, world: int):
     require_available(comm_target, plugserve_hardware)
-    fits = comm_target.cls.capabilities.check(CommSpec(WORLD, comm_target.dtype), Phase.DECODE)
+    fits = comm_target.cls.capabilities.check(CommSpec(world, comm_target.dtype), Phase.DECODE)
     if not fits:
         pytest.skip(f"{comm_target.entry.name}: {fits.reason}")
-    if plugserve_device.type == "cuda" and torch.cuda.device_count() < WORLD:
-        pytest.skip(f"the comm kit needs {WORLD} GPUs, {torch.cuda.device_count()} visible")
-    run_ranks(check_sums, comm_target.entry.name, str(comm_target.dtype).removeprefix("torch."),
+    if plugserve_device.type == "cuda" and torch.cuda.device_count() < world:
+        pytest.skip(f"the comm kit at {world} ranks needs {world} GPUs, {torch.cuda.device_count()} visible")
+    if plugserve_device.type == "cpu" and world > min(WORLDS):
+        pytest.skip(f"on the CPU the kit spawns {min(WORLDS)} gloo ranks: more run the same code on the same cores")
+    run_ranks(check_sums, world, comm_target.entry.name, str(comm_target.dtype).removeprefix("torch."),
               device_type=plugserve_device.type)

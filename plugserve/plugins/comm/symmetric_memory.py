@@ -18,9 +18,9 @@ from plugserve.core.specs import CommSpec
 from plugserve.registry import hookimpl
 
 # The largest message (bytes) the one-shot kernel takes, by the number of ranks, where measured: up to it one-shot
-# beat NCCL in CUDA-graph replay over NVLink (benchmarks/dev/bench_allreduce.py; docs/kernels.md). Worlds not
-# measured yet are not taken.
-ONE_SHOT_MAX_BYTES = {2: 2 << 20}
+# beat NCCL in CUDA-graph replay over NVLink on two and on four H200s (benchmarks/dev/bench_allreduce.py;
+# docs/kernels.md). Worlds not measured yet are not taken.
+ONE_SHOT_MAX_BYTES = {2: 2 << 20, 4: 2 << 20}
 
 
 class SymmetricMemoryAllReduce(CommBackend):
@@ -63,15 +63,14 @@ class SymmetricMemoryAllReduce(CommBackend):
             return Availability.no("this torch has no symm_mem.one_shot_all_reduce_copy kernel")
         return OK
 
-    def takes(self, x: torch.Tensor) -> bool:
-        """`CommBackend.takes`, in whole 4-byte words (the kernel's smallest vector)."""
-        return super().takes(x) and (x.numel() * x.element_size()) % 4 == 0
-
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """x [...] -> a new tensor of its shape: the sum of every rank's x."""
+        """x [...] -> a new tensor of its shape: the sum of every rank's x. The kernel moves whole 4-byte words: a
+        2-byte x of an odd number of elements is summed with one zero after it."""
         flat = x.reshape(-1)
+        if flat.numel() * flat.element_size() % 4:
+            flat = torch.cat([flat, flat.new_zeros(1)])
         out = torch.ops.symm_mem.one_shot_all_reduce_copy(self.buffer[: flat.numel()], flat, "sum", self.group_name)
-        return out.view(x.shape)
+        return out[: x.numel()].view(x.shape)
 
 
 @hookimpl
