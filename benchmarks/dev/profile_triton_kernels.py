@@ -4,9 +4,10 @@
         -k regex:'_mla_kernel|_mha_kernel|_w8a8_block_fp8_matmul|_fused_moe_gemm' -c 8 \\
         python benchmarks/dev/profile_triton_kernels.py
 
-MLA decode at batch 64 x 8192 keys (128 heads), causal MHA prefill of 4096 tokens (128 heads, qk 192, v 128),
-block-FP8 GEMM at M=4096 on (N, K) = (7168, 16384) (or `--gemm M N K`), fused MoE (E=256 top-8, V3 experts as
-one GPU of TP8 holds them) at 1 token (or `--moe-tokens T`). Each runs twice (compile, then the profiled launch)."""
+MLA decode at batch 64 x 8192 keys (128 heads; `--kv-cache-dtype fp8_e4m3`: from an e4m3 cache), causal MHA
+prefill of 4096 tokens (128 heads, qk 192, v 128), block-FP8 GEMM at M=4096 on (N, K) = (7168, 16384) (or `--gemm M
+N K`), fused MoE (E=256 top-8, V3 experts as one GPU of TP8 holds them) at 1 token (or `--moe-tokens T`). Each
+runs twice (compile, then the profiled launch)."""
 
 from __future__ import annotations
 
@@ -30,10 +31,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gemm", type=int, nargs=3, default=[4096, 7168, 16384], metavar=("M", "N", "K"))
     parser.add_argument("--moe-tokens", type=int, default=1)
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto",
+                        help="the MLA decode's KV cache: the activations' bf16 (auto) or e4m3")
     args = parser.parse_args()
     gemm_m, gemm_n, gemm_k = args.gemm
     device, dtype = torch.device("cuda"), torch.bfloat16
-    spec = AttentionSpec(dtype=dtype, page_size=64)
+    kv_cache_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8_e4m3" else None
+    spec = AttentionSpec(dtype=dtype, page_size=64, kv_cache_dtype=kv_cache_dtype)
     batch = random_batch(ForwardMode.DECODE, [8192] * 64, [1] * 64, spec, device, num_layers=1)
     attention = TritonAttention(spec, device)
     attention.plan(batch)

@@ -1,8 +1,8 @@
 #!/bin/bash
 # The multi-GPU checks on a lent machine of 2 or 4 GPUs (nvidia-h100-x2 / -x4, nvidia-h200-x2 / -x4), from the repo
 # root with the device tool; carry .carry/mg (tools/device/prepare_multi_gpu_carry.sh: the serving wheels; a
-# folder with FlashInfer in CARRY too). Results in $OUT. Steps that need one GPU run on GPU $GPU (default 0), so that several can run side
-# by side on a 4-GPU machine (`GPU=2 bash ... kits & GPU=3 bash ... serving & wait`).
+# folder with FlashInfer in CARRY too). Results in $OUT. Steps that need one GPU run on GPU $GPU (default 0), so
+# that several can run side by side on a 4-GPU machine (`GPU=2 bash ... kits & GPU=3 bash ... serving & wait`).
 #   tests     pytest -m multigpu tests on every visible GPU: the one-shot all-reduce against NCCL, and the engine's
 #             TP / EP / DP attention layouts (speculative decoding among them) at 2 and 4 ranks against one GPU's and
 #             HF transformers' greedy tokens (tests-multigpu.txt); the comm kit over two GPUs (comm-kit.txt)
@@ -11,13 +11,19 @@
 #             on every visible GPU (allreduce.{txt,json})
 #   tp        V2-Lite (dummy) decode step, bench_one_batch at batch 1 and 64: one GPU, then --tp-size 2 (tp.txt)
 #   v3        V3 FP8 (dummy, 20 layers) on four GPUs, bench_one_batch at batch 1, 32 and 256: --tp-size 4, then DP
-#             attention 4 + EP 4 (v3-*.txt), then where TP 4's batch-1 step goes (v3-profile-tp4.txt)
+#             attention 4 + EP 4 (v3-*.txt; V3_LAYOUTS="tp4" runs the first alone)
+#   v3-profile where TP 4's step goes at batch $V3_PROFILE_BATCH (default 1): benchmarks/dev/profile_decode
+#             (v3-profile-tp4.txt)
 #   profile   where V2-Lite's batch-1 decode step goes, one GPU then --tp-size 2: benchmarks/dev/profile_decode with
 #             --host-profile (profile-tp{1,2}.txt)
 #   fp8kv     one-GPU checks side by side, GPU 0: the shootout's Triton MLA decode rows with a bf16 and an e4m3 KV
 #             cache (fp8kv-shootout/); GPU 1: the conformance kit's Triton attention at full shapes (fp8kv-kit.txt)
-#   kits      GPU $GPU: the kit's batch-invariance cases of the Triton attention, GEMM and MoE in bfloat16, compiled
-#             (kits-invariant.txt)
+#   tune-v3   the Triton MoE's and FP8 GEMM's configs for V3's per-rank shapes at TP 4 and EP 4, GPUs 0-2 at once,
+#             --quick at batch 1, 8, 32 and 256 (tune-v3-*.txt, v3_configs.tar); run v3 after it to use them
+#   ncu-fp8kv GPU $GPU: ncu on the Triton MLA decode at batch 64 x 8192 keys, 128 heads, from a bf16 and from an e4m3
+#             KV cache (benchmarks/dev/profile_triton_kernels.py; ncu-mla-*.txt)
+#   kits      GPU $GPU: the kit's batch-invariance cases of the Triton attention, GEMM and MoE in bfloat16, compiled,
+#             and the batch-invariant mode's tests (kits-invariant.txt)
 #   determinism GPU $GPU: V2-Lite's decode step with and without --enable-deterministic-inference (determinism-*.txt)
 #   serving   GPU $GPU: V2-Lite (dummy) served, time to /health cold then warm (a second start), bench_serving 256
 #             prompts 256 in / 128 out at concurrency 64: plain, JSON schema, and with --enable-mixed-chunk
@@ -60,19 +66,47 @@ for step in "$@"; do
       timeout ${ALLREDUCE_TIMEOUT:-240} python3 -m benchmarks.dev.bench_allreduce --output $OUT/allreduce.json > $OUT/allreduce.txt 2>&1
       grep -v "^ \|Traceback\|Error" $OUT/allreduce.txt ;;
     v3)
-      timeout 240 python3 -m benchmarks.bench_one_batch $v3 --batch-size 1 32 256 > $OUT/v3-tp4.txt 2>&1
-      echo "v3 tp4 (rc $?): $(grep '^all_reduce\|^Decode.  median' $OUT/v3-tp4.txt | tr '\n' ' ')"
-      timeout 240 python3 -m benchmarks.bench_one_batch $v3 --batch-size 1 32 256 --enable-dp-attention --dp-size 4 \
-        --ep-size 4 > $OUT/v3-dp4-ep4.txt 2>&1
-      echo "v3 dp4 ep4 (rc $?): $(grep '^Decode.  median' $OUT/v3-dp4-ep4.txt | tr '\n' ' ')"
-      timeout 150 python3 -m benchmarks.dev.profile_decode $v3 --batch-size 1 --output $OUT/v3-profile-tp4.txt \
-        > $OUT/v3-profile-tp4.log 2>&1
+      for layout in ${V3_LAYOUTS:-tp4 dp4-ep4}; do
+        flags=$([ $layout = dp4-ep4 ] && echo --enable-dp-attention --dp-size 4 --ep-size 4)
+        timeout 240 python3 -m benchmarks.bench_one_batch $v3 --batch-size 1 32 256 $flags > $OUT/v3-$layout.txt 2>&1
+        echo "v3 $layout (rc $?): $(grep '^all_reduce\|^Decode.  median' $OUT/v3-$layout.txt | tr '\n' ' ')"
+      done ;;
+    v3-profile)
+      timeout 150 python3 -m benchmarks.dev.profile_decode $v3 --batch-size ${V3_PROFILE_BATCH:-1} \
+        --output $OUT/v3-profile-tp4.txt > $OUT/v3-profile-tp4.log 2>&1
       echo "v3 profile tp4 (rc $?): $(head -n 2 $OUT/v3-profile-tp4.txt 2>/dev/null | tr '\n' ' ')" ;;
+    tune-v3)
+      # GPUs 0-2 at once: the MoE at TP 4 and at EP 4, the per-rank FP8 GEMM shapes at TP 4 (DP 4 + EP 4 shares
+      # them); into the package's config folders (where bench_one_batch reads them) and $OUT/v3_configs.tar.
+      quick="--quick --batch-sizes 1 8 32 256"
+      CUDA_VISIBLE_DEVICES=0 timeout ${TUNE_TIMEOUT:-240} python3 -m benchmarks.tune.tune_fused_moe --model v3 --tp 4 $quick \
+        > $OUT/tune-v3-moe-tp4.txt 2>&1 &
+      CUDA_VISIBLE_DEVICES=1 timeout ${TUNE_TIMEOUT:-240} python3 -m benchmarks.tune.tune_fused_moe --model v3 --tp 4 --ep 4 $quick \
+        > $OUT/tune-v3-moe-ep4.txt 2>&1 &
+      CUDA_VISIBLE_DEVICES=2 timeout ${TUNE_TIMEOUT:-240} python3 -m benchmarks.tune.tune_fp8_gemm --shapes 6144,1536 7168,4096 \
+        1024,7168 7168,512 8192,512 256,512 9216,7168 7168,4608 --quick --batch-sizes 1 32 256 \
+        > $OUT/tune-v3-gemm-tp4.txt 2>&1 &
+      wait
+      new=$(git ls-files -o --exclude-standard plugserve/plugins/moe/configs plugserve/plugins/gemm/configs)
+      [ -n "$new" ] && tar -cf $OUT/v3_configs.tar $new
+      echo "tuned: $(echo $new | wc -w) files"; tail -n 2 $OUT/tune-v3-*.txt ;;
+    ncu-fp8kv)
+      ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+      for kv in auto fp8_e4m3; do
+        CUDA_VISIBLE_DEVICES=$gpu timeout 240 $ncu --section SpeedOfLight --section ComputeWorkloadAnalysis \
+          --section WarpStateStats --section MemoryWorkloadAnalysis --section Occupancy -k regex:'mla_kernel' -c 2 \
+          python3 benchmarks/dev/profile_triton_kernels.py --kv-cache-dtype $kv > $OUT/ncu-mla-$kv.txt 2>&1
+        echo "$kv (rc $?): $(grep -E '^\s+(Duration|Compute \(SM\) Throughput|Memory Throughput)' \
+          $OUT/ncu-mla-$kv.txt | tail -n 3 | tr -s ' ' | tr '\n' ';')"
+      done ;;
     kits)
       CUDA_VISIBLE_DEVICES=$gpu TRITON_INTERPRET=0 timeout 400 python3 -m pytest -q -p plugserve.conformance.plugin \
         -p no:cacheprovider --pyargs plugserve.conformance --plugserve-backend attention:triton --plugserve-backend \
         gemm:triton --plugserve-backend moe:triton --plugserve-dtypes bfloat16 -k batch_invariant -rf \
         > $OUT/kits-invariant.txt 2>&1
+      tail -n 3 $OUT/kits-invariant.txt
+      CUDA_VISIBLE_DEVICES=$gpu timeout 200 python3 -m pytest -q -p no:cacheprovider -rf \
+        tests/core/test_batch_invariant.py >> $OUT/kits-invariant.txt 2>&1
       tail -n 3 $OUT/kits-invariant.txt ;;
     determinism)
       for mode in default deterministic; do
@@ -82,8 +116,9 @@ for step in "$@"; do
         echo "$mode (rc $?): $(grep '^Decode.  median' $OUT/determinism-$mode.txt | tr '\n' ' ')"
       done ;;
     serving)
-      schema='{"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"],
-        "additionalProperties": false}'
+      # A string no 128 tokens can close: every request runs its 128 tokens under the grammar, as the plain run does.
+      schema='{"type": "object", "properties": {"answer": {"type": "string", "minLength": 4096}}, "required":
+        ["answer"], "additionalProperties": false}'
       for run in cold warm mixed; do
         flags=$([ $run = mixed ] && echo --enable-mixed-chunk)
         started=$SECONDS
@@ -103,7 +138,9 @@ for step in "$@"; do
             | tr -s ' ' | tr '\n' ';')"
         done
         kill $server; wait $server
-      done ;;
+      done
+      tar -C $OUT -czf $OUT/serving-gpu$gpu.tgz $(cd $OUT && ls serving-*.txt serving-*.log serving-*.jsonl) && \
+        rm $OUT/serving-*.txt $OUT/serving-*.log $OUT/serving-*.jsonl ;;
     tp)
       for tp in 1 2; do
         devices=$([ $tp = 1 ] && echo 0 || echo 0,1)
