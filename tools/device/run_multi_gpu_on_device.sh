@@ -22,6 +22,8 @@
 #             --quick at batch 1, 8, 32 and 256 (tune-v3-*.txt, v3_configs.tar); run v3 after it to use them
 #   ncu-fp8kv GPU $GPU: ncu on the Triton MLA decode at batch 64 x 8192 keys, 128 heads, from a bf16 and from an e4m3
 #             KV cache (benchmarks/dev/profile_triton_kernels.py; ncu-mla-*.txt)
+#   accuracy  GPU $GPU: the embedded model's perplexity over a bf16 and an e4m3 KV cache through the Triton attention,
+#             against the float32 reference (benchmarks/accuracy.py --cached; accuracy-fp8kv.*)
 #   kits      GPU $GPU: the kit's batch-invariance cases of the Triton attention, GEMM and MoE in bfloat16, compiled,
 #             and the batch-invariant mode's tests (kits-invariant.txt)
 #   determinism GPU $GPU: V2-Lite's decode step with and without --enable-deterministic-inference (determinism-*.txt)
@@ -63,7 +65,8 @@ for step in "$@"; do
         --pyargs plugserve.conformance -k comm -rA > $OUT/comm-kit.txt 2>&1
       tail -n 3 $OUT/comm-kit.txt ;;
     allreduce)
-      timeout ${ALLREDUCE_TIMEOUT:-240} python3 -m benchmarks.dev.bench_allreduce --output $OUT/allreduce.json > $OUT/allreduce.txt 2>&1
+      timeout ${ALLREDUCE_TIMEOUT:-240} python3 -m benchmarks.dev.bench_allreduce --output $OUT/allreduce.json \
+        > $OUT/allreduce.txt 2>&1
       grep -v "^ \|Traceback\|Error" $OUT/allreduce.txt ;;
     v3)
       for layout in ${V3_LAYOUTS:-tp4 dp4-ep4}; do
@@ -79,12 +82,11 @@ for step in "$@"; do
       # GPUs 0-2 at once: the MoE at TP 4 and at EP 4, the per-rank FP8 GEMM shapes at TP 4 (DP 4 + EP 4 shares
       # them); into the package's config folders (where bench_one_batch reads them) and $OUT/v3_configs.tar.
       quick="--quick --batch-sizes 1 8 32 256"
-      CUDA_VISIBLE_DEVICES=0 timeout ${TUNE_TIMEOUT:-240} python3 -m benchmarks.tune.tune_fused_moe --model v3 --tp 4 $quick \
-        > $OUT/tune-v3-moe-tp4.txt 2>&1 &
-      CUDA_VISIBLE_DEVICES=1 timeout ${TUNE_TIMEOUT:-240} python3 -m benchmarks.tune.tune_fused_moe --model v3 --tp 4 --ep 4 $quick \
-        > $OUT/tune-v3-moe-ep4.txt 2>&1 &
-      CUDA_VISIBLE_DEVICES=2 timeout ${TUNE_TIMEOUT:-240} python3 -m benchmarks.tune.tune_fp8_gemm --shapes 6144,1536 7168,4096 \
-        1024,7168 7168,512 8192,512 256,512 9216,7168 7168,4608 --quick --batch-sizes 1 32 256 \
+      moe="timeout ${TUNE_TIMEOUT:-240} python3 -m benchmarks.tune.tune_fused_moe --model v3 --tp 4"
+      CUDA_VISIBLE_DEVICES=0 $moe $quick > $OUT/tune-v3-moe-tp4.txt 2>&1 &
+      CUDA_VISIBLE_DEVICES=1 $moe --ep 4 $quick > $OUT/tune-v3-moe-ep4.txt 2>&1 &
+      CUDA_VISIBLE_DEVICES=2 timeout ${TUNE_TIMEOUT:-240} python3 -m benchmarks.tune.tune_fp8_gemm --shapes \
+        6144,1536 7168,4096 1024,7168 7168,512 8192,512 256,512 9216,7168 7168,4608 --quick --batch-sizes 1 32 256 \
         > $OUT/tune-v3-gemm-tp4.txt 2>&1 &
       wait
       new=$(git ls-files -o --exclude-standard plugserve/plugins/moe/configs plugserve/plugins/gemm/configs)
@@ -99,6 +101,11 @@ for step in "$@"; do
         echo "$kv (rc $?): $(grep -E '^\s+(Duration|Compute \(SM\) Throughput|Memory Throughput)' \
           $OUT/ncu-mla-$kv.txt | tail -n 3 | tr -s ' ' | tr '\n' ';')"
       done ;;
+    accuracy)
+      CUDA_VISIBLE_DEVICES=$gpu timeout 240 python3 -m benchmarks.accuracy --device cuda --cached --combos \
+        attention=triton,dtype=bfloat16 attention=triton,dtype=bfloat16,kv=fp8_e4m3 --max-text-tokens 2048 \
+        --window 512 --text-batch 4 --result-filename $OUT/accuracy-fp8kv.json > $OUT/accuracy-fp8kv.txt 2>&1
+      tail -n 8 $OUT/accuracy-fp8kv.txt ;;
     kits)
       CUDA_VISIBLE_DEVICES=$gpu TRITON_INTERPRET=0 timeout 400 python3 -m pytest -q -p plugserve.conformance.plugin \
         -p no:cacheprovider --pyargs plugserve.conformance --plugserve-backend attention:triton --plugserve-backend \
