@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import os
 import pstats
 import sys
 import time
@@ -36,7 +37,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--host-profile", action="store_true",
                         help="also time the steps without any profiler, then by phase, then under cProfile: where "
                              "the host's time goes (Python, launches, waits), which the kernel table does not show")
+    parser.add_argument("--no-pdl", action="store_true",
+                        help="launch the Triton kernels without programmatic dependent launch (PLUGSERVE_PDL=0): "
+                             "a kernel's time then no longer includes its wait for the kernel before")
     namespace = parser.parse_args(argv)
+    if namespace.no_pdl:
+        os.environ["PLUGSERVE_PDL"] = "0"  # before any kernel launches; spawned ranks inherit it
     # A speculative round can give every request up to num_draft_tokens tokens: budget for that many a step.
     per_step = 1
     if namespace.speculative_algorithm:

@@ -9,12 +9,15 @@ kernel's tail. A kernel launched the usual way waits for the whole previous kern
 dependents launch or not.
 
 Imported lazily with the kernels (see plugserve.plugins.gemm.triton_kernels): `triton.jit` reads TRITON_INTERPRET
-when a function is defined. In the interpreter, and on older GPUs, kernels run with PDL off.
+when a function is defined. In the interpreter, and on older GPUs, kernels run with PDL off; `PLUGSERVE_PDL=0` turns
+it off everywhere, for a profile whose kernel times do not include their wait for the kernel before
+(`benchmarks/dev/profile_decode.py --no-pdl`).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -44,4 +47,6 @@ def programmatic_launch(x: torch.Tensor) -> bool:
 def _programmatic_launch_on(device_index: int | None) -> bool:
     from triton.backends.nvidia.compiler import CUDAOptions
 
+    if os.environ.get("PLUGSERVE_PDL", "1") == "0":
+        return False
     return torch.cuda.get_device_capability(device_index) >= (9, 0) and "launch_pdl" in CUDAOptions.__dataclass_fields__

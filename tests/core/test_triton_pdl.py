@@ -24,6 +24,16 @@ def test_pdl_needs_hopper(monkeypatch: pytest.MonkeyPatch, capability: tuple[int
         triton_pdl._programmatic_launch_on.cache_clear()
 
 
+def test_pdl_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setenv("PLUGSERVE_PDL", "0")
+    triton_pdl._programmatic_launch_on.cache_clear()
+    try:
+        assert triton_pdl._programmatic_launch_on(0) is False
+    finally:
+        triton_pdl._programmatic_launch_on.cache_clear()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                     reason="programmatic dependent launch needs a Hopper or newer GPU")
 def test_hopper_kernels_launch_as_programmatic_dependents() -> None:

@@ -12,8 +12,8 @@
 #   tp        V2-Lite (dummy) decode step, bench_one_batch at batch 1 and 64: one GPU, then --tp-size 2 (tp.txt)
 #   v3        V3 FP8 (dummy, 20 layers) on four GPUs, bench_one_batch at batch 1, 32 and 256: --tp-size 4, then DP
 #             attention 4 + EP 4 (v3-*.txt; V3_LAYOUTS="tp4" runs the first alone)
-#   v3-profile where TP 4's step goes at batch $V3_PROFILE_BATCH (default 1): benchmarks/dev/profile_decode
-#             (v3-profile-tp4.txt)
+#   v3-profile where TP 4's step goes at batch $V3_PROFILE_BATCH (default 1), with $V3_PROFILE_FLAGS more (e.g.
+#             --no-pdl, or DP attention's): benchmarks/dev/profile_decode (v3-profile-$V3_PROFILE_NAME.txt)
 #   profile   where V2-Lite's batch-1 decode step goes, one GPU then --tp-size 2: benchmarks/dev/profile_decode with
 #             --host-profile (profile-tp{1,2}.txt)
 #   fp8kv     one-GPU checks side by side, GPU 0: the shootout's Triton MLA decode rows with a bf16 and an e4m3 KV
@@ -75,9 +75,10 @@ for step in "$@"; do
         echo "v3 $layout (rc $?): $(grep '^all_reduce\|^Decode.  median' $OUT/v3-$layout.txt | tr '\n' ' ')"
       done ;;
     v3-profile)
+      name=v3-profile-${V3_PROFILE_NAME:-tp4}
       timeout 150 python3 -m benchmarks.dev.profile_decode $v3 --batch-size ${V3_PROFILE_BATCH:-1} \
-        --output $OUT/v3-profile-tp4.txt > $OUT/v3-profile-tp4.log 2>&1
-      echo "v3 profile tp4 (rc $?): $(head -n 2 $OUT/v3-profile-tp4.txt 2>/dev/null | tr '\n' ' ')" ;;
+        ${V3_PROFILE_FLAGS:-} --output $OUT/$name.txt > $OUT/$name.log 2>&1
+      echo "$name (rc $?): $(head -n 2 $OUT/$name.txt 2>/dev/null | tr '\n' ' ')" ;;
     tune-v3)
       # GPUs 0-2 at once: the MoE at TP 4 and at EP 4, the per-rank FP8 GEMM shapes at TP 4 (DP 4 + EP 4 shares
       # them); into the package's config folders (where bench_one_batch reads them) and $OUT/v3_configs.tar.
