@@ -5,7 +5,8 @@
 # that several can run side by side on a 4-GPU machine (`GPU=2 bash ... kits & GPU=3 bash ... serving & wait`).
 #   tests     pytest -m multigpu tests on every visible GPU: the one-shot all-reduce against NCCL, and the engine's
 #             TP / EP / DP attention layouts (speculative decoding among them) at 2 and 4 ranks against one GPU's and
-#             HF transformers' greedy tokens (tests-multigpu.txt); the comm kit over two GPUs (comm-kit.txt)
+#             HF transformers' greedy tokens (tests-multigpu.txt; TESTS_K selects with -k)
+#   comm-kit  the conformance kit's comm cases over two GPUs and, where visible, four (comm-kit.txt)
 #   allreduce benchmarks/dev/bench_allreduce.py: NCCL against the symmetric-memory one-shot and two-shot kernels and
 #             FlashInfer's (alone and fused with the residual add and RMSNorm) per message size, in CUDA-graph replay,
 #             on every visible GPU (allreduce.{txt,json})
@@ -58,9 +59,9 @@ for step in "$@"; do
       timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -q -p no:cacheprovider -m multigpu -rA --durations=0 \
         -o faulthandler_timeout=300 ${TESTS_K:+-k "$TESTS_K"} tests/plugins/comm/test_symmetric_memory.py \
         tests/runtime/test_engine_multi_gpu.py > $OUT/tests-multigpu${TESTS_K:+-$TESTS_K}.txt 2>&1
-      tail -n 3 $OUT/tests-multigpu${TESTS_K:+-$TESTS_K}.txt
-      [ -n "${TESTS_K:-}" ] && continue
-      # The comm kit on two GPUs (NCCL): every comm backend against the oracle, in graph replay too.
+      tail -n 3 $OUT/tests-multigpu${TESTS_K:+-$TESTS_K}.txt ;;
+    comm-kit)
+      # Every comm backend against the oracle at two ranks and, with four GPUs visible, four; graph replay too.
       TRITON_INTERPRET=0 timeout 200 python3 -m pytest -q -p plugserve.conformance.plugin -p no:cacheprovider \
         --pyargs plugserve.conformance -k comm -rA > $OUT/comm-kit.txt 2>&1
       tail -n 3 $OUT/comm-kit.txt ;;
