@@ -21,7 +21,7 @@ import triton.language as tl
 # 128: a decode batch's projections have few column tiles, and with no split-K the column tiles are the parallelism.
 BLOCK_M = 64
 BLOCK_N = 64
-BLOCK_K = 64
+BLOCK_K = 128  # a decode step streams the weight: each pipeline stage brings 16 KB of it (bf16)
 NUM_WARPS = 4
 NUM_STAGES = 4  # for 16-bit operands; float32 ones (twice the shared memory a stage) take 2
 # Row tiles that sweep the column tiles together (programs in a group share B's tiles in L2): only which program
@@ -40,8 +40,9 @@ def _matmul_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """Program (tile, e): c[e, m-block, n-block] = alpha * (a[e] @ b[e]) (+ beta * bias[e], float32, before the one
-    rounding to c's dtype) for batch entry e. Rows and columns past the edges wrap around (m % M, n % N): their loads
-    stay in bounds unmasked and the store drops them; K's last step is masked unless EVEN_K. M is not specialized
+    rounding to c's dtype) for batch entry e. Rows past M are masked (not loaded: a decode batch's tile is mostly
+    past M, and only B's bytes should stream); columns past N wrap around (n % N), in bounds unmasked, and the store
+    drops them; K's last step is masked unless EVEN_K. M is not specialized
     (one compiled kernel for every batch size, 1 included); int64 row and column offsets (an LM head's output passes
     2^31 elements)."""
     pid = tl.program_id(0)
@@ -56,19 +57,19 @@ def _matmul_kernel(
 
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = offs_m % M
+    row_ok = (offs_m < M)[:, None]
     cols = offs_n % N
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + entry * stride_ab + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    a_ptrs = a_ptr + entry * stride_ab + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + entry * stride_bb + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
-            a = tl.load(a_ptrs)
+            a = tl.load(a_ptrs, mask=row_ok, other=0.0)
             b = tl.load(b_ptrs)
         else:
-            a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
+            a = tl.load(a_ptrs, mask=row_ok & (offs_k[None, :] < K - k0), other=0.0)
             b = tl.load(b_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
@@ -76,10 +77,11 @@ def _matmul_kernel(
 
     acc = acc * alpha
     if HAS_BIAS:
-        bias = tl.load(bias_ptr + entry * stride_biasb + rows[:, None] * stride_biasm + cols[None, :] * stride_biasn)
+        bias = tl.load(bias_ptr + entry * stride_biasb + offs_m[:, None] * stride_biasm + cols[None, :] * stride_biasn,
+                       mask=row_ok, other=0.0)
         acc += bias.to(tl.float32) * beta
     c_ptrs = c_ptr + entry * stride_cb + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok & (offs_n < N)[None, :])
 
 
 def supports(*tensors: torch.Tensor) -> bool:

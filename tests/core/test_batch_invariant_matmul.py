@@ -22,6 +22,7 @@ ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 DTYPES = [torch.float32, torch.float16, *([torch.bfloat16] if ON_GPU else [])]
 K, N = 96, 80  # K not a whole number of K steps (the masked last step), N not a whole number of column tiles
+LONG_K = 300  # two whole K steps and a masked one
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 kernels = kernels_fixture("plugserve.core.batch_invariant_matmul")
@@ -43,9 +44,11 @@ def _close(out: torch.Tensor, expected: torch.Tensor) -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("m", [1, 3, 64, 70])
 @pytest.mark.parametrize("transposed", [False, True], ids=["plain", "transposed"])
-def test_mm_and_addmm_equal_a_float64_product(kernels: ModuleType, dtype: torch.dtype, m: int, transposed: bool):
+@pytest.mark.parametrize("k", [K, LONG_K])
+def test_mm_and_addmm_equal_a_float64_product(kernels: ModuleType, dtype: torch.dtype, m: int, transposed: bool,
+                                              k: int):
     torch.manual_seed(m)
-    a, b = _randn(m, K, dtype=dtype, transposed=transposed), _randn(K, N, dtype=dtype, transposed=not transposed)
+    a, b = _randn(m, k, dtype=dtype, transposed=transposed), _randn(k, N, dtype=dtype, transposed=not transposed)
     exact = a.double() @ b.double()
     out = kernels.mm(a, b)
     assert out.shape == (m, N) and out.dtype == dtype
@@ -83,11 +86,11 @@ def test_shapes_and_dtypes_it_does_not_take_are_refused(kernels: ModuleType):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_a_rows_bits_do_not_depend_on_the_batch(kernels: ModuleType, dtype: torch.dtype):
     torch.manual_seed(0)
-    x = torch.randn(70, 128, device=DEVICE).to(dtype)
-    w = torch.randn(N, 128, device=DEVICE).to(dtype)  # a linear's weight: b = w.t()
+    x = torch.randn(70, LONG_K, device=DEVICE).to(dtype)
+    w = torch.randn(N, LONG_K, device=DEVICE).to(dtype)  # a linear's weight: b = w.t()
     bias = torch.randn(N, device=DEVICE).to(dtype)
-    heads = _randn(2, 128, N, dtype=dtype, transposed=True)
-    others = torch.randn(130, 128, device=DEVICE).to(dtype)
+    heads = _randn(2, LONG_K, N, dtype=dtype, transposed=True)
+    others = torch.randn(130, LONG_K, device=DEVICE).to(dtype)
     for run in (lambda t: kernels.mm(t, w.t()), lambda t: kernels.mm(t, w.t(), bias),
                 lambda t: kernels.bmm(t.expand(2, *t.shape), heads).transpose(0, 1)):
         whole = run(x)
