@@ -6,7 +6,8 @@ bits with the batch around it, and a greedy near-tie can flip. Row-wise reductio
 short last dim vectorizes across rows when there are many, along the row when there are few), and so do
 transcendental element-wise ops (an element past the last whole vector takes the scalar exp / sigmoid, whose last bit
 differs from the vector one's: where it falls depends on the tensor's size). Inside
-`BatchInvariantMode` every mm / addmm / bmm / baddbmm on this thread runs one row at a time (one batched call), and
+`BatchInvariantMode` every mm / addmm / bmm / baddbmm on this thread runs one row at a time (one batched call) on the
+CPU, and on CUDA through one Triton kernel with one tile at every M (`batch_invariant_matmul`, `matmul_path`), and
 every sum / mean / softmax / log-softmax over the last dim in fixed blocks of `REDUCE_BLOCK` rows (the last block
 zero-padded), and every exp / log / sigmoid / silu / tanh / erf / gelu on a copy zero-padded to whole `VECTOR_PAD`
 element groups (every element through the vector path): every row goes through one kernel of one shape, whatever the
@@ -17,6 +18,7 @@ in blocks of `KEY_TILE` by the batch-invariant attention backends (`active()` te
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -90,16 +92,8 @@ class BatchInvariantMode(TorchDispatchMode):
         if func in _COMPOSITE:
             with self:
                 return func.decompose(*args, **kwargs)
-        if func is _aten.mm.default:
-            return row_invariant_mm(*args)
-        if func is _aten.addmm.default:
-            bias, a, b = args
-            return _scaled(row_invariant_mm(a, b), bias, kwargs)
-        if func is _aten.bmm.default:
-            return row_invariant_bmm(*args)
-        if func is _aten.baddbmm.default:
-            bias, a, b = args
-            return _scaled(row_invariant_bmm(a, b), bias, kwargs)
+        if func in _MATMULS:
+            return _matmul(func, args, kwargs)
         return func(*args, **kwargs)
 
 
@@ -110,6 +104,41 @@ _TRANSCENDENTAL = ("exp", "exp2", "expm1", "log", "log1p", "log2", "sigmoid", "s
 _ELEMENTWISE = tuple(getattr(_aten, name).default for name in _TRANSCENDENTAL)
 _ELEMENTWISE_INPLACE = {getattr(_aten, f"{name}_").default: getattr(_aten, name).default for name in _TRANSCENDENTAL}
 _REDUCTIONS = (_aten.sum.dim_IntList, _aten.mean.dim, _aten._softmax.default, _aten._log_softmax.default)
+
+
+_MATMULS = (_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default)
+TRITON = "triton"
+ROWS = "rows"
+
+
+def matmul_path(device: torch.device, dtypes: tuple[torch.dtype, ...]) -> str:
+    """How the mode runs a matmul of operands on `device` with `dtypes`: TRITON (`batch_invariant_matmul`, one fixed
+    tile at every M) for one floating dtype on CUDA, where a row-at-a-time product re-reads the weight per row; else
+    ROWS (`row_invariant_mm`): on the CPU a batched GEMV per row is cheap and torch's own."""
+    one_float = len(set(dtypes)) == 1 and dtypes[0] in (torch.float16, torch.bfloat16, torch.float32)
+    return TRITON if device.type == "cuda" and one_float else ROWS
+
+
+def _matmul(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    """mm(a, b) / addmm(bias, a, b) / bmm(a, b) / baddbmm(bias, a, b) (beta, alpha in kwargs) on `matmul_path`'s
+    path."""
+    with_bias = func in (_aten.addmm.default, _aten.baddbmm.default)
+    bias, a, b = args if with_bias else (None, *args)
+    if matmul_path(a.device, tuple(t.dtype for t in args)) == TRITON and (kernels := _triton_matmul()) is not None:
+        matmul = kernels.mm if a.dim() == 2 else kernels.bmm
+        return matmul(a, b, bias, kwargs.get("beta", 1), kwargs.get("alpha", 1))
+    product = row_invariant_mm(a, b) if a.dim() == 2 else row_invariant_bmm(a, b)
+    return _scaled(product, bias, kwargs) if with_bias else product
+
+
+@functools.cache
+def _triton_matmul() -> Any:
+    """The `batch_invariant_matmul` module, imported on first use (it imports triton); None without triton."""
+    try:
+        from plugserve.core import batch_invariant_matmul
+    except ImportError:
+        return None
+    return batch_invariant_matmul
 
 
 def _scaled(product: torch.Tensor, bias: torch.Tensor, kwargs: dict) -> torch.Tensor:

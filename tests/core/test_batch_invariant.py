@@ -57,3 +57,27 @@ def test_the_mode_is_this_threads_only():
         thread.start()
         thread.join()
     assert seen == [False] and not active()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_matmuls_take_the_triton_kernel_and_are_row_invariant_in_bf16(monkeypatch):
+    """On CUDA the mode's matmuls run `batch_invariant_matmul`'s kernel (not the row-at-a-time product): a row's
+    bits alone, in a batch of 70 and in its prefixes are the same, within bf16 rounding of a float64 product."""
+    from plugserve.core import batch_invariant_matmul
+
+    entries = []
+    kernel = batch_invariant_matmul.bmm
+    monkeypatch.setattr(batch_invariant_matmul, "bmm", lambda a, *args: entries.append(a.shape[0]) or kernel(a, *args))
+    torch.manual_seed(0)
+    dtype, device = torch.bfloat16, torch.device("cuda")
+    w = torch.randn(576, 2048, dtype=dtype, device=device) / 32
+    bias = torch.randn(576, dtype=dtype, device=device)
+    heads = torch.randn(16, 128, 512, dtype=dtype, device=device) / 8
+    x = torch.randn(70, 2048, dtype=dtype, device=device)
+    assert _alone_equals_together(lambda t: F.linear(t, w, bias), x)
+    assert _alone_equals_together(lambda t: torch.einsum("thd,hdr->thr", t, heads), x[:, :128].unsqueeze(1)
+                                  .expand(70, 16, 128).contiguous())
+    assert entries, "the Triton kernel did not run"
+    with torch.inference_mode(), batch_invariant():
+        out = F.linear(x, w, bias)
+    torch.testing.assert_close(out.double(), x.double() @ w.double().T + bias.double(), rtol=1.6e-2, atol=3e-2)

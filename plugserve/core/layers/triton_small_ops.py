@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from plugserve.core import batch_invariant
 from plugserve.core.layers import eager_ops
 from plugserve.core.triton_pdl import launch_options, programmatic_prologue
 
@@ -189,7 +190,8 @@ def mla_prepare(kv_a: torch.Tensor, q_nope: torch.Tensor, q_rope: torch.Tensor, 
                 norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, buffer: torch.Tensor,
                 slots: torch.Tensor, kv_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """`eager_ops.mla_prepare` in one kernel launch (same arguments, same results; see there), W_UK's product
-    included up to FUSED_ABSORB_MAX_TOKENS tokens (beyond, `eager_ops.absorb_q` follows).
+    included up to FUSED_ABSORB_MAX_TOKENS tokens (beyond, and at every count under `batch_invariant`, where a
+    token's product must not follow the batch's size, `eager_ops.absorb_q` follows).
 
     kv_a [T, R + P], q_nope [T, H, D] and q_rope [T, H, P] may be strided views (last dim contiguous); w_kc
     [H, D, R]; cos / sin [T, P/2] float32; buffer [num_slots, R + P] (float8_e4m3fn: value / kv_scale, on GPUs of
@@ -209,7 +211,7 @@ def mla_prepare(kv_a: torch.Tensor, q_nope: torch.Tensor, q_rope: torch.Tensor, 
     block_half = triton.next_power_of_2(p // 2)
     block_h = max(1, min(triton.next_power_of_2(h), Q_PAIRS_PER_PROGRAM // block_half))
     rope_blocks = triton.cdiv(h, block_h)
-    absorb = t <= FUSED_ABSORB_MAX_TOKENS
+    absorb = t <= FUSED_ABSORB_MAX_TOKENS and not batch_invariant.active()
     absorbing = h * triton.cdiv(r, ABSORB_BLOCK_R) if absorb else 0
     q_abs = torch.empty((t, h, r), dtype=q_nope.dtype, device=q_nope.device) if absorb else q_out  # unwritten
     _mla_prepare_kernel[(t, 1 + rope_blocks + absorbing)](

@@ -17,8 +17,9 @@ import pytest
 import torch
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
 
+from plugserve.core.batch_invariant import batch_invariant
 from plugserve.core.forward_batch import AttnForwardMethod, ForwardMode
-from plugserve.core.layers import small_ops
+from plugserve.core.layers import eager_ops, small_ops
 from plugserve.core.layers.small_ops import EAGER, SmallOps
 from plugserve.core.models.deepseek import DeepseekForCausalLM
 from plugserve.plugins.attention.torch_ref import TorchRefAttention
@@ -119,6 +120,22 @@ def test_equals_the_eager_op(kernels: ModuleType, t: int, h: int, r: int, p: int
 def test_casts_like_the_eager_op(kernels: ModuleType, dtype: torch.dtype, pool_dtype: torch.dtype,
                                  weight_dtype: torch.dtype | None) -> None:
     _check_against_eager(kernels, 3, 20, 32, 8, dtype, pool_dtype, weight_dtype)  # 20 heads: two head blocks
+
+
+@pytest.mark.parametrize("t", [1, 3, 9])
+def test_absorbs_by_the_bmm_at_every_count_under_batch_invariance(kernels: ModuleType, t: int,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under `batch_invariant` W_UK's product is `eager_ops.absorb_q`'s (row-invariant) bmm at every count, as past
+    the fused tokens, not the fused kernel's own sums: a token's absorbed q is the same bits in a batch of 3 as in one
+    of 9."""
+    calls = []
+    absorb_q = eager_ops.absorb_q
+    monkeypatch.setattr(eager_ops, "absorb_q", lambda *args: calls.append(t) or absorb_q(*args))
+    kv_a, q_nope, q_rope, w_kc, weight, cos, sin, buffer, slots = _inputs(t, 4, 48, 16, torch.float32, torch.float32)
+    with torch.inference_mode(), batch_invariant():
+        q_abs, _ = kernels.mla_prepare(kv_a, q_nope, q_rope, w_kc, weight, EPS, cos, sin, buffer, slots)
+        assert calls == [t]
+        assert torch.equal(q_abs, absorb_q(q_nope, w_kc))
 
 
 def test_no_tokens_is_a_no_op(kernels: ModuleType) -> None:

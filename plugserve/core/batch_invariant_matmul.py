@@ -1,0 +1,127 @@
+"""Batch-invariant matmuls as one Triton kernel: `BatchInvariantMode`'s mm / addmm / bmm / baddbmm on CUDA.
+
+Every call, whatever M (and whatever the number of batch entries), launches the same kernel with the same tile
+(`BLOCK_M` x `BLOCK_N` output, K in steps of `BLOCK_K` from k = 0 up, float32 accumulation, no split-K), so each
+output element is the same sequence of MMA steps over its own row of A and column of B: a row's bits do not depend on
+how many rows share the call or where in a tile it sits. On CUDA that replaces the row-at-a-time product (M GEMVs,
+each re-reading the weight) by one weight read per row tile.
+
+Imported lazily, by `batch_invariant` on the first CUDA matmul and by tests: importing plugserve.core must not import
+triton, and `triton.jit` decides when a kernel is defined whether it compiles for the GPU or runs in the interpreter
+(TRITON_INTERPRET=1, the CPU tests). Only plain tl.load / tl.dot / tl.store, so that it compiles with triton 3.6.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# The one tile of every call (invariance needs it fixed at every M; none of it is chosen by shape). 64 columns, not
+# 128: a decode batch's projections have few column tiles, and with no split-K the column tiles are the parallelism.
+BLOCK_M = 64
+BLOCK_N = 64
+BLOCK_K = 128  # a decode step streams the weight: each pipeline stage brings 16 KB of it (bf16)
+NUM_WARPS = 4
+NUM_STAGES = 4  # for 16-bit operands; float32 ones (twice the shared memory a stage) take 2
+# Row tiles that sweep the column tiles together (programs in a group share B's tiles in L2): only which program
+# computes which tile, never a tile's sums.
+GROUP_M = 8
+DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
+
+
+@triton.jit(do_not_specialize=["M"], do_not_specialize_on_alignment=["stride_ab", "stride_biasb", "stride_cb"])
+def _matmul_kernel(
+    a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K,
+    stride_ab, stride_am, stride_ak, stride_bb, stride_bk, stride_bn,
+    stride_biasb, stride_biasm, stride_biasn, stride_cb, stride_cm, stride_cn,
+    alpha, beta,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """Program (tile, e): c[e, m-block, n-block] = alpha * (a[e] @ b[e]) (+ beta * bias[e], float32, before the one
+    rounding to c's dtype) for batch entry e. Rows past M are masked (not loaded: a decode batch's tile is mostly
+    past M, and only B's bytes should stream); columns past N wrap around (n % N), in bounds unmasked, and the store
+    drops them; K's last step is masked unless EVEN_K. M is not specialized
+    (one compiled kernel for every batch size, 1 included); int64 row and column offsets (an LM head's output passes
+    2^31 elements)."""
+    pid = tl.program_id(0)
+    entry = tl.program_id(1).to(tl.int64)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pids_per_group = GROUP_M * num_pid_n
+    first_pid_m = (pid // pids_per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % pids_per_group) % group_rows
+    pid_n = (pid % pids_per_group) // group_rows
+
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = (offs_m < M)[:, None]
+    cols = offs_n % N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + entry * stride_ab + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + entry * stride_bb + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok, other=0.0)
+            b = tl.load(b_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=row_ok & (offs_k[None, :] < K - k0), other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    acc = acc * alpha
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + entry * stride_biasb + offs_m[:, None] * stride_biasm + cols[None, :] * stride_biasn,
+                       mask=row_ok, other=0.0)
+        acc += bias.to(tl.float32) * beta
+    c_ptrs = c_ptr + entry * stride_cb + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok & (offs_n < N)[None, :])
+
+
+def supports(*tensors: torch.Tensor) -> bool:
+    """Whether the kernel takes these operands: one dtype of `DTYPES` (aten's matmuls take no mixed dtypes)."""
+    return all(t.dtype == tensors[0].dtype for t in tensors) and tensors[0].dtype in DTYPES
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, beta: float = 1.0,
+        alpha: float = 1.0) -> torch.Tensor:
+    """aten.bmm / baddbmm: a [E, M, K] @ b [E, K, N] -> [E, M, N] (a new contiguous tensor in their dtype), as
+    beta * bias + alpha * (a @ b) with bias (broadcast to [E, M, N]) when given and beta != 0 (beta == 0 ignores
+    bias, NaNs included, as torch does). Any strides (a transposed weight view included); float32 operands are
+    multiplied exactly (no TF32), as torch's default. Allocates only the output: fine in a CUDA graph."""
+    e, m, k = a.shape
+    n = b.shape[2]
+    if b.shape[0] != e or b.shape[1] != k:
+        raise ValueError(f"bmm of {tuple(a.shape)} and {tuple(b.shape)}: shapes do not chain")
+    if not supports(a, b, *([bias] if bias is not None else [])):
+        raise ValueError(f"the batch-invariant matmul takes one dtype of {sorted(map(str, DTYPES))}, got "
+                         f"{[str(t.dtype) for t in (a, b, bias) if t is not None]}")
+    out = torch.empty((e, m, n), dtype=a.dtype, device=a.device)
+    if out.numel() == 0:
+        return out
+    has_bias = bias is not None and beta != 0
+    bias = bias.expand(e, m, n) if has_bias else out  # `out` unread without a bias
+    grid = (triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N), e)
+    _matmul_kernel[grid](
+        a, b, bias, out, m, n, k,
+        a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
+        bias.stride(0), bias.stride(1), bias.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        float(alpha), float(beta),
+        HAS_BIAS=has_bias, EVEN_K=k % BLOCK_K == 0, INPUT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M, num_warps=NUM_WARPS,
+        num_stages=2 if a.dtype == torch.float32 else NUM_STAGES,
+    )
+    return out
+
+
+def mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, beta: float = 1.0,
+       alpha: float = 1.0) -> torch.Tensor:
+    """aten.mm / addmm: a [M, K] @ b [K, N] -> [M, N], bias broadcast to [M, N]; `bmm` with one batch entry."""
+    bias3 = bias.expand(a.shape[0], b.shape[1]).unsqueeze(0) if bias is not None else None
+    return bmm(a.unsqueeze(0), b.unsqueeze(0), bias3, beta, alpha)[0]
