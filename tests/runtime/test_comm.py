@@ -14,9 +14,10 @@ import torch
 
 from plugserve.core.distributed import CommRoutes, ParallelGroup
 from plugserve.core.interfaces import CommCapabilities
+from plugserve.core.specs import CommSpec
 from plugserve.plugins.comm.torch_ref import TorchDistributedAllReduce
 from plugserve.registry import TABLES_ENV, SelectionError, get_registry, hookimpl
-from plugserve.runtime.comm import build_comm
+from plugserve.runtime.comm import build_comm, sum_mismatch
 from plugserve.runtime.server_args import ServerArgs
 from tests.multiprocess import run_ranks
 
@@ -145,3 +146,31 @@ def test_a_table_with_the_worlds_comm_buckets_routes_each_size_by_its_order(tmp_
         {"max_bytes": 512 << 10, "order": ["roomy", "torch_ref"]}]})
     unranked = _table(tmp_path / "unranked", {4: [{"max_bytes": 1 << 20, "order": ["torch_ref"]}]})
     run_ranks(_by_table, ranked, unranked)
+
+
+def _nudged(group: ParallelGroup) -> None:
+    spec = CommSpec(group.world_size, torch.bfloat16, group=group.group)
+    x = torch.randn(16, 1024, generator=torch.Generator().manual_seed(group.rank)).bfloat16()
+    x[0, 0] = 0.0  # the sum's first element is 0: no elementwise room there
+    assert sum_mismatch(Nudged(spec, torch.device("cpu")), x, spec) == ""
+    assert sum_mismatch(Nudged(spec, torch.device("cpu"), by=1.0), x, spec) == (
+        "its sum differs from the group's own all-reduce's")
+
+
+class Nudged(TorchDistributedAllReduce):
+    """torch_ref's sum, its first element moved by `by` (a partial sum's bf16 rounding: 1/32 near 4)."""
+
+    def __init__(self, spec: CommSpec, device: torch.device, by: float = 1 / 32) -> None:
+        super().__init__(spec, device)
+        self.by = by
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().all_reduce(x)
+        out[0, 0] += self.by
+        return out
+
+
+def test_beyond_two_ranks_a_sum_may_differ_by_a_rounding_of_its_largest_partial_not_more() -> None:
+    """Three ranks: a bf16 sum that cancels to zero keeps its partials' rounding (1/32) in another order; within 2 %
+    of the sum's largest magnitude it is the same sum, an element off by 1 is not."""
+    run_ranks(_nudged, world_size=3)
