@@ -458,7 +458,7 @@ def comm_rank(rank: int, world: int, device: torch.device, out: str, dtype_name:
     for backend in built:
         taken = [(t, h, x) for t, h, x in messages if backend.takes(x)]  # by size and dtype: alike on every rank
         errors = [f"{backend.name} at {t} x {h}: {e}" for t, h, x in taken
-                  if (e := agreed(sum_mismatch(backend, x, spec), device, group))]
+                  if (e := agreed(_sum_error(backend, x, spec), device, group))]
         if errors:
             excluded.append(errors[0])  # a backend that sums one size wrong ranks at none
             continue
@@ -471,10 +471,18 @@ def comm_rank(rank: int, world: int, device: torch.device, out: str, dtype_name:
     dist.barrier()
 
 
+def _sum_error(backend: CommBackend, x: torch.Tensor, spec: CommSpec) -> str:
+    """runtime.comm.sum_mismatch, a sum that raises (on this rank: the others go on to agree) among its errors."""
+    try:
+        return sum_mismatch(backend, x, spec)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+
+
 def run_comm(device: torch.device, dtype: torch.dtype, args, emit) -> None:
     """For each world this machine runs (comm_worlds), `comm_rank` on that many spawned ranks, then a row per
     backend and message it took, and a table of the world to stdout. A backend that failed to build or summed
-    wrong is printed and gets no row."""
+    wrong is printed and gets no row; a world whose ranks failed, printed, the next one run."""
     worlds = comm_worlds(device)
     if not worlds:
         print(f"comm: one {device.type} device: no all-reduce to measure", file=sys.stderr)
@@ -486,8 +494,12 @@ def run_comm(device: torch.device, dtype: torch.dtype, args, emit) -> None:
     for world in worlds:
         with tempfile.TemporaryDirectory() as scratch:
             out = Path(scratch) / "comm.json"
-            run_ranks(comm_rank, world, str(out), dtype_name, QUICK_COMM_CASES if args.quick else COMM_CASES, wanted,
-                      args.warmup, args.reps, device_type=device.type, timeout_s=COMM_TIMEOUT_S)
+            try:
+                run_ranks(comm_rank, world, str(out), dtype_name, QUICK_COMM_CASES if args.quick else COMM_CASES,
+                          wanted, args.warmup, args.reps, device_type=device.type, timeout_s=COMM_TIMEOUT_S)
+            except Exception as exc:  # a world whose ranks failed must not end the shootout: report it and go on
+                print(f"comm at {world} ranks failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+                continue
             result = json.loads(out.read_text())
         rows = []
         for m in result["measured"]:
