@@ -7,6 +7,8 @@ side by side with the device's own ceilings measured in the same run.
                                   # attention's ranking at 16 heads a rank, beside the table's 128
     python benchmarks/shootout.py --kinds gemm --backends gemm:triton gemm:torch_scaled_mm \\
         --merge-into plugserve/tables/<gpu>.json ...   # those two re-ranked where they stand in the table
+    python benchmarks/shootout.py --kinds comm --output-dir ... [--merge-into plugserve/tables/<gpu>.json]
+                                  # all-reduces at 2, 4, 8 ranks (as many as there are GPUs), ranked per size
 
 For each case and backend: time (CUDA events after warm-up, median of --reps), achieved GB/s and
 TFLOP/s, and the fraction of the limit, where limit = max(bytes / measured memory GB/s, flops / measured
@@ -14,6 +16,13 @@ dense TFLOP/s of the dtype); on a GPU each timed replay starts with a cold L2 (a
 fraction above 1 fails the run (the limit or the case's byte count would be wrong). Writes shootout.json,
 shootout.md, one PNG per kind, and the selection table `auto` reads (`<device_key>.json`, to copy into
 plugserve/tables/), ranking backends per kind, phase and batch bucket by measured time.
+
+comm (all-reduces, not run by default): for each world of 2, 4 and 8 ranks the visible GPUs allow, one spawned
+process per rank (the CPU: two gloo ranks, to test the flow) builds every usable comm backend as serving does
+(runtime/comm.py), checks its sum of each message against the group's own all-reduce (a backend that sums wrong is
+printed and not ranked) and times it: CUDA-graph replay of COMM_CALLS sums, the median replay, the slowest rank's.
+An all-reduce has no limit here (its fraction is left empty); the table ranks backends per world and message size
+(`comm`: buckets of max_bytes, fastest first), which serving's all-reduces follow.
 
 Shapes are one rank's (--tp-size P, --ep-size E), sliced as the model slices them (ModelConfig.attention_spec /
 moe_spec, core/layers/parallel.py): attention at heads / P; GEMMs at DeepSeek-V3's projections' per-rank [N, K];
@@ -27,31 +36,44 @@ import argparse
 import importlib
 import itertools
 import json
+import os
 import statistics
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from benchmarks import gpu_timing
 from plugserve.conformance.batches import random_batch
+from plugserve.conformance.comm_ranks import run_ranks
 from plugserve.core.config import ModelConfig, ModelConfigError, preset_config
 from plugserve.core.dispatch import prepare_attention
+from plugserve.core.distributed import ParallelGroup
 from plugserve.core.forward_batch import ForwardMode, Phase
 from plugserve.core.hardware import Hardware
-from plugserve.core.interfaces import MoEWeights
+from plugserve.core.interfaces import CommBackend, MoEWeights
 from plugserve.core.layers.quant import quantize_block_fp8
-from plugserve.core.specs import AttentionSpec, GemmSpec, MoESpec
-from plugserve.registry import BATCH_BUCKETS, get_registry
+from plugserve.core.specs import AttentionSpec, CommSpec, GemmSpec, MoESpec
+from plugserve.registry import BATCH_BUCKETS, comm_order_line, get_registry, size_name
+from plugserve.runtime.comm import agreed, build_checked, sum_mismatch
 
 # The models whose shapes the shootout measures: GEMMs of the first, MoE layers of each (--quick: "tiny").
 GEMM_MODEL = "deepseek-v3"
 MOE_MODELS = ("deepseek-v3", "deepseek-v2-lite")
 QUICK_MODEL = "tiny"
+# The all-reduces measured, (tokens, hidden) of --dtype: DeepSeek-V3's hidden from a decode step of one token to a
+# prefill chunk, and a small model's single token (--quick: two small ones).
+COMM_CASES = [*((t, 7168) for t in (1, 8, 32, 64, 128, 256, 512)), (1, 2048)]
+QUICK_COMM_CASES = [(1, 2048), (8, 2048)]
+COMM_WORLDS = (2, 4, 8)  # the tensor-parallel groups of one node; the CPU's gloo ranks run 2 (to test the flow)
+COMM_CALLS = {"cuda": 20, "cpu": 3}  # all-reduces per timed sample: one graph's (CUDA), or a loop's (CPU)
+COMM_TIMEOUT_S = 600.0  # a world's ranks, start to end (NCCL's start-up at eight ranks included)
 
 
 @dataclass
@@ -74,10 +96,12 @@ class Row:
     us: float
     gbps: float
     tflops: float
-    fraction_of_limit: float
+    fraction_of_limit: float | None  # None for comm: an all-reduce's limit is the link's, not measured here
     batch: int
-    timing: str  # "graph", "events" or "wall": see timed()
+    timing: str  # "graph", "events" or "wall": see timed() (comm: time_all_reduce())
     library_us: float | None = None  # the backend's library called directly on the same inputs (no wrapper)
+    world: int | None = None  # comm: the ranks that summed
+    message_bytes: int | None = None  # comm: the bytes each rank's message holds
 
     @property
     def wrapper_overhead(self) -> float | None:
@@ -352,6 +376,162 @@ def run_moe(backends: list, device: torch.device, dtype: torch.dtype, args, emit
                 emit(case, entry.name, *timed(run, device, args.warmup, args.reps_for(entry.name)))
 
 
+def comm_worlds(device: torch.device) -> list[int]:
+    """The world sizes of COMM_WORLDS this machine runs: as many GPUs as are visible (rank r on cuda:r), or two gloo
+    ranks on the CPU."""
+    if device.type == "cuda":
+        return [w for w in COMM_WORLDS if w <= torch.cuda.device_count()]
+    return [2]
+
+
+def time_all_reduce(backend: CommBackend, x: torch.Tensor, group: ParallelGroup, warmup: int, reps: int,
+                    calls: int) -> tuple[float, str]:
+    """Every rank at once: seconds per `backend.all_reduce` of a tensor of x's shape and dtype, the slowest rank's
+    median of `reps` samples of `calls` sums, and how it was timed. CUDA ("graph"): the calls captured in one CUDA
+    graph after a warm-up on a side stream (as serving captures them), each sample one replay between CUDA events,
+    the ranks lined up by a barrier first; CPU ("wall"): wall time of a loop of the calls. The message is zeros (an
+    in-place sum of zeros stays zeros however often it runs)."""
+    static = torch.zeros_like(x)
+    device = x.device
+    if device.type == "cuda":
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(max(1, warmup)):
+                backend.all_reduce(static)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                backend.all_reduce(static)
+        graph.replay()
+        torch.cuda.synchronize(device)
+        samples = []
+        for _ in range(reps):
+            dist.barrier(group=group.group)
+            torch.cuda.synchronize(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3 / calls)
+    else:
+        for _ in range(warmup):
+            backend.all_reduce(static)
+        samples = []
+        for _ in range(reps):
+            dist.barrier(group=group.group)
+            begin = time.perf_counter()
+            for _ in range(calls):
+                backend.all_reduce(static)
+            samples.append((time.perf_counter() - begin) / calls)
+    slowest = torch.tensor([statistics.median(samples)], dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group.group)
+    return float(slowest.item()), "graph" if device.type == "cuda" else "wall"
+
+
+def comm_rank(rank: int, world: int, device: torch.device, out: str, dtype_name: str, cases: list[tuple[int, int]],
+              wanted: list[str] | None, warmup: int, reps: int) -> None:
+    """One rank of a world (plugserve.conformance.comm_ranks.run_ranks): every usable comm backend (of `wanted`
+    names, None: all) built and self-checked as serving builds them (runtime/comm.py, collectively), its sum of each
+    case it takes checked against the group's own all-reduce, then, where every check passed, timed. Rank 0 writes
+    {"measured": [{backend, tokens, hidden, bytes, seconds, timing}], "excluded": [why]} to `out`."""
+    group = ParallelGroup(rank, world, dist.group.WORLD)
+    dtype = getattr(torch, dtype_name)
+    spec = CommSpec(world, dtype, group=group.group)
+    hardware = Hardware.detect(device)
+    candidates = [s.backend for s in get_registry().candidates("comm", Phase.DECODE, 1, hardware, "auto", spec)
+                  if wanted is None or s.backend.name in wanted]
+    excluded: list[str] = []
+    built: list[CommBackend] = []
+    for cls in sorted(candidates, key=lambda c: c.name):  # one order on every rank: building is a collective
+        backend, error = build_checked(cls, spec, device, group)  # type: ignore[arg-type]
+        if backend is None:
+            excluded.append(f"{cls.name}: {error}")
+        else:
+            built.append(backend)
+    generator = torch.Generator(device=device).manual_seed(rank)
+    messages = [(tokens, hidden, torch.randn(tokens, hidden, device=device, generator=generator).to(dtype))
+                for tokens, hidden in sorted(cases, key=lambda c: c[0] * c[1])]
+    measured = []
+    for backend in built:
+        taken = [(t, h, x) for t, h, x in messages if backend.takes(x)]  # by size and dtype: alike on every rank
+        errors = [f"{backend.name} at {t} x {h}: {e}" for t, h, x in taken
+                  if (e := agreed(_sum_error(backend, x, spec), device, group))]
+        if errors:
+            excluded.append(errors[0])  # a backend that sums one size wrong ranks at none
+            continue
+        for tokens, hidden, x in taken:
+            seconds, timing = time_all_reduce(backend, x, group, warmup, reps, COMM_CALLS[device.type])
+            measured.append({"backend": backend.name, "tokens": tokens, "hidden": hidden,
+                             "bytes": x.numel() * x.element_size(), "seconds": seconds, "timing": timing})
+    if rank == 0:
+        Path(out).write_text(json.dumps({"measured": measured, "excluded": excluded}))
+    dist.barrier()
+
+
+def _sum_error(backend: CommBackend, x: torch.Tensor, spec: CommSpec) -> str:
+    """runtime.comm.sum_mismatch, a sum that raises (on this rank: the others go on to agree) among its errors."""
+    try:
+        return sum_mismatch(backend, x, spec)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+
+
+def run_comm(device: torch.device, dtype: torch.dtype, args, emit) -> None:
+    """For each world this machine runs (comm_worlds), `comm_rank` on that many spawned ranks, then a row per
+    backend and message it took, and a table of the world to stdout. A backend that failed to build or summed
+    wrong is printed and gets no row; a world whose ranks failed, printed, the next one run."""
+    worlds = comm_worlds(device)
+    if not worlds:
+        print(f"comm: one {device.type} device: no all-reduce to measure", file=sys.stderr)
+        return
+    if device.type == "cuda":
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off, as the lent machines need it
+    wanted = sorted(name for kind, name in args.wanted if kind == "comm") if args.wanted else None
+    dtype_name = str(dtype).removeprefix("torch.")
+    for world in worlds:
+        with tempfile.TemporaryDirectory() as scratch:
+            out = Path(scratch) / "comm.json"
+            try:
+                run_ranks(comm_rank, world, str(out), dtype_name, QUICK_COMM_CASES if args.quick else COMM_CASES,
+                          wanted, args.warmup, args.reps, device_type=device.type, timeout_s=COMM_TIMEOUT_S)
+            except Exception as exc:  # a world whose ranks failed must not end the shootout: report it and go on
+                print(f"comm at {world} ranks failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+                continue
+            result = json.loads(out.read_text())
+        rows = []
+        for m in result["measured"]:
+            case = Case("comm", "any", f"w{world} {size_name(m['bytes'])} t{m['tokens']} h{m['hidden']}",
+                        m["tokens"], m["bytes"], 0.0, dtype_name)
+            rows.append(emit(case, m["backend"], m["seconds"], m["timing"], world=world))
+        for why in result["excluded"]:
+            print(f"comm at {world} ranks, not ranked: {why}", flush=True)
+        print(comm_world_table(rows, world, dtype), flush=True)
+        ranked = comm_rankings(rows).get(str(world), [])
+        print(f"  auto's order at {world} ranks: " + comm_order_line((b["max_bytes"], b["order"]) for b in ranked),
+              flush=True)
+
+
+def comm_world_table(rows: list[Row], world: int, dtype: torch.dtype) -> str:
+    """One world's all-reduces as a text table: per message size, each backend's time and the order `auto` takes."""
+    names = sorted({r.backend for r in rows})
+    by_size: dict[int, dict[str, Row]] = {}
+    for r in rows:
+        by_size.setdefault(r.message_bytes, {})[r.backend] = r  # type: ignore[index]
+    lines = [f"all-reduce at {world} ranks, {str(dtype).removeprefix('torch.')}, us per call:",
+             f"  {'size':>10} {'tokens x hidden':>16} " + " ".join(f"{n:>18}" for n in names) + "  fastest first"]
+    for n_bytes, mine in sorted(by_size.items()):
+        tokens = next(iter(mine.values())).batch
+        order = sorted(mine, key=lambda n: mine[n].us)
+        shape = f"{tokens} x {n_bytes // (tokens * dtype.itemsize)}"
+        lines.append(f"  {size_name(n_bytes):>10} {shape:>16} "
+                     + " ".join(f"{mine[n].us:18.1f}" if n in mine else f"{'-':>18}" for n in names)
+                     + "  " + " > ".join(order))
+    return "\n".join(lines)
+
+
 def time_library(setup: Callable[[], Callable[[], object]] | None, device: torch.device, args) -> float | None:
     """Seconds of the library called directly, timed as the backend was (None without a library call)."""
     if setup is None:
@@ -373,7 +553,7 @@ def selection_table(rows: list[Row], device_name: str, command: str, tp_size: in
     cases falling in that bucket (only backends measured on every such case compete); with the parallelism
     whose per-rank shapes they ran and the heads a rank's attention ran."""
     rankings: dict[str, dict[str, list[dict]]] = {}
-    for kind in sorted({r.kind for r in rows}):
+    for kind in sorted({r.kind for r in rows} - {"comm"}):
         for phase in sorted({r.phase for r in rows if r.kind == kind}):
             buckets = []
             low = 0
@@ -391,8 +571,34 @@ def selection_table(rows: list[Row], device_name: str, command: str, tp_size: in
                 buckets.append({"max_batch_size": edge, "order": sorted(totals, key=totals.get)})
             if buckets:
                 rankings.setdefault(kind, {})[phase] = buckets
-    return {"device_name": device_name, "source": command, "tp_size": tp_size, "ep_size": ep_size,
-            "attention_heads": attention_heads, "rankings": rankings}
+    table = {"device_name": device_name, "source": command, "tp_size": tp_size, "ep_size": ep_size,
+             "attention_heads": attention_heads, "rankings": rankings}
+    comm = comm_rankings(rows)
+    return table | {"comm": comm} if comm else table
+
+
+def comm_rankings(rows: list[Row]) -> dict[str, list[dict]]:
+    """Per world size (a JSON key: a string), all-reduce buckets (registry.CommBucket) in increasing size: each
+    measured message size a bucket, its backends fastest first, neighbours of one order merged into the larger."""
+    rankings = {}
+    for world in sorted({r.world for r in rows if r.kind == "comm"}):  # type: ignore[type-var]
+        mine = [r for r in rows if r.kind == "comm" and r.world == world]
+        rankings[str(world)] = _merged_neighbours(
+            (n_bytes, [r.backend for r in sorted((r for r in mine if r.message_bytes == n_bytes), key=lambda r: r.us)])
+            for n_bytes in sorted({r.message_bytes for r in mine}))  # type: ignore[type-var]
+    return rankings
+
+
+def _merged_neighbours(buckets: Iterable[tuple[int, list[str]]]) -> list[dict]:
+    """(max_bytes, order) in increasing size as CommBucket dicts, a bucket of its lower neighbour's order merged
+    into it (one bucket, up to the larger size)."""
+    merged: list[dict] = []
+    for n_bytes, order in buckets:
+        if merged and merged[-1]["order"] == order:
+            merged[-1]["max_bytes"] = n_bytes
+        else:
+            merged.append({"max_bytes": n_bytes, "order": order})
+    return merged
 
 
 def merge_rankings(path: Path, measured: dict) -> None:
@@ -403,11 +609,16 @@ def merge_rankings(path: Path, measured: dict) -> None:
     than the table's `attention_heads` goes under `attention_by_heads`, so that `auto` picks by the heads a model
     runs per rank (registry.SelectionTable)."""
     table = json.loads(path.read_text())
-    if (table["device_name"], table.get("tp_size", 1)) != (measured["device_name"], measured["tp_size"]):
+    comm = measured.get("comm", {})
+    if table["device_name"] != measured["device_name"] or (
+            measured["rankings"] and table.get("tp_size", 1) != measured["tp_size"]):  # all-reduces: any tp
         raise SystemExit(f"--merge-into {path}: measured on {measured['device_name']} at tp {measured['tp_size']}, "
                          f"the table is {table['device_name']}'s at tp {table.get('tp_size', 1)}")
-    if not measured["rankings"]:
+    if not measured["rankings"] and not comm:
         raise SystemExit(f"--merge-into {path}: this run ranked no backend")
+    for world, buckets in comm.items():
+        target = table.setdefault("comm", {})
+        target[world] = merged_comm_buckets(target.get(world, []), buckets)
     heads = measured["attention_heads"]
     for kind, phases in measured["rankings"].items():
         if kind == "attention" and heads != table.get("attention_heads", 128):
@@ -419,9 +630,22 @@ def merge_rankings(path: Path, measured: dict) -> None:
             for bucket in buckets:
                 old[bucket["max_batch_size"]] = _spliced(old.get(bucket["max_batch_size"], []), bucket["order"])
             target[phase] = [{"max_batch_size": edge, "order": old[edge]} for edge in sorted(old)]
-    kinds = ", ".join(f"attention at {heads} heads" if kind == "attention" else kind for kind in measured["rankings"])
+    kinds = ", ".join([*(f"attention at {heads} heads" if kind == "attention" else kind
+                         for kind in measured["rankings"]), *(["comm"] if comm else [])])
     table["source"] = f"{table.get('source', '')}; {kinds} re-ranked by: {measured['source']}"
     path.write_text(json.dumps(table, indent=1) + "\n")
+
+
+def merged_comm_buckets(old: list[dict], measured: list[dict]) -> list[dict]:
+    """One world's all-reduce buckets after a run: at every edge of either, the order covering it in the table with
+    the measured backends put in their measured order (`_spliced`; above a list's last edge, its last order),
+    neighbours of one order merged. A run of every backend replaces the table's orders; a run of some of them
+    re-ranks those where they stood."""
+    def covering(buckets: list[dict], n_bytes: int) -> list[str]:
+        return next((b["order"] for b in buckets if n_bytes <= b["max_bytes"]), buckets[-1]["order"] if buckets else [])
+
+    return _merged_neighbours((edge, _spliced(covering(old, edge), covering(measured, edge)))
+                              for edge in sorted({b["max_bytes"] for b in [*old, *measured]}))
 
 
 def merge_results(results: Path, table: Path) -> None:
@@ -453,11 +677,15 @@ def write_outputs(rows: list[Row], ceilings: dict[str, float], hardware: Hardwar
     lines = [f"# Shootout on {hardware.name}", "", f"`{command}`", "",
              f"One rank's shapes at tensor parallelism {tp_size}, expert parallelism {ep_size}.", "",
              "Ceilings measured in the same run: " + ", ".join(f"{k} {v:.1f}" for k, v in ceilings.items()), "",
+             *(["comm rows: all-reduces at `w` ranks of the message size shown, every rank's; no limit (the link's is "
+                "not measured here), their GB/s the message's bytes per second; ranked by time", ""]
+               if any(r.kind == "comm" for r in rows) else []),
              "| kind | phase | shape | backend | time (us) | GB/s | TFLOP/s | fraction of limit | library direct (us) "
              "| wrapper overhead |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r.kind} | {r.phase} | {r.shape} | {r.backend} | {r.us:.1f} | {r.gbps:.0f} | {r.tflops:.1f} | "
-              f"{r.fraction_of_limit:.2f} | " + ("" if r.library_us is None else f"{r.library_us:.1f}") + " | "
+              + ("" if r.fraction_of_limit is None else f"{r.fraction_of_limit:.2f}") + " | "
+              + ("" if r.library_us is None else f"{r.library_us:.1f}") + " | "
               + ("" if r.wrapper_overhead is None else f"{r.wrapper_overhead:+.1%}") + " |" for r in rows]
     (out / "shootout.md").write_text("\n".join(lines) + "\n")
     (out / f"{hardware.device_key}.json").write_text(
@@ -475,10 +703,12 @@ def write_outputs(rows: list[Row], ceilings: dict[str, float], hardware: Hardwar
         shapes = list(dict.fromkeys(r.shape for r in mine))
         fig, ax = plt.subplots(figsize=(max(8, len(shapes) * 0.45), 5))
         for name in sorted({r.backend for r in mine}):
-            by_shape = {r.shape: r.fraction_of_limit for r in mine if r.backend == name}
+            by_shape = {r.shape: r.us if kind == "comm" else r.fraction_of_limit for r in mine if r.backend == name}
             ax.plot(range(len(shapes)), [by_shape.get(s, float("nan")) for s in shapes], marker="o", label=name)
         ax.set_xticks(range(len(shapes)), shapes, rotation=70, fontsize=7)
-        ax.set_ylabel("fraction of the measured limit")
+        if kind == "comm":  # no limit to divide by: the time itself
+            ax.set_yscale("log")
+        ax.set_ylabel("us per all-reduce" if kind == "comm" else "fraction of the measured limit")
         ax.set_title(f"{kind} on {hardware.name}")
         ax.legend()
         fig.tight_layout()
@@ -503,8 +733,10 @@ def check_parallelism(parser: argparse.ArgumentParser, args: argparse.Namespace)
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    kinds = ["attention", "gemm", "moe"]
-    parser.add_argument("--kinds", nargs="+", default=kinds, choices=kinds)
+    parser.add_argument("--kinds", nargs="+", default=["attention", "gemm", "moe"],
+                        choices=["attention", "gemm", "moe", "comm"],
+                        help="comm: all-reduces on spawned ranks, at each world of 2, 4, 8 the visible GPUs allow "
+                             "(the CPU: 2 gloo ranks)")
     parser.add_argument("--backends", nargs="*", default=None, help="KIND:NAME to include (default: every usable one)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
@@ -546,27 +778,35 @@ def main(argv: Sequence[str] | None = None) -> None:
     hardware = Hardware.detect(device)
     registry = get_registry()
     wanted = {tuple(b.split(":", 1)) for b in args.backends} if args.backends else None
-    ceilings = measure_ceilings(device, args.quick)
-    print(f"{hardware.describe()}: " + ", ".join(f"{k} {v:.1f}" for k, v in ceilings.items()))
+    args.wanted = wanted
+    # An all-reduce has no limit measured here: a run of comm alone measures no ceiling.
+    ceilings = measure_ceilings(device, args.quick) if set(args.kinds) - {"comm"} else {}
+    print(hardware.describe() + "".join(f", {k} {v:.1f}" for k, v in ceilings.items()))
     rows: list[Row] = []
 
-    def emit(case: Case, backend: str, seconds: float, timing: str, library: float | None = None) -> None:
-        limit = limit_seconds(case, ceilings)
+    def emit(case: Case, backend: str, seconds: float, timing: str, library: float | None = None,
+             world: int | None = None) -> Row:
+        """A row of the case (comm: `world` ranks, no limit), printed."""
+        fraction = None if world is not None else limit_seconds(case, ceilings) / seconds
         row = Row(case.kind, case.phase, case.shape, backend, seconds * 1e6, case.bytes / seconds / 1e9,
-                  case.flops / seconds / 1e12, limit / seconds, case.batch, timing,
-                  None if library is None else library * 1e6)
+                  case.flops / seconds / 1e12, fraction, case.batch, timing,
+                  None if library is None else library * 1e6, world, int(case.bytes) if world is not None else None)
         rows.append(row)
+        limit = "no limit" if fraction is None else f"{fraction:6.2f} of limit"
         print(f"{row.kind:9} {row.shape:32} {row.backend:12} {row.us:10.1f} us {row.gbps:8.0f} GB/s "
-              f"{row.tflops:7.1f} TFLOP/s {row.fraction_of_limit:6.2f} of limit ({timing})"
+              f"{row.tflops:7.1f} TFLOP/s {limit} ({timing})"
               + ("" if row.library_us is None else f" library {row.library_us:.1f} us, wrapper "
                  f"{row.wrapper_overhead:+.1%}"), flush=True)
+        return row
 
     command = "python benchmarks/shootout.py " + " ".join(argv if argv is not None else sys.argv[1:])
     heads = args.heads // args.tp_size  # a rank's
     for kind in args.kinds:
         entries = [e for name, e in sorted(registry.backends[kind].items()) if wanted is None or (kind, name) in wanted]
         entries = [e for e in entries if registry.availability(e.cls, hardware)]
-        if kind == "attention":
+        if kind == "comm":
+            run_comm(device, dtype, args, emit)  # each world's ranks find their own backends
+        elif kind == "attention":
             run_attention(entries, device, dtype, heads, args, emit)
         elif kind == "gemm":
             run_gemm(entries, device, dtype, args, emit)
@@ -585,7 +825,8 @@ def check_limits(rows: list[Row]) -> None:
     """Exits naming every row faster than its limit (the results are written first, to look at): the limit is a
     lower bound on the time, so such a row means a byte or flop count, or a ceiling, is wrong. On a GPU only: a
     CPU's caches are not flushed between calls, so small cases there run from cache."""
-    over = [f"{r.kind} {r.shape} {r.backend}: {r.fraction_of_limit:.2f}" for r in rows if r.fraction_of_limit > 1.0]
+    over = [f"{r.kind} {r.shape} {r.backend}: {r.fraction_of_limit:.2f}" for r in rows
+            if r.fraction_of_limit is not None and r.fraction_of_limit > 1.0]
     if over:
         sys.exit("faster than the limit (fraction of the limit above 1):\n  " + "\n  ".join(over))
 

@@ -20,11 +20,12 @@ from plugserve.core.dispatch import (
 from plugserve.core.forward_batch import AttnForwardMethod, ForwardMode, Phase
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import VERIFIED
-from plugserve.core.specs import KINDS, Kind
+from plugserve.core.specs import KINDS, CommSpec, Kind
 from plugserve.registry import (
     BATCH_BUCKETS,
     Registry,
     SelectionError,
+    comm_order_line,
     get_registry,
     load_selection_table,
     selection_table_match,
@@ -90,6 +91,7 @@ def describe(registry: Registry, hardware: Hardware, kinds: Sequence[Kind], expl
     }
     if "comm" in kinds:
         result["comm_chain"] = comm_chain(registry, hardware)
+        result["comm_measured"] = comm_measured(registry, hardware)
     if explain and {"gemm", "moe"} & set(kinds):
         result["gemm_moe_rows"] = ROW_RULE
     if explain and "attention" in kinds:
@@ -113,6 +115,27 @@ def comm_chain(registry: Registry, hardware: Hardware) -> list[dict[str, Any]]:
         if bounds is None:
             break
     return chain
+
+
+def comm_measured(registry: Registry, hardware: Hardware) -> dict[str, Any]:
+    """The all-reduce orders this device's selection table measured (`runtime/comm.py` follows them): its file, and
+    per world size the buckets of max_bytes with the backends usable here fastest first, torch_ref last (every
+    size's last resort); `reason` says why a world not listed, or every world, chains by declared priority."""
+    loaded = load_selection_table(hardware)
+    if loaded is None:
+        return {"table": None, "worlds": {}, "reason": selection_table_match(hardware).reason}
+    table, path, _ = loaded
+    if not table.comm:
+        return {"table": path.name, "worlds": {}, "reason": f"{path.name} ranks no all-reduce"}
+    worlds = {}
+    for world in sorted(table.comm):
+        spec = CommSpec(world)
+        usable = {s.entry.name for s in registry.statuses("comm", Phase.DECODE, hardware, spec) if s.availability}
+        worlds[str(world)] = [{"max_bytes": b.max_bytes,
+                               "order": [*(n for n in b.order if n in usable and n != "torch_ref"), "torch_ref"]}
+                              for b in table.comm_buckets(world)]
+    return {"table": path.name, "worlds": worlds,
+            "reason": f"{path.name} ranks all-reduces at {', '.join(worlds)} ranks only"}
 
 
 def _table_used(hardware: Hardware) -> dict[str, Any]:
@@ -198,7 +221,12 @@ def print_report(report: dict[str, Any], explain: bool, console: Console) -> Non
     if "comm_chain" in report:
         links = [f"{c['backend']} (" + (", ".join(f"{w} ranks up to {b >> 10} KiB" for w, b in c["max_bytes"].items())
                                         if c["max_bytes"] else "any size") + ")" for c in report["comm_chain"]]
-        console.print("all-reduce chain (auto; --all-reduce-backend names one): " + " -> ".join(links))
+        measured = report["comm_measured"]
+        for world, buckets in measured["worlds"].items():
+            line = comm_order_line((b["max_bytes"], b["order"]) for b in buckets)
+            console.print(f"all-reduce order at {world} ranks, measured ({measured['table']}): {line}")
+        console.print(f"all-reduce chain{' of other worlds' if measured['worlds'] else ''} (auto, by declared "
+                      f"priority: {measured['reason']}; --all-reduce-backend names one): " + " -> ".join(links))
     if "gemm_moe_rows" in report:
         console.print(report["gemm_moe_rows"])
     if "mla_dispatch" in report:

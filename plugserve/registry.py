@@ -21,7 +21,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -120,6 +120,13 @@ class RankedBucket(BaseModel):
     order: list[str]  # fastest first
 
 
+class CommBucket(BaseModel):
+    """All-reduces of up to `max_bytes` bytes (and above the previous bucket's): comm backend names, fastest first."""
+
+    max_bytes: int
+    order: list[str]
+
+
 class SelectionTable(BaseModel):
     """What the shootout measured on one device: per kind and phase, batch buckets in increasing
     `max_batch_size`, each with backend names fastest first. A batch beyond the last bucket uses it.
@@ -128,7 +135,9 @@ class SelectionTable(BaseModel):
     (FlashInfer's MLA has a fixed cost that a 16-head decode of a few hundred keys does not hide, where
     Triton's splits do): `rankings["attention"]` was measured at `attention_heads` per rank, and
     `attention_by_heads` holds the phases measured at other head counts (`shootout.py --heads H
-    --merge-into TABLE`); a problem takes the measured head count nearest its own (by ratio)."""
+    --merge-into TABLE`); a problem takes the measured head count nearest its own (by ratio). `comm`: per world
+    size, all-reduce buckets in increasing `max_bytes` (`shootout.py --kinds comm`); a table without it ranks no
+    comm backend, and the runtime chains them by declared priority."""
 
     device_name: str
     source: str = ""
@@ -137,6 +146,11 @@ class SelectionTable(BaseModel):
     attention_heads: int = 128
     rankings: dict[str, dict[str, list[RankedBucket]]]
     attention_by_heads: dict[int, dict[str, list[RankedBucket]]] = {}
+    comm: dict[int, list[CommBucket]] = {}
+
+    def comm_buckets(self, world_size: int) -> list[CommBucket]:
+        """The all-reduce buckets measured at `world_size` ranks, in increasing max_bytes ([] where not measured)."""
+        return sorted(self.comm.get(world_size, []), key=lambda b: b.max_bytes)
 
     def measured_heads(self, num_heads: int) -> int:
         """Of the head counts attention was measured at, the nearest to `num_heads` by ratio (ties: more heads)."""
@@ -163,6 +177,25 @@ class SelectionTable(BaseModel):
         buckets = self.rankings.get(kind, {}).get(phase.value, [])
         bounds = {b.max_batch_size for b in buckets if b.max_batch_size < up_to}
         return [*sorted(bounds), up_to]
+
+
+def size_name(n_bytes: int) -> str:
+    """A message size as people read it: "14 KiB", or bytes where not a whole KiB."""
+    return f"{n_bytes >> 10} KiB" if n_bytes % 1024 == 0 else f"{n_bytes} B"
+
+
+def comm_order_line(buckets: Iterable[tuple[int, Sequence[str]]]) -> str:
+    """(max_bytes, names fastest first) buckets in increasing size as one line, buckets of one order merged: e.g.
+    'up to 1792 KiB: symmetric_memory > torch_ref; above: torch_ref' (the last bucket's order holds above it)."""
+    merged: list[tuple[int, tuple[str, ...]]] = []
+    for edge, order in buckets:
+        if merged and merged[-1][1] == tuple(order):
+            merged[-1] = (edge, merged[-1][1])
+        else:
+            merged.append((edge, tuple(order)))
+    parts = [f"up to {size_name(edge)}: {' > '.join(order)}" for edge, order in merged[:-1]]
+    last = " > ".join(merged[-1][1]) if merged else ""
+    return "; ".join([*parts, f"above: {last}" if parts else f"any size: {last}"])
 
 
 def tables_dir() -> Path:
@@ -434,14 +467,17 @@ __all__ = [
     "BackendEntry",
     "BackendStatus",
     "BrokenPlugin",
+    "CommBucket",
     "Registry",
     "RegistryError",
     "Selection",
     "SelectionError",
     "SelectionTable",
+    "comm_order_line",
     "get_registry",
     "hookimpl",
     "load_selection_table",
     "select",
     "selection_table_match",
+    "size_name",
 ]

@@ -143,3 +143,32 @@ def test_help_imports_neither_torch_nor_transformers():
     code = ("from plugserve.cli import build_parser\nfor argv in (['--help'], ['serve', '--help']):\n"
             "    try:\n        build_parser().parse_args(argv)\n    except SystemExit:\n        pass")
     assert imported_after(code, ("torch", "transformers")) == []
+
+
+def test_backends_show_the_measured_all_reduce_order_per_world_or_say_it_is_declared(tmp_path, monkeypatch, capsys):
+    """Worlds the table ranks: their buckets with the backends usable here (symmetric_memory is not, on the CPU),
+    torch_ref last; the other worlds, or a table without comm, by declared priority, saying why."""
+    table = {"device_name": "cpu", "rankings": {}, "comm": {"2": [
+        {"max_bytes": 16 << 10, "order": ["symmetric_memory", "torch_ref"]},
+        {"max_bytes": 1 << 20, "order": ["torch_ref", "symmetric_memory"]}], "4": [
+        {"max_bytes": 1 << 20, "order": ["torch_ref"]}]}}
+    (tmp_path / "cpu.json").write_text(json.dumps(table))
+    monkeypatch.setenv(TABLES_ENV, str(tmp_path))
+    assert main(["backends", "--kind", "comm", "--json"]) == 0
+    measured = json.loads(capsys.readouterr().out)["comm_measured"]
+    assert measured["table"] == "cpu.json" and list(measured["worlds"]) == ["2", "4"]
+    assert measured["worlds"]["2"] == [{"max_bytes": 16 << 10, "order": ["torch_ref"]},
+                                       {"max_bytes": 1 << 20, "order": ["torch_ref"]}]
+    report = describe(get_registry(), Hardware.detect("cpu"), ["comm"], explain=True)
+    report["comm_measured"]["worlds"]["2"][0]["order"].insert(0, "fast")  # as where a faster one is usable
+    print_report(report, explain=True, console=Console(width=400))
+    out = capsys.readouterr().out
+    assert "all-reduce order at 2 ranks, measured (cpu.json): up to 16 KiB: fast > torch_ref; above: torch_ref" in out
+    assert "all-reduce order at 4 ranks, measured (cpu.json): any size: torch_ref" in out
+    assert ("all-reduce chain of other worlds (auto, by declared priority: cpu.json ranks all-reduces at 2, 4 ranks "
+            "only; --all-reduce-backend names one): torch_ref (any size)") in out
+    (tmp_path / "cpu.json").write_text(json.dumps(table | {"comm": {}}))
+    assert main(["backends", "--kind", "comm", "--explain"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "all-reduce order" not in out
+    assert "all-reduce chain (auto, by declared priority: cpu.json ranks no all-reduce;" in out

@@ -10,7 +10,15 @@ from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import OK, AttentionCapabilities, Availability
 from plugserve.core.specs import AttentionSpec
 from plugserve.plugins.attention.torch_ref import TorchRefAttention
-from plugserve.registry import TABLES_ENV, Registry, RegistryError, SelectionError, hookimpl
+from plugserve.registry import (
+    TABLES_ENV,
+    Registry,
+    RegistryError,
+    SelectionError,
+    SelectionTable,
+    comm_order_line,
+    hookimpl,
+)
 
 CPU = Hardware.detect("cpu")
 H100 = Hardware("cuda", "NVIDIA H100 80GB HBM3", (9, 0), 80 * 2**30, 132)
@@ -308,3 +316,23 @@ def test_a_gpu_without_its_own_table_uses_the_closest_measured_and_says_so(tmp_p
     assert other.backend.name == "a"
     assert other.reason.startswith("no selection table for NVIDIA B200 2, nor for another GPU known to share its "
                                    "compute capability (sm100) (measured: NVIDIA_H100_80GB_HBM3); highest priority")
+
+
+def test_selection_table_loads_with_and_without_comm_buckets_and_round_trips():
+    """A table written before comm was ranked still loads (no comm: every world by declared priority); comm buckets
+    by world size come back sorted by size, and the JSON they dump reads back the same."""
+    old = SelectionTable.model_validate({"device_name": "cpu", "rankings": {}})
+    assert old.comm == {} and old.comm_buckets(2) == []
+    table = SelectionTable.model_validate_json(json.dumps({"device_name": "cpu", "rankings": {}, "comm": {"2": [
+        {"max_bytes": 1 << 20, "order": ["torch_ref"]}, {"max_bytes": 16 << 10, "order": ["fast", "torch_ref"]}]}}))
+    assert [(b.max_bytes, b.order) for b in table.comm_buckets(2)] == [(16 << 10, ["fast", "torch_ref"]),
+                                                                      (1 << 20, ["torch_ref"])]
+    assert table.comm_buckets(4) == []
+    assert SelectionTable.model_validate_json(table.model_dump_json()) == table
+
+
+def test_comm_order_line_merges_buckets_of_one_order():
+    line = comm_order_line([(4 << 10, ["a", "t"]), (16 << 10, ["a", "t"]), (64 << 10, ["t"]), (1 << 20, ["t"])])
+    assert line == "up to 16 KiB: a > t; above: t"
+    assert comm_order_line([(1 << 20, ["t"])]) == "any size: t"
+    assert comm_order_line([(1000, ["a"]), (1 << 20, ["t"])]) == "up to 1000 B: a; above: t"

@@ -22,27 +22,27 @@ TIMEOUT_S = 120.0  # a rank that never comes fails the case rather than hang it
 SHAPES = [(1, 7), (3, 1024), (16, 2048), (64, 7168)]
 
 
-def run_ranks(fn: Callable[..., None], world: int, *args: Any, device_type: str) -> None:
+def run_ranks(fn: Callable[..., None], world: int, *args: Any, device_type: str, timeout_s: float = TIMEOUT_S) -> None:
     """fn(rank, world, device, *args) on `world` spawned ranks (fn a module-level function); a rank's exception fails
-    the caller with its traceback, ranks still running after TIMEOUT_S are killed."""
+    the caller with its traceback, ranks still running after `timeout_s` (also each collective's bound) are killed."""
     init_method = f"tcp://127.0.0.1:{pick_free_port()}"
     # Spawned, never forked: a fork of a process whose OpenMP pool has run may hang in the child's first parallel op
     # (and a forked CUDA context is unusable).
-    context = mp.spawn(_rank_main, args=(fn, world, init_method, device_type, args), nprocs=world,
+    context = mp.spawn(_rank_main, args=(fn, world, init_method, device_type, timeout_s, args), nprocs=world,
                        join=False)
-    deadline = time.monotonic() + TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     while not context.join(timeout=max(0.0, deadline - time.monotonic())):
         if time.monotonic() >= deadline:
             for process in context.processes:
                 process.kill()
-            raise AssertionError(f"comm ranks still running after {TIMEOUT_S} s")
+            raise AssertionError(f"comm ranks still running after {timeout_s} s")
 
 
-def _rank_main(rank: int, fn: Callable[..., None], world: int, init_method: str, device_type: str,
+def _rank_main(rank: int, fn: Callable[..., None], world: int, init_method: str, device_type: str, timeout_s: float,
                args: tuple[Any, ...]) -> None:
     torch.set_num_threads(1)  # the ranks share the machine's cores
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
-    init_parallel_group(rank, world, init_method, device, timeout_s=TIMEOUT_S)
+    init_parallel_group(rank, world, init_method, device, timeout_s=timeout_s)
     try:
         fn(rank, world, device, *args)
     finally:

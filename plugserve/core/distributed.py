@@ -9,6 +9,7 @@ waits on its GPU to receive one: as bytes through a shared-memory channel where 
 
 from __future__ import annotations
 
+import bisect
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -28,18 +29,46 @@ CONTROL_TIMEOUT = timedelta(days=365)
 
 
 @dataclass(frozen=True)
+class CommRoutes:
+    """Which comm backends a sum of b bytes tries, in order, the first that takes it summing: `orders[i]` for the
+    first i with b <= `edges[i]`, the last order above the last edge (no edges: `orders[0]` for every size).
+    `chain`: every backend built, in the order they were built (each rank built the same ones: collectives)."""
+
+    chain: tuple[CommBackend, ...] = ()
+    edges: tuple[int, ...] = ()
+    orders: tuple[tuple[CommBackend, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.orders) != max(1, len(self.edges)) and (self.orders or self.edges):
+            raise ValueError(f"{len(self.edges)} size edges need as many orders, not {len(self.orders)}")
+        if list(self.edges) != sorted(set(self.edges)):
+            raise ValueError(f"size edges {self.edges} must increase")
+
+    @classmethod
+    def declared(cls, chain: tuple[CommBackend, ...]) -> CommRoutes:
+        """Every size tries `chain` in its order."""
+        return cls(chain, (), (chain,) if chain else ())
+
+    def backends(self, n_bytes: int) -> tuple[CommBackend, ...]:
+        """The backends a sum of `n_bytes` bytes tries, in order (a bisect: sums are on the decode hot path)."""
+        if not self.orders:
+            return ()
+        return self.orders[min(bisect.bisect_left(self.edges, n_bytes), len(self.orders) - 1)]
+
+
+@dataclass(frozen=True)
 class ParallelGroup:
     """Rank `rank` of `world_size` ranks. `group`: their torch.distributed process group (None: the
     default group, or no torch.distributed at all at world size 1). `control`: a gloo group of the same
-    ranks for `broadcast_object` (None: `group`). `comm`: the comm backends a sum goes to, the first that takes it
-    (none, or none that takes it: `group`'s own all-reduce). `channel`: rank 0's shared-memory channel to the others
-    for `broadcast_bytes` (None: the control group)."""
+    ranks for `broadcast_object` (None: `group`). `comm`: by message size, the comm backends a sum goes to, the
+    first that takes it (none, or none that takes it: `group`'s own all-reduce). `channel`: rank 0's shared-memory
+    channel to the others for `broadcast_bytes` (None: the control group)."""
 
     rank: int = 0
     world_size: int = 1
     group: dist.ProcessGroup | None = None
     control: dist.ProcessGroup | None = None
-    comm: tuple[CommBackend, ...] = ()
+    comm: CommRoutes = CommRoutes()
     channel: ShmChannel | None = None
 
     def __post_init__(self) -> None:
@@ -52,14 +81,14 @@ class ParallelGroup:
         if self.world_size == 1:
             return x
         if op == dist.ReduceOp.SUM:
-            for backend in self.comm:
+            for backend in self.comm.backends(x.numel() * x.element_size()):
                 if backend.takes(x):
                     return backend.all_reduce(x)
         dist.all_reduce(x, op=op, group=self.group)
         return x
 
-    def with_comm(self, comm: tuple[CommBackend, ...]) -> ParallelGroup:
-        """This group, its sums through the comm backends `comm` (in order: each sum to the first that takes it)."""
+    def with_comm(self, comm: CommRoutes) -> ParallelGroup:
+        """This group, its sums through the comm backends `comm` routes them to."""
         return replace(self, comm=comm)
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:

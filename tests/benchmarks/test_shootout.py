@@ -193,3 +193,92 @@ def test_attention_decode_rows_with_an_fp8_kv_cache(tmp_path, capsys):
         shootout.main(["--output-dir", str(tmp_path), "--merge-into", str(tmp_path / "t.json"),
                        "--kv-cache-dtype", "fp8_e4m3"])
     assert "--merge-into ranks the default KV cache" in capsys.readouterr().err
+
+
+COMM_PLUGIN = """
+import time
+from typing import ClassVar
+
+import torch
+
+from plugserve.core.interfaces import CommCapabilities
+from plugserve.plugins.comm.torch_ref import TorchDistributedAllReduce
+from plugserve.registry import hookimpl
+
+
+class SlowSums(TorchDistributedAllReduce):
+    '''A correct sum of messages up to 8 KiB, then a nap: slower than torch_ref.'''
+
+    name: ClassVar[str] = "slow_sums"
+    capabilities: ClassVar[CommCapabilities] = CommCapabilities(
+        dtypes=frozenset({torch.float32}), devices=frozenset({"cpu"}), max_bytes={2: 8 << 10})
+
+    def all_reduce(self, x):
+        time.sleep(0.002)
+        return super().all_reduce(x)
+
+
+class WrongSums(TorchDistributedAllReduce):
+    '''Off by one past the start-up check's 32 KiB: only the shootout's check of every size finds it.'''
+
+    name: ClassVar[str] = "wrong_sums"
+
+    def all_reduce(self, x):
+        out = super().all_reduce(x)
+        return out + 1 if x.numel() * x.element_size() > 32 << 10 else out
+
+
+@hookimpl
+def plugserve_backends():
+    return [SlowSums, WrongSums]
+"""
+
+
+def test_comm_shootout_ranks_all_reduces_per_world_and_size_and_drops_wrong_sums(tmp_path, make_plugin, capsys):
+    """Two gloo ranks: torch_ref and a slower fake at the size it takes, torch_ref alone above it, the fake that sums
+    wrong reported and not ranked; rows without a limit, the table's comm buckets merged by order."""
+    make_plugin("plugserve-test-comm", "test_comm_backends", COMM_PLUGIN)
+    shootout.main(["--kinds", "comm", "--quick", "--device", "cpu", "--dtype", "float32", "--warmup", "1",
+                   "--reps", "2", "--output-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "comm at 2 ranks, not ranked: wrong_sums at 8 x 2048: its sum differs" in out
+    assert "auto's order at 2 ranks: up to 8 KiB: torch_ref > slow_sums; above: torch_ref" in out
+    data = json.loads((tmp_path / "shootout.json").read_text())
+    rows = {(r["shape"], r["backend"]): r for r in data["rows"]}
+    assert set(rows) == {("w2 8 KiB t1 h2048", "torch_ref"), ("w2 8 KiB t1 h2048", "slow_sums"),
+                         ("w2 64 KiB t8 h2048", "torch_ref")}
+    assert all(r["fraction_of_limit"] is None and r["world"] == 2 and r["timing"] == "wall" for r in rows.values())
+    assert rows["w2 8 KiB t1 h2048", "slow_sums"]["us"] > 2000 and rows["w2 64 KiB t8 h2048", "torch_ref"][
+        "message_bytes"] == 64 << 10
+    assert data["ceilings"] == {}  # comm alone measures no ceiling
+    assert "| comm | any | w2 8 KiB t1 h2048 | slow_sums |" in (tmp_path / "shootout.md").read_text()
+    table = SelectionTable.model_validate_json((tmp_path / f"{Hardware.detect('cpu').device_key}.json").read_text())
+    assert [(b.max_bytes, b.order) for b in table.comm_buckets(2)] == [(8 << 10, ["torch_ref", "slow_sums"]),
+                                                                      (64 << 10, ["torch_ref"])]
+    assert table.rankings == {}
+
+
+def test_merge_into_merges_comm_buckets_and_keeps_the_tables_other_rankings(tmp_path):
+    """A comm run re-ranks its worlds (its backends where they stood), keeps the others' and every kind's rankings,
+    and merges into a table of any tp size (an all-reduce is not a rank's shape)."""
+    cpu = Hardware.detect("cpu").name
+    path = tmp_path / "table.json"
+    table = shootout.selection_table([shootout.Row("gemm", "decode", "m1", "g", 1, 0, 0, 0, 1, "graph")], cpu, "gemm",
+                                     tp_size=8)
+    path.write_text(json.dumps(table | {"comm": {"4": [{"max_bytes": 1 << 20, "order": ["sym", "torch_ref"]}],
+                                                 "2": [{"max_bytes": 16 << 10, "order": ["sym", "other", "torch_ref"]},
+                                                       {"max_bytes": 1 << 20, "order": ["torch_ref"]}]}}))
+
+    def row(backend: str, n_bytes: int, us: float) -> shootout.Row:
+        return shootout.Row("comm", "any", f"w2 {n_bytes}", backend, us, 0, 0, None, 1, "graph", world=2,
+                            message_bytes=n_bytes)
+
+    measured = [row("sym", 4 << 10, 2), row("torch_ref", 4 << 10, 1), row("sym", 16 << 10, 1),
+                row("torch_ref", 16 << 10, 3), row("torch_ref", 4 << 20, 9)]
+    shootout.merge_rankings(path, shootout.selection_table(measured, cpu, "comm run"))
+    merged = SelectionTable.model_validate_json(path.read_text())
+    assert [(b.max_bytes, b.order) for b in merged.comm_buckets(2)] == [
+        (4 << 10, ["torch_ref", "other", "sym"]), (16 << 10, ["sym", "other", "torch_ref"]),
+        (4 << 20, ["torch_ref"])]
+    assert [(b.max_bytes, b.order) for b in merged.comm_buckets(4)] == [(1 << 20, ["sym", "torch_ref"])]
+    assert merged.order("gemm", Phase.DECODE, 1) == ["g"] and merged.tp_size == 8 and "comm run" in merged.source

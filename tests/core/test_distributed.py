@@ -9,6 +9,7 @@ import torch
 
 from plugserve.core.distributed import (
     SINGLE,
+    CommRoutes,
     ParallelGroup,
     default_backend,
     destroy_parallel_group,
@@ -131,3 +132,16 @@ def test_a_worker_waits_for_the_next_batch_longer_than_the_collective_timeout() 
     """Workers wait for rank 0's next batch as long as the server idles: objects go over the `control` group,
     whose timeout is not the collectives' (a rank failing at the timeout killed an idle server)."""
     run_ranks(_objects_outwait_the_collective_timeout, timeout_s=IDLE_S / 2)
+
+
+def test_comm_routes_pick_the_order_of_the_smallest_bucket_that_holds_the_size() -> None:
+    small, large, reference = object(), object(), object()  # stand-ins: routing never calls them
+    routes = CommRoutes((small, large, reference), (16, 64),  # type: ignore[arg-type]
+                        ((small, reference), (large, reference)))  # type: ignore[arg-type]
+    assert [routes.backends(n)[0] for n in (1, 16, 17, 64, 1 << 30)] == [small, small, large, large, large]
+    assert CommRoutes.declared((small, reference)).backends(1 << 30) == (small, reference)  # type: ignore[arg-type]
+    assert CommRoutes().backends(8) == ()
+    with pytest.raises(ValueError, match="2 size edges need as many orders, not 1"):
+        CommRoutes((small,), (16, 64), ((small,),))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="must increase"):
+        CommRoutes((small,), (64, 16), ((small,), (small,)))  # type: ignore[arg-type]

@@ -54,7 +54,7 @@ def test_tp2_greedy_tokens_equal_tp1(model_dir: Path, tp1_tokens: list[list[int]
     try:
         assert _tokens(engine) == tp1_tokens
         assert engine.runner.model.backends.moe.spec.num_local_experts == 8 // ep_size  # type: ignore[union-attr]
-        assert engine.runner.all_reduce_status == "torch_ref (gloo)"
+        assert engine.runner.all_reduce_status == "torch_ref (gloo), by declared priority"
         assert [c for c in engine.runner.backends.chosen if "fell back" in c.reason] == []
     finally:
         engine.shutdown()

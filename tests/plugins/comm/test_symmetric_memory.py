@@ -1,9 +1,12 @@
 """The symmetric-memory one-shot all-reduce: NCCL's sums on 2 GPUs, eagerly and in CUDA-graph replay, through the
-chain `ParallelGroup.all_reduce` walks; larger messages and other ops stay with NCCL; a world without a measured
-size is not one it runs."""
+chain `ParallelGroup.all_reduce` walks (by declared priority: no measured table); larger messages and other ops stay
+with NCCL; a world without a measured size is not one it runs."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -12,6 +15,7 @@ from plugserve.core.forward_batch import Phase
 from plugserve.core.hardware import Hardware
 from plugserve.core.specs import CommSpec
 from plugserve.plugins.comm.symmetric_memory import ONE_SHOT_MAX_BYTES, SymmetricMemoryAllReduce
+from plugserve.registry import TABLES_ENV
 from plugserve.runtime.comm import build_comm
 from plugserve.runtime.server_args import ServerArgs
 from tests.multiprocess import needs_gpus, run_ranks
@@ -20,7 +24,7 @@ from tests.multiprocess import needs_gpus, run_ranks
 def test_it_runs_the_measured_worlds_of_one_node_on_gpus_only() -> None:
     caps = SymmetricMemoryAllReduce.capabilities
     assert 3 not in ONE_SHOT_MAX_BYTES
-    assert "measured for worlds of 2 ranks only, not 3" in caps.check(CommSpec(3), Phase.DECODE).reason
+    assert "measured for worlds of 2, 4 ranks only, not 3" in caps.check(CommSpec(3), Phase.DECODE).reason
     assert "runs within one host, not over 2 nodes" in caps.check(CommSpec(2, nodes=2), Phase.DECODE).reason
     assert caps.check(CommSpec(2), Phase.DECODE)
     assert "runs on cuda, not cpu" in SymmetricMemoryAllReduce.availability(Hardware.detect("cpu")).reason
@@ -29,9 +33,9 @@ def test_it_runs_the_measured_worlds_of_one_node_on_gpus_only() -> None:
 def _sums_as_nccl(group: ParallelGroup) -> None:
     device = torch.device("cuda", group.rank)
     comm, status = build_comm(ServerArgs(model_preset="tiny", tp_size=2), group, device, torch.bfloat16)
-    assert [b.name for b in comm] == ["symmetric_memory", "torch_ref"], status
-    assert status == "symmetric_memory up to 2048 KiB, torch_ref (nccl) above"
-    fast = comm[0]
+    assert [b.name for b in comm.chain] == ["symmetric_memory", "torch_ref"], status
+    assert status == "symmetric_memory up to 2048 KiB, torch_ref (nccl) above, by declared priority"
+    fast = comm.chain[0]
     group = group.with_comm(comm)
     generator = torch.Generator(device=device).manual_seed(group.rank)
     for rows in (1, 7, 64):
@@ -66,5 +70,7 @@ def _sums_as_nccl(group: ParallelGroup) -> None:
 
 
 @needs_gpus(2)
-def test_one_shot_all_reduce_sums_as_nccl_in_and_out_of_graphs() -> None:
+def test_one_shot_all_reduce_sums_as_nccl_in_and_out_of_graphs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                                ) -> None:
+    monkeypatch.setenv(TABLES_ENV, str(tmp_path))  # no measured order: the declared chain (the ranks inherit it)
     run_ranks(_sums_as_nccl, device="cuda")
