@@ -7,6 +7,8 @@
 #             TP / EP / DP attention layouts (speculative decoding among them) at 2 and 4 ranks against one GPU's and
 #             HF transformers' greedy tokens (tests-multigpu.txt; TESTS_K selects with -k)
 #   comm-kit  the conformance kit's comm cases over two GPUs and, where visible, four (comm-kit.txt)
+#   comm-shootout  the shootout's comm rows (every comm backend per message size at each world the GPUs allow),
+#             merged into this GPU's selection table, copied to $OUT (comm-shootout*)
 #   allreduce benchmarks/dev/bench_allreduce.py: NCCL against the symmetric-memory one-shot and two-shot kernels and
 #             FlashInfer's (alone and fused with the residual add and RMSNorm) per message size, in CUDA-graph replay,
 #             on every visible GPU (allreduce.{txt,json})
@@ -65,6 +67,14 @@ for step in "$@"; do
       TRITON_INTERPRET=0 timeout 200 python3 -m pytest -q -p plugserve.conformance.plugin -p no:cacheprovider \
         --pyargs plugserve.conformance -k comm -rA > $OUT/comm-kit.txt 2>&1
       tail -n 3 $OUT/comm-kit.txt ;;
+    comm-shootout)
+      # Every comm backend per message size at 2 and 4 ranks, ranked into this GPU's selection table (copied to
+      # $OUT), which the runs after it in the same call read.
+      table=plugserve/tables/$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | tr ' ' _).json
+      timeout ${COMM_TIMEOUT:-200} python3 benchmarks/shootout.py --kinds comm --output-dir $OUT/comm-shootout \
+        --merge-into $table > $OUT/comm-shootout.txt 2>&1
+      cp $table $OUT/
+      grep -i "order\|^ *w[0-9]\|error" $OUT/comm-shootout.txt | head -n 40 ;;
     allreduce)
       timeout ${ALLREDUCE_TIMEOUT:-240} python3 -m benchmarks.dev.bench_allreduce --output $OUT/allreduce.json \
         > $OUT/allreduce.txt 2>&1
