@@ -17,9 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-# The one tile of every call (invariance needs it fixed at every M; none of it is chosen by shape). 64 columns, not
-# 128: a decode batch's projections have few column tiles, and with no split-K the column tiles are the parallelism.
-BLOCK_M = 64
+# The one tile of every call (invariance needs it fixed at every M; none of it is chosen by shape). 16 rows: a decode
+# batch is a few rows, and a 64-row tile mostly masked cost more at batch 1 and 64 alike (docs/kernels.md). 64 columns,
+# not 128: a decode batch's projections have few column tiles, and with no split-K the column tiles are the parallelism.
+BLOCK_M = 16
 BLOCK_N = 64
 BLOCK_K = 128  # a decode step streams the weight: each pipeline stage brings 16 KB of it (bf16)
 NUM_WARPS = 4

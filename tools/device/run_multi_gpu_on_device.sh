@@ -101,9 +101,10 @@ for step in "$@"; do
         6144,1536 7168,4096 1024,7168 7168,512 8192,512 256,512 9216,7168 7168,4608 --quick --batch-sizes 1 32 256 \
         > $OUT/tune-v3-gemm-tp4.txt 2>&1 &
       wait
-      new=$(git ls-files -o --exclude-standard plugserve/plugins/moe/configs plugserve/plugins/gemm/configs)
-      [ -n "$new" ] && tar -cf $OUT/v3_configs.tar $new
-      echo "tuned: $(echo $new | wc -w) files"; tail -n 2 $OUT/tune-v3-*.txt ;;
+      # The names hold a space ("block_shape=[128, 128]"): NUL-separated.
+      git ls-files -z -o --exclude-standard plugserve/plugins/moe/configs plugserve/plugins/gemm/configs \
+        | tar --null -T - -cf $OUT/v3_configs.tar
+      echo "tuned: $(tar -tf $OUT/v3_configs.tar | wc -l) files"; tail -n 2 $OUT/tune-v3-*.txt ;;
     ncu-fp8kv)
       ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
       for kv in auto fp8_e4m3; do

@@ -30,7 +30,8 @@ class SymmetricMemoryAllReduce(CommBackend):
     name: ClassVar[str] = "symmetric_memory"
     verified: ClassVar[str] = "gpu"
     capabilities: ClassVar[CommCapabilities] = CommCapabilities(
-        dtypes=frozenset({torch.bfloat16, torch.float16, torch.float32}),
+        # float16 failed the comm kit on H200s (its traceback was not captured): not declared until it passes there.
+        dtypes=frozenset({torch.bfloat16, torch.float32}),
         devices=frozenset({"cuda"}),
         min_capability=(8, 0),
         cuda_graph=True,
