@@ -47,10 +47,17 @@ class FixedLogits:
         return out
 
 
-def run(engine: Engine, forward: FixedLogits, batch_size: int, output_len: int) -> tuple[int, float]:
-    """One batch of `batch_size` greedy requests of `output_len` tokens -> (steps, seconds)."""
+# A JSON schema no output of these lengths can close: every token of a request is sampled under the grammar's mask.
+LONG_STRING_SCHEMA = ('{"type": "object", "properties": {"answer": {"type": "string", "minLength": 100000}}, '
+                      '"required": ["answer"], "additionalProperties": false}')
+
+
+def run(engine: Engine, forward: FixedLogits, batch_size: int, output_len: int, json_schema: str | None = None
+        ) -> tuple[int, float]:
+    """One batch of `batch_size` greedy requests of `output_len` tokens (each under `json_schema`'s grammar when
+    given) -> (steps, seconds)."""
     prompts = [[5 + i % 1000, 6, 7, 8, 9, 10, 11, 12] for i in range(batch_size)]
-    params = SamplingParams(max_new_tokens=output_len, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=output_len, temperature=0, ignore_eos=True, json_schema=json_schema)
     steps = forward.steps
     start = time.perf_counter()
     engine.generate(prompts, params)
@@ -115,6 +122,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--disable-overlap-schedule", action="store_true")
     parser.add_argument("--http", action="store_true", help="through the HTTP server and bench_serving")
+    parser.add_argument("--json-schema", action="store_true",
+                        help="also every case with each request under a JSON schema's grammar (structured output)")
     parser.add_argument("--serve", type=int, default=None, metavar="PORT", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve is not None:
@@ -124,13 +133,14 @@ def main() -> None:
     engine, forward = fake_engine(max(args.batch_size), args.disable_overlap_schedule)
     try:
         engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4))
-        print("batch  output  steps  tok/s     host ms/step")
+        print("batch  output  grammar  steps  tok/s     host ms/step")
         for batch_size in args.batch_size:
             for output_len in args.output_len:
-                runs = [run(engine, forward, batch_size, output_len) for _ in range(args.repeat)]
-                steps, seconds = runs[0][0], statistics.median(s for _, s in runs)
-                print(f"{batch_size:5d}  {output_len:6d}  {steps:5d}  {batch_size * output_len / seconds:8.0f}  "
-                      f"{1000 * seconds / steps:8.2f}")
+                for schema in [None, *([LONG_STRING_SCHEMA] if args.json_schema else [])]:
+                    runs = [run(engine, forward, batch_size, output_len, schema) for _ in range(args.repeat)]
+                    steps, seconds = runs[0][0], statistics.median(s for _, s in runs)
+                    print(f"{batch_size:5d}  {output_len:6d}  {'json' if schema else 'none':>7}  {steps:5d}  "
+                          f"{batch_size * output_len / seconds:8.0f}  {1000 * seconds / steps:8.2f}")
     finally:
         engine.shutdown()
 
