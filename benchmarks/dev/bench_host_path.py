@@ -33,11 +33,13 @@ class FixedLogits:
     """A stand-in for `ModelRunner.forward_groups`: each sampled row's logits peak on a token that moves every step
     (never EOS), made without running a model."""
 
-    def __init__(self, vocab: int) -> None:
-        self.vocab, self.steps = vocab, 0
+    def __init__(self, vocab: int, forward_ms: float = 0.0) -> None:
+        self.vocab, self.steps, self.forward_s = vocab, 0, forward_ms / 1000
 
     def __call__(self, parts: list[rank_protocol.Part | None]) -> list[torch.Tensor]:
         self.steps += 1
+        if self.forward_s:
+            time.sleep(self.forward_s)  # a device step's time, the GIL released as a GPU forward's wait releases it
         out = []
         for part in parts:
             rows = 0 if part is None else part.sample_rows.shape[0]
@@ -64,11 +66,12 @@ def run(engine: Engine, forward: FixedLogits, batch_size: int, output_len: int, 
     return forward.steps - steps, time.perf_counter() - start
 
 
-def fake_engine(max_running: int, disable_overlap_schedule: bool, **kwargs) -> tuple[Engine, FixedLogits]:
-    """The tiny preset's engine with its forward replaced by `FixedLogits`."""
+def fake_engine(max_running: int, disable_overlap_schedule: bool, forward_ms: float = 0.0, **kwargs
+                ) -> tuple[Engine, FixedLogits]:
+    """The tiny preset's engine with its forward replaced by `FixedLogits` (taking `forward_ms` a step)."""
     engine = Engine(ServerArgs(model_preset="tiny", max_running_requests=max_running, log_level="warning",
                                disable_overlap_schedule=disable_overlap_schedule, **kwargs))
-    forward = FixedLogits(engine.runner.sample_vocab)
+    forward = FixedLogits(engine.runner.sample_vocab, forward_ms)
     engine.runner.forward_groups = forward  # type: ignore[method-assign]
     return engine, forward
 
@@ -122,6 +125,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--disable-overlap-schedule", action="store_true")
     parser.add_argument("--http", action="store_true", help="through the HTTP server and bench_serving")
+    parser.add_argument("--forward-ms", type=float, default=0.0,
+                        help="each forward sleeps this long (a device step): with overlap a step should then take "
+                             "max(this, the host's time), not their sum")
     parser.add_argument("--json-schema", action="store_true",
                         help="also every case with each request under a JSON schema's grammar (structured output)")
     parser.add_argument("--serve", type=int, default=None, metavar="PORT", help=argparse.SUPPRESS)
@@ -130,7 +136,7 @@ def main() -> None:
         return serve(args.serve, max(args.batch_size), args.disable_overlap_schedule)
     if args.http:
         return http_cases(args)
-    engine, forward = fake_engine(max(args.batch_size), args.disable_overlap_schedule)
+    engine, forward = fake_engine(max(args.batch_size), args.disable_overlap_schedule, args.forward_ms)
     try:
         engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4))
         print("batch  output  grammar  steps  tok/s     host ms/step")
