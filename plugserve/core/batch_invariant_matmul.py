@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from plugserve.core.triton_tiles import grouped_tile
+
 # The one tile of every call (invariance needs it fixed at every M; none of it is chosen by shape). 16 rows: a decode
 # batch is a few rows, and a 64-row tile mostly masked cost more at batch 1 and 64 alike (docs/kernels.md). 64 columns,
 # not 128: a decode batch's projections have few column tiles, and with no split-K the column tiles are the parallelism.
@@ -48,13 +50,7 @@ def _matmul_kernel(
     2^31 elements)."""
     pid = tl.program_id(0)
     entry = tl.program_id(1).to(tl.int64)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    pids_per_group = GROUP_M * num_pid_n
-    first_pid_m = (pid // pids_per_group) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (pid % pids_per_group) % group_rows
-    pid_n = (pid % pids_per_group) // group_rows
+    pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)

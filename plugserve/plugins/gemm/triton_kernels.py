@@ -22,6 +22,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from plugserve.core.layers.quant import FP8_DTYPE, FP8_MAX, SCALE_EPS, ceil_div
 from plugserve.core.triton_pdl import launch_options, programmatic_prologue
+from plugserve.core.triton_tiles import grouped_tile
 from plugserve.plugins.triton_shared import INTERPRETED, round_to_e4m3_grid, split_k_arrive, split_k_sum
 from plugserve.plugins.triton_support import split_k_arrivals, tma_source
 
@@ -163,14 +164,7 @@ def _w8a8_block_fp8_matmul_kernel(
     programmatic_prologue(PDL)
     pid = tl.program_id(0)
     split = tl.program_id(1)
-    num_pid_m = tl.cdiv(M, BLOCK_SIZE_M)
-    num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
-    # Grouped ordering: GROUP_SIZE_M row tiles sweep the column tiles together, sharing B in L2.
-    pids_per_group = GROUP_SIZE_M * num_pid_n
-    first_pid_m = (pid // pids_per_group) * GROUP_SIZE_M
-    group_rows = tl.minimum(num_pid_m - first_pid_m, GROUP_SIZE_M)
-    pid_m = first_pid_m + (pid % pids_per_group) % group_rows
-    pid_n = (pid % pids_per_group) // group_rows
+    pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_SIZE_M, BLOCK_SIZE_N, GROUP_SIZE_M)
 
     num_kb = tl.cdiv(K, BLOCK_SIZE_K)
     kb_per_split = tl.cdiv(num_kb, SPLIT_K)
