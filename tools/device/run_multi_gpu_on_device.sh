@@ -29,6 +29,7 @@
 #             against the float32 reference (benchmarks/accuracy.py --cached; accuracy-fp8kv.*)
 #   kits      GPU $GPU: the kit's batch-invariance cases of the Triton attention, GEMM and MoE in bfloat16, compiled,
 #             and the batch-invariant mode's tests (kits-invariant.txt)
+#   determinism-tests GPU $GPU: the deterministic-inference tests on the GPU (graphs, overlap)
 #   determinism GPU $GPU: V2-Lite's decode step with and without --enable-deterministic-inference (determinism-*.txt)
 #   serving   GPU $GPU: V2-Lite (dummy) served, time to /health cold then warm (a second start), bench_serving 256
 #             prompts 256 in / 128 out at concurrency 64: plain, JSON schema, and with --enable-mixed-chunk
@@ -128,6 +129,13 @@ for step in "$@"; do
       CUDA_VISIBLE_DEVICES=$gpu timeout 200 python3 -m pytest -q -p no:cacheprovider -rf \
         tests/core/test_batch_invariant.py >> $OUT/kits-invariant.txt 2>&1
       tail -n 3 $OUT/kits-invariant.txt ;;
+    determinism-tests)
+      # The end-to-end checks on the GPU (the embedded model on cuda: CUDA graphs, overlap): the same greedy request
+      # cold, cached, batched, streamed gives the same tokens and logprobs under --enable-deterministic-inference.
+      CUDA_VISIBLE_DEVICES=$gpu timeout 300 python3 -m pytest -q -p no:cacheprovider -rf \
+        tests/runtime/test_deterministic_inference.py tests/server/test_deterministic_inference.py \
+        > $OUT/determinism-tests.txt 2>&1
+      tail -n 3 $OUT/determinism-tests.txt ;;
     determinism)
       for mode in default deterministic; do
         flags=$([ $mode = deterministic ] && echo --enable-deterministic-inference)
