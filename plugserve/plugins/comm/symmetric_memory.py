@@ -30,7 +30,8 @@ class SymmetricMemoryAllReduce(CommBackend):
     name: ClassVar[str] = "symmetric_memory"
     verified: ClassVar[str] = "gpu"
     capabilities: ClassVar[CommCapabilities] = CommCapabilities(
-        # float16 failed the comm kit on H200s (its traceback was not captured): not declared until it passes there.
+        # torch's symmetric-memory kernels dispatch float32 and bfloat16 only (AT_DISPATCH_FLOAT_AND_BFLOAT16): the
+        # comm kit's float16 cases failed on H200s.
         dtypes=frozenset({torch.bfloat16, torch.float32}),
         devices=frozenset({"cuda"}),
         min_capability=(8, 0),
