@@ -197,7 +197,18 @@ def constrain(logits: torch.Tensor, params: list[SamplingParams], token_bitmask:
 
 def apply_token_bitmask(logits: torch.Tensor, token_bitmask: torch.Tensor) -> None:
     """Set logits [B, V] float32 to -inf where bit (j % 32) of token_bitmask[b, j // 32] ([B, ceil(V / 32)] int32)
-    is clear, in place, in a few element-wise ops on the logits' device."""
+    is clear, in place: on the CPU by xgrammar's kernel (one pass, where `mask_by_bits` builds [B, V] int64
+    temporaries and takes several times as long at a decode batch), elsewhere by `mask_by_bits` on the device."""
+    if logits.device.type == "cpu":
+        from xgrammar import apply_token_bitmask_inplace
+
+        apply_token_bitmask_inplace(logits, token_bitmask)
+    else:
+        mask_by_bits(logits, token_bitmask)
+
+
+def mask_by_bits(logits: torch.Tensor, token_bitmask: torch.Tensor) -> None:
+    """`apply_token_bitmask` in a few element-wise ops on the logits' device."""
     vocab = logits.shape[-1]
     tokens = torch.arange(vocab, device=logits.device)
     allowed = (token_bitmask[:, tokens // 32] >> (tokens % 32)) & 1

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from plugserve.runtime.sampling import SampleOutput, SamplingParams, make_generator, sample
+from plugserve.runtime.sampling import SampleOutput, SamplingParams, make_generator, mask_by_bits, sample
 
 # A known distribution over 8 tokens; logits = log(probs), so temperature 1 samples it exactly.
 PROBS = torch.tensor([0.40, 0.25, 0.15, 0.10, 0.05, 0.03, 0.015, 0.005])
@@ -302,6 +302,23 @@ def test_a_token_bitmask_allows_only_its_tokens():
     bitmask = torch.tensor([[-(2**31), 0]], dtype=torch.int32)
     out = sample(logits[:1], [SamplingParams(temperature=0)], [[]], [[]], [None], token_bitmask=bitmask)
     assert out.token_ids.item() == 31
+
+
+def test_the_devices_element_wise_mask_equals_xgrammars_kernel():
+    """`mask_by_bits` (what a GPU runs) against xgrammar's CPU kernel (what the CPU runs), every bit pattern's
+    tokens, sign bits and a vocabulary past the last whole word among them."""
+    from xgrammar import apply_token_bitmask_inplace
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 1000, generator=generator)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (5, 32), generator=generator, dtype=torch.int32)
+    bitmask[0] = 0
+    bitmask[1] = -1
+    ours, theirs = logits.clone(), logits.clone()
+    mask_by_bits(ours, bitmask)
+    apply_token_bitmask_inplace(theirs, bitmask)
+    assert torch.equal(ours, theirs)
+    assert torch.isinf(ours[0]).all() and torch.equal(ours[1], logits[1])
 
 
 def test_a_verified_output_splits_into_each_groups_requests():
