@@ -33,7 +33,7 @@
 #   determinism GPU $GPU: V2-Lite's decode step with and without --enable-deterministic-inference (determinism-*.txt)
 #   serving   GPU $GPU: V2-Lite (dummy) served, time to /health cold then warm (a second start), bench_serving 256
 #             prompts 256 in / 128 out at concurrency 64: plain, JSON schema, and with --enable-mixed-chunk
-#             (serving-*.txt)
+#             (serving-gpu$GPU.tgz: logs, bench outputs)
 #   tune      the Triton MoE's per-rank configs for V2-Lite at TP 2 (GPU 0) and TP 2 + EP 2 (GPU 1, after the one-GPU
 #             baseline bench there), --quick at batch 1-64, into the package and $OUT/moe_configs.tar; then --tp-size 2 and
 #             --tp-size 2 --ep-size 2 with them (tune-*.txt)
