@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -16,7 +15,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from plugserve.core.distributed import destroy_parallel_group, init_parallel_group, pick_free_port
+from plugserve.core.distributed import destroy_parallel_group, init_parallel_group, pick_free_port, spawn_joined
 
 # Short enough that a collective whose peer never comes fails the test quickly, long enough for a rank
 # that is slow to start on a loaded 2-core machine.
@@ -59,15 +58,11 @@ def run_ranks(fn: Callable[..., None], *args: Any, world_size: int = 2, device: 
     rank's exception fails the test with its traceback; ranks that outlast JOIN_TIMEOUT_S are killed and the test
     fails."""
     init_method = f"tcp://127.0.0.1:{pick_free_port()}"
-    context = mp.spawn(_rank_main, args=(fn, world_size, init_method, device, timeout_s, args), nprocs=world_size,
-                       join=False)
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-    while not context.join(timeout=max(0.0, deadline - time.monotonic())):
-        if time.monotonic() >= deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"ranks still running after {JOIN_TIMEOUT_S} s")
-
+    try:
+        spawn_joined(_rank_main, (fn, world_size, init_method, device, timeout_s, args), world_size, JOIN_TIMEOUT_S,
+                     "ranks")
+    except TimeoutError as exc:
+        pytest.fail(str(exc))
 
 
 def _returning(fn: Callable[..., Any], args: tuple[Any, ...], results: Connection) -> None:

@@ -4,15 +4,13 @@ eagerly and, where the backend declares CUDA graphs, in graph replay."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
 from plugserve.conformance.tolerances import assert_close
-from plugserve.core.distributed import destroy_parallel_group, init_parallel_group, pick_free_port
+from plugserve.core.distributed import destroy_parallel_group, init_parallel_group, pick_free_port, spawn_joined
 from plugserve.core.interfaces import CommBackend
 from plugserve.core.specs import CommSpec
 
@@ -26,16 +24,11 @@ def run_ranks(fn: Callable[..., None], world: int, *args: Any, device_type: str,
     """fn(rank, world, device, *args) on `world` spawned ranks (fn a module-level function); a rank's exception fails
     the caller with its traceback, ranks still running after `timeout_s` (also each collective's bound) are killed."""
     init_method = f"tcp://127.0.0.1:{pick_free_port()}"
-    # Spawned, never forked: a fork of a process whose OpenMP pool has run may hang in the child's first parallel op
-    # (and a forked CUDA context is unusable).
-    context = mp.spawn(_rank_main, args=(fn, world, init_method, device_type, timeout_s, args), nprocs=world,
-                       join=False)
-    deadline = time.monotonic() + timeout_s
-    while not context.join(timeout=max(0.0, deadline - time.monotonic())):
-        if time.monotonic() >= deadline:
-            for process in context.processes:
-                process.kill()
-            raise AssertionError(f"comm ranks still running after {timeout_s} s")
+    try:
+        spawn_joined(_rank_main, (fn, world, init_method, device_type, timeout_s, args), world, timeout_s,
+                     "comm ranks")
+    except TimeoutError as exc:
+        raise AssertionError(str(exc)) from None
 
 
 def _rank_main(rank: int, fn: Callable[..., None], world: int, init_method: str, device_type: str, timeout_s: float,

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import bisect
 import socket
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
@@ -243,3 +244,19 @@ def pick_free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def spawn_joined(main: Callable[..., None], args: tuple[Any, ...], nprocs: int, timeout_s: float, what: str) -> None:
+    """main(rank, *args) in `nprocs` spawned processes (never forked: a fork of a process whose OpenMP pool has run
+    may hang in the child's first parallel op, and a forked CUDA context is unusable), joined: a process's exception
+    is raised here with its traceback; processes still running after `timeout_s` are killed and TimeoutError names
+    `what`."""
+    import torch.multiprocessing as mp
+
+    context = mp.spawn(main, args=args, nprocs=nprocs, join=False)
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                process.kill()
+            raise TimeoutError(f"{what} still running after {timeout_s} s")

@@ -15,6 +15,7 @@ from plugserve.core.distributed import (
     destroy_parallel_group,
     init_parallel_group,
     pick_free_port,
+    spawn_joined,
     unpad_rows,
 )
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode
@@ -145,3 +146,21 @@ def test_comm_routes_pick_the_order_of_the_smallest_bucket_that_holds_the_size()
         CommRoutes((small,), (16, 64), ((small,),))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="must increase"):
         CommRoutes((small,), (64, 16), ((small,), (small,)))  # type: ignore[arg-type]
+
+
+def _sleep(rank: int, seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def _raise(rank: int) -> None:
+    if rank == 1:
+        raise ValueError("rank 1 broke")
+
+
+def test_spawned_processes_that_outlast_their_time_are_killed_and_a_raise_reaches_the_caller() -> None:
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"sleepers still running after 3\.0 s"):
+        spawn_joined(_sleep, (60.0,), 2, 3.0, "sleepers")
+    assert time.monotonic() - start < 30  # killed, not waited for
+    with pytest.raises(Exception, match="rank 1 broke"):
+        spawn_joined(_raise, (), 2, 60.0, "raisers")
