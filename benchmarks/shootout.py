@@ -60,7 +60,7 @@ from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import CommBackend, MoEWeights
 from plugserve.core.layers.quant import quantize_block_fp8
 from plugserve.core.specs import AttentionSpec, CommSpec, GemmSpec, MoESpec
-from plugserve.registry import BATCH_BUCKETS, comm_order_line, get_registry, size_name
+from plugserve.registry import BATCH_BUCKETS, comm_order_line, get_registry, merged_neighbours, size_name
 from plugserve.runtime.comm import agreed, build_checked, sum_mismatch
 
 # The models whose shapes the shootout measures: GEMMs of the first, MoE layers of each (--quick: "tiny").
@@ -590,15 +590,8 @@ def comm_rankings(rows: list[Row]) -> dict[str, list[dict]]:
 
 
 def _merged_neighbours(buckets: Iterable[tuple[int, list[str]]]) -> list[dict]:
-    """(max_bytes, order) in increasing size as CommBucket dicts, a bucket of its lower neighbour's order merged
-    into it (one bucket, up to the larger size)."""
-    merged: list[dict] = []
-    for n_bytes, order in buckets:
-        if merged and merged[-1]["order"] == order:
-            merged[-1]["max_bytes"] = n_bytes
-        else:
-            merged.append({"max_bytes": n_bytes, "order": order})
-    return merged
+    """registry.merged_neighbours as CommBucket dicts (the table's JSON)."""
+    return [{"max_bytes": edge, "order": list(order)} for edge, order in merged_neighbours(buckets)]
 
 
 def merge_rankings(path: Path, measured: dict) -> None:

@@ -184,15 +184,22 @@ def size_name(n_bytes: int) -> str:
     return f"{n_bytes >> 10} KiB" if n_bytes % 1024 == 0 else f"{n_bytes} B"
 
 
-def comm_order_line(buckets: Iterable[tuple[int, Sequence[str]]]) -> str:
-    """(max_bytes, names fastest first) buckets in increasing size as one line, buckets of one order merged: e.g.
-    'up to 1792 KiB: symmetric_memory > torch_ref; above: torch_ref' (the last bucket's order holds above it)."""
+def merged_neighbours(buckets: Iterable[tuple[int, Sequence[str]]]) -> list[tuple[int, tuple[str, ...]]]:
+    """(max_bytes, names fastest first) buckets in increasing size, a bucket of its lower neighbour's order merged
+    into it (one bucket, up to the larger size)."""
     merged: list[tuple[int, tuple[str, ...]]] = []
     for edge, order in buckets:
         if merged and merged[-1][1] == tuple(order):
             merged[-1] = (edge, merged[-1][1])
         else:
             merged.append((edge, tuple(order)))
+    return merged
+
+
+def comm_order_line(buckets: Iterable[tuple[int, Sequence[str]]]) -> str:
+    """(max_bytes, names fastest first) buckets in increasing size as one line, buckets of one order merged: e.g.
+    'up to 1792 KiB: symmetric_memory > torch_ref; above: torch_ref' (the last bucket's order holds above it)."""
+    merged = merged_neighbours(buckets)
     parts = [f"up to {size_name(edge)}: {' > '.join(order)}" for edge, order in merged[:-1]]
     last = " > ".join(merged[-1][1]) if merged else ""
     return "; ".join([*parts, f"above: {last}" if parts else f"any size: {last}"])
@@ -477,6 +484,7 @@ __all__ = [
     "get_registry",
     "hookimpl",
     "load_selection_table",
+    "merged_neighbours",
     "select",
     "selection_table_match",
     "size_name",
