@@ -59,7 +59,7 @@ from plugserve.core.forward_batch import ForwardMode, Phase
 from plugserve.core.hardware import Hardware
 from plugserve.core.interfaces import CommBackend, MoEWeights
 from plugserve.core.layers.quant import quantize_block_fp8
-from plugserve.core.specs import AttentionSpec, CommSpec, GemmSpec, MoESpec
+from plugserve.core.specs import KV_DTYPES, AttentionSpec, CommSpec, GemmSpec, MoESpec
 from plugserve.registry import BATCH_BUCKETS, comm_order_line, get_registry, merged_neighbours, size_name
 from plugserve.runtime.comm import agreed, build_checked, sum_mismatch
 
@@ -239,7 +239,7 @@ def run_attention(backends: list, device: torch.device, dtype: torch.dtype, head
     for phase, kv_cache_dtype, cases in attention_phases(args.quick, args.kv_cache_dtype):
         fp8 = kv_cache_dtype == "fp8_e4m3"
         spec = AttentionSpec(num_heads=heads, dtype=dtype, page_size=args.page_size,
-                             kv_cache_dtype=torch.float8_e4m3fn if fp8 else None)
+                             kv_cache_dtype=KV_DTYPES.get(kv_cache_dtype))
         for first, second in cases:
             if phase is Phase.DECODE:
                 batch_size, kv = first, second

@@ -20,7 +20,7 @@ from plugserve.conformance.cases import V3_ROUTER
 from plugserve.core.forward_batch import ForwardMode
 from plugserve.core.interfaces import MoEWeights
 from plugserve.core.layers.quant import quantize_block_fp8
-from plugserve.core.specs import AttentionSpec, GemmSpec, MoESpec
+from plugserve.core.specs import KV_DTYPES, AttentionSpec, GemmSpec, MoESpec
 from plugserve.plugins.attention.mha_prefill import mha_varlen
 from plugserve.plugins.attention.triton import TritonAttention
 from plugserve.plugins.gemm.triton import TritonFp8Gemm
@@ -36,8 +36,7 @@ def main() -> None:
     args = parser.parse_args()
     gemm_m, gemm_n, gemm_k = args.gemm
     device, dtype = torch.device("cuda"), torch.bfloat16
-    kv_cache_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8_e4m3" else None
-    spec = AttentionSpec(dtype=dtype, page_size=64, kv_cache_dtype=kv_cache_dtype)
+    spec = AttentionSpec(dtype=dtype, page_size=64, kv_cache_dtype=KV_DTYPES.get(args.kv_cache_dtype))
     batch = random_batch(ForwardMode.DECODE, [8192] * 64, [1] * 64, spec, device, num_layers=1)
     attention = TritonAttention(spec, device)
     attention.plan(batch)
