@@ -40,6 +40,7 @@ from plugserve.runtime.dp_scheduler import DPScheduler
 from plugserve.runtime.grammar import GrammarCompiler, GrammarError, grammar_of
 from plugserve.runtime.isolation import FaultHook
 from plugserve.runtime.metrics import Metrics
+from plugserve.runtime.profiler import ProfileFiles, StepProfiler
 from plugserve.runtime.radix_cache import RadixCache
 from plugserve.runtime.ranks import Ranks
 from plugserve.runtime.request import FinishReason, Request, RequestOutput, TokenLogprob
@@ -177,6 +178,7 @@ class Engine:
         self._stopped = False
         self._outbox = _Outbox()
         self.watchdog = Watchdog(args.watchdog_timeout, self._hang)
+        self.profiler = StepProfiler()  # /start_profile, /stop_profile
         self._thread = threading.Thread(target=self._loop, name="plugserve-scheduler", daemon=True)
         self._outbox.owner = self._thread
         self._thread.start()
@@ -223,6 +225,7 @@ class Engine:
                 finally:
                     self.watchdog.step_ended()
                     self._outbox.flush()
+                self.profiler.after_step()
             else:
                 self.metrics.observe_idle(self.scheduler)
                 self._wake.wait(0.05)
@@ -398,6 +401,18 @@ class Engine:
             return True
 
         return self.run_in_loop(flush, timeout)
+
+    def start_profile(self, output_dir: str | None = None, num_steps: int | None = None,
+                      activities: tuple[str, ...] | None = None, record_shapes: bool = False,
+                      with_stack: bool = False) -> None:
+        """Torch's profiler over the next `num_steps` scheduler steps (None: until `stop_profile`); see
+        runtime/profiler.py. Raises ProfileError (already running, no GPU, folder not writable)."""
+        self.run_in_loop(lambda: self.profiler.start(output_dir, num_steps, activities, record_shapes, with_stack))
+
+    def stop_profile(self, timeout: float = 300.0) -> ProfileFiles:
+        """End the running profile and write its trace and table (a large trace takes a while). Raises
+        ProfileError when none is running."""
+        return self.run_in_loop(self.profiler.stop, timeout)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         outputs: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import ConfigDict, StrictBool, StrictStr
+from pydantic import ConfigDict, PositiveInt, StrictBool, StrictStr
 
 from plugserve import __version__
 from plugserve.registry import get_registry
 from plugserve.runtime.engine import Engine, EngineStopped
+from plugserve.runtime.profiler import ProfileError
 from plugserve.runtime.request import FinishReason
 from plugserve.runtime.sampling import SamplingParams
 from plugserve.server.protocol import RequestBody, TokenId, error_body
@@ -102,6 +103,45 @@ async def flush_cache(request: Request) -> Response:
     if await asyncio.to_thread(_engine(request).flush_cache):  # waits for the scheduler thread: off the event loop
         return PlainTextResponse("Cache flushed.")
     return PlainTextResponse(FLUSH_REFUSED, 400)
+
+
+class ProfileRequest(RequestBody):
+    """SGLang's /start_profile body. activities: "CPU" (host ops), "GPU" (kernels), "MEM" (allocations)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    output_dir: StrictStr | None = None
+    num_steps: PositiveInt | None = None
+    activities: list[Literal["CPU", "GPU", "MEM"]] | None = None
+    record_shapes: StrictBool = False
+    with_stack: StrictBool = False
+
+
+PROFILE_RESPONSES = {200: text("text/plain", "Profiling started, or stopped with the files it wrote."),
+                     **errors(400, 401, 413, 503)}
+
+
+@router.post("/start_profile", response_class=PlainTextResponse, responses=PROFILE_RESPONSES)
+async def start_profile(request: Request, body: ProfileRequest | None = None) -> Response:
+    """Torch's profiler over the next `num_steps` scheduler steps, or until /stop_profile (runtime/profiler.py);
+    the trace and a table of ops by self time go to `output_dir` (default $SGLANG_TORCH_PROFILER_DIR, else /tmp)."""
+    body = body or ProfileRequest()
+    activities = tuple(dict.fromkeys(body.activities)) if body.activities else None
+    try:
+        await asyncio.to_thread(_engine(request).start_profile, body.output_dir, body.num_steps, activities,
+                                body.record_shapes, body.with_stack)
+    except ProfileError as exc:
+        return JSONResponse(error_body(str(exc), code=400), 400)
+    return PlainTextResponse("Start profiling.")
+
+
+@router.post("/stop_profile", response_class=PlainTextResponse, responses=PROFILE_RESPONSES)
+async def stop_profile(request: Request) -> Response:
+    try:
+        files = await asyncio.to_thread(_engine(request).stop_profile)
+    except ProfileError as exc:
+        return JSONResponse(error_body(str(exc), code=400), 400)
+    return PlainTextResponse(f"Stop profiling. {files.steps} steps: trace {files.trace}, table {files.table}")
 
 
 class TokenizeRequest(RequestBody):

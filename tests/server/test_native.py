@@ -96,3 +96,30 @@ def test_tokenize_refuses_lone_surrogates_and_negative_ids_naming_the_field(clie
     assert bad.status_code == 400 and "not valid Unicode" in bad.json()["error"]["message"]
     negative = client.post("/v1/detokenize", json={"tokens": [3, -1]}, headers=AUTH)
     assert negative.status_code == 400 and "tokens.1" in negative.json()["error"]["message"]
+
+
+def test_start_profile_for_some_steps_writes_its_files_and_stop_profile_ends_one(client, engine, tmp_path,
+                                                                                 monkeypatch):
+    response = client.post("/start_profile", json={"output_dir": str(tmp_path), "num_steps": 2,
+                                                   "activities": ["CPU"]}, headers=AUTH)
+    assert (response.status_code, response.text) == (200, "Start profiling.")
+    again = client.post("/start_profile", json={"output_dir": str(tmp_path)}, headers=AUTH)
+    assert again.status_code == 400 and "already running" in again.json()["error"]["message"]
+    engine.generate("profiled", SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True))
+    assert sorted(path.suffix for path in tmp_path.iterdir()) == [".gz", ".txt"]
+    stopped = client.post("/stop_profile", headers=AUTH)
+    assert stopped.status_code == 400 and "ended after its 2 steps" in stopped.json()["error"]["message"]
+    # Until stopped: no body at all, as SGLang's scripts send it; the folder from SGLang's variable.
+    monkeypatch.setenv("SGLANG_TORCH_PROFILER_DIR", str(tmp_path / "default"))
+    assert client.post("/start_profile", headers=AUTH).status_code == 200
+    engine.generate("profiled", SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True))
+    stopped = client.post("/stop_profile", headers=AUTH)
+    assert stopped.status_code == 200 and stopped.text.startswith("Stop profiling.")
+    assert str(tmp_path / "default") in stopped.text
+
+
+def test_start_profile_refuses_unknown_activities_and_fields(client):
+    response = client.post("/start_profile", json={"activities": ["DISK"]}, headers=AUTH)
+    assert response.status_code == 400 and "activities" in response.json()["error"]["message"]
+    response = client.post("/start_profile", json={"steps": 3}, headers=AUTH)
+    assert response.status_code == 400 and "steps" in response.json()["error"]["message"]

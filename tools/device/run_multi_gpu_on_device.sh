@@ -34,6 +34,12 @@
 #   serving   GPU $GPU: V2-Lite (dummy) served, time to /health cold then warm (a second start), bench_serving 256
 #             prompts 256 in / 128 out at concurrency 64: plain, JSON schema, and with --enable-mixed-chunk
 #             (serving-gpu$GPU.tgz: logs, bench outputs)
+#   serving-profile GPU $GPU: V2-Lite served, /start_profile over 40 steps of a concurrency-64 bench, plain then
+#             under a JSON schema: where a constrained step's time goes (serving-profile-gpu$GPU.tgz)
+#   serving-scale all four GPUs: bench_serving at concurrency 64, 256 and 1024 on V3 FP8 (20 layers) and V2-Lite,
+#             TP 4 against DP attention 4 + EP 4 (serving-scale.tgz; SCALE_MODELS, SCALE_LAYOUTS, SCALE_CONCURRENCY)
+#   tune-gemm GPU $GPU: the FP8 GEMM configs of the per-rank shapes $GEMM_SHAPES ("N,K ..."), --quick at batch 1, 32
+#             and 256 (tune-gemm-gpu$GPU.txt, gemm_configs-gpu$GPU.tar)
 #   tune      the Triton MoE's per-rank configs for V2-Lite at TP 2 (GPU 0) and TP 2 + EP 2 (GPU 1, after the one-GPU
 #             baseline bench there), --quick at batch 1-64, into the package and $OUT/moe_configs.tar; then --tp-size 2 and
 #             --tp-size 2 --ep-size 2 with them (tune-*.txt)
@@ -55,6 +61,31 @@ v3="--model-preset deepseek-v3 --num-layers 20 --load-format dummy --input-len 2
   --prefill-attention-backend triton --enable-torch-compile --overlap --tp-size 4"
 v2lite="--model-preset deepseek-v2-lite --load-format dummy --input-len 256 --output-len 32 --prefill-attention-backend
   triton --enable-torch-compile --batch-size 1 64 --overlap"
+schema='{"type": "object", "properties": {"answer": {"type": "string", "minLength": 4096}}, "required": ["answer"],
+  "additionalProperties": false}'
+# start_server NAME PORT DEVICES FLAGS...: `plugserve serve FLAGS` on DEVICES in the background ($server), then wait for
+# /health (or its death); logs to serving-NAME-server.log.
+start_server() {
+  local name=$1 port=$2 devices=$3 started=$SECONDS; shift 3
+  CUDA_VISIBLE_DEVICES=$devices python3 -m plugserve serve --port $port "$@" > $OUT/serving-$name-server.log 2>&1 &
+  server=$!
+  for i in $(seq 900); do
+    curl -s localhost:$port/health | grep -q ok && break
+    kill -0 $server 2>/dev/null || break
+    sleep 0.5
+  done
+  echo "$name start: $((SECONDS - started)) s to /health ok"
+}
+# bench NAME PORT CONCURRENCY PROMPTS [FLAGS...]: bench_serving's random prompts of 256 in / 128 out (serving-NAME.*).
+bench() {
+  local name=$1 port=$2 conc=$3 prompts=$4; shift 4
+  timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_serving.py --base-url http://127.0.0.1:$port \
+    --backend openai-chat --num-prompts $prompts --random-input-len 256 --random-output-len 128 \
+    --random-range-ratio 1 --max-concurrency $conc --disable-tqdm "$@" \
+    --output-file $OUT/serving-$name.jsonl > $OUT/serving-$name.txt 2>&1
+  echo "$name: $(grep -i 'output token throughput\|median tpot\|median ttft' $OUT/serving-$name.txt \
+    | tr -s ' ' | tr '\n' ';')"
+}
 for step in "$@"; do
   start=$SECONDS
   case $step in
@@ -106,6 +137,11 @@ for step in "$@"; do
       git ls-files -z -o --exclude-standard plugserve/plugins/moe/configs plugserve/plugins/gemm/configs \
         | tar --null -T - -cf $OUT/v3_configs.tar
       echo "tuned: $(tar -tf $OUT/v3_configs.tar | wc -l) files"; tail -n 2 $OUT/tune-v3-*.txt ;;
+    tune-gemm)
+      CUDA_VISIBLE_DEVICES=$gpu timeout ${TUNE_TIMEOUT:-400} python3 -m benchmarks.tune.tune_fp8_gemm --shapes \
+        $GEMM_SHAPES --quick --batch-sizes 1 32 256 > $OUT/tune-gemm-gpu$gpu.txt 2>&1
+      git ls-files -z -o --exclude-standard plugserve/plugins/gemm/configs | tar --null -T - -cf $OUT/gemm_configs-gpu$gpu.tar
+      echo "tuned: $(tar -tf $OUT/gemm_configs-gpu$gpu.tar | wc -l) files"; tail -n 2 $OUT/tune-gemm-gpu$gpu.txt ;;
     ncu-fp8kv)
       ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
       for kv in auto fp8_e4m3; do
@@ -145,30 +181,52 @@ for step in "$@"; do
       done ;;
     serving)
       # A string no 128 tokens can close: every request runs its 128 tokens under the grammar, as the plain run does.
-      schema='{"type": "object", "properties": {"answer": {"type": "string", "minLength": 4096}}, "required":
-        ["answer"], "additionalProperties": false}'
       for run in cold warm mixed; do
         flags=$([ $run = mixed ] && echo --enable-mixed-chunk)
-        started=$SECONDS
-        CUDA_VISIBLE_DEVICES=$gpu python3 -m plugserve serve --model-preset deepseek-v2-lite --load-format dummy \
-          --port $((30000 + gpu)) $flags > $OUT/serving-$run-server.log 2>&1 &
-        server=$!
-        for i in $(seq 300); do curl -s localhost:$((30000 + gpu))/health | grep -q ok && break; sleep 0.5; done
-        echo "$run start: $((SECONDS - started)) s to /health ok"
-        benches=$([ $run = cold ] && echo "plain json" || echo plain)
-        for bench in $benches; do
-          extra=(); [ $bench = json ] && extra=(--json-schema "$schema")
-          timeout 150 python3 benchmarks/bench_serving.py --base-url http://127.0.0.1:$((30000 + gpu)) \
-            --backend openai-chat --num-prompts 256 --random-input-len 256 --random-output-len 128 \
-            --random-range-ratio 1 --max-concurrency 64 --disable-tqdm "${extra[@]}" \
-            --output-file $OUT/serving-$run-$bench.jsonl > $OUT/serving-$run-$bench.txt 2>&1
-          echo "$run $bench: $(grep -i 'output token throughput\|median tpot\|median ttft' $OUT/serving-$run-$bench.txt \
-            | tr -s ' ' | tr '\n' ';')"
-        done
+        start_server $run $((30000 + gpu)) $gpu --model-preset deepseek-v2-lite --load-format dummy $flags
+        bench $run-plain $((30000 + gpu)) 64 256
+        [ $run = cold ] && bench $run-json $((30000 + gpu)) 64 256 --json-schema "$schema"
         kill $server; wait $server
       done
       tar -C $OUT -czf $OUT/serving-gpu$gpu.tgz $(cd $OUT && ls serving-*.txt serving-*.log serving-*.jsonl) && \
         rm $OUT/serving-*.txt $OUT/serving-*.log $OUT/serving-*.jsonl ;;
+    serving-profile)
+      # /start_profile 40 steps into a bench of 512 prompts at concurrency 64, plain then under the JSON schema:
+      # torch's profiler on the server's scheduler thread and GPU (tables and traces in serving-profile-gpu$GPU.tgz).
+      port=$((30100 + gpu))
+      start_server profile $port $gpu --model-preset deepseek-v2-lite --load-format dummy
+      for run in plain json; do
+        extra=(); [ $run = json ] && extra=(--json-schema "$schema")
+        bench profile-$run $port 64 512 "${extra[@]}" &
+        running=$!
+        sleep ${PROFILE_AT:-5}
+        curl -s -X POST localhost:$port/start_profile -H 'Content-Type: application/json' \
+          -d "{\"output_dir\": \"$OUT/profile-$run\", \"num_steps\": 40}"; echo
+        wait $running
+        head -n 1 $OUT/profile-$run/*.txt
+      done
+      kill $server; wait $server
+      tar -C $OUT -czf $OUT/serving-profile-gpu$gpu.tgz profile-plain profile-json $(cd $OUT && ls serving-profile-*) \
+        && rm -r $OUT/profile-plain $OUT/profile-json $OUT/serving-profile-* ;;
+    serving-scale)
+      # bench_serving on the four GPUs: V3 FP8 (20 layers) and V2-Lite, dummy weights, TP 4 against DP attention 4 +
+      # EP 4, at concurrency 64, 256 and 1024 (256, 512 and 1024 prompts of 256 in / 128 out); up to 1024 requests
+      # running, decode graphs up to 256 (serving-scale.tgz).
+      for model in ${SCALE_MODELS:-v3 v2lite}; do
+        weights=$([ $model = v3 ] && echo --model-preset deepseek-v3 --num-layers 20 \
+          || echo --model-preset deepseek-v2-lite)
+        for layout in ${SCALE_LAYOUTS:-tp4 dp4-ep4}; do
+          flags=$([ $layout = dp4-ep4 ] && echo --enable-dp-attention --dp-size 4 --ep-size 4)
+          start_server $model-$layout 30200 0,1,2,3 $weights --load-format dummy --tp-size 4 $flags \
+            --max-running-requests 1024 --cuda-graph-max-bs 256
+          for conc in ${SCALE_CONCURRENCY:-64 256 1024}; do
+            bench $model-$layout-c$conc 30200 $conc $([ $conc = 64 ] && echo 256 || echo $((conc > 512 ? conc : 512)))
+          done
+          kill $server; wait $server
+        done
+      done
+      tar -C $OUT -czf $OUT/serving-scale.tgz $(cd $OUT && ls serving-v3-* serving-v2lite-* 2>/dev/null) && \
+        rm -f $OUT/serving-v3-* $OUT/serving-v2lite-* ;;
     tp)
       for tp in 1 2; do
         devices=$([ $tp = 1 ] && echo 0 || echo 0,1)
