@@ -35,7 +35,7 @@
 #             prompts 256 in / 128 out at concurrency 64: plain, JSON schema, and with --enable-mixed-chunk
 #             (serving-gpu$GPU.tgz: logs, bench outputs)
 #   serving-profile GPU $GPU: V2-Lite served, /start_profile over 40 steps of a concurrency-64 bench, plain then
-#             under a JSON schema: where a constrained step's time goes (serving-profile-gpu$GPU.tgz)
+#             under a JSON schema: where a constrained step's time goes (profiles-gpu$GPU.tgz)
 #   serving-scale all four GPUs: bench_serving at concurrency 64, 256 and 1024 on V3 FP8 (20 layers) and V2-Lite,
 #             TP 4 against DP attention 4 + EP 4 (serving-scale.tgz; SCALE_MODELS, SCALE_LAYOUTS, SCALE_CONCURRENCY)
 #   tune-gemm GPU $GPU: the FP8 GEMM configs of the per-rank shapes $GEMM_SHAPES ("N,K ..."), --quick at batch 1, 32
@@ -192,7 +192,7 @@ for step in "$@"; do
         rm $OUT/serving-*.txt $OUT/serving-*.log $OUT/serving-*.jsonl ;;
     serving-profile)
       # /start_profile 40 steps into a bench of 512 prompts at concurrency 64, plain then under the JSON schema:
-      # torch's profiler on the server's scheduler thread and GPU (tables and traces in serving-profile-gpu$GPU.tgz).
+      # torch's profiler on the server's scheduler thread and GPU (tables and traces in profiles-gpu$GPU.tgz).
       port=$((30100 + gpu))
       start_server profile $port $gpu --model-preset deepseek-v2-lite --load-format dummy
       for run in plain json; do
@@ -206,7 +206,7 @@ for step in "$@"; do
         head -n 1 $OUT/profile-$run/*.txt
       done
       kill $server; wait $server
-      tar -C $OUT -czf $OUT/serving-profile-gpu$gpu.tgz profile-plain profile-json $(cd $OUT && ls serving-profile-*) \
+      tar -C $OUT -czf $OUT/profiles-gpu$gpu.tgz profile-plain profile-json $(cd $OUT && ls serving-profile-*) \
         && rm -r $OUT/profile-plain $OUT/profile-json $OUT/serving-profile-* ;;
     serving-scale)
       # bench_serving on the four GPUs: V3 FP8 (20 layers) and V2-Lite, dummy weights, TP 4 against DP attention 4 +
