@@ -32,6 +32,7 @@ from plugserve.plugins.gemm.triton import (
     CONFIG_DIR,
     CONFIG_DIR_ENV,
     CONFIG_KEYS,
+    FUSED_QUANT_MAX_M,
     TritonFp8Gemm,
     config_file_name,
     default_config,
@@ -196,6 +197,31 @@ def test_fused_quant_reads_the_weight_through_tma(kernels: ModuleType) -> None:
     x_q, x_s = kernels.per_token_group_quant_fp8(x, column_major_scales=True)
     unfused = kernels.w8a8_block_fp8_matmul(x_q, x_s, w_q, w_s, BLOCK, torch.float32, config)
     assert torch.equal(kernels.w8a8_block_fp8_matmul(x, None, w_q, w_s, BLOCK, torch.float32, config), unfused)
+
+
+@pytest.mark.parametrize("m", [1, FUSED_QUANT_MAX_M])
+def test_apply_fuses_the_quantization_at_decode_sizes(kernels: ModuleType, monkeypatch: pytest.MonkeyPatch,
+                                                      m: int) -> None:
+    """Up to FUSED_QUANT_MAX_M rows apply launches the GEMM alone (the quantization kernel never runs) and matches
+    the reference; one row more, and under batch invariance at any M, the quantization kernel runs first."""
+    from plugserve.plugins.gemm.gluon_gemm import GLUON_MIN_M
+
+    assert FUSED_QUANT_MAX_M < GLUON_MIN_M  # fused rows never reach the Gluon kernel, which reads e4m3 activations
+    quantized = []
+    quantize = kernels.per_token_group_quant_fp8
+    monkeypatch.setattr(kernels, "per_token_group_quant_fp8",
+                        lambda *args, **kwargs: quantized.append(args[0].shape[0]) or quantize(*args, **kwargs))
+    x, w_q, w_s = _operands(FUSED_QUANT_MAX_M + 1, 200, 500, torch.float16)
+    backend = TritonFp8Gemm(GemmSpec(dtype=torch.float16), CPU)
+    packed = backend.prepare(w_q, w_s)
+    out = backend.apply(x[:m], packed)
+    assert not quantized, "the quantization kernel ran"
+    x_q, x_s = per_token_group_quant_fp8(x[:m])
+    assert_close(out, block_fp8_matmul(x_q, x_s, w_q, w_s, BLOCK, torch.float16), torch.float16, f"fused m{m}")
+    backend.apply(x, packed)
+    invariant = TritonFp8Gemm(GemmSpec(dtype=torch.float16, batch_invariant=True), CPU)
+    invariant.apply(x[:m], invariant.prepare(w_q, w_s))
+    assert quantized == [FUSED_QUANT_MAX_M + 1, m]
 
 
 @pytest.mark.parametrize(
