@@ -484,14 +484,17 @@ def test_gemms_quantize_their_activations_as_the_quantizer(align_kernels, gemm_k
     per_token_group_quant, in the w13 pass (x by token, SiLU-and-mul; split-K) and the w2 pass (the float32 h by
     pair, weighted; column blocks). K = 192 and 160, no multiple of 128; K blocks of 32 and 64 inside the 128-wide
     group (SPLIT_TILES, COLUMN_TILES); one token's pair blocks (a dropped one among them) and three tokens' sorted
-    pairs, most of the 16 experts empty."""
+    pairs, most of the 16 experts empty. Every group of x holds a tie that only a correctly rounded x / scale rounds
+    as the quantizer does: 4.875 / (6.5 / 448) is 336, between the e4m3 codes 320 and 352."""
     h, i, k = 192, 160, SMALL_V3.top_k
     config = config or configs.default_config(t, k, 16, True, dtype, DEVICE.type)
     w13, w2, s13, s2 = _experts(16, h, i, dtype, True)
     weights, ids = _routing(t, SMALL_V3)
     ids[0, 1] = -1  # another rank's expert
     alignment = align_kernels.align_pairs(ids.to(torch.int32), 16, config.block_m)
-    x = (torch.randn(t, h, generator=torch.Generator().manual_seed(t)) * 3).to(DEVICE, dtype)
+    x = (torch.randn(t, h, generator=torch.Generator().manual_seed(t)) * 2).clamp(-6.0, 6.0)
+    x[:, ::64], x[:, 1::64] = 6.5, -4.875  # each group's amax, and a value whose code a reciprocal multiply flips
+    x = x.to(DEVICE, dtype)
     h_ways, y_ways = [], []
     for a, a_scale in (quant_kernels.per_token_group_quant(x, 128), (x, None)):
         out = torch.zeros(t * k, i, device=DEVICE)
