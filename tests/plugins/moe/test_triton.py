@@ -1,7 +1,7 @@
 """The `triton` MoE backend against the torch reference: moe_align_block_size (its one-program and
 three-kernel paths) against a plain-torch oracle, the fused router, the activation quantizer, the routed
-experts (fp32 / fp16 / bf16 and block-FP8 weights), dropped expert ids, shared-expert fusion,
-configuration files, and the availability rules.
+experts (fp32 / fp16 / bf16 and block-FP8 weights), block-FP8 activations quantized inside the GEMMs at decode
+sizes, dropped expert ids, shared-expert fusion, configuration files, and the availability rules.
 
 Without a GPU the kernels run in Triton's interpreter, in this process or an interpreted child pytest
 (tests/interpreter.py).
