@@ -14,7 +14,8 @@
 #             on every visible GPU (allreduce.{txt,json})
 #   tp        V2-Lite (dummy) decode step, bench_one_batch at batch 1 and 64: one GPU, then --tp-size 2 (tp.txt)
 #   v3        V3 FP8 (dummy, 20 layers) on four GPUs, bench_one_batch at batch 1, 32 and 256: --tp-size 4, then DP
-#             attention 4 + EP 4 (v3-*.txt; V3_LAYOUTS="tp4" runs the first alone)
+#             attention 4 + EP 4 (v3-*.txt; V3_LAYOUTS="tp4" runs the first alone, "tp4-sef" is TP 4 with
+#             --enable-shared-experts-fusion)
 #   v3-profile where TP 4's step goes at batch $V3_PROFILE_BATCH (default 1), with $V3_PROFILE_FLAGS more (e.g.
 #             --no-pdl, or DP attention's): benchmarks/dev/profile_decode (v3-profile-$V3_PROFILE_NAME.txt)
 #   profile   where V2-Lite's batch-1 decode step goes, one GPU then --tp-size 2: benchmarks/dev/profile_decode with
@@ -113,7 +114,11 @@ for step in "$@"; do
       grep -v "^ \|Traceback\|Error" $OUT/allreduce.txt ;;
     v3)
       for layout in ${V3_LAYOUTS:-tp4 dp4-ep4}; do
-        flags=$([ $layout = dp4-ep4 ] && echo --enable-dp-attention --dp-size 4 --ep-size 4)
+        case $layout in
+          dp4-ep4) flags="--enable-dp-attention --dp-size 4 --ep-size 4" ;;
+          tp4-sef) flags=--enable-shared-experts-fusion ;;
+          *) flags= ;;
+        esac
         timeout 240 python3 -m benchmarks.bench_one_batch $v3 --batch-size 1 32 256 $flags > $OUT/v3-$layout.txt 2>&1
         echo "v3 $layout (rc $?): $(grep '^all_reduce\|^Decode.  median' $OUT/v3-$layout.txt | tr '\n' ' ')"
       done ;;
