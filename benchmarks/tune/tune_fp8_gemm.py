@@ -84,13 +84,6 @@ QUICK_PREFILL_SPACE: dict[str, tuple[int, ...]] = {
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def parse_shape(text: str) -> tuple[int, int]:
-    """A weight shape "N,K" or "NxK" (the device recipe turns commas into spaces) -> (N, K); ValueError else (an
-    argparse `type`: a usage error)."""
-    n, k = (int(v) for v in text.replace("x", ",").split(","))
-    return n, k
-
-
 def candidates(m: int, space: dict[str, tuple[int, ...]], smem_bytes: int, n: int, k: int,
                num_sms: int) -> list[Config]:
     """The configs of `space` worth timing at batch size m for an [n, k] weight on a GPU of num_sms SMs:
@@ -194,7 +187,7 @@ def tune_shape(
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", type=parse_shape, metavar="N,K", default=None,
+    parser.add_argument("--shapes", nargs="+", metavar="N,K", default=None,
                         help="weight shapes to tune, N,K or NxK (default: DeepSeek-V3's, see V3_SHAPES)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=list(BATCH_SIZES), metavar="M")
     parser.add_argument("--quick", action="store_true",
@@ -206,9 +199,13 @@ def main(argv: Sequence[str] | None = None) -> None:
                              "entry for a re-tuned one is timed beside the candidates")
     parser.add_argument("--output-dir", type=Path, default=CONFIG_DIR)
     args = parser.parse_args(argv)
-    shapes = args.shapes or list(V3_SHAPES)
-    if min(args.batch_sizes) < 1:
-        parser.error("--batch-sizes takes positive integers")
+    try:
+        shapes = ([tuple(int(v) for v in s.replace("x", ",").split(",")) for s in args.shapes] if args.shapes
+                  else list(V3_SHAPES))
+    except ValueError:
+        parser.error(f"--shapes takes N,K pairs such as 2112,7168, got {args.shapes}")
+    if any(len(shape) != 2 for shape in shapes) or min(args.batch_sizes) < 1:
+        parser.error("--shapes takes N,K pairs and --batch-sizes positive integers")
     device = _check_device()
     torch.manual_seed(0)
     device_name = torch.cuda.get_device_name(device).replace(" ", "_")

@@ -2,12 +2,9 @@
 K loop applies the activation and weight block scales to a float32 accumulator, one 128-wide K
 block at a time (DeepSeek-V3's recipe). At decode-sized M, where the output tiles alone would leave
 SMs idle, K is split over several programs per tile (SPLIT_K) and their float32 partials summed.
-Up to FUSED_QUANT_MAX_M rows the GEMM quantizes each activation block itself (the same bits as the
-quantizer's), one launch a call instead of two: a decode step runs one kernel fewer per FP8 linear layer.
 
 Under `GemmSpec.batch_invariant` (--enable-deterministic-inference) every M runs the Triton kernel with
-`BATCH_INVARIANT_CONFIG`: one tile, no split-K, no Gluon kernel, no fused quantization, so a row's sums do not
-depend on the rows beside it.
+`BATCH_INVARIANT_CONFIG`: one tile, no split-K, no Gluon kernel, so a row's sums do not depend on the rows beside it.
 
 Kernel launch configs are tuned per weight shape and GPU (benchmarks/tune/tune_fp8_gemm.py) into
 `configs/N={N},K={K},device_name={device},dtype=fp8_w8a8,block_shape=[128, 128].json` (or the
@@ -61,12 +58,6 @@ _SPLIT_K_MIN_BLOCKS = 4
 # program an SM needs to stream at bandwidth.
 BATCH_INVARIANT_CONFIG: Config = {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
                                   "num_warps": 4, "num_stages": 4, "SPLIT_K": 1}
-# Up to this many rows (outside batch invariance) the GEMM quantizes x's blocks itself, one launch instead of the
-# quantization kernel's and the GEMM's. What decides it: each of a row's N tiles (and K splits) quantizes the row's
-# blocks again, redundant work that is cheap at decode-sized M, where reading the weight dominates, and that grows
-# with M; against it, one launch fewer. Below gluon_gemm.GLUON_MIN_M: the Gluon kernel reads quantized activations.
-# 16 is an untuned start; benchmarks/dev/bench_fused_quant.py times both ways per weight shape and M.
-FUSED_QUANT_MAX_M = 16
 
 
 def config_file_name(n: int, k: int, device_name: str, block_shape: tuple[int, int] = (128, 128)) -> str:
@@ -151,8 +142,7 @@ class TritonFp8Weight:
 
 class TritonFp8Gemm(Fp8GemmBackend):
     """Block-FP8 GEMM in Triton (Gluon on sm90 for large M): see the module docstring. Batch-invariant under the
-    spec's flag: one launch config (`BATCH_INVARIANT_CONFIG`) for every M, no split-K, no Gluon kernel, no fused
-    quantization."""
+    spec's flag: one launch config (`BATCH_INVARIANT_CONFIG`) for every M, no split-K, no Gluon kernel."""
 
     name: ClassVar[str] = "triton"
     verified: ClassVar[str] = "gpu"
@@ -191,12 +181,10 @@ class TritonFp8Gemm(Fp8GemmBackend):
         )
 
     def apply(self, x: torch.Tensor, packed: TritonFp8Weight) -> torch.Tensor:
-        """x [M, K] of spec.dtype -> [M, N] of spec.dtype. Up to FUSED_QUANT_MAX_M rows one launch: the Triton
-        kernel with the config for M, quantizing x's blocks itself. More rows: quantizes x with column-major scales
-        (the GEMM reads one K block's M scales at a time), then runs the GEMM: the Gluon kernel where
+        """x [M, K] of spec.dtype -> [M, N] of spec.dtype. Quantizes x with column-major scales (the
+        GEMM reads one K block's M scales at a time), then runs the GEMM: the Gluon kernel where
         `gluon_gemm_fits` (sm90, from GLUON_MIN_M rows and GLUON_MIN_K deep), else the Triton kernel with the
-        config for M. Under spec.batch_invariant, at every M, the quantization kernel then the Triton kernel with
-        BATCH_INVARIANT_CONFIG."""
+        config for M. Under spec.batch_invariant the Triton kernel with BATCH_INVARIANT_CONFIG at every M."""
         from plugserve.plugins.gemm import triton_kernels
 
         k = packed.weight.shape[1]
@@ -204,16 +192,6 @@ class TritonFp8Gemm(Fp8GemmBackend):
             raise ValueError(f"x must be [M, {k}] of dtype {self.spec.dtype}, "
                              f"got shape {tuple(x.shape)} of dtype {x.dtype}")
         block = self.spec.block_shape
-        if self.spec.batch_invariant:
-            config = BATCH_INVARIANT_CONFIG
-        else:
-            # The interpreter has no SMs to fill: no split-K there.
-            sms = self.hardware.multiprocessors if self.hardware.device_type == "cuda" else None
-            config = pick_config(x.shape[0], packed.configs, block, packed.weight.shape[0], k, sms)
-            if x.shape[0] <= FUSED_QUANT_MAX_M:
-                return triton_kernels.w8a8_block_fp8_matmul(
-                    x, None, packed.weight, packed.weight_scale_inv, block, self.spec.dtype, config
-                )
         x_q, x_scales = triton_kernels.per_token_group_quant_fp8(x, block[1], column_major_scales=True)
         if self.hardware.device_type == "cuda" and not self.spec.batch_invariant:
             from plugserve.plugins.gemm import gluon_gemm
@@ -222,6 +200,12 @@ class TritonFp8Gemm(Fp8GemmBackend):
                                           self.hardware.multiprocessors):
                 return gluon_gemm.gluon_block_fp8_matmul(x_q, x_scales, packed.weight, packed.weight_scale_inv,
                                                          self.spec.dtype, self.hardware.multiprocessors)
+        if self.spec.batch_invariant:
+            config = BATCH_INVARIANT_CONFIG
+        else:
+            # The interpreter has no SMs to fill: no split-K there.
+            sms = self.hardware.multiprocessors if self.hardware.device_type == "cuda" else None
+            config = pick_config(x.shape[0], packed.configs, block, packed.weight.shape[0], k, sms)
         return triton_kernels.w8a8_block_fp8_matmul(
             x_q, x_scales, packed.weight, packed.weight_scale_inv, block, self.spec.dtype, config
         )

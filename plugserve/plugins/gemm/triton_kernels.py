@@ -1,6 +1,5 @@
 """Triton kernels of the "triton" block-FP8 GEMM backend: per-token-group activation quantization and
-the w8a8 block-scaled GEMM (which can quantize its activation blocks itself, one launch instead of two), with
-their launch wrappers.
+the w8a8 block-scaled GEMM, with their launch wrappers.
 
 Imported lazily (by `plugserve.plugins.gemm.triton` and the tuning script), never at plugin load:
 `triton.jit` reads TRITON_INTERPRET when a kernel is defined, so on the CPU set TRITON_INTERPRET=1
@@ -33,20 +32,6 @@ MAX_GROUPS_PER_PROGRAM = 8
 TMA_ALIGNMENT = 4  # float32 elements
 
 
-@triton.jit
-def _quantize_groups(x, EPS: tl.constexpr, QMAX: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
-    """x [rows, group] (any float dtype; padding zeros) -> (q [rows, group] e4m3, scale [rows] float32): scale =
-    max(amax, EPS) / QMAX and q = clamp(x / scale, -QMAX, QMAX), both divisions and the cast rounded to nearest like
-    torch's on the CPU. ROUND_IN_FP32: round onto the e4m3 grid before the cast (see INTERPRETED). One body for the
-    quantization kernel and the GEMM that quantizes its A blocks, so that the two give the same bits."""
-    x = x.to(tl.float32)
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), EPS), QMAX)
-    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -QMAX), QMAX)
-    if ROUND_IN_FP32:
-        q = round_to_e4m3_grid(q)
-    return q.to(tl.float8e4nv), scale
-
-
 @triton.jit(do_not_specialize_on_alignment=["stride_sg"])
 def _per_token_group_quant_kernel(
     x_ptr,
@@ -66,16 +51,23 @@ def _per_token_group_quant_kernel(
     ROUND_IN_FP32: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One row, GROUPS_PER_PROGRAM consecutive groups of it, quantized by `_quantize_groups` (groups past K
-    padded with zeros). PDL: launched as a programmatic dependent (`plugserve.core.triton_pdl`)."""
+    """One row, GROUPS_PER_PROGRAM consecutive groups of it: scale = max(amax, EPS) / QMAX and
+    q = clamp(x / scale, -QMAX, QMAX) as e4m3, both divisions and the cast rounded to nearest like
+    torch's on the CPU. ROUND_IN_FP32: round onto the e4m3 grid before the cast (see INTERPRETED).
+    PDL: launched as a programmatic dependent (`plugserve.core.triton_pdl`)."""
     programmatic_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     groups = tl.program_id(1) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
     cols = groups[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]
     mask = cols < K  # also masks the groups past the last one
-    x = tl.load(x_ptr + row * stride_xm + cols * stride_xk, mask=mask, other=0.0)
-    q, scale = _quantize_groups(x, EPS, QMAX, ROUND_IN_FP32)
-    tl.store(q_ptr + row * stride_qm + cols, q, mask=mask)
+    x = tl.load(x_ptr + row * stride_xm + cols * stride_xk, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.math.div_rn(tl.maximum(amax, EPS), QMAX)
+    q = tl.math.div_rn(x, scale[:, None])
+    q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
+    if ROUND_IN_FP32:
+        q = round_to_e4m3_grid(q)
+    tl.store(q_ptr + row * stride_qm + cols, q.to(tl.float8e4nv), mask=mask)
     tl.store(s_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups < num_groups)
 
 
@@ -155,10 +147,6 @@ def _w8a8_block_fp8_matmul_kernel(
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     TMA: tl.constexpr,
-    QUANT_A: tl.constexpr,
-    EPS: tl.constexpr,
-    QMAX: tl.constexpr,
-    ROUND_IN_FP32: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """C[M, N] = sum over K blocks kb of (A[:, kb] @ B[:, kb]^T) * a_s[m, kb] * b_s[n // GROUP_N, kb].
@@ -171,13 +159,8 @@ def _w8a8_block_fp8_matmul_kernel(
     between launches); the tile's last program to arrive adds the SPLIT_K slices into C, in split order (the
     same sum whichever program is last), and zeroes the count for the next launch.
     TMA: A and B tiles come as TMA boxes through the descriptors a_desc [BLOCK_SIZE_M, BLOCK_SIZE_K] and b_desc
-    [BLOCK_SIZE_N, BLOCK_SIZE_K] (zero-filled past the edges) instead of cp.async through a_ptr / b_ptr; under
-    QUANT_A only B's.
-    QUANT_A: a_ptr is the unquantized activation x [M, K] (16- or 32-bit) and a_s_ptr unused: each K step
-    quantizes its [BLOCK_SIZE_M, BLOCK_SIZE_K] block of x as `_per_token_group_quant_kernel` would (EPS, QMAX,
-    ROUND_IN_FP32 as there; columns past K zeros), the same e4m3 values and scales in the same sums, in one launch
-    instead of two. Each of a row's N tiles (and K splits: their own K blocks) quantizes the row again.
-    PDL: launched as a programmatic dependent of the kernel writing A (`plugserve.core.triton_pdl`)."""
+    [BLOCK_SIZE_N, BLOCK_SIZE_K] (zero-filled past the edges) instead of cp.async through a_ptr / b_ptr.
+    PDL: launched as a programmatic dependent of the activations' quantization (`plugserve.core.triton_pdl`)."""
     programmatic_prologue(PDL)
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -201,23 +184,17 @@ def _w8a8_block_fp8_matmul_kernel(
 
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     for kb in range(first_kb, last_kb):
-        k_left = K - kb * BLOCK_SIZE_K
-        if TMA and not QUANT_A:
-            a = a_desc.load([pid_m * BLOCK_SIZE_M, kb * BLOCK_SIZE_K])
-        elif EVEN_K:
-            a = tl.load(a_ptrs)
-        else:
-            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
         if TMA:
+            a = a_desc.load([pid_m * BLOCK_SIZE_M, kb * BLOCK_SIZE_K])
             b = tl.trans(b_desc.load([pid_n * BLOCK_SIZE_N, kb * BLOCK_SIZE_K]))
         elif EVEN_K:
+            a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)
         else:
+            k_left = K - kb * BLOCK_SIZE_K
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
             b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        if QUANT_A:
-            a, a_s = _quantize_groups(a, EPS, QMAX, ROUND_IN_FP32)
-        else:
-            a_s = tl.load(a_s_ptrs + kb * stride_as_k)
+        a_s = tl.load(a_s_ptrs + kb * stride_as_k)
         if GROUP_N % BLOCK_SIZE_N == 0:
             # The tile's columns lie in one weight block (columns past N wrap, and are not stored): one scale a
             # row, so promoting the block's product into the accumulator is one FMA an element.
@@ -243,7 +220,7 @@ def _w8a8_block_fp8_matmul_kernel(
 
 def w8a8_block_fp8_matmul(
     a: torch.Tensor,
-    a_scales: torch.Tensor | None,
+    a_scales: torch.Tensor,
     b: torch.Tensor,
     b_scales: torch.Tensor,
     block_shape: tuple[int, int],
@@ -253,27 +230,19 @@ def w8a8_block_fp8_matmul(
     """a [M, K] float8_e4m3fn with per-token-group scales a_scales [M, ceil(K/bk)] float32 (any
     strides; column-major reads best), times b [N, K] float8_e4m3fn with block scales b_scales
     [ceil(N/bn), ceil(K/bk)] float32, transposed: [M, N] in out_dtype, accumulated in float32.
-    a_scales None: a is the unquantized activation [M, K] (float32, float16 or bfloat16; any strides), which the
-    GEMM quantizes block by block itself: the bits of `per_token_group_quant_fp8` then this product, in one launch.
 
     config: BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K (must equal bk), GROUP_SIZE_M, num_warps,
     num_stages, and optionally SPLIT_K (default 1): with few output tiles (small M), K is cut into
     SPLIT_K runs computed by separate programs into a float32 [SPLIT_K, M, N] workspace, summed by each tile's
     last program (no second kernel); TMA (default 0), see `_w8a8_block_fp8_matmul_kernel`: a speed hint, taken only
-    where a and b can be TMA sources (`tma_source`; only b where a_scales is None), the same product through
-    pointers otherwise."""
+    where a and b can be TMA sources (`tma_source`), the same product through pointers otherwise."""
     m, k = a.shape
     n = b.shape[0]
     bn, bk = block_shape
-    quant_a = a_scales is None
-    if quant_a == (a.dtype == FP8_DTYPE):
-        raise ValueError(f"a is {a.dtype}: pass a_scales with a {FP8_DTYPE} a, None with an unquantized one")
     if b.shape[1] != k:
         raise ValueError(f"a is [{m}, {k}] but b is {list(b.shape)}: K differs")
-    k_blocks = ceil_div(k, bk)
-    a_scales_shape = None if a_scales is None else tuple(a_scales.shape)
-    if a_scales_shape not in (None, (m, k_blocks)) or tuple(b_scales.shape) != (ceil_div(n, bn), k_blocks):
-        raise ValueError(f"scales {a_scales_shape} / {tuple(b_scales.shape)} do not fit a [{m}, {k}] x "
+    if tuple(a_scales.shape) != (m, ceil_div(k, bk)) or tuple(b_scales.shape) != (ceil_div(n, bn), ceil_div(k, bk)):
+        raise ValueError(f"scales {tuple(a_scales.shape)} / {tuple(b_scales.shape)} do not fit a [{m}, {k}] x "
                          f"[{n}, {k}] product in {block_shape} blocks")
     if config["BLOCK_SIZE_K"] != bk:
         raise ValueError(f"BLOCK_SIZE_K must be the scale group {bk}, got {config['BLOCK_SIZE_K']}")
@@ -286,15 +255,14 @@ def w8a8_block_fp8_matmul(
     tiles = triton.cdiv(m, config["BLOCK_SIZE_M"]) * triton.cdiv(n, config["BLOCK_SIZE_N"])
     partial = c if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=a.device)
     arrivals = partial if split_k == 1 else split_k_arrivals(a.device, tiles)
-    tma = bool(config.get("TMA", 0)) and (quant_a or tma_source(a)) and tma_source(b)
-    a_desc = TensorDescriptor.from_tensor(a, [config["BLOCK_SIZE_M"], bk]) if tma and not quant_a else None
+    tma = bool(config.get("TMA", 0)) and tma_source(a) and tma_source(b)
+    a_desc = TensorDescriptor.from_tensor(a, [config["BLOCK_SIZE_M"], bk]) if tma else None
     b_desc = TensorDescriptor.from_tensor(b, [config["BLOCK_SIZE_N"], bk]) if tma else None
-    a_s = b_scales if a_scales is None else a_scales  # unread under QUANT_A
     _w8a8_block_fp8_matmul_kernel[(tiles, split_k)](
-        a, b, a_desc, b_desc, c, partial, arrivals, a_s, b_scales, m, n, k,
+        a, b, a_desc, b_desc, c, partial, arrivals, a_scales, b_scales, m, n, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         partial.stride(0) if split_k > 1 else 0, c.stride(0), c.stride(1),
-        a_s.stride(0), a_s.stride(1), b_scales.stride(0), b_scales.stride(1),
+        a_scales.stride(0), a_scales.stride(1), b_scales.stride(0), b_scales.stride(1),
         GROUP_N=bn,
         BLOCK_SIZE_M=config["BLOCK_SIZE_M"],
         BLOCK_SIZE_N=config["BLOCK_SIZE_N"],
@@ -303,10 +271,6 @@ def w8a8_block_fp8_matmul(
         SPLIT_K=split_k,
         EVEN_K=k % bk == 0,
         TMA=tma,
-        QUANT_A=quant_a,
-        EPS=SCALE_EPS,
-        QMAX=FP8_MAX,
-        ROUND_IN_FP32=INTERPRETED,
         **launch_options(a),
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],

@@ -14,16 +14,9 @@ Pipeline of `fused_experts`:
   6. `_topk_sum_kernel`: out[t] = sum_j y[t * k + j], [T, H]. For one token the w2 pass does this sum itself
      (its SUM_PAIRS epilogue), unless its config cuts K or the call is batch-invariant.
 
-Block-FP8 at up to QUANT_IN_GEMM_MAX_TOKENS tokens (decode) skips steps 2 and 4: each pass reads x, or the float32
-h, unquantized and quantizes its blocks in its K loop with the quantizer's ops (`grouped_gemm` without A scales),
-the same bits in two launches fewer. SiLU-and-mul stays in the w13 pass's epilogue, which writes h in float32 for
-the w2 pass to quantize, as it does for the quantizer.
-
 Batch-invariant calls (`fused_experts(batch_invariant=True)`) take one path at every token count: the pairs sorted
-by `moe_align_block_size` for one token too, block-FP8 activations quantized by the quantizer's launches (the
-in-GEMM quantization gives the same bits, but one path keeps invariance from resting on that), and the top-k sum
-kernel, so a token's sums are the same ops alone or in a batch (the caller passes one launch config for every token
-count).
+by `moe_align_block_size` for one token too, and the top-k sum kernel, so a token's sums are the same ops alone or in
+a batch (the caller passes one launch config for every token count).
 
 On Hopper and newer GPUs every kernel of the chain launches as a programmatic dependent
 (`plugserve.core.triton_pdl`), so that each one's launch hides behind the tail of the one before.
@@ -42,12 +35,6 @@ from plugserve.plugins.moe.grouped_gemm import grouped_gemm
 from plugserve.plugins.moe.quant import per_token_group_quant
 
 _SUM_BLOCK_H = 1024  # hidden columns per program of the top-k sum
-# Block-FP8 up to this many tokens: the passes quantize their activation blocks themselves (no quantizer launches).
-# Each program quantizes its M-block's rows for its column block, so an M-block's rows are quantized once per column
-# block (I / BLOCK_N times in the w13 pass, H / BLOCK_N in the w2 pass): cheap beside streaming the expert weights,
-# which dominates at decode, while a launch costs the same at every size; at larger batches the M-blocks' repeated
-# quantization outgrows the two launches it saves. benchmarks/dev/bench_moe_quant_in_gemm.py times both ways.
-QUANT_IN_GEMM_MAX_TOKENS = 16
 
 
 @triton.jit
@@ -81,7 +68,6 @@ def fused_experts(
     block_shape: tuple[int, int] = (128, 128),
     arrived: torch.Tensor | None = None,
     batch_invariant: bool = False,
-    quant_in_gemm: bool | None = None,
 ) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I] in x's dtype, or float8_e4m3fn
     with block scales [E, ceil(2I/bn), ceil(H/bk)] / [E, ceil(H/bn), ceil(I/bk)]; topk_ids [T, k] int
@@ -90,31 +76,24 @@ def fused_experts(
     topk_ids[t, j]. With FP8 weights x and h are quantized per 1 x bk token group before their GEMMs.
     arrived: int32 zeros, at least one per column block of the w2 pass (kept by the caller across launches,
     left at 0): one token's top-k sum then happens inside the w2 pass (SUM_PAIRS), not in a kernel of its own.
-    batch_invariant: no one-token path (see the module docstring); `arrived` is then unused.
-    quant_in_gemm (block-FP8 only): the GEMMs quantize x and h themselves (see the module docstring); None: at most
-    QUANT_IN_GEMM_MAX_TOKENS tokens and not batch_invariant (the quantizer's path at every token count there)."""
+    batch_invariant: no one-token path (see the module docstring); `arrived` is then unused."""
     num_tokens, hidden = x.shape
     num_experts, intermediate, top_k = w13.shape[0], w2.shape[2], topk_ids.shape[1]
     out = torch.empty_like(x)
     if num_tokens == 0:
         return out
     fp8 = w13_scale_inv is not None
-    if quant_in_gemm and not fp8:
-        raise ValueError("quant_in_gemm quantizes the activations of block-FP8 experts: these are unquantized")
-    if quant_in_gemm is None:
-        quant_in_gemm = fp8 and num_tokens <= QUANT_IN_GEMM_MAX_TOKENS and not batch_invariant
-    quantize = fp8 and not quant_in_gemm  # the quantizer's launches before the passes
     ids = topk_ids.to(torch.int32).contiguous()
     align = moe_align_block_size if batch_invariant else align_pairs
     alignment = align(ids, num_experts, config.block_m)
     num_pairs = alignment.num_pairs
 
-    a, a_scale = per_token_group_quant(x, block_shape[1]) if quantize else (x.contiguous(), None)
+    a, a_scale = per_token_group_quant(x, block_shape[1]) if fp8 else (x.contiguous(), None)
     # FP8: h stays float32 until it is quantized, as the reference quantizes the float32 product.
     h = torch.empty(num_pairs, intermediate, dtype=torch.float32 if fp8 else x.dtype, device=x.device)
     grouped_gemm(a, a_scale, w13, w13_scale_inv, h, alignment, config.w13, a_row_div=top_k, silu_mul=True,
                  block_shape=block_shape)
-    h, h_scale = per_token_group_quant(h, block_shape[1]) if quantize else (h, None)
+    h, h_scale = per_token_group_quant(h, block_shape[1]) if fp8 else (h, None)
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     in_pass = (alignment.per_pair and arrived is not None and config.w2.split_k == 1
                and arrived.numel() >= triton.cdiv(hidden, config.w2.block_n))

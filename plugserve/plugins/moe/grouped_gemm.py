@@ -6,11 +6,6 @@ program (a decode batch's few M-blocks alone do not fill the GPU); its COLUMN_BL
 column blocks each with K unrolled, so that Triton pipelines the loop over them. Imported lazily, with the other
 kernels of the `triton` MoE backend.
 
-Block-FP8 with an unquantized A (no A scales given): each program quantizes the [BLOCK_M, BLOCK_K] blocks of A it
-reads, per row and 1 x GROUP_K group, with the ops of `per_token_group_quant` (`_quantized_rows`), so the product
-has the same bits as with A quantized beforehand and no quantization kernel runs. Every program of an M-block
-quantizes its rows again, once for each column block: `fused_experts` takes this at decode sizes only.
-
 Notation: P token-expert pairs, E experts, N output columns, K the reduced dimension.
 """
 
@@ -21,12 +16,10 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from plugserve.core.layers.quant import FP8_MAX, SCALE_EPS
 from plugserve.core.triton_pdl import launch_options, programmatic_prologue
 from plugserve.plugins.moe.align import BlockAlignment
 from plugserve.plugins.moe.configs import GemmConfig
-from plugserve.plugins.moe.quant import fp8_codes, group_scales
-from plugserve.plugins.triton_shared import INTERPRETED, round_to_e4m3_grid, split_k_arrive, split_k_sum
+from plugserve.plugins.triton_shared import INTERPRETED, split_k_arrive, split_k_sum
 from plugserve.plugins.triton_support import split_k_arrivals, tma_source
 
 MIN_BLOCK_N = 16  # the narrowest column block (tl.dot's minimum): sizes the w2 pass's arrival counts
@@ -45,33 +38,6 @@ def _mma(acc, a, b, a_scale, b_scale, FP8: tl.constexpr, DOT_FP32: tl.constexpr)
     return tl.fma(tl.dot(a, b), a_scale[:, None] * b_scale[None, :], acc) if FP8 else tl.dot(a, b, acc)
 
 
-@triton.jit
-def _quantized_rows(
-    a_ptr, rows, mask, k0, K, stride_am, stride_ak,
-    BLOCK_K: tl.constexpr, GROUP_K: tl.constexpr, FP8_MAX: tl.constexpr, EPS: tl.constexpr,
-    ROUND_E4M3: tl.constexpr,
-):
-    """A[rows, k0 : k0 + BLOCK_K] (rows [R] int64; masked rows and columns past K read as 0), A of any float dtype,
-    quantized per 1 x GROUP_K group as `per_token_group_quant` quantizes it (BLOCK_K divides GROUP_K: the scale is
-    that of the group holding the block) -> (codes [R, BLOCK_K] float32 on the e4m3 grid, scales [R] float32).
-    ROUND_E4M3 (interpreted): rounded onto the e4m3 grid here, since the interpreter's cast rounds wrongly."""
-    row_ptrs = a_ptr + rows[:, None] * stride_am
-    offs = k0 + tl.arange(0, BLOCK_K)
-    x = tl.load(row_ptrs + offs[None, :] * stride_ak, mask=mask[:, None] & (offs < K)[None, :], other=0.0)
-    x = x.to(tl.float32)
-    if BLOCK_K == GROUP_K:
-        group = x
-    else:  # a part of the group: its amax needs the whole group
-        group_offs = k0 // GROUP_K * GROUP_K + tl.arange(0, GROUP_K)
-        group = tl.load(row_ptrs + group_offs[None, :] * stride_ak, mask=mask[:, None] & (group_offs < K)[None, :],
-                        other=0.0).to(tl.float32)
-    scale = group_scales(group, FP8_MAX, EPS)
-    q = fp8_codes(x, scale, FP8_MAX)
-    if ROUND_E4M3:
-        q = round_to_e4m3_grid(q)
-    return q, scale
-
-
 @triton.jit(do_not_specialize_on_alignment=["num_pairs"])
 def _fused_moe_gemm_kernel(
     a_ptr, b_ptr, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr,
@@ -82,7 +48,6 @@ def _fused_moe_gemm_kernel(
     PER_PAIR: tl.constexpr, A_ROW_DIV: tl.constexpr, SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     SUM_PAIRS: tl.constexpr, SPLIT_K: tl.constexpr,
     FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, DOT_FP32: tl.constexpr,
-    QUANT_A: tl.constexpr, FP8_MAX: tl.constexpr, EPS: tl.constexpr, ROUND_E4M3: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE_M: tl.constexpr,
     TMA: tl.constexpr,
     PDL: tl.constexpr,
@@ -93,8 +58,6 @@ def _fused_moe_gemm_kernel(
     MUL_WEIGHT: C *= topk_weights[p] * routed_scaling_factor.
     FP8: A and B float8 with A scales per row and 1 x GROUP_K group, B scales per GROUP_N x GROUP_K
     block, applied per K-tile (BLOCK_K divides GROUP_K).
-    QUANT_A (FP8): A of the activation dtype, each K block quantized here (`_quantized_rows`, FP8_MAX and EPS those
-    of the reference quantizer); under PER_PAIR only the one pair's row, the padding rows' codes and scales 0.
     PER_PAIR (`pair_blocks`): M-block p is pair p alone, of expert expert_ids[p], skipped when that id is dropped.
     SUM_PAIRS (PER_PAIR, one token): also sum[n] = sum over the used pairs p of C[p, n] in float32, in pair order,
     by the program of each column block that arrives last (an atomic count per column block in arrived_ptr, after
@@ -143,8 +106,7 @@ def _fused_moe_gemm_kernel(
         up_ptrs = b_ptrs + N * stride_bn
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if FP8:
-        if not QUANT_A:
-            a_scale_ptrs = a_scale_ptr + a_row * stride_asm
+        a_scale_ptrs = a_scale_ptr + a_row * stride_asm
         b_scale_ptrs = b_scale_ptr + expert * stride_bse + (offs_n // GROUP_N) * stride_bsn
         if SILU_MUL:
             up_scale_ptrs = b_scale_ptr + expert * stride_bse + ((offs_n + N) // GROUP_N) * stride_bsn
@@ -158,27 +120,14 @@ def _fused_moe_gemm_kernel(
         up_ptrs += k_first * stride_bk
     for k0 in range(k_first, tl.minimum(k_first + k_per_split, k_end), BLOCK_K):
         k_mask = offs_k < K - k0
-        if QUANT_A:
-            if PER_PAIR:  # row 0 is the pair (the loop runs only for a kept one), the other rows padding
-                one_row = (pid_m // A_ROW_DIV).to(tl.int64) + tl.zeros([1], dtype=tl.int64)
-                q, a_scale = _quantized_rows(a_ptr, one_row, one_row >= 0, k0, K, stride_am, stride_ak, BLOCK_K,
-                                             GROUP_K, FP8_MAX, EPS, ROUND_E4M3)
-                a = tl.where(row_mask[:, None], q, 0.0).to(tl.float8e4nv)
-                a_scale = tl.where(row_mask, a_scale, 0.0)
-            else:
-                q, a_scale = _quantized_rows(a_ptr, a_row, row_mask, k0, K, stride_am, stride_ak, BLOCK_K, GROUP_K,
-                                             FP8_MAX, EPS, ROUND_E4M3)
-                a = q.to(tl.float8e4nv)
-        else:
-            a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         if TMA:
             b = tl.trans(b_desc.load([b_row, k0]))
         else:
             b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         if FP8:
             k_group = k0 // GROUP_K
-            if not QUANT_A:
-                a_scale = tl.load(a_scale_ptrs + k_group * stride_ask, mask=row_mask, other=0.0)
+            a_scale = tl.load(a_scale_ptrs + k_group * stride_ask, mask=row_mask, other=0.0)
             b_scale = tl.load(b_scale_ptrs + k_group * stride_bsk, mask=n_mask, other=0.0)
         else:
             a_scale = 1.0  # unused
@@ -236,7 +185,6 @@ def _grouped_gemm_columns_kernel(
     stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
     K: tl.constexpr, COLUMN_BLOCKS: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, DOT_FP32: tl.constexpr,
-    QUANT_A: tl.constexpr, FP8_MAX: tl.constexpr, EPS: tl.constexpr, ROUND_E4M3: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -246,8 +194,7 @@ def _grouped_gemm_columns_kernel(
     block's weight tile loads while this one's product and stores run. With a program a column block, each would
     fill and drain a pipeline of a few K steps alone. Programs walk the M-blocks first (grid axis 0), so the ones
     running together share an expert's weight tiles in L2 (no GROUP_SIZE_M). Sorted-pair alignment only (no
-    SiLU-and-mul, split-K or pair sum); the K steps add up in the same order as `_fused_moe_gemm_kernel`'s, and
-    QUANT_A quantizes A's blocks as it does (again for each column block)."""
+    SiLU-and-mul, split-K or pair sum); the K steps add up in the same order as `_fused_moe_gemm_kernel`'s."""
     programmatic_prologue(PDL)
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -266,22 +213,16 @@ def _grouped_gemm_columns_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in tl.static_range(0, K, BLOCK_K):
             k_mask = offs_k < K - k0
-            if QUANT_A:
-                q, a_scale = _quantized_rows(a_ptr, rows, row_mask, k0, K, stride_am, stride_ak, BLOCK_K, GROUP_K,
-                                             FP8_MAX, EPS, ROUND_E4M3)
-                a = q.to(tl.float8e4nv)
-            else:
-                a = tl.load(a_ptr + rows[:, None] * stride_am + (k0 + offs_k)[None, :] * stride_ak,
-                            mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            a = tl.load(a_ptr + rows[:, None] * stride_am + (k0 + offs_k)[None, :] * stride_ak,
+                        mask=row_mask[:, None] & k_mask[None, :], other=0.0)
             if TMA:
                 b = tl.trans(b_desc.load([(expert * b_rows + pid_n * BLOCK_N).to(tl.int32), k0]))
             else:
                 b = tl.load(b_ptr + expert * stride_be + offs_n[None, :] * stride_bn
                             + (k0 + offs_k)[:, None] * stride_bk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
             if FP8:
-                if not QUANT_A:
-                    a_scale = tl.load(a_scale_ptr + rows * stride_asm + k0 // GROUP_K * stride_ask, mask=row_mask,
-                                      other=0.0)
+                a_scale = tl.load(a_scale_ptr + rows * stride_asm + k0 // GROUP_K * stride_ask, mask=row_mask,
+                                  other=0.0)
                 b_scale = tl.load(b_scale_ptr + expert * stride_bse + (offs_n // GROUP_N) * stride_bsn
                                   + k0 // GROUP_K * stride_bsk, mask=n_mask, other=0.0)
             else:
@@ -314,20 +255,15 @@ def grouped_gemm(
 
     a [rows, K] (row of pair p: p // a_row_div) of the activation dtype, or float8 with a_scale
     [rows, ceil(K/bk)]; w [E, N or 2N (silu_mul), K] of a's dtype, or float8 with w_scale
-    [E, ceil(w.shape[1]/bn), ceil(K/bk)]. Float8 w with a_scale None: a (float16 / bfloat16 / float32) is
-    quantized per 1 x bk group, block by block inside the GEMM, the same bits as `per_token_group_quant` before
-    it. topk_weights [P] float32 to multiply by (times routed_scaling_factor). pair_sum (a per-pair alignment
-    only): (sum [N], arrived [>= ceil(N / BLOCK_N)] int32 zeros) to also write the sum of out's used rows into, by
-    the same launch (SUM_PAIRS). config.split_k > 1: K cut into that many runs, summed in split order by each
-    block's last program (a decode-sized batch's few blocks then fill the GPU). config.column_blocks > 1 (the w2
-    pass; sorted pairs, not one token's pair blocks): `_grouped_gemm_columns_kernel`."""
+    [E, ceil(w.shape[1]/bn), ceil(K/bk)]; topk_weights [P] float32 to multiply by (times
+    routed_scaling_factor). pair_sum (a per-pair alignment only): (sum [N], arrived [>= ceil(N / BLOCK_N)] int32
+    zeros) to also write the sum of out's used rows into, by the same launch (SUM_PAIRS). config.split_k > 1: K cut
+    into that many runs, summed in split order by each block's last program (a decode-sized batch's few blocks
+    then fill the GPU). config.column_blocks > 1 (the w2 pass; sorted pairs, not one token's pair blocks):
+    `_grouped_gemm_columns_kernel`."""
     fp8 = w_scale is not None
     if fp8 and block_shape[1] % config.block_k:
         raise ValueError(f"BLOCK_SIZE_K {config.block_k} must divide the FP8 block's K size {block_shape[1]}")
-    quant_a = fp8 and a_scale is None
-    if quant_a and a.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"FP8 weights without A scales quantize A in the GEMM: A must be 16- or 32-bit float, "
-                         f"got {a.dtype}")
     n, k = out.shape[1], a.shape[1]
     # One token's pair blocks (a prefill config reached by the nearest-M lookup) run the general kernel.
     if config.column_blocks > 1 and not alignment.per_pair:
@@ -356,13 +292,12 @@ def grouped_gemm(
         n, k, alignment.num_pairs, alignment.num_blocks * alignment.block_m, w.shape[0], w.shape[1],
         routed_scaling_factor,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
-        *(a_scale.stride() if a_scale is not None else (0, 0)),
+        a_scale.stride(0) if fp8 else 0, a_scale.stride(1) if fp8 else 0,
         w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0, w_scale.stride(2) if fp8 else 0,
         *((partial.stride(0), partial.stride(1)) if partial is not None else (0, 0)),
         PER_PAIR=alignment.per_pair, A_ROW_DIV=a_row_div, SILU_MUL=silu_mul, MUL_WEIGHT=topk_weights is not None,
         SUM_PAIRS=pair_sum is not None, SPLIT_K=config.split_k,
-        FP8=fp8, GROUP_N=block_shape[0], GROUP_K=block_shape[1], DOT_FP32=_dot_fp32(a, quant_a),
-        QUANT_A=quant_a, FP8_MAX=FP8_MAX, EPS=SCALE_EPS, ROUND_E4M3=INTERPRETED,
+        FP8=fp8, GROUP_N=block_shape[0], GROUP_K=block_shape[1], DOT_FP32=INTERPRETED and a.dtype == torch.bfloat16,
         BLOCK_M=alignment.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_SIZE_M=config.group_m,
         TMA=tma, **launch_options(a), num_warps=config.num_warps, num_stages=config.num_stages,
     )
@@ -375,7 +310,6 @@ def _columns_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor
     """`grouped_gemm` for config.column_blocks > 1: `_grouped_gemm_columns_kernel` (K a constexpr: one compile per
     intermediate size)."""
     fp8 = w_scale is not None
-    quant_a = fp8 and a_scale is None
     n, k = out.shape[1], a.shape[1]
     if a_row_div != 1 or k > COLUMN_MAX_K:
         raise ValueError(f"COLUMN_BLOCKS is for the w2 pass (A by pair, a_row_div 1) with K <= {COLUMN_MAX_K}, got "
@@ -388,17 +322,10 @@ def _columns_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor
         alignment.sorted_ids, alignment.expert_ids, alignment.num_padded,
         n, alignment.num_pairs, w.shape[1], routed_scaling_factor,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
-        *(a_scale.stride() if a_scale is not None else (0, 0)),
+        a_scale.stride(0) if fp8 else 0, a_scale.stride(1) if fp8 else 0,
         w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0, w_scale.stride(2) if fp8 else 0,
         K=k, COLUMN_BLOCKS=config.column_blocks, MUL_WEIGHT=topk_weights is not None,
-        FP8=fp8, GROUP_N=block_shape[0], GROUP_K=block_shape[1], DOT_FP32=_dot_fp32(a, quant_a),
-        QUANT_A=quant_a, FP8_MAX=FP8_MAX, EPS=SCALE_EPS, ROUND_E4M3=INTERPRETED,
+        FP8=fp8, GROUP_N=block_shape[0], GROUP_K=block_shape[1], DOT_FP32=INTERPRETED and a.dtype == torch.bfloat16,
         BLOCK_M=alignment.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TMA=tma, **launch_options(a),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-
-
-def _dot_fp32(a: torch.Tensor, quant_a: bool) -> bool:
-    """Whether the kernel widens its tl.dot operands to float32: bfloat16 ones, interpreted (see INTERPRETED); an A
-    quantized in the kernel meets the weights as float8."""
-    return INTERPRETED and a.dtype == torch.bfloat16 and not quant_a

@@ -1,8 +1,6 @@
 """Per-token-group FP8 quantization of the MoE's activations (x before the w13 pass, h before the w2 pass) as a
-Triton kernel, bit for bit the reference quantizer, and its two steps (`group_scales`, `fp8_codes`) as device
-functions, which the grouped GEMM also calls when it quantizes its activation blocks itself (few tokens, see
-`plugserve.plugins.moe.experts`): the same ops give the same bits. Imported lazily, with the other kernels of the
-`triton` MoE backend."""
+Triton kernel, bit for bit the reference quantizer. Imported lazily, with the other kernels of the `triton` MoE
+backend."""
 
 from __future__ import annotations
 
@@ -15,19 +13,6 @@ from plugserve.core.triton_pdl import launch_options, programmatic_prologue
 from plugserve.plugins.triton_shared import INTERPRETED
 
 _QUANT_GROUPS = 8  # 1 x group_size groups per program
-
-
-@triton.jit
-def group_scales(x, FP8_MAX: tl.constexpr, EPS: tl.constexpr):
-    """x [R, G] float32, one 1 x G group a row -> scales [R] float32: max(amax, EPS) / FP8_MAX, correctly rounded."""
-    return tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 1), EPS), FP8_MAX)
-
-
-@triton.jit
-def fp8_codes(x, scale, FP8_MAX: tl.constexpr):
-    """x [R, C] float32 and its rows' group scales [R] -> clamp(x / scale, -FP8_MAX, FP8_MAX) [R, C] float32, the
-    division correctly rounded (the e4m3 cast follows)."""
-    return tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -FP8_MAX), FP8_MAX)
 
 
 @triton.jit
@@ -44,8 +29,8 @@ def _group_quant_kernel(
     col = group[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     mask = col < cols
     x = tl.load(x_ptr + row * stride_x + col, mask=mask, other=0.0).to(tl.float32)
-    scale = group_scales(x, FP8_MAX, EPS)
-    q = fp8_codes(x, scale, FP8_MAX)
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 1), EPS), FP8_MAX)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -FP8_MAX), FP8_MAX)
     tl.store(q_ptr + row * stride_q + col, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row * stride_scale + group, scale, mask=group < num_groups)
 

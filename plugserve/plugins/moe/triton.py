@@ -9,17 +9,15 @@ activations quantized per 1 x 128 token group).
 - `forward`: moe_align_block_size (pairs sorted by expert, padded to BLOCK_SIZE_M), a grouped GEMM
   over w13 with SiLU-and-mul in its epilogue, a grouped GEMM over w2 multiplying by the top-k weight
   times routed_scaling_factor in its epilogue, and a top-k sum (for one token, in that epilogue too;
-  see `fused_experts`). Block-FP8: each GEMM's activations quantized per token group beforehand, or at decode
-  sizes by the GEMM itself, block by block (the same bits, two launches fewer). Launch configurations come from
-  tuned files in `configs/` (benchmarks/tune/tune_fused_moe.py) or a default.
+  see `fused_experts`). Launch configurations come from tuned files in `configs/`
+  (benchmarks/tune/tune_fused_moe.py) or a default.
 - Shared-expert fusion (`MoESpec.num_shared_experts`): `prepare` appends the shared MLP (`MoEWeights.shared_w13`,
   `shared_w2`) as extra experts, the router kernel gives them to every token, and `forward` returns routed +
   shared from the same GEMMs.
 - Batch invariance (`MoESpec.batch_invariant`, --enable-deterministic-inference): a token's result must not depend
   on the tokens beside it, so every token count takes one path: `route_hidden` the gate's logits in fixed token tiles
   (`router.router_logits`) and `route`, never the fused router; `forward` one launch config
-  (`configs.batch_invariant_config`: no split-K, no column kernel), no one-token path and no quantization inside the
-  GEMMs (`fused_experts`).
+  (`configs.batch_invariant_config`: no split-K, no column kernel) and no one-token path (`fused_experts`).
 
 The kernels live in `router`, `align`, `quant`, `grouped_gemm` and `experts`, imported on first use:
 loading this plugin does not import Triton. On the CPU the kernels run only in Triton's interpreter

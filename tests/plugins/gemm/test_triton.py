@@ -32,7 +32,6 @@ from plugserve.plugins.gemm.triton import (
     CONFIG_DIR,
     CONFIG_DIR_ENV,
     CONFIG_KEYS,
-    FUSED_QUANT_MAX_M,
     TritonFp8Gemm,
     config_file_name,
     default_config,
@@ -168,62 +167,6 @@ def test_batch_invariant_apply_takes_one_config_at_every_m(kernels: ModuleType, 
     assert configs == [BATCH_INVARIANT_CONFIG] * 4
 
 
-@pytest.mark.parametrize("m", [1, 3, 16])
-@pytest.mark.parametrize("split_k", [1, 3], ids=["whole-k", "split-k"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_fused_quant_matches_two_kernels_bit_for_bit(kernels: ModuleType, m: int, split_k: int,
-                                                     dtype: torch.dtype) -> None:
-    """The GEMM quantizing its A blocks gives the bits of the quantization kernel then the GEMM with the same config:
-    K = 500 ends inside its last block (zero padding; 3 splits take 2, 2 and 0 blocks), N = 200 in 64-wide tiles,
-    groups 10^6 apart in magnitude and one all zero (the EPS floor), the last group's values below 1 (padding other
-    than zeros would raise its amax), x read through strides (every other column)."""
-    n, k = 200, 500
-    x = _random_groups(m, k, dtype, seed=m).repeat_interleave(2, dim=1)[:, ::2]
-    x[:, 384:] /= 3 * x[:, 384:].abs().amax(dim=1, keepdim=True)
-    _, w_q, w_s = _operands(m, n, k, dtype)
-    config = default_config(m) | {"BLOCK_SIZE_N": 64, "SPLIT_K": split_k, "num_stages": 2}
-    x_q, x_s = kernels.per_token_group_quant_fp8(x, column_major_scales=True)
-    unfused = kernels.w8a8_block_fp8_matmul(x_q, x_s, w_q, w_s, BLOCK, dtype, config)
-    fused = kernels.w8a8_block_fp8_matmul(x, None, w_q, w_s, BLOCK, dtype, config)
-    assert fused.dtype == dtype and torch.equal(fused, unfused)
-
-
-def test_fused_quant_reads_the_weight_through_tma(kernels: ModuleType) -> None:
-    """TMA on: B's boxes through its descriptor, A (not e4m3) through pointers, the same bits as the two kernels."""
-    m, n, k = 5, 300, 512
-    x, w_q, w_s = _operands(m, n, k)
-    config = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1, "num_warps": 4,
-              "num_stages": 2, "SPLIT_K": 2, "TMA": 1}
-    x_q, x_s = kernels.per_token_group_quant_fp8(x, column_major_scales=True)
-    unfused = kernels.w8a8_block_fp8_matmul(x_q, x_s, w_q, w_s, BLOCK, torch.float32, config)
-    assert torch.equal(kernels.w8a8_block_fp8_matmul(x, None, w_q, w_s, BLOCK, torch.float32, config), unfused)
-
-
-@pytest.mark.parametrize("m", [1, FUSED_QUANT_MAX_M])
-def test_apply_fuses_the_quantization_at_decode_sizes(kernels: ModuleType, monkeypatch: pytest.MonkeyPatch,
-                                                      m: int) -> None:
-    """Up to FUSED_QUANT_MAX_M rows apply launches the GEMM alone (the quantization kernel never runs) and matches
-    the reference; one row more, and under batch invariance at any M, the quantization kernel runs first."""
-    from plugserve.plugins.gemm.gluon_gemm import GLUON_MIN_M
-
-    assert FUSED_QUANT_MAX_M < GLUON_MIN_M  # fused rows never reach the Gluon kernel, which reads e4m3 activations
-    quantized = []
-    quantize = kernels.per_token_group_quant_fp8
-    monkeypatch.setattr(kernels, "per_token_group_quant_fp8",
-                        lambda *args, **kwargs: quantized.append(args[0].shape[0]) or quantize(*args, **kwargs))
-    x, w_q, w_s = _operands(FUSED_QUANT_MAX_M + 1, 200, 500, torch.float16)
-    backend = TritonFp8Gemm(GemmSpec(dtype=torch.float16), CPU)
-    packed = backend.prepare(w_q, w_s)
-    out = backend.apply(x[:m], packed)
-    assert not quantized, "the quantization kernel ran"
-    x_q, x_s = per_token_group_quant_fp8(x[:m])
-    assert_close(out, block_fp8_matmul(x_q, x_s, w_q, w_s, BLOCK, torch.float16), torch.float16, f"fused m{m}")
-    backend.apply(x, packed)
-    invariant = TritonFp8Gemm(GemmSpec(dtype=torch.float16, batch_invariant=True), CPU)
-    invariant.apply(x[:m], invariant.prepare(w_q, w_s))
-    assert quantized == [FUSED_QUANT_MAX_M + 1, m]
-
-
 @pytest.mark.parametrize(
     "block_m,block_n,group_m",
     [(16, 256, 1), (16, 32, 2), (32, 64, 8), (64, 128, 3)],
@@ -296,10 +239,6 @@ def test_kernel_rejects_mismatched_operands(kernels: ModuleType) -> None:
         kernels.w8a8_block_fp8_matmul(x_q, x_s[:, :2], w_q, w_s, BLOCK, torch.float32, config)
     with pytest.raises(ValueError, match="K differs"):
         kernels.w8a8_block_fp8_matmul(x_q, x_s, w_q[:, :256], w_s, BLOCK, torch.float32, config)
-    with pytest.raises(ValueError, match=r"pass a_scales with a torch\.float8_e4m3fn a"):
-        kernels.w8a8_block_fp8_matmul(x_q, None, w_q, w_s, BLOCK, torch.float32, config)
-    with pytest.raises(ValueError, match=r"a is torch\.float32: pass a_scales"):
-        kernels.w8a8_block_fp8_matmul(x, x_s, w_q, w_s, BLOCK, torch.float32, config)
 
 
 def test_prepare_and_apply_validate_inputs() -> None:

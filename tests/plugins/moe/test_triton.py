@@ -1,7 +1,7 @@
 """The `triton` MoE backend against the torch reference: moe_align_block_size (its one-program and
 three-kernel paths) against a plain-torch oracle, the fused router, the activation quantizer, the routed
-experts (fp32 / fp16 / bf16 and block-FP8 weights), block-FP8 activations quantized inside the GEMMs at decode
-sizes, dropped expert ids, shared-expert fusion, configuration files, and the availability rules.
+experts (fp32 / fp16 / bf16 and block-FP8 weights), dropped expert ids, shared-expert fusion,
+configuration files, and the availability rules.
 
 Without a GPU the kernels run in Triton's interpreter, in this process or an interpreted child pytest
 (tests/interpreter.py).
@@ -466,88 +466,6 @@ def test_empty_batch(experts_kernels) -> None:
     out = backend.forward(torch.empty(0, 128, device=DEVICE, dtype=torch.float16),
                           backend.prepare(MoEWeights(w13, w2)), ids, torch.empty(0, 4, device=DEVICE), RSF)
     assert out.shape == (0, 128)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Block-FP8 activations quantized inside the GEMMs (decode sizes)
-
-
-@pytest.mark.parametrize(
-    ("t", "dtype", "config"),
-    [(1, torch.float16, None), (1, torch.float16, SPLIT_TILES), (3, torch.float32, None),
-     (3, torch.float16, COLUMN_TILES)],
-    ids=_config_id,
-)
-def test_gemms_quantize_their_activations_as_the_quantizer(align_kernels, gemm_kernels, quant_kernels, t: int,
-                                                           dtype: torch.dtype, config) -> None:
-    """Given its activations without scales, a block-FP8 pass quantizes each K block itself: the same bits as after
-    per_token_group_quant, in the w13 pass (x by token, SiLU-and-mul; split-K) and the w2 pass (the float32 h by
-    pair, weighted; column blocks). K = 192 and 160, no multiple of 128; K blocks of 32 and 64 inside the 128-wide
-    group (SPLIT_TILES, COLUMN_TILES); one token's pair blocks (a dropped one among them) and three tokens' sorted
-    pairs, most of the 16 experts empty. Every group of x holds a tie that only a correctly rounded x / scale rounds
-    as the quantizer does: 4.875 / (6.5 / 448) is 336, between the e4m3 codes 320 and 352."""
-    h, i, k = 192, 160, SMALL_V3.top_k
-    config = config or configs.default_config(t, k, 16, True, dtype, DEVICE.type)
-    w13, w2, s13, s2 = _experts(16, h, i, dtype, True)
-    weights, ids = _routing(t, SMALL_V3)
-    ids[0, 1] = -1  # another rank's expert
-    alignment = align_kernels.align_pairs(ids.to(torch.int32), 16, config.block_m)
-    x = (torch.randn(t, h, generator=torch.Generator().manual_seed(t)) * 2).clamp(-6.0, 6.0)
-    x[:, ::64], x[:, 1::64] = 6.5, -4.875  # each group's amax, and a value whose code a reciprocal multiply flips
-    x = x.to(DEVICE, dtype)
-    h_ways, y_ways = [], []
-    for a, a_scale in (quant_kernels.per_token_group_quant(x, 128), (x, None)):
-        out = torch.zeros(t * k, i, device=DEVICE)
-        gemm_kernels.grouped_gemm(a, a_scale, w13, s13, out, alignment, config.w13, a_row_div=k, silu_mul=True)
-        h_ways.append(out)
-    assert h_ways[0].count_nonzero() == (t * k - 1) * i and torch.equal(h_ways[0], h_ways[1])
-    for a, a_scale in (quant_kernels.per_token_group_quant(h_ways[0], 128), (h_ways[0], None)):
-        out = torch.zeros(t * k, h, device=DEVICE)
-        gemm_kernels.grouped_gemm(a, a_scale, w2, s2, out, alignment, config.w2, a_row_div=1, silu_mul=False,
-                                  topk_weights=weights.float().view(-1).contiguous(), routed_scaling_factor=RSF)
-        y_ways.append(out)
-    assert y_ways[0].count_nonzero() == (t * k - 1) * h and torch.equal(y_ways[0], y_ways[1])
-
-
-@pytest.mark.parametrize("t", [1, 3])
-def test_backend_quantizes_in_the_gemms_at_decode_sizes(experts_kernels, monkeypatch: pytest.MonkeyPatch,
-                                                        t: int) -> None:
-    """Block-FP8 at a decode size: no quantizer launch, and the result within the kit's bound of the reference."""
-    h, i = 256, 192
-    backend = TritonMoE(MoESpec(h, i, torch.float16, torch.float8_e4m3fn, router=SMALL_V3), DEVICE)
-    w13, w2, s13, s2 = _experts(16, h, i, torch.float16, True)
-    packed = backend.prepare(MoEWeights(w13, w2, s13, s2))
-    weights, ids = _routing(t, SMALL_V3)
-    x = torch.randn(t, h, generator=torch.Generator().manual_seed(t)).to(DEVICE, torch.float16)
-    monkeypatch.setattr(experts_kernels, "per_token_group_quant", lambda *args: pytest.fail("the quantizer ran"))
-    out = backend.forward(x, packed, ids, weights, RSF)
-    expected = fused_experts_reference(x, w13, w2, ids, weights, RSF, s13, s2)
-    assert_close(out, expected, torch.float16, f"triton MoE t={t} quantized in the GEMMs", W8A8_MOE_ATOL)
-
-
-def test_the_quantizer_runs_beyond_decode_sizes_and_under_batch_invariance(experts_kernels,
-                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """Which calls quantize x and h with the quantizer (two launches) and which in the GEMMs (none): the GEMMs up to
-    QUANT_IN_GEMM_MAX_TOKENS tokens, the quantizer beyond and under batch invariance at every count. Unquantized
-    experts refuse quant_in_gemm."""
-    limit = experts_kernels.QUANT_IN_GEMM_MAX_TOKENS
-    h, i = 128, 64
-    w13, w2, s13, s2 = _experts(16, h, i, torch.float16, True)
-    quantized: list[int] = []
-    monkeypatch.setattr(experts_kernels, "per_token_group_quant",
-                        lambda a, group: quantized.append(a.shape[0]) or (a, torch.ones(a.shape[0], 1)))
-    monkeypatch.setattr(experts_kernels, "grouped_gemm",
-                        lambda a, a_scale, w, w_scale, out, *args, **kwargs: out.zero_())
-    config = configs.default_config(1, 4, 16, True, torch.float16, DEVICE.type)
-    for t, invariant, launches in ((1, False, 0), (limit, False, 0), (limit + 1, False, 2), (1, True, 2)):
-        weights, ids = _routing(t, SMALL_V3)
-        quantized.clear()
-        experts_kernels.fused_experts(torch.zeros(t, h, device=DEVICE, dtype=torch.float16), w13, w2, s13, s2, ids,
-                                      weights, RSF, config, batch_invariant=invariant)
-        assert len(quantized) == launches, f"t={t} batch_invariant={invariant}"
-    with pytest.raises(ValueError, match="quant_in_gemm quantizes the activations of block-FP8 experts"):
-        experts_kernels.fused_experts(torch.zeros(1, h, device=DEVICE), w13.float(), w2.float(), None, None, ids[:1],
-                                      weights[:1], RSF, config, quant_in_gemm=True)
 
 
 # ----------------------------------------------------------------------------------------------------
