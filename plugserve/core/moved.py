@@ -67,6 +67,10 @@ MOVED_NAMES: dict[str, dict[str, str]] = {
         **{name: "plugserve.plugins.moe.grouped_gemm" for name in ("grouped_gemm", "MIN_BLOCK_N", "COLUMN_MAX_K")},
         "fused_experts": "plugserve.plugins.moe.experts",
     },
+    # Split-K's helpers, shared with the core's batch-invariant matmul.
+    "plugserve.plugins.triton_shared": {name: "plugserve.core.triton_tiles" for name in ("split_k_arrive",
+                                                                                          "split_k_sum")},
+    "plugserve.plugins.triton_support": {"split_k_arrivals": "plugserve.core.triton_tiles"},
 }
 
 

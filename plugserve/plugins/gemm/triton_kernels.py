@@ -22,9 +22,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from plugserve.core.layers.quant import FP8_DTYPE, FP8_MAX, SCALE_EPS, ceil_div
 from plugserve.core.triton_pdl import launch_options, programmatic_prologue
-from plugserve.core.triton_tiles import grouped_tile
-from plugserve.plugins.triton_shared import INTERPRETED, round_to_e4m3_grid, split_k_arrive, split_k_sum
-from plugserve.plugins.triton_support import split_k_arrivals, tma_source
+from plugserve.core.triton_tiles import grouped_tile, split_k_arrivals, split_k_arrive, split_k_sum
+from plugserve.plugins.triton_shared import INTERPRETED, round_to_e4m3_grid
+from plugserve.plugins.triton_support import tma_source
 
 # Groups one program of the quantization kernel handles (a [groups, group_size] tile).
 MAX_GROUPS_PER_PROGRAM = 8

@@ -17,10 +17,11 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from plugserve.core.triton_pdl import launch_options, programmatic_prologue
+from plugserve.core.triton_tiles import split_k_arrivals, split_k_arrive, split_k_sum
 from plugserve.plugins.moe.align import BlockAlignment
 from plugserve.plugins.moe.configs import GemmConfig
-from plugserve.plugins.triton_shared import INTERPRETED, split_k_arrive, split_k_sum
-from plugserve.plugins.triton_support import split_k_arrivals, tma_source
+from plugserve.plugins.triton_shared import INTERPRETED
+from plugserve.plugins.triton_support import tma_source
 
 MIN_BLOCK_N = 16  # the narrowest column block (tl.dot's minimum): sizes the w2 pass's arrival counts
 # The column kernel unrolls K, and Triton's pipeline then buffers every step of a column block for each stage:
