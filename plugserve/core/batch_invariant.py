@@ -1,18 +1,18 @@
 """Batch-invariant torch matmuls: a row's result does not depend on how many rows share the call.
 
 torch picks a matmul's blocking from its shape (on the CPU a single row runs a GEMV and more rows a GEMM that
-accumulates in another order; cuBLAS picks kernels and split-K by M), so a token's activations move in the last
-bits with the batch around it, and a greedy near-tie can flip. Row-wise reductions move too (torch's CPU sum over a
-short last dim vectorizes across rows when there are many, along the row when there are few), and so do
-transcendental element-wise ops (an element past the last whole vector takes the scalar exp / sigmoid, whose last bit
-differs from the vector one's: where it falls depends on the tensor's size). Inside
-`BatchInvariantMode` every mm / addmm / bmm / baddbmm on this thread runs one row at a time (one batched call) on the
-CPU, and on CUDA through one Triton kernel with one tile at every M (`batch_invariant_matmul`, `matmul_path`), and
-every sum / mean / softmax / log-softmax over the last dim in fixed blocks of `REDUCE_BLOCK` rows (the last block
-zero-padded), and every exp / log / sigmoid / silu / tanh / erf / gelu on a copy zero-padded to whole `VECTOR_PAD`
-element groups (every element through the vector path): every row goes through one kernel of one shape, whatever the
-number of rows. Attention's reduction over keys is tiled at absolute key positions
-in blocks of `KEY_TILE` by the batch-invariant attention backends (`active()` tells them the mode is on).
+accumulates in another order; cuBLAS picks kernels and split-K by M), so a token's activations move in the last bits
+with the batch around it, and a greedy near-tie can flip. Row-wise reductions move too (torch's CPU sum over a short
+last dim vectorizes across rows when there are many, along the row when there are few), and so do transcendental
+element-wise ops (an element past the last whole vector takes the scalar exp / sigmoid, whose last bit differs from
+the vector one's: where it falls depends on the tensor's size). Inside `BatchInvariantMode` every mm / addmm / bmm /
+baddbmm on this thread runs one row at a time (one batched call) on the CPU, and on CUDA through one Triton kernel
+with one tile and one split of K at every M (`batch_invariant_matmul`, `matmul_path`), and every sum / mean / softmax
+/ log-softmax over the last dim in fixed blocks of `REDUCE_BLOCK` rows (the last block zero-padded), and every exp /
+log / sigmoid / silu / tanh / erf / gelu on a copy zero-padded to whole `VECTOR_PAD` element groups (every element
+through the vector path): every row goes through one kernel of one shape, whatever the number of rows. Attention's
+reduction over keys is tiled at absolute key positions in blocks of `KEY_TILE` by the batch-invariant attention
+backends (`active()` tells them the mode is on).
 """
 
 from __future__ import annotations

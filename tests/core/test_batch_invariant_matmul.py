@@ -1,6 +1,8 @@
 """The batch-invariant Triton matmul (`batch_invariant_matmul`): mm / addmm / bmm / baddbmm against a float64
-product, a row's bits alone, in a batch of 70 and in batches of other sizes, and `BatchInvariantMode` choosing it for
-CUDA tensors (the row-at-a-time product for CPU ones).
+product, unsplit and with K split (forced: the CPU's default is one split), a split product as its splits' float32
+sums added in split order, a row's bits alone, in a batch of 70 and in batches of other sizes, the split count from
+the weight's shape and the GPU alone, and `BatchInvariantMode` choosing the kernel for CUDA tensors (the row-at-a-time
+product for CPU ones).
 
 Without a GPU the kernel runs in Triton's interpreter, in fp16 / fp32 only (the interpreter's bf16 tl.dot is wrong);
 bf16 on the GPU is in tests/core/test_batch_invariant.py.
@@ -8,6 +10,8 @@ bf16 on the GPU is in tests/core/test_batch_invariant.py.
 
 from __future__ import annotations
 
+import inspect
+import itertools
 from types import ModuleType
 
 import pytest
@@ -75,26 +79,86 @@ def test_bmm_and_baddbmm_equal_a_float64_product(kernels: ModuleType, dtype: tor
     _close(kernels.bmm(a, b, bias, beta=-1.0, alpha=0.5), 0.5 * exact - bias.double())
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("splits", "k"), [(1, LONG_K), (2, LONG_K), (3, LONG_K), (3, 768), (4, 500)],
+                         ids=["1", "2-uneven", "3", "3-even", "4-masked"])
+def test_split_products_equal_a_float64_product(kernels: ModuleType, dtype: torch.dtype, splits: int, k: int):
+    torch.manual_seed(splits)
+    a, b = _randn(70, k, dtype=dtype), _randn(k, N, dtype=dtype, transposed=True)
+    exact = a.double() @ b.double()
+    bias = torch.randn(N, device=DEVICE).to(dtype)
+    _close(kernels.mm(a, b, splits=splits), exact)
+    _close(kernels.mm(a, b, bias, beta=0.5, alpha=2.0, splits=splits), 2.0 * exact + 0.5 * bias.double())
+    a3 = torch.randn(5, 3, k, device=DEVICE).to(dtype).transpose(0, 1)
+    b3 = _randn(3, k, N, dtype=dtype)
+    exact3 = a3.double() @ b3.double()
+    _close(kernels.bmm(a3, b3, splits=splits), exact3)
+    _close(kernels.bmm(a3, b3, bias, beta=-1.0, alpha=0.5, splits=splits), 0.5 * exact3 - bias.double())
+
+
+@pytest.mark.parametrize(("splits", "k", "bounds"), [(3, LONG_K, (0, 128, 256, LONG_K)), (3, 700, (0, 256, 512, 700)),
+                                                     (2, 640, (0, 384, 640))])
+def test_a_split_product_is_its_splits_added_in_split_order(kernels: ModuleType, splits: int, k: int,
+                                                           bounds: tuple[int, ...]):
+    """float32: each split's sum is the one-split product of its K range (whole K steps from 0), stored unrounded;
+    the splits' sums added in order 0, 1, ... in float32 are the split product, bit for bit."""
+    torch.manual_seed(k)
+    a, b = torch.randn(70, k, device=DEVICE), torch.randn(k, N, device=DEVICE)
+    expected = torch.zeros(70, N, device=DEVICE)
+    for lo, hi in itertools.pairwise(bounds):
+        expected += kernels.mm(a[:, lo:hi], b[lo:hi], splits=1)
+    assert torch.equal(kernels.mm(a, b, splits=splits), expected)
+
+
+def test_the_split_count_comes_from_the_weights_shape_and_the_gpu_alone(kernels: ModuleType):
+    assert list(inspect.signature(kernels.num_splits).parameters) == ["n", "k", "multiprocessors"]
+    # V2-Lite's kv_a (9 column tiles, 16 K steps): 16 splits would fill 132 SMs; 8 keep 2 K steps a split
+    assert kernels.num_splits(576, 2048, 132) == 8
+    assert kernels.num_splits(576, 8192, 132) == 16  # the fewest whose programs fill the SMs
+    assert kernels.num_splits(3072, 1536, 132) == 4  # 48 column tiles: 192 programs
+    assert kernels.num_splits(2048, 2048, 132) == 8  # 32 column tiles: 4 splits leave 4 SMs idle
+    assert kernels.num_splits(2048, 2048, 16) == 1  # the column tiles alone fill a smaller GPU
+    assert kernels.num_splits(102400, 2048, 132) == 1  # an LM head
+    assert kernels.num_splits(576, 300, 132) == 1  # too few K steps
+    assert kernels.num_splits(576, 512, 132) == 2
+
+
+def test_long_batches_go_through_in_slices_of_rows(kernels: ModuleType, monkeypatch):
+    """A split call's workspace is bounded: rows go in slices (of one row tile here), each row as in one slice."""
+    torch.manual_seed(0)
+    a, b = torch.randn(70, LONG_K, device=DEVICE), torch.randn(LONG_K, N, device=DEVICE)
+    bias = torch.randn(70, N, device=DEVICE)
+    whole = kernels.mm(a, b, bias, beta=0.5, splits=3)
+    monkeypatch.setattr(kernels, "WORKSPACE_ELEMENTS", 3 * N * kernels.BLOCK_M)
+    assert torch.equal(kernels.mm(a, b, bias, beta=0.5, splits=3), whole)
+    _close(whole, a.double() @ b.double() + 0.5 * bias.double())
+
+
 def test_shapes_and_dtypes_it_does_not_take_are_refused(kernels: ModuleType):
     a = torch.randn(2, 4, K, device=DEVICE)
     with pytest.raises(ValueError, match="do not chain"):
         kernels.bmm(a, torch.randn(2, K + 1, N, device=DEVICE))
     with pytest.raises(ValueError, match="one dtype"):
         kernels.bmm(a, torch.randn(2, K, N, device=DEVICE, dtype=torch.float16))
+    with pytest.raises(ValueError, match="splits must be at least 1"):
+        kernels.bmm(a, torch.randn(2, K, N, device=DEVICE), splits=0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_a_rows_bits_do_not_depend_on_the_batch(kernels: ModuleType, dtype: torch.dtype):
+# 3 splits of K = 700: 2 K steps each (the last masked), so that a split's sum is not one step's
+@pytest.mark.parametrize(("splits", "k"), [(None, LONG_K), (3, 700)], ids=["default", "3-splits"])
+def test_a_rows_bits_do_not_depend_on_the_batch(kernels: ModuleType, dtype: torch.dtype, splits: int | None, k: int):
     torch.manual_seed(0)
-    x = torch.randn(70, LONG_K, device=DEVICE).to(dtype)
-    w = torch.randn(N, LONG_K, device=DEVICE).to(dtype)  # a linear's weight: b = w.t()
+    x = torch.randn(70, k, device=DEVICE).to(dtype)
+    w = torch.randn(N, k, device=DEVICE).to(dtype)  # a linear's weight: b = w.t()
     bias = torch.randn(N, device=DEVICE).to(dtype)
-    heads = _randn(2, LONG_K, N, dtype=dtype, transposed=True)
-    others = torch.randn(130, LONG_K, device=DEVICE).to(dtype)
-    for run in (lambda t: kernels.mm(t, w.t()), lambda t: kernels.mm(t, w.t(), bias),
-                lambda t: kernels.bmm(t.expand(2, *t.shape), heads).transpose(0, 1)):
+    heads = _randn(2, k, N, dtype=dtype, transposed=True)
+    others = torch.randn(130, k, device=DEVICE).to(dtype)
+    for run in (lambda t: kernels.mm(t, w.t(), splits=splits), lambda t: kernels.mm(t, w.t(), bias, splits=splits),
+                lambda t: kernels.bmm(t.expand(2, *t.shape), heads, splits=splits).transpose(0, 1)):
         whole = run(x)
-        for i in (0, 1, 37, 63, 64, 69):
+        # fewer rows split: the interpreter runs each split as a program of its own
+        for i in (0, 1, 37, 63, 64, 69) if splits is None else (1, 37, 64):
             assert torch.equal(run(x[i : i + 1])[0], whole[i])  # alone
             # at another position of a batch of another size (another row tile, another place in its tile)
             for at, size in ((5, 9), (100, 130)):
