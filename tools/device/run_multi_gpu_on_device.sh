@@ -34,7 +34,7 @@
 #   determinism GPU $GPU: V2-Lite's decode step with and without --enable-deterministic-inference (determinism-*.txt)
 #   serving   GPU $GPU: V2-Lite (dummy) served, time to /health cold then warm (a second start), bench_serving 256
 #             prompts 256 in / 128 out at concurrency 64: plain, JSON schema, and with --enable-mixed-chunk
-#             (serving-gpu$GPU.tgz: logs, bench outputs)
+#             (serving-gpu$GPU.tgz: logs, bench outputs; SERVING_RUNS="cold" runs the first server alone)
 #   serving-profile GPU $GPU: V2-Lite served, /start_profile over 40 steps of a concurrency-64 bench, plain then
 #             under a JSON schema: where a constrained step's time goes (profiles-gpu$GPU.tgz)
 #   serving-scale all four GPUs: bench_serving at concurrency 64, 256 and 1024 on V3 FP8 (20 layers) and V2-Lite,
@@ -186,7 +186,7 @@ for step in "$@"; do
       done ;;
     serving)
       # A string no 128 tokens can close: every request runs its 128 tokens under the grammar, as the plain run does.
-      for run in cold warm mixed; do
+      for run in ${SERVING_RUNS:-cold warm mixed}; do
         flags=$([ $run = mixed ] && echo --enable-mixed-chunk)
         start_server $run $((30000 + gpu)) $gpu --model-preset deepseek-v2-lite --load-format dummy $flags
         bench $run-plain $((30000 + gpu)) 64 256
@@ -196,7 +196,8 @@ for step in "$@"; do
       tar -C $OUT -czf $OUT/serving-gpu$gpu.tgz $(cd $OUT && ls serving-*.txt serving-*.log serving-*.jsonl) && \
         rm $OUT/serving-*.txt $OUT/serving-*.log $OUT/serving-*.jsonl ;;
     serving-profile)
-      # /start_profile 40 steps into a bench of 512 prompts at concurrency 64, plain then under the JSON schema:
+      # /start_profile over 40 steps of steady decoding in a bench of 512 prompts at concurrency 64, plain then under
+      # the JSON schema:
       # torch's profiler on the server's scheduler thread and GPU (tables and traces in profiles-gpu$GPU.tgz).
       port=$((30100 + gpu))
       start_server profile $port $gpu --model-preset deepseek-v2-lite --load-format dummy
@@ -204,15 +205,26 @@ for step in "$@"; do
         extra=(); [ $run = json ] && extra=(--json-schema "$schema")
         bench profile-$run $port 64 512 "${extra[@]}" &
         running=$!
-        sleep ${PROFILE_AT:-5}
+        # Steady decoding: all 64 running (the client's warm-up request and the first prefills past), then a
+        # little more.
+        for i in $(seq 240); do
+          n=$(curl -s localhost:$port/metrics | awk '/^plugserve_num_running_requests/ {print int($2)}')
+          [ "${n:-0}" -ge 64 ] && break
+          sleep 0.25
+        done
+        sleep ${PROFILE_AFTER:-3}
+        # Where py-spy is installed (a carried wheel), a sample of every thread's Python stacks first.
+        spy=$(command -v py-spy || ls /tmp/site/bin/py-spy 2>/dev/null)
+        [ -n "$spy" ] && timeout 20 $spy record -p $server -d 4 -r 500 -f raw -o $OUT/profile-$run-pyspy.txt \
+          > $OUT/profile-$run-pyspy.log 2>&1
         curl -s -X POST localhost:$port/start_profile -H 'Content-Type: application/json' \
           -d "{\"output_dir\": \"$OUT/profile-$run\", \"num_steps\": 40}"; echo
         wait $running
         head -n 1 $OUT/profile-$run/*.txt
       done
       kill $server; wait $server
-      tar -C $OUT -czf $OUT/profiles-gpu$gpu.tgz profile-plain profile-json $(cd $OUT && ls serving-profile-*) \
-        && rm -r $OUT/profile-plain $OUT/profile-json $OUT/serving-profile-* ;;
+      tar -C $OUT -czf $OUT/profiles-gpu$gpu.tgz profile-plain profile-json $(cd $OUT && ls serving-profile-* \
+        profile-*-pyspy.*) && rm -r $OUT/profile-plain $OUT/profile-json $OUT/serving-profile-* $OUT/profile-*-pyspy.* ;;
     serving-scale)
       # bench_serving on the four GPUs: V3 FP8 (20 layers) and V2-Lite, dummy weights, TP 4 against DP attention 4 +
       # EP 4, at concurrency 64, 256 and 1024 (256, 512 and 1024 prompts of 256 in / 128 out); up to 1024 requests
