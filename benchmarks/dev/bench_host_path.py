@@ -4,6 +4,8 @@ logits at once, so that what a step costs is the host path alone, the part a GPU
 
     python -m benchmarks.dev.bench_host_path --batch-size 64 256 --output-len 128 1024
     python -m benchmarks.dev.bench_host_path --http --batch-size 64 --output-len 128
+    python -m benchmarks.dev.bench_host_path --batch-size 64 --output-len 128 --json-schema \
+        --model-preset deepseek-v2-lite --num-layers 1       # a served model's vocabulary (masks of 102,400 tokens)
 
 Per case: decode steps, output tokens per second and milliseconds of host time per step (median of --repeat runs),
 greedy, every request running to --output-len (ignore_eos). With --http the same server runs in a process of its own
@@ -66,11 +68,11 @@ def run(engine: Engine, forward: FixedLogits, batch_size: int, output_len: int, 
     return forward.steps - steps, time.perf_counter() - start
 
 
-def fake_engine(max_running: int, disable_overlap_schedule: bool, forward_ms: float = 0.0, **kwargs
-                ) -> tuple[Engine, FixedLogits]:
-    """The tiny preset's engine with its forward replaced by `FixedLogits` (taking `forward_ms` a step)."""
-    engine = Engine(ServerArgs(model_preset="tiny", max_running_requests=max_running, log_level="warning",
-                               disable_overlap_schedule=disable_overlap_schedule, **kwargs))
+def fake_engine(max_running: int, disable_overlap_schedule: bool, forward_ms: float = 0.0, model_preset: str = "tiny",
+                **kwargs) -> tuple[Engine, FixedLogits]:
+    """A preset's engine (dummy weights) with its forward replaced by `FixedLogits` (taking `forward_ms` a step)."""
+    engine = Engine(ServerArgs(model_preset=model_preset, load_format="dummy", max_running_requests=max_running,
+                               log_level="warning", disable_overlap_schedule=disable_overlap_schedule, **kwargs))
     forward = FixedLogits(engine.runner.sample_vocab, forward_ms)
     engine.runner.forward_groups = forward  # type: ignore[method-assign]
     return engine, forward
@@ -130,13 +132,17 @@ def main() -> None:
                              "max(this, the host's time), not their sum")
     parser.add_argument("--json-schema", action="store_true",
                         help="also every case with each request under a JSON schema's grammar (structured output)")
+    parser.add_argument("--model-preset", default="tiny",
+                        help="whose vocabulary and config (dummy weights; the forward is never run)")
+    parser.add_argument("--num-layers", type=int, default=None, help="of the preset (fewer: less memory to load)")
     parser.add_argument("--serve", type=int, default=None, metavar="PORT", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve is not None:
         return serve(args.serve, max(args.batch_size), args.disable_overlap_schedule)
     if args.http:
         return http_cases(args)
-    engine, forward = fake_engine(max(args.batch_size), args.disable_overlap_schedule, args.forward_ms)
+    engine, forward = fake_engine(max(args.batch_size), args.disable_overlap_schedule, args.forward_ms,
+                                  args.model_preset, num_layers=args.num_layers)
     try:
         engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4))
         print("batch  output  grammar  steps  tok/s     host ms/step")

@@ -13,9 +13,11 @@ the scheduler thread has processed step i's tokens into the matchers and filled 
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,6 +31,10 @@ if TYPE_CHECKING:
     from plugserve.runtime.sampling import SamplingParams
 
 CACHE_SIZE = 512  # compiled grammars kept (a schema sent again is not compiled again)
+# A batch's matchers advance on several threads from this many constrained requests on: xgrammar's accept_token runs
+# a token's bytes through the grammar's parser (tens of microseconds) with the GIL released.
+PARALLEL_ACCEPT_MIN = 8
+ACCEPT_THREADS = min(8, os.cpu_count() or 1)
 
 
 class GrammarError(ValueError):
@@ -169,6 +175,45 @@ def fill_all(unfilled: list[BatchGrammar]) -> None:
     for masks in unfilled:
         masks.fill()
     unfilled.clear()
+
+
+@functools.cache
+def _accept_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(ACCEPT_THREADS, thread_name_prefix="plugserve-grammar")
+
+
+def accept_all(pairs: Sequence[tuple[Request, int]]) -> list[bool | Exception]:
+    """`accept` of each (request, token), every request at most once: what it returns, or the exception it raises,
+    in order. From PARALLEL_ACCEPT_MIN pairs on, in ACCEPT_THREADS runs of pairs side by side."""
+    def run(run_pairs: Sequence[tuple[Request, int]]) -> list[bool | Exception]:
+        verdicts: list[bool | Exception] = []
+        for request, token in run_pairs:
+            try:
+                verdicts.append(accept(request, token))
+            except Exception as exc:  # the caller fails this request alone
+                verdicts.append(exc)
+        return verdicts
+
+    if len(pairs) < PARALLEL_ACCEPT_MIN or ACCEPT_THREADS == 1:
+        return run(pairs)
+    size = -(-len(pairs) // ACCEPT_THREADS)
+    runs = _accept_pool().map(run, [pairs[start : start + size] for start in range(0, len(pairs), size)])
+    return [verdict for verdicts in runs for verdict in verdicts]
+
+
+def accept_sampled(requests: Sequence[Request], sampled: Sequence[bool], tokens: Sequence[Sequence[int]],
+                   counts: Sequence[int]) -> dict[int, bool | Exception]:
+    """By a batch's index of each running constrained request that sampled one token (tokens[row], counts[row]: the
+    sampled rows' runs): its grammar's verdict on it, the matchers advanced side by side (`accept_all`). Runs of several
+    tokens (a verified draft) are the caller's to advance a token at a time, since a stop drops the rest."""
+    indices, pairs = [], []
+    row = 0
+    for index, (request, was_sampled) in enumerate(zip(requests, sampled, strict=True)):
+        if was_sampled and not request.finished and request.grammar is not None and counts[row] == 1:
+            indices.append(index)
+            pairs.append((request, tokens[row][0]))
+        row += was_sampled
+    return dict(zip(indices, accept_all(pairs), strict=True))
 
 
 def accept(request: Request, token: int) -> bool:
