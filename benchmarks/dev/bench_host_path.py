@@ -33,10 +33,12 @@ from plugserve.runtime.server_args import ServerArgs
 
 class FixedLogits:
     """A stand-in for `ModelRunner.forward_groups`: each sampled row's logits peak on a token that moves every step
-    (never EOS), made without running a model."""
+    (never EOS), made without running a model. The tokens are `text_ids` in turn, the ids of some ordinary text:
+    arbitrary ids (byte-level vocabularies' lone bytes) decode to no character, which would make every detokenizer
+    step re-decode a growing tail, as no model's output does."""
 
-    def __init__(self, vocab: int, forward_ms: float = 0.0) -> None:
-        self.vocab, self.steps, self.forward_s = vocab, 0, forward_ms / 1000
+    def __init__(self, vocab: int, text_ids: list[int], forward_ms: float = 0.0) -> None:
+        self.vocab, self.text_ids, self.steps, self.forward_s = vocab, text_ids, 0, forward_ms / 1000
 
     def __call__(self, parts: list[rank_protocol.Part | None]) -> list[torch.Tensor]:
         self.steps += 1
@@ -46,7 +48,7 @@ class FixedLogits:
         for part in parts:
             rows = 0 if part is None else part.sample_rows.shape[0]
             logits = torch.zeros(rows, self.vocab)
-            logits[:, 100 + self.steps % 50] = 10.0
+            logits[:, self.text_ids[self.steps % len(self.text_ids)]] = 10.0
             out.append(logits)
         return out
 
@@ -73,7 +75,8 @@ def fake_engine(max_running: int, disable_overlap_schedule: bool, forward_ms: fl
     """A preset's engine (dummy weights) with its forward replaced by `FixedLogits` (taking `forward_ms` a step)."""
     engine = Engine(ServerArgs(model_preset=model_preset, load_format="dummy", max_running_requests=max_running,
                                log_level="warning", disable_overlap_schedule=disable_overlap_schedule, **kwargs))
-    forward = FixedLogits(engine.runner.sample_vocab, forward_ms)
+    text_ids = engine.tokenizer.encode(" the quick brown fox jumps over the lazy dog", add_special_tokens=False)
+    forward = FixedLogits(engine.runner.sample_vocab, text_ids, forward_ms)
     engine.runner.forward_groups = forward  # type: ignore[method-assign]
     return engine, forward
 
