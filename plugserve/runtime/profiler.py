@@ -1,7 +1,8 @@
 """SGLang's live profiling: `/start_profile` starts torch's profiler on the scheduler thread, for a number of
 scheduler steps or until `/stop_profile`; then a Chrome trace (Perfetto opens it) and a table of the ops and kernels by
-self time, per step, are written to the output folder. It covers this process: rank 0's GPU and its scheduler (the
-other tensor-parallel ranks run the same kernels on their GPUs, and are not profiled)."""
+self time (totals over the steps, headed by the time a step) are written to the output folder. It covers this
+process: rank 0's GPU and its scheduler (the other tensor-parallel ranks run the same kernels on their GPUs, and are
+not profiled)."""
 
 from __future__ import annotations
 
