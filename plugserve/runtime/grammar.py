@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 
 CACHE_SIZE = 512  # compiled grammars kept (a schema sent again is not compiled again)
 # A batch's matchers advance on several threads from this many constrained requests on: xgrammar's accept_token runs
-# a token's bytes through the grammar's parser (tens of microseconds) with the GIL released.
+# a token's bytes through the grammar's parser, the costliest part of a constrained step's host work, with the GIL
+# released.
 PARALLEL_ACCEPT_MIN = 8
 ACCEPT_THREADS = min(8, os.cpu_count() or 1)
 
