@@ -1,6 +1,6 @@
-"""MoE backends against the oracle: the router and the routed experts (bf16 and block-FP8), the shared
-experts fused into them and one rank's slice of the experts (expert parallelism) for backends that declare
-them."""
+"""MoE backends against the oracle: the router and the routed experts (bf16 and block-FP8), slots of expert -1
+skipped, the shared experts fused into them and one rank's slice of the experts (expert parallelism) for backends
+that declare them."""
 
 from __future__ import annotations
 
@@ -105,6 +105,34 @@ def test_forward(moe_target: Target, moe_case: MoECase, weight_format: str, plug
     assert out.dtype == spec.dtype
     assert_close(out, expected, spec.dtype, f"MoE forward {moe_case} {weight_format}", W8A8_MOE_ATOL if fp8 else None,
                  slack)
+
+
+@pytest.mark.parametrize("weight_format", ["unquantized", "fp8_block"])
+def test_forward_skips_the_slots_of_expert_minus_one(moe_target: Target, moe_case: MoECase, weight_format: str,
+                                                     plugserve_hardware, plugserve_device):
+    """A slot of expert -1 adds nothing (DP attention marks its padding rows so): every slot of the even tokens and
+    the first slot of the others; the oracle weights those slots 0."""
+    fp8 = weight_format == "fp8_block"
+    spec = MoESpec(moe_case.hidden_size, moe_case.intermediate_size, moe_target.dtype,
+                   torch.float8_e4m3fn if fp8 else None, router=moe_case.router)
+    backend = _backend(moe_target, spec, plugserve_hardware, plugserve_device)
+    e, device = spec.num_experts, plugserve_device
+    w13, w2, s13, s2 = _experts(spec, e, device)
+    x = torch.randn(moe_case.num_tokens, spec.hidden_size, device=device, dtype=spec.dtype)
+    bias = torch.randn(e, device=device) * 0.1 if spec.router.topk_method == "noaux_tc" else None
+    routing = oracle.route(torch.randn(moe_case.num_tokens, e, device=device), spec.router, bias)
+    ids, weights = routing.ids.to(torch.int32), routing.weights.float()
+    skipped = torch.zeros_like(ids, dtype=torch.bool)
+    skipped[::2] = True
+    skipped[:, 0] = True
+    out = backend.forward(x, backend.prepare(MoEWeights(w13, w2, s13, s2)), ids.masked_fill(skipped, -1), weights,
+                          ROUTED_SCALING_FACTOR)
+    expected, slack = oracle.moe_with_rounding_slack(x, w13, w2, ids, weights.masked_fill(skipped, 0),
+                                                     ROUTED_SCALING_FACTOR, s13, s2, spec.block_shape)
+    assert out.dtype == spec.dtype
+    assert torch.all(out[::2] == 0), "a token whose every slot is expert -1 must get zeros"
+    assert_close(out, expected, spec.dtype, f"MoE forward {moe_case} {weight_format}, slots of expert -1",
+                 W8A8_MOE_ATOL if fp8 else None, slack)
 
 
 @pytest.mark.parametrize(("weight_format", "num_shared"), [("unquantized", 2), ("fp8_block", 1), ("fp8_block", 2)])

@@ -560,7 +560,8 @@ class MoEBackend(Backend):
         """x [T, H] of spec.dtype -> sum_j topk_weights[t, j] * routed_scaling_factor *
         expert_{topk_ids[t, j]}(x[t]), with expert(x) = W2 (silu(W_gate x) * (W_up x)). Returns [T, H].
         topk_ids / topk_weights are `route`'s [T, spec.routed_width] (fused shared experts included), global
-        ids: under expert parallelism the sum runs over the slots whose expert this rank holds.
+        ids: under expert parallelism the sum runs over the slots whose expert this rank holds. A slot of expert -1
+        adds nothing and reads no expert (DP attention's padding rows are marked so; a row of only such slots is 0).
         Block-FP8 experts are w8a8: x, and the SiLU-and-mul output before W2, are quantized per 1 x block_k
         token group (e4m3, float32 scale amax / 448) as the GEMM contract's activations are."""
 

@@ -156,8 +156,10 @@ def test_kit_fails_wrong_backends(make_plugin, tmp_path: Path):
         # They inherit torch_ref's tree_verify, so the tree case runs on them and catches them too.
         "attention:no_rope": {"test_forward_mla", "test_forward_mla_tree_verify"},
         "attention:hot_softmax": {"test_forward_mla", "test_forward_mha", "test_forward_mla_tree_verify"},
-        "moe:no_scaling": {"test_forward", "test_forward_on_one_ranks_experts"},
-        "moe:wrong_expert": {"test_forward", "test_forward_on_one_ranks_experts"},
+        "moe:no_scaling": {"test_forward", "test_forward_on_one_ranks_experts",
+                           "test_forward_skips_the_slots_of_expert_minus_one"},
+        "moe:wrong_expert": {"test_forward", "test_forward_on_one_ranks_experts",
+                             "test_forward_skips_the_slots_of_expert_minus_one"},
         "moe:no_bias": {"test_route", "test_route_hidden"},  # route_hidden's default goes through route
         "gemm:one_scale": {"test_apply"},
         "comm:own_rows_only": {"test_all_reduce"},

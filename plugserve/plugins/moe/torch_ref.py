@@ -213,9 +213,10 @@ class TorchRefMoE(MoEBackend):
         the terms of this rank's experts."""
         self.check_forward_inputs(x, topk_ids, topk_weights)
         num_experts = self.spec.num_experts
-        if topk_ids.numel() and not (int(topk_ids.min()) >= 0 and int(topk_ids.max()) < num_experts):
-            # Ids are route's, of every expert: one outside them is a caller's bug, not another rank's expert.
-            raise ValueError(f"topk_ids must lie in [0, {num_experts}), got [{int(topk_ids.min())}, "
+        if topk_ids.numel() and not (int(topk_ids.min()) >= -1 and int(topk_ids.max()) < num_experts):
+            # Ids are route's, of every expert, or -1 (a slot to skip): another is a caller's bug, not another
+            # rank's expert.
+            raise ValueError(f"topk_ids must lie in [0, {num_experts}) or be -1, got [{int(topk_ids.min())}, "
                              f"{int(topk_ids.max())}]")
         with batch_invariant(self.spec.batch_invariant):
             return fused_experts_reference(

@@ -295,9 +295,12 @@ def test_prepare_rejects_bad_weights() -> None:
     with pytest.raises(ValueError, match=r"w13 must be torch.float32 .*got torch.float8_e4m3fn"):
         dense.prepare(MoEWeights(w13_q, w2_q))
     packed = dense.prepare(MoEWeights(w13, w2))
-    ids = torch.full((4, 2), -1, dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, 8\)"):
+    ids = torch.full((4, 2), -2, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, 8\) or be -1"):
         dense.forward(torch.randn(4, FP8_H), packed, ids, torch.ones(4, 2), 1.0)
+    skipped = dense.forward(torch.randn(4, FP8_H), packed, torch.full((4, 2), -1, dtype=torch.int32),
+                            torch.ones(4, 2), 1.0)
+    assert torch.equal(skipped, torch.zeros(4, FP8_H))  # expert -1: a slot that adds nothing
     with pytest.raises(ValueError, match=r"x must be \[T, 256\]"):
         dense.forward(torch.randn(4, 128), packed, ids.abs(), torch.ones(4, 2), 1.0)
 
