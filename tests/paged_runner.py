@@ -8,7 +8,7 @@ import torch
 
 from plugserve.core.config import ModelConfig
 from plugserve.core.dispatch import prepare_attention
-from plugserve.core.distributed import SINGLE, ParallelGroup
+from plugserve.core.distributed import SINGLE, ParallelGroup, real_rows
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode
 from plugserve.core.kv_cache import MLAKVPool, PageAllocator, pages_needed
 from plugserve.core.loader import load_model, read_config
@@ -52,6 +52,8 @@ class PagedRunner:
         seq_lens = [len(r.tokens) + len(n) for r, n in zip(requests, new_tokens, strict=True)]
         batch = ForwardBatch.build(mode, seq_lens, [len(n) for n in new_tokens], block_table.to(self.device), self.pool)
         batch.dp_tokens = dp_tokens
+        if dp_tokens is not None:  # as the model runner: the gathers' padding rows kept out of the routed experts
+            batch.dp_real_rows = real_rows(dp_tokens, max(dp_tokens)).to(self.device)
         if mode is not ForwardMode.IDLE:
             prepare_attention(batch, **dispatch)
         ids = torch.tensor([t for n in new_tokens for t in n], dtype=torch.int64, device=self.device)

@@ -149,6 +149,12 @@ class ParallelGroup:
         return x[start : start + counts[self.rank]]
 
 
+def real_rows(counts: Sequence[int], width: int) -> torch.Tensor:
+    """[len(counts) * width] bool (CPU): which rows of rows gathered `width` a rank (`ParallelGroup.gather_rows`
+    leaves width = max(counts); a CUDA graph its captured size) are some rank's real rows, rank r's first counts[r]."""
+    return (torch.arange(width)[None, :] < torch.tensor(counts)[:, None]).flatten()
+
+
 def unpad_rows(x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
     """Of x [len(counts) * max(counts), ...] laid out as `ParallelGroup.gather_rows` leaves it, every rank's
     real rows in rank order: [sum(counts), ...]."""

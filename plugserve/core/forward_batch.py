@@ -129,6 +129,9 @@ class ForwardBatch:
     tree: DraftTree | None = None
     # DP attention: every DP group's new-token count in this forward, in group order (this batch is one group's)
     dp_tokens: list[int] | None = None
+    # DP attention: [dp_size * max(dp_tokens)] bool on the device, which rows of the MLP's gathered tokens are real
+    # (False: an idle group's or a padded graph row's, kept out of the routed experts); None: all of them
+    dp_real_rows: torch.Tensor | None = None
 
     @classmethod
     def build(

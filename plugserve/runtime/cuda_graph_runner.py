@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from plugserve.core import graph_inputs
+from plugserve.core.block_table import to_device
+from plugserve.core.distributed import real_rows
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode
 from plugserve.core.interfaces import AttentionBackend
 from plugserve.core.kv_cache import MLAKVPool
@@ -92,6 +94,9 @@ class CudaGraphRunner:
                                                hidden)
         self.backend_for_size = backend_for_size
         self._graphs: dict[int, _Graph] = {}
+        # DP attention: which of the MLP's gathered rows are real, written before each replay (`replay_dp`).
+        self.dp_real_rows = (torch.ones(dp_size * self.sizes[-1] * tokens_per_request, dtype=torch.bool,
+                                        device=pool.device) if dp_size > 1 else None)
 
     @property
     def max_batch_size(self) -> int:
@@ -112,8 +117,9 @@ class CudaGraphRunner:
         for size in reversed(self.sizes):
             attention = self.backend_for_size(size)
             batch = self.inputs.batch(self.mode, size)
-            if self.dp_size > 1:
+            if self.dp_real_rows is not None:
                 batch.dp_tokens = [size * self.tokens_per_request] * self.dp_size
+                batch.dp_real_rows = self.dp_real_rows[: self.dp_size * size * self.tokens_per_request]
             n = size * self.tokens_per_request
             hidden = None if self.inputs.hidden is None else self.inputs.hidden[:n]
             attention.plan_capture(batch)
@@ -153,13 +159,17 @@ class CudaGraphRunner:
         return tuple(out[: batch.batch_size if out.shape[0] == size else batch.num_tokens]
                      for out in self._launch(size, static))
 
-    def replay_dp(self, input_ids: torch.Tensor, batch: ForwardBatch, size: int) -> tuple[torch.Tensor, ...]:
+    def replay_dp(self, input_ids: torch.Tensor, batch: ForwardBatch, size: int, dp_tokens: Sequence[int]
+                  ) -> tuple[torch.Tensor, ...]:
         """Under DP attention: this rank's group's batch (b <= size requests, or an IDLE one of none) in the graph of
-        `size` that every rank replays in the same step -> the graph's whole outputs (logits [dp_size * size,
-        vocab]: each group's `size` rows in group order, its first rows its real requests'; valid until the next
-        replay)."""
+        `size` that every rank replays in the same step, `dp_tokens` every group's real token count -> the graph's
+        whole outputs (logits [dp_size * size, vocab]: each group's `size` rows in group order, its first rows its
+        real requests'; valid until the next replay). The padding rows reach no routed expert."""
         if batch.mode is not ForwardMode.IDLE and not self.can_run(batch):
             raise ValueError(f"no graph for a {batch.mode.name} batch of {batch.batch_size} requests")
+        assert self.dp_real_rows is not None
+        rows = real_rows(dp_tokens, size * self.tokens_per_request)
+        self.dp_real_rows[: rows.numel()].copy_(to_device(rows, self.dp_real_rows.device))
         return self._launch(size, self.inputs.load(input_ids, batch, size, mode=self.mode))
 
     def _launch(self, size: int, static: ForwardBatch) -> tuple[torch.Tensor, ...]:

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 from plugserve.core.batch_invariant import batch_invariant
-from plugserve.core.block_table import DeviceBlockTable
+from plugserve.core.block_table import DeviceBlockTable, to_device
 from plugserve.core.dispatch import prepare_attention
-from plugserve.core.distributed import SINGLE, ParallelGroup
+from plugserve.core.distributed import SINGLE, ParallelGroup, real_rows
 from plugserve.core.forward_batch import AttnForwardMethod, ForwardBatch, ForwardMode
 from plugserve.core.graph_inputs import GraphInputs, capture_sizes
 from plugserve.core.hardware import Hardware
@@ -328,10 +328,13 @@ class ModelRunner:
             return [self._forward(part.input_ids, part.batch, part.sample_rows)]
         sampled = [0 if h is None else h.num_sampled for h in headers]
         graph = self.graphs.runners.get(ForwardMode.DECODE.name)
+        tokens = [0 if h is None else h.sizes[0] for h in headers]
         if graph is not None and (size := dp_graph_size(graph, headers)) is not None:  # alike on every rank
-            logits = graph.replay_dp(part.input_ids, part.batch, size)[0]
+            logits = graph.replay_dp(part.input_ids, part.batch, size, tokens)[0]
             return [logits[g * size : g * size + n, : self.sample_vocab] for g, n in enumerate(sampled)]
-        part.batch.dp_tokens = [0 if h is None else h.sizes[0] for h in headers]
+        part.batch.dp_tokens = tokens
+        if min(tokens) < max(tokens):  # the gathers pad the groups with fewer tokens
+            part.batch.dp_real_rows = to_device(real_rows(tokens, max(tokens)), self.device)
         return list(self._forward(part.input_ids, part.batch, part.sample_rows, dp_sampled=sampled).split(sampled))
 
     def _forward(self, input_ids: torch.Tensor, batch: ForwardBatch, sample_rows: torch.Tensor,

@@ -141,11 +141,14 @@ def test_an_idle_dp_group_replays_padding_rows_and_gets_every_groups_logits():
                                (output,), False)
     graphs.inputs.out_cache_loc.fill_(0)
     idle = idle_part(pool)
-    (out,) = graphs.replay_dp(idle.input_ids, idle.batch, 4)
+    (out,) = graphs.replay_dp(idle.input_ids, idle.batch, 4, [0, 3])
     assert recorder.calls == ["plan [1, 1, 1, 1]", "replay"] and out.tolist() == list(range(8))
     assert graphs.inputs.out_cache_loc.tolist() == [8 * pool.page_size] * 4  # every row on the padding page
-    (out,) = graphs.replay_dp(torch.tensor([4, 5]), _real_batch(pool, [3, 6], [[5], [6, 7]]), 4)
+    # The MoE's gathered rows: the other group's 3 real, every row of this idle group padding.
+    assert graphs.dp_real_rows.tolist() == [False] * 4 + [True] * 3 + [False]
+    (out,) = graphs.replay_dp(torch.tensor([4, 5]), _real_batch(pool, [3, 6], [[5], [6, 7]]), 4, [2, 1])
     assert recorder.calls[2:] == ["plan [3, 6, 1, 1]", "replay"] and graphs.inputs.input_ids[:2].tolist() == [4, 5]
+    assert graphs.dp_real_rows.tolist() == [True, True, False, False, True, False, False, False]
 
 
 @pytest.fixture(scope="module")

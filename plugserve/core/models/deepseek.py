@@ -240,32 +240,35 @@ class DeepseekMoE(nn.Module):
                       "shared_w2_scale_inv": mlp.down_proj.weight_scale_inv.data}
         return fused
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, real_rows: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]: this rank's partial sums of the routed and shared experts, then one
-        all-reduce for both."""
-        return self.group.all_reduce(self._partial(x))
+        all-reduce for both. real_rows [T] bool (DP attention's padding rows False): the routed experts skip the
+        others, whose output rows are dropped (only their shared experts' share is computed)."""
+        return self.group.all_reduce(self._partial(x, real_rows))
 
-    def _partial(self, x: torch.Tensor) -> torch.Tensor:
+    def _partial(self, x: torch.Tensor, real_rows: torch.Tensor | None) -> torch.Tensor:
         if self._moe is None:
             raise RuntimeError("DeepseekMoE used before finalize()")
         if self.shared_experts is None:
-            return self._routed(x)
+            return self._routed(x, real_rows)
         if self.shared_stream is None:
-            return self._routed(x) + self.shared_experts(x)
+            return self._routed(x, real_rows) + self.shared_experts(x)
         # The shared experts' GEMMs on a second stream, beside the router and the routed experts (both
         # read x; at decode neither fills the GPU). Captured into CUDA graphs as a fork and a join.
         main = torch.cuda.current_stream(x.device)
         self.shared_stream.wait_stream(main)
         with torch.cuda.stream(self.shared_stream):
             shared = self.shared_experts(x)
-        routed = self._routed(x)
+        routed = self._routed(x, real_rows)
         main.wait_stream(self.shared_stream)
         return routed + shared
 
-    def _routed(self, x: torch.Tensor) -> torch.Tensor:
+    def _routed(self, x: torch.Tensor, real_rows: torch.Tensor | None) -> torch.Tensor:
         # The gate (16-bit on a GPU with a 16-bit model, else float32: `interfaces.router_logits`) and the
         # selection, through the backend: one kernel at decode sizes where it fuses them.
         weights, ids = self._moe.route_hidden(x, self.gate, self.e_score_correction_bias)  # type: ignore[union-attr]
+        if real_rows is not None:  # expert -1, which no rank holds: a padding row reads no expert's weights
+            ids = ids.masked_fill(~real_rows[:, None], -1)
         return self._moe.forward(x, self._packed, ids, weights, self.routed_scaling_factor)  # type: ignore[union-attr]
 
 
@@ -432,7 +435,9 @@ class DecoderLayer(nn.Module):
         if counts is None:
             return self.mlp(h), residual
         # DP attention: the MLP is split over every rank, so it runs on every rank's tokens.
-        return self.group.own_rows(self.mlp(self.group.gather_rows(h, counts)), counts), residual
+        gathered = self.group.gather_rows(h, counts)
+        out = self.mlp(gathered, batch.dp_real_rows) if isinstance(self.mlp, DeepseekMoE) else self.mlp(gathered)
+        return self.group.own_rows(out, counts), residual
 
 
 class NextNLayer(nn.Module):

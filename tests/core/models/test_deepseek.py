@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from plugserve.core.forward_batch import AttnForwardMethod, ForwardMode
+from plugserve.core.models.deepseek import DeepseekMoE
+from plugserve.plugins.moe.torch_ref import TorchRefMoE
 from tests.checkpoints import (
     random_hf_model,
     save_hf_model,
@@ -126,3 +128,25 @@ def test_block_fp8_checkpoint_matches_dequantized_weights_and_stays_close_to_bf1
     assert_logits_match(fp8_logits, _hf_logits(dequantized, prompt), min_cosine=0.999, max_abs=None)
     assert_logits_match(fp8_logits, _hf_logits(hf, prompt), min_cosine=FP8_MIN_COSINE, max_abs=None)
 
+
+
+def test_padding_rows_reach_no_routed_expert_and_the_real_rows_keep_their_output(models):
+    """DP attention's gathered padding rows (`ForwardBatch.dp_real_rows` False) go to the MoE backend with expert -1,
+    which no rank holds, so no expert's weights are read for them; the real rows' output is unchanged."""
+    _, model, _ = models
+    moe = next(layer.mlp for layer in model.layers if isinstance(layer.mlp, DeepseekMoE))
+    x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(3)).to(
+        model.embed_tokens.weight.dtype)
+    real = torch.tensor([True, False, True, True, False])
+    seen = []
+    forward = TorchRefMoE.forward  # the reference model's MoE backend
+
+    def spying(self, x, packed, topk_ids, topk_weights, scaling):
+        seen.append(topk_ids.clone())
+        return forward(self, x, packed, topk_ids, topk_weights, scaling)
+
+    with torch.no_grad(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(TorchRefMoE, "forward", spying)
+        whole, masked = moe(x), moe(x, real)
+    assert (seen[1][~real] == -1).all() and torch.equal(seen[1][real], seen[0][real])
+    torch.testing.assert_close(masked[real], whole[real])  # the same up to summation order (rows per expert)
