@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from plugserve.core.hardware import Hardware
 from plugserve.core.triton_tiles import grouped_tile, split_k_arrivals, split_k_arrive, split_k_sum
 
 # The one tile of every call (invariance needs it fixed at every M; none of it is chosen by shape). 16 rows: a decode
@@ -121,9 +122,9 @@ def num_splits(n: int, k: int, multiprocessors: int) -> int:
 
 
 @functools.cache
-def _multiprocessors(index: int) -> int:
-    """The SM count of CUDA device `index`, asked once: every call's split count needs it."""
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _multiprocessors(device: torch.device) -> int:
+    """The SM count of a CUDA device (`Hardware.detect`), asked once: every call's split count needs it."""
+    return Hardware.detect(device).multiprocessors
 
 
 def supports(*tensors: torch.Tensor) -> bool:
@@ -148,7 +149,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, beta
         raise ValueError(f"the batch-invariant matmul takes one dtype of {sorted(map(str, DTYPES))}, got "
                          f"{[str(t.dtype) for t in (a, b, bias) if t is not None]}")
     if splits is None:
-        splits = num_splits(n, k, _multiprocessors(a.device.index)) if a.device.type == "cuda" else 1
+        splits = num_splits(n, k, _multiprocessors(a.device)) if a.device.type == "cuda" else 1
     if splits < 1:
         raise ValueError(f"splits must be at least 1, got {splits}")
     out = torch.empty((e, m, n), dtype=a.dtype, device=a.device)
