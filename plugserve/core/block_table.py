@@ -3,7 +3,8 @@
 list changed. A batch's block table is then one gather of its rows, instead of a [B, pages] table built
 from Python lists and uploaded every step, which costs host time that grows with the batch.
 
-Uploads are stream-ordered copies from pinned memory: building a batch never waits for the device.
+Uploads are stream-ordered copies through pinned memory (`core/host_copy.py`): building a batch never waits for the
+device.
 """
 
 from __future__ import annotations
@@ -12,13 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-
-def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A CPU tensor on `device` without waiting for the device: staged through pinned memory on a GPU
-    (from pageable memory the driver may wait for the stream)."""
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+from plugserve.core.host_copy import to_device
 
 
 class DeviceBlockTable:

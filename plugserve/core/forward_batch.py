@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from plugserve.core.block_table import to_device
+from plugserve.core.host_copy import to_device
 from plugserve.core.kv_cache import MLAKVPool, token_slots
 
 # int32 lengths per 16 bytes: `ForwardBatch.build` starts each of its length tensors at a multiple of it.

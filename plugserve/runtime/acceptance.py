@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from plugserve.core.block_table import to_device
+from plugserve.core.host_copy import to_device
 from plugserve.runtime.sampling import SampleOutput, SamplingParams, apply_penalties, draw, filtered_probs, row_noise
 
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from plugserve.core.block_table import to_device
+from plugserve.core.host_copy import to_device
 
 if TYPE_CHECKING:
     import xgrammar

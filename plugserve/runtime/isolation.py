@@ -21,8 +21,8 @@ from dataclasses import fields
 
 import torch
 
-from plugserve.core.block_table import to_device
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode
+from plugserve.core.host_copy import to_device
 from plugserve.runtime.overlap import BatchResult
 from plugserve.runtime.request import Request
 from plugserve.runtime.sampling import SampleOutput

@@ -11,7 +11,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from plugserve.core.block_table import to_device
+from plugserve.core.host_copy import to_device
 from plugserve.runtime.sampling import SampleOutput
 
 Work = TypeVar("Work")  # what one step plans: a batch, or one batch per DP group

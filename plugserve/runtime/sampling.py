@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from plugserve.core.block_table import to_device
+from plugserve.core.host_copy import to_device
 
 # Temperatures below this sample greedily, as in SGLang: dividing float32 logits by a smaller one overflows.
 GREEDY_TEMPERATURE = 1e-6

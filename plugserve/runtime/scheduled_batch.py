@@ -9,8 +9,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from plugserve.core.block_table import to_device
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode
+from plugserve.core.host_copy import to_device
 from plugserve.runtime.grammar import BatchGrammar
 from plugserve.runtime.request import Request
 

@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from plugserve.core.block_table import DeviceBlockTable, to_device
+from plugserve.core.block_table import DeviceBlockTable
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode
+from plugserve.core.host_copy import to_device
 from plugserve.core.kv_cache import pages_needed
 from plugserve.core.moved import moved_names
 from plugserve.runtime import grammar, isolation, overlap
@@ -31,7 +32,6 @@ from plugserve.runtime.detokenizer import IncrementalText
 from plugserve.runtime.metrics import Metrics
 from plugserve.runtime.mixed_chunk import Riders
 from plugserve.runtime.model_runner import ModelRunner
-from plugserve.runtime.overlap import OverlapLoop
 from plugserve.runtime.page_owners import check_pool_accounting
 from plugserve.runtime.radix_cache import RadixCache
 from plugserve.runtime.request import PENDING, FinishReason, Request, RequestIndex, RequestQueue, TokenLogprob
@@ -76,7 +76,7 @@ class Scheduler:
         # length that step writes KV at (the drafts, and a tree's draft steps).
         self.verify_width = config.num_draft_tokens if config is not None else 1
         self.lookahead = config.lookahead if config is not None else 0
-        self.loop: OverlapLoop[ScheduledBatch, Future[BatchResult]] = OverlapLoop(
+        self.loop: overlap.OverlapLoop[ScheduledBatch, Future[BatchResult]] = overlap.OverlapLoop(
             not args.disable_overlap_schedule and self.spec is None)
         self.unfilled: list[grammar.BatchGrammar] = []  # masks that wait for the batch in flight's tokens
 

@@ -82,9 +82,9 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from plugserve.core.block_table import to_device
 from plugserve.core.distributed import SINGLE, ParallelGroup
 from plugserve.core.forward_batch import DraftTree, ForwardBatch, ForwardMode
+from plugserve.core.host_copy import to_device
 from plugserve.core.interfaces import AttentionBackend
 from plugserve.core.moved import moved_names
 from plugserve.runtime import acceptance
