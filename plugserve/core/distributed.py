@@ -178,6 +178,7 @@ def init_parallel_group(
     backend: str | None = None,
     timeout_s: float = 600.0,
     one_host: bool = True,
+    store: dist.TCPStore | None = None,
 ) -> ParallelGroup:
     """Join the world of `world_size` processes as `rank` and return it as one group.
 
@@ -186,7 +187,8 @@ def init_parallel_group(
     every collective: a rank that died makes the others fail after it rather than hang. The process
     group is initialized at world size 1 too, so that one rank runs the code path of many. Its
     `control` group waits for objects up to CONTROL_TIMEOUT: a worker waits for the next batch while the
-    server idles. `one_host`: every rank runs on this host, so rank 0's bytes go through shared memory.
+    server idles. `one_host`: every rank runs on this host, so rank 0's bytes go through shared memory. `store`: the
+    world's store this process already serves or reaches (`rendezvous_store`), else reached or served now.
     """
     backend = backend or default_backend(device)
     if backend == "nccl":
@@ -194,11 +196,21 @@ def init_parallel_group(
         # names the current one).
         device = torch.device(device)
         torch.cuda.set_device(device.index if device.index is not None else torch.cuda.current_device())
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+    store = store or rendezvous_store(init_method, rank, world_size, timeout_s)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     channel = _host_channel(rank, world_size, control) if one_host and world_size > 1 else None
     return ParallelGroup(rank, world_size, dist.group.WORLD, control, channel=channel)
+
+
+def rendezvous_store(init_method: str, rank: int, world_size: int, timeout_s: float = 600.0) -> dist.TCPStore:
+    """The world's key-value store at "tcp://host:port": rank 0 serves it, the other ranks connect to it. Port 0: a
+    port the system picks as rank 0 binds it (`TCPStore.port` says which), so no other process can take it between
+    the choice and the bind, as it can a port picked free beforehand."""
+    host, _, port = init_method.removeprefix("tcp://").rpartition(":")
+    return dist.TCPStore(host, int(port), world_size, is_master=rank == 0, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
 
 
 def _host_channel(rank: int, world_size: int, control: dist.ProcessGroup) -> ShmChannel:

@@ -23,7 +23,7 @@ from plugserve.core.distributed import (
     init_parallel_group,
     joined_nccl_world,
     leave_parallel_group,
-    pick_free_port,
+    rendezvous_store,
 )
 from plugserve.runtime.model_runner import ModelRunner, rank_device
 from plugserve.runtime.server_args import ServerArgs
@@ -36,8 +36,9 @@ STOP_TIMEOUT_S = 30.0  # for workers to leave once released, before they are kil
 
 
 def init_address(args: ServerArgs) -> str:
-    """The world's rendezvous, "tcp://host:port": --dist-init-addr, else a free port on this host."""
-    return f"tcp://{args.dist_init_addr or f'127.0.0.1:{pick_free_port()}'}"
+    """The world's rendezvous, "tcp://host:port": --dist-init-addr, else port 0 on this host (rank 0's store binds a
+    free one: `rendezvous_store`)."""
+    return f"tcp://{args.dist_init_addr or '127.0.0.1:0'}"
 
 
 def start_workers(args: ServerArgs, address: str) -> dict[int, BaseProcess]:
@@ -101,13 +102,14 @@ class Ranks:
         if joined_nccl_world():
             raise RuntimeError("this process already ran a multi-GPU engine, whose NCCL world lives until the process "
                                "exits: start each multi-GPU engine in its own process")
-        address = init_address(args)
+        store = rendezvous_store(init_address(args), 0, args.tp_size)  # bound before the workers look for it
+        address = f"tcp://{store.host}:{store.port}"
         self.workers = start_workers(args, address)
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
         try:
             self.group: ParallelGroup = init_parallel_group(0, args.tp_size, address, rank_device(args, 0),
-                                                            one_host=args.nnodes == 1)
+                                                            one_host=args.nnodes == 1, store=store)
         except BaseException:
             self.stop(None)
             raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 
 import pytest
@@ -15,6 +16,7 @@ from plugserve.core.distributed import (
     destroy_parallel_group,
     init_parallel_group,
     pick_free_port,
+    rendezvous_store,
     spawn_joined,
     unpad_rows,
 )
@@ -32,6 +34,17 @@ def test_world_size_one_collectives_return_their_input() -> None:
     assert SINGLE.broadcast(x) is x
     assert SINGLE.broadcast_object(x) is x
     assert SINGLE.gather_rows(x, [3]) is x and SINGLE.own_rows(x, [3]) is x
+
+
+def test_rendezvous_store_binds_port_zero_to_a_port_the_other_ranks_reach() -> None:
+    """Rank 0 binds the port itself (no port picked free beforehand, which another process may take first)."""
+    served = rendezvous_store("tcp://127.0.0.1:0", 0, 2, timeout_s=10)
+    assert served.port != 0
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe, pytest.raises(OSError):
+        probe.bind(("127.0.0.1", served.port))  # held from the start
+    reached = rendezvous_store(f"tcp://127.0.0.1:{served.port}", 1, 2, timeout_s=10)
+    served.set("hello", "rank 0")
+    assert reached.get("hello") == b"rank 0"
 
 
 def test_rank_outside_the_world_is_refused() -> None:
