@@ -151,7 +151,7 @@ class Engine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self.grammars = (GrammarCompiler(self.tokenizer, config.vocab_size, eos)
+        self.grammars = (GrammarCompiler(self.tokenizer, self.runner.sample_vocab, eos)
                          if args.grammar_backend == "xgrammar" else None)
         self.model_name, self.model_names = served_model_names(args)
         self.stats = StatsLog(args, self.runner.max_total_tokens, self.tokenizer.decode)

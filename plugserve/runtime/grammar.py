@@ -13,11 +13,9 @@ the scheduler thread has processed step i's tokens into the matchers and filled 
 from __future__ import annotations
 
 import functools
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,11 +29,6 @@ if TYPE_CHECKING:
     from plugserve.runtime.sampling import SamplingParams
 
 CACHE_SIZE = 512  # compiled grammars kept (a schema sent again is not compiled again)
-# A batch's matchers advance on several threads from this many constrained requests on: xgrammar's accept_token runs
-# a token's bytes through the grammar's parser, the costliest part of a constrained step's host work, with the GIL
-# released.
-PARALLEL_ACCEPT_MIN = 8
-ACCEPT_THREADS = min(8, os.cpu_count() or 1)
 
 
 class GrammarError(ValueError):
@@ -56,10 +49,13 @@ def grammar_of(params: SamplingParams) -> tuple[str, str] | None:
 
 class GrammarCompiler:
     """xgrammar's compiler over the served tokenizer, with compiled grammars cached by their text. Thread-safe: the
-    server compiles in worker threads. xgrammar is imported, and the tokenizer's vocabulary read, on first use."""
+    server compiles in worker threads. xgrammar is imported, and the tokenizer's vocabulary read, on first use.
+    `vocab_size`: the sampled vocabulary (the tokenizer's tokens, not the model's padding rows past them: xgrammar
+    would hold those as special tokens, which its every accept_token scans)."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Iterable[int]) -> None:
-        self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, sorted(stop_token_ids)
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.stop_token_ids = sorted(t for t in stop_token_ids if t < vocab_size)
         self._compiler: xgrammar.GrammarCompiler | None = None
         self._cache: OrderedDict[tuple[str, str], xgrammar.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
@@ -176,45 +172,6 @@ def fill_all(unfilled: list[BatchGrammar]) -> None:
     for masks in unfilled:
         masks.fill()
     unfilled.clear()
-
-
-@functools.cache
-def _accept_pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(ACCEPT_THREADS, thread_name_prefix="plugserve-grammar")
-
-
-def accept_all(pairs: Sequence[tuple[Request, int]]) -> list[bool | Exception]:
-    """`accept` of each (request, token), every request at most once: what it returns, or the exception it raises,
-    in order. From PARALLEL_ACCEPT_MIN pairs on, in ACCEPT_THREADS runs of pairs side by side."""
-    def run(run_pairs: Sequence[tuple[Request, int]]) -> list[bool | Exception]:
-        verdicts: list[bool | Exception] = []
-        for request, token in run_pairs:
-            try:
-                verdicts.append(accept(request, token))
-            except Exception as exc:  # the caller fails this request alone
-                verdicts.append(exc)
-        return verdicts
-
-    if len(pairs) < PARALLEL_ACCEPT_MIN or ACCEPT_THREADS == 1:
-        return run(pairs)
-    size = -(-len(pairs) // ACCEPT_THREADS)
-    runs = _accept_pool().map(run, [pairs[start : start + size] for start in range(0, len(pairs), size)])
-    return [verdict for verdicts in runs for verdict in verdicts]
-
-
-def accept_sampled(requests: Sequence[Request], sampled: Sequence[bool], tokens: Sequence[Sequence[int]],
-                   counts: Sequence[int]) -> dict[int, bool | Exception]:
-    """By a batch's index of each running constrained request that sampled one token (tokens[row], counts[row]: the
-    sampled rows' runs): its grammar's verdict on it, the matchers advanced side by side (`accept_all`). Runs of several
-    tokens (a verified draft) are the caller's to advance a token at a time, since a stop drops the rest."""
-    indices, pairs = [], []
-    row = 0
-    for index, (request, was_sampled) in enumerate(zip(requests, sampled, strict=True)):
-        if was_sampled and not request.finished and request.grammar is not None and counts[row] == 1:
-            indices.append(index)
-            pairs.append((request, tokens[row][0]))
-        row += was_sampled
-    return dict(zip(indices, accept_all(pairs), strict=True))
 
 
 def accept(request: Request, token: int) -> bool:

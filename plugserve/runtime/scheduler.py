@@ -340,7 +340,7 @@ class Scheduler:
         # Inputs still being sampled by the batch in flight: the last token of a decoding request.
         resolve = [(ends[i], r.pending_row) for i, r in enumerate(requests) if r.last_id == PENDING]
         masks = grammar.BatchGrammar.plan([r for r, s in zip(requests, sampled, strict=True) if s],
-                                          self.runner.config.vocab_size, self.unfilled if resolve else None)
+                                          self.runner.sample_vocab, self.unfilled if resolve else None)
         sample_row = 0
         for request, n, is_sampled in zip(requests, lens, sampled, strict=True):
             request.cached_len += n  # the KV of these tokens exists once the forward has run
@@ -406,7 +406,6 @@ class Scheduler:
         sample = result.wait()
         tokens, logprobs, tops, counts = sample.runs()
         verified = sample.accept_lens is not None
-        verdicts = grammar.accept_sampled(batch.requests, batch.sampled, tokens, counts)
         row = appended = 0
         for index, (request, was_sampled, end) in enumerate(zip(batch.requests, batch.sampled, batch.ends,
                                                                 strict=True)):
@@ -418,7 +417,7 @@ class Scheduler:
                 if was_sampled and not request.finished:  # finished by an earlier batch: the extra token is dropped
                     for i in range(counts[row]):  # the tokens after a stop are dropped
                         self._append(request, tokens[row][i], None if logprobs is None else logprobs[row][i],
-                                     tops[row][i], verdicts.get(index))
+                                     tops[row][i])
                         appended += 1
                         if request.finished:
                             break
@@ -439,19 +438,15 @@ class Scheduler:
                 self.metrics.observe_verify(counts)
         self._drop_finished()
 
-    def _append(self, request: Request, token: int, logprob: float | None, top: tuple[tuple[int, float], ...],
-                verdict: bool | Exception | None = None) -> None:
+    def _append(self, request: Request, token: int, logprob: float | None, top: tuple[tuple[int, float], ...]
+                ) -> None:
         """Put a sampled token in place of the request's first PENDING one (after its last resolved one: the rest of
-        a verified run) and check the stop rules. `top`: the top logprobs (id, logprob) of the batch's widest ask.
-        `verdict`: the request's grammar's on `token`, taken already (`grammar.accept_sampled`); None: taken here."""
+        a verified run) and check the stop rules. `top`: the top logprobs (id, logprob) of the batch's widest ask."""
         params = request.params
         index = request.resolve(token)
         if params.logprobs and logprob is not None:
             request.logprobs.append(TokenLogprob(token, logprob, top[: params.top_logprobs]))
-        verdict = grammar.accept(request, token) if verdict is None else verdict
-        if isinstance(verdict, Exception):
-            raise verdict
-        if verdict or token in params.stop_token_ids or (
+        if grammar.accept(request, token) or token in params.stop_token_ids or (
                 not params.ignore_eos and token in request.eos_token_ids):
             request.finish_reason, request.matched_stop = FinishReason.STOP, token
         elif index + 1 >= params.max_new_tokens or request.known_len >= self.runner.context_length:

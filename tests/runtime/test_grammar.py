@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from plugserve.runtime import grammar
+from plugserve.core.names import PRESETS
 from plugserve.runtime.engine import Engine
 from plugserve.runtime.grammar import BatchGrammar, GrammarError
 from plugserve.runtime.request import Request
@@ -98,41 +98,19 @@ def test_sampling_waits_for_a_mask_filled_later(engine):
     assert all(engine.tokenizer.decode([t]) in ("a", "ab") for t in allowed) and allowed
 
 
-def test_a_batch_of_matchers_advances_on_several_threads_as_one_by_one(engine):
-    """accept_all: each request's verdict (terminated, or the error of a token its grammar refuses) in order, the same
-    as `accept` a request at a time, with the matchers advanced on the pool's threads."""
-    compiled = engine.compile_grammar(SamplingParams(regex="ab|abc"))
-    a, b, c = (engine.tokenizer.convert_tokens_to_ids(t) for t in "abc")
-
-    def batch(n: int) -> list[Request]:
-        return [Request(f"r{i}", [1], SamplingParams(), lambda _: None, grammar=engine.grammars.matcher(compiled))
-                for i in range(n)]
-
-    count = grammar.PARALLEL_ACCEPT_MIN * 2
-    one_by_one, together = batch(count), batch(count)
-    for requests in (one_by_one, together):
-        for request in requests:
-            assert not grammar.accept(request, a)
-    # "ab" may end or go on; "ac" breaks the grammar; an accepted "b" leaves the matcher able to take "c".
-    tokens = [c if i % 3 == 1 else b for i in range(count)]
-    expected = []
-    for request, token in zip(one_by_one, tokens, strict=True):
-        try:
-            expected.append(grammar.accept(request, token))
-        except RuntimeError as exc:
-            expected.append(str(exc))
-    threads = set()
-    original = grammar.accept
-
-    def spying(request: Request, token: int) -> bool:
-        threads.add(threading.current_thread().name)
-        return original(request, token)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(grammar, "accept", spying)
-        verdicts = grammar.accept_all(list(zip(together, tokens, strict=True)))
-    assert [str(v) if isinstance(v, Exception) else v for v in verdicts] == expected
-    assert expected[0] is False and "broke the request's grammar" in expected[1]
-    if grammar.ACCEPT_THREADS > 1:  # on the pool's threads, not the caller's
-        assert threads and all(name.startswith("plugserve-grammar") for name in threads)
-    assert [r.grammar.is_terminated() for r in together] == [r.grammar.is_terminated() for r in one_by_one]
+def test_grammars_hold_the_tokenizers_tokens_not_the_models_padding_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model whose vocabulary pads the tokenizer's (as V2-Lite's 102,400 rows pad its tokenizer): the padding rows
+    are never sampled, and as xgrammar special tokens they made its every accept_token scan them all."""
+    monkeypatch.setitem(PRESETS, "tiny-padded", PRESETS["tiny"] | {"vocab_size": 4096 + 1000})
+    engine = Engine(ServerArgs(model_preset="tiny-padded", disable_overlap_schedule=True))
+    try:
+        assert engine.ready.wait(60)
+        assert engine.runner.config.vocab_size == 5096 and engine.runner.sample_vocab == len(engine.tokenizer)
+        compiled = engine.compile_grammar(SamplingParams(json_schema=json.dumps(SCHEMA)))
+        assert compiled.tokenizer_info.vocab_size == len(engine.tokenizer)
+        assert not [t for t in compiled.tokenizer_info.special_token_ids if t >= len(engine.tokenizer)]
+        params = SamplingParams(max_new_tokens=60, temperature=1.0, n=4, seed=2, json_schema=json.dumps(SCHEMA))
+        for result in engine.generate("The weather:", params):
+            Weather.model_validate_json(result.text)
+    finally:
+        engine.shutdown()
