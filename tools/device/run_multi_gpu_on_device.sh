@@ -50,8 +50,10 @@
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD
 carry=${CARRY:-.carry/mg}
+extra=${CARRY_EXTRA:-.carry/extra}  # where carried: the openai client (server tests) and py-spy (serving-profile)
 if [ ! -e /tmp/site/.installed ]; then  # once per machine: steps may run side by side
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site $carry/*.whl 2>&1 | tail -1
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site $carry/*.whl $(ls $extra/*.whl 2>/dev/null) 2>&1 \
+    | tail -1
   [ -f $carry/flashinfer.tar.xz ] && tar -xJf $carry/flashinfer.tar.xz -C /tmp/site
   touch /tmp/site/.installed
 fi
@@ -215,8 +217,11 @@ for step in "$@"; do
         sleep ${PROFILE_AFTER:-3}
         # Where py-spy is installed (a carried wheel), a sample of every thread's Python stacks first.
         spy=$(command -v py-spy || ls /tmp/site/bin/py-spy 2>/dev/null)
-        [ -n "$spy" ] && timeout 20 $spy record -p $server -d 4 -r 500 -f raw -o $OUT/profile-$run-pyspy.txt \
-          > $OUT/profile-$run-pyspy.log 2>&1
+        # Every thread's stacks, then only the GIL holder's (who keeps the others waiting).
+        [ -n "$spy" ] && for gil in "" --gil; do
+          timeout 20 $spy record -p $server -d 3 -r 500 --threads $gil -f raw \
+            -o $OUT/profile-$run${gil:+-gil}-pyspy.txt >> $OUT/profile-$run-pyspy.log 2>&1
+        done
         curl -s -X POST localhost:$port/start_profile -H 'Content-Type: application/json' \
           -d "{\"output_dir\": \"$OUT/profile-$run\", \"num_steps\": 40}"; echo
         wait $running
