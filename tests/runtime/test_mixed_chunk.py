@@ -93,24 +93,30 @@ def _wait_for_tokens(results: dict[str, list[RequestOutput]], names: list[str], 
         time.sleep(0.005)
 
 
-def test_logprobs_penalties_stops_grammar_and_streams_ride_along(plain):
+def test_logprobs_penalties_stops_grammar_and_streams_ride_along():
     """Requests of every kind are streaming while a long prompt arrives: their streamed increments add up to what
-    each gives without the flag (logprobs to float tolerance)."""
-    sampled = SamplingParams(max_new_tokens=24, temperature=1.0, seed=3, ignore_eos=True)
-    reference_text = plain.generate(PROMPTS[0], GREEDY)[0].text
-    jobs = {
-        "logprobs": (PROMPTS[0], SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True, logprobs=True,
-                                               top_logprobs=3)),
-        "penalties": (PROMPTS[1], SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True,
-                                                 frequency_penalty=0.7, repetition_penalty=1.3)),
-        "stop": (PROMPTS[0], SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True,
-                                            stop=[reference_text[len(reference_text) // 2 :][:3]])),
-        "seeded": (PROMPTS[2], sampled),
-        "grammar": (PROMPTS[2], SamplingParams(max_new_tokens=24, temperature=1.0, seed=5,
-                                               regex="(yes|no)-[0-9]{3}-[a-z]{8}")),
-    }
-    expected = {name: plain.generate(prompt, params)[0] for name, (prompt, params) in jobs.items()}
-    engine, riders = _mixed_engine()
+    each gives without the flag (logprobs to float tolerance). Both engines are deterministic: the batches the riders
+    join depend on timing, and without the flag a near-tied greedy token may flip with the batch around it (the
+    README's "What may vary")."""
+    plain = Engine(_args(enable_deterministic_inference=True))
+    try:
+        sampled = SamplingParams(max_new_tokens=24, temperature=1.0, seed=3, ignore_eos=True)
+        reference_text = plain.generate(PROMPTS[0], GREEDY)[0].text
+        jobs = {
+            "logprobs": (PROMPTS[0], SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True, logprobs=True,
+                                                   top_logprobs=3)),
+            "penalties": (PROMPTS[1], SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True,
+                                                     frequency_penalty=0.7, repetition_penalty=1.3)),
+            "stop": (PROMPTS[0], SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True,
+                                                stop=[reference_text[len(reference_text) // 2 :][:3]])),
+            "seeded": (PROMPTS[2], sampled),
+            "grammar": (PROMPTS[2], SamplingParams(max_new_tokens=24, temperature=1.0, seed=5,
+                                                   regex="(yes|no)-[0-9]{3}-[a-z]{8}")),
+        }
+        expected = {name: plain.generate(prompt, params)[0] for name, (prompt, params) in jobs.items()}
+    finally:
+        plain.shutdown()
+    engine, riders = _mixed_engine(enable_deterministic_inference=True)
     try:
         done, results = threading.Event(), {}
         for name, (prompt, params) in jobs.items():
