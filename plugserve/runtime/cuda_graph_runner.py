@@ -37,9 +37,9 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from plugserve.core import graph_inputs
-from plugserve.core.block_table import to_device
 from plugserve.core.distributed import real_rows
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode
+from plugserve.core.host_copy import to_device
 from plugserve.core.interfaces import AttentionBackend
 from plugserve.core.kv_cache import MLAKVPool
 from plugserve.core.moved import moved_names

@@ -16,12 +16,13 @@ import torch
 import torch.distributed as dist
 
 from plugserve.core.batch_invariant import batch_invariant
-from plugserve.core.block_table import DeviceBlockTable, to_device
+from plugserve.core.block_table import DeviceBlockTable
 from plugserve.core.dispatch import prepare_attention
 from plugserve.core.distributed import SINGLE, ParallelGroup, real_rows
 from plugserve.core.forward_batch import AttnForwardMethod, ForwardBatch, ForwardMode
 from plugserve.core.graph_inputs import GraphInputs, capture_sizes
 from plugserve.core.hardware import Hardware
+from plugserve.core.host_copy import to_device
 from plugserve.core.interfaces import AttentionBackend
 from plugserve.core.kv_cache import MLAKVPool, PageAllocator, pages_needed
 from plugserve.core.layers.small_ops import EAGER, SmallOps
