@@ -165,6 +165,32 @@ def unpad_rows(x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
 SINGLE = ParallelGroup()  # one process, no torch.distributed
 
 
+@dataclass(frozen=True)
+class DPGroups:
+    """DP attention's groups as one rank sees them, for D groups of A ranks each over a world of D * A (group g: ranks
+    [g A, (g + 1) A)). `attention`: the A ranks of this rank's DP group, which split the group's heads (SINGLE at
+    A = 1); `rows`: the D ranks at this rank's place in every DP group, its rank this rank's DP group: the MLP's
+    `gather_rows` / `own_rows` run over them, so that each group's rows (the same on its A ranks) are gathered once
+    and every rank of the world sees every group's."""
+
+    attention: ParallelGroup
+    rows: ParallelGroup
+
+
+def dp_groups(group: ParallelGroup, dp_size: int) -> DPGroups:
+    """`group`'s ranks as `dp_size` DP attention groups (`DPGroups`). Collective when a group has several ranks:
+    every rank creates every subgroup, in the same order (torch.distributed's rule); none at one rank a group."""
+    if group.world_size % dp_size:
+        raise ValueError(f"{group.world_size} ranks do not split into {dp_size} DP attention groups")
+    per = group.world_size // dp_size
+    if per == 1:
+        return DPGroups(SINGLE, group)
+    attention = [dist.new_group([group._global(g * per + a) for a in range(per)]) for g in range(dp_size)]
+    rows = [dist.new_group([group._global(g * per + a) for g in range(dp_size)]) for a in range(per)]
+    g, a = divmod(group.rank, per)
+    return DPGroups(ParallelGroup(a, per, attention[g]), ParallelGroup(g, dp_size, rows[a]))
+
+
 def default_backend(device: torch.device | str) -> str:
     """The torch.distributed backend for tensors on `device`: "nccl" on CUDA, else "gloo"."""
     return "nccl" if torch.device(device).type == "cuda" else "gloo"

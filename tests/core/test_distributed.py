@@ -1,4 +1,5 @@
-"""ParallelGroup: no-ops at world size 1, gloo collectives on 2 spawned ranks, a dead peer failing fast."""
+"""ParallelGroup: no-ops at world size 1, gloo collectives on 2 spawned ranks, DP attention's groups on 4, a dead peer
+failing fast."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from plugserve.core.distributed import (
     ParallelGroup,
     default_backend,
     destroy_parallel_group,
+    dp_groups,
     init_parallel_group,
     pick_free_port,
     rendezvous_store,
@@ -88,6 +90,34 @@ def _collectives(group: ParallelGroup) -> None:
 
 def test_all_reduce_all_gather_and_broadcast_over_gloo() -> None:
     run_ranks(_collectives)
+
+
+def _dp_groups_of_two(group: ParallelGroup) -> None:
+    """4 ranks as 2 DP groups of 2 (group 0: ranks 0, 1; group 1: ranks 2, 3)."""
+    dp = dp_groups(group, 2)
+    g, a = divmod(group.rank, 2)
+    assert (dp.attention.rank, dp.attention.world_size, dp.rows.rank, dp.rows.world_size) == (a, 2, g, 2)
+    # The attention's sums stay within a DP group: 1 + 2 in group 0, 3 + 4 in group 1.
+    assert dp.attention.all_reduce(torch.tensor([group.rank + 1.0])).item() == [3.0, 7.0][g]
+    # A group's ranks hold the same rows (group 0: 3 rows, group 1: 1 row): each group's gathered once, padded to 3,
+    # the same on every rank; each rank keeps its group's.
+    counts = [3, 1]
+    rows = torch.arange(counts[g] * 2.0).view(-1, 2) + 10 * g
+    gathered = dp.rows.gather_rows(rows, counts)
+    assert torch.equal(gathered, torch.tensor([[0.0, 1], [2, 3], [4, 5], [10, 11], [0, 0], [0, 0]]))
+    assert torch.equal(dp.rows.own_rows(gathered, counts), rows)
+
+
+def test_dp_groups_sum_within_a_group_and_gather_each_groups_rows_once() -> None:
+    run_ranks(_dp_groups_of_two, world_size=4)
+
+
+def test_dp_groups_of_one_rank_need_no_subgroups() -> None:
+    """One rank a group (--dp-size = --tp-size): the attention whole, the rows gathered over the world."""
+    world = ParallelGroup(1, 2)
+    assert dp_groups(world, 2).attention is SINGLE and dp_groups(world, 2).rows is world
+    with pytest.raises(ValueError, match="4 ranks do not split into 3 DP attention groups"):
+        dp_groups(ParallelGroup(0, 4), 3)
 
 
 def _one_rank_leaves(group: ParallelGroup) -> None:
