@@ -8,7 +8,7 @@ import torch
 
 from plugserve.core.config import ModelConfig
 from plugserve.core.dispatch import prepare_attention
-from plugserve.core.distributed import SINGLE, ParallelGroup, real_rows
+from plugserve.core.distributed import SINGLE, ParallelGroup, dp_groups, real_rows
 from plugserve.core.forward_batch import ForwardBatch, ForwardMode
 from plugserve.core.kv_cache import MLAKVPool, PageAllocator, pages_needed
 from plugserve.core.loader import load_model, read_config
@@ -65,11 +65,12 @@ class PagedRunner:
 
 
 def reference_backends(config: ModelConfig, dtype: torch.dtype, device: str = "cpu", tp_size: int = 1,
-                       ep_size: int = 1, ep_rank: int = 0, dp_attention: bool = False) -> ModelBackends:
+                       ep_size: int = 1, ep_rank: int = 0, dp_size: int = 1) -> ModelBackends:
     """The torch reference backend of every kind, built for `config` split over `tp_size` ranks (the routed
-    experts of rank `ep_rank` of `ep_size` under expert parallelism; every head under DP attention)."""
+    experts of rank `ep_rank` of `ep_size` under expert parallelism; under DP attention's `dp_size` groups the
+    heads split over a group's tp_size / dp_size ranks)."""
     dev = torch.device(device)
-    attention = config.attention_spec(dtype, tp_size=1 if dp_attention else tp_size)
+    attention = config.attention_spec(dtype, tp_size=tp_size // dp_size)
     return ModelBackends(
         attention_prefill=TorchRefAttention(attention, dev),
         attention_decode=TorchRefAttention(attention, dev),
@@ -79,15 +80,17 @@ def reference_backends(config: ModelConfig, dtype: torch.dtype, device: str = "c
 
 
 def load_reference_model(model_dir, dtype: torch.dtype = torch.float32, load_format: str = "auto",
-                         group: ParallelGroup = SINGLE, expert_parallel: bool = False, dp_attention: bool = False,
+                         group: ParallelGroup = SINGLE, expert_parallel: bool = False, dp_size: int = 1,
                          draft_model_path: str | None = None, **read) -> DeepseekForCausalLM:
     """read_config(**read) + load_model from `model_dir` on the CPU with the reference backends: this rank's
-    part of the model split over `group` (the routed experts whole when `expert_parallel`, the attention whole
-    under `dp_attention`), its NextN layer from `draft_model_path` when given."""
+    part of the model split over `group` (the routed experts whole when `expert_parallel`, the attention over a DP
+    group's ranks under DP attention's `dp_size` groups: collective when a group has several), its NextN layer from
+    `draft_model_path` when given."""
     config, checkpoint_layers = read_config(str(model_dir), None, **read)
     ep_size, ep_rank = (group.world_size, group.rank) if expert_parallel else (1, 0)
     backends = reference_backends(config, dtype, tp_size=group.world_size, ep_size=ep_size, ep_rank=ep_rank,
-                                  dp_attention=dp_attention)
+                                  dp_size=dp_size)
     return load_model(config, backends, model_path=str(model_dir), checkpoint_layers=checkpoint_layers,
                       load_format=load_format, dtype=dtype, device=torch.device("cpu"), group=group,
-                      expert_parallel=expert_parallel, dp_attention=dp_attention, draft_model_path=draft_model_path)
+                      expert_parallel=expert_parallel, dp=dp_groups(group, dp_size) if dp_size > 1 else None,
+                      draft_model_path=draft_model_path)

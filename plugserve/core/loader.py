@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from plugserve.core.config import ModelConfig, ModelConfigError, preset_config
-from plugserve.core.distributed import SINGLE, ParallelGroup
+from plugserve.core.distributed import SINGLE, DPGroups, ParallelGroup
 from plugserve.core.layers.linear import Linear, WeightLoadError
 from plugserve.core.layers.parallel import LazySlice
 from plugserve.core.layers.quant import FP8_DTYPE, FP8_MAX
@@ -238,16 +238,17 @@ def load_model(
     seed: int = 0,
     group: ParallelGroup = SINGLE,
     expert_parallel: bool = False,
-    dp_attention: bool = False,
+    dp: DPGroups | None = None,
     draft_model_path: str | None = None,
     dummy_nextn: bool = False,
 ) -> DeepseekForCausalLM:
     """Build the model (this rank's part of it, split over `group`, the routed experts whole when
-    `expert_parallel`, the attention whole under `dp_attention`), fill its weights (its NextN layer's from
-    `draft_model_path` when given, else from the checkpoint when it has one; with dummy weights, random like the
-    rest when `dummy_nextn` and the config declares one: speculative decoding on a preset's shapes), and pack them for
-    `backends` (built for this rank's shapes: `ModelConfig.attention_spec` / `moe_spec` with the world size,
-    the attention's with 1 under DP attention, and the rank under expert parallelism)."""
+    `expert_parallel`, the attention over its DP group's ranks under DP attention, `dp`), fill its weights (its
+    NextN layer's from `draft_model_path` when given, else from the checkpoint when it has one; with dummy weights,
+    random like the rest when `dummy_nextn` and the config declares one: speculative decoding on a preset's
+    shapes), and pack them for `backends` (built for this rank's shapes: `ModelConfig.attention_spec` / `moe_spec`
+    with the world size, the attention's with the DP group's ranks under DP attention, and the rank under expert
+    parallelism)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"--load-format {load_format!r} is not supported (choose from {', '.join(LOAD_FORMATS)})")
     dummy = load_format == "dummy" or model_path is None
@@ -258,7 +259,7 @@ def load_model(
         else declared and f"model.layers.{checkpoint_layers}.eh_proj.weight" in checkpoint.names()
     )
     model = DeepseekForCausalLM(config, dtype, device, with_nextn=with_nextn, group=group,
-                                expert_parallel=expert_parallel, dp_attention=dp_attention)
+                                expert_parallel=expert_parallel, dp=dp)
     if checkpoint is None:
         init_dummy_weights(model, seed)
     else:

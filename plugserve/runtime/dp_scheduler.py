@@ -1,14 +1,14 @@
 """DP attention's scheduling on rank 0: a `Scheduler` per DP group, one forward per step for all of them.
 
-Each DP group (one rank: --dp-size is --tp-size) caches its own requests' KV in its own pool, so each has its
-own scheduler here: its page allocator, prefix cache and block table (group 0's are the runner's; the others'
-pages live on their rank's device, rank 0 only accounts for them). A new request goes to the group with the
-fewest requests, running and waiting, and stays there: its KV is on that rank.
+Each DP group (--tp-size / --dp-size ranks, each holding the group's whole pool) caches its own requests' KV in its
+own pool, so each has its own scheduler here: its page allocator, prefix cache and block table (group 0's are the
+runner's; the others' pages live on their ranks' devices, rank 0 only accounts for them). A new request goes to the
+group with the fewest requests, running and waiting, and stays there: its KV is on that group's ranks.
 
 A step plans every group's batch, then runs them in one `ModelRunner.forward_groups` (each rank its group's,
 an idle group an IDLE batch, since the MLP layers' collectives need every rank), samples each group's rows on
 rank 0 and lets each group's scheduler process its tokens, through the same `OverlapLoop` as one `Scheduler`.
-With speculative decoding the groups share one `SpeculativeWorker` (rank 0's, holding group 0's draft state; each
+With speculative decoding the groups share one `SpeculativeWorker` (rank 0's, holding group 0's draft state; every
 other rank's holds its group's), and a step runs the groups' prefill batches in one speculative prefill step,
 then their TARGET_VERIFY batches in one round (`extend_groups`, `verify_groups`), every rank joining both (a group
 with no batch of that kind idles through it). If the step raises, each group's batch runs alone (the others idle),

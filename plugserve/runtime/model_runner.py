@@ -4,8 +4,9 @@ and runs one forward (plus picking the rows to sample) for the scheduler.
 Under tensor parallelism every rank has a ModelRunner holding its part of the model and a whole KV pool of the
 same size. Rank 0's (the scheduler's) `forward_groups` first sends the batch to the others
 (`runtime/rank_protocol.py`), whose `follow` runs the same forward; `warm_up` runs on every rank alike. Under DP
-attention each rank runs its own DP group's part (its pool holds that group's KV), an IDLE one when its group
-has none."""
+attention (--dp-size D groups of A = --tp-size / D ranks, group g the ranks [g A, (g + 1) A)) each rank runs its
+own DP group's part (its pool holds that group's KV, as the pools of the group's other ranks do), an IDLE one when
+its group has none."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from plugserve.core.batch_invariant import batch_invariant
 from plugserve.core.block_table import DeviceBlockTable
 from plugserve.core.dispatch import prepare_attention
-from plugserve.core.distributed import SINGLE, ParallelGroup, real_rows
+from plugserve.core.distributed import SINGLE, DPGroups, ParallelGroup, dp_groups, real_rows
 from plugserve.core.forward_batch import AttnForwardMethod, ForwardBatch, ForwardMode
 from plugserve.core.graph_inputs import GraphInputs, capture_sizes
 from plugserve.core.hardware import Hardware
@@ -108,13 +109,15 @@ class ModelRunner:
             raise ValueError(f"{flag('tp_size')} {args.tp_size} needs one ModelRunner per rank, in a world of that "
                              f"size (the Engine starts them), not one in a world of {group.world_size}")
         self.args = args
-        # DP attention: rank r runs group r's attention (--dp-size is --tp-size); else one group of every rank.
+        # DP attention: rank r runs group r // A's attention (A = --tp-size / --dp-size ranks a group, splitting its
+        # heads); else one group of every rank.
         self.dp_size = args.dp_attention_size
-        self.dp_rank = group.rank if self.dp_size > 1 else 0
+        self.dp_rank = group.rank // (group.world_size // self.dp_size)
         self.device = rank_device(args, group.rank)
         self.hardware = Hardware.detect(self.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
         self.group = group = self._with_comm(group)
+        self.dp: DPGroups | None = dp_groups(group, self.dp_size) if self.dp_size > 1 else None  # collective
         self.kv_dtype = self.dtype if args.kv_cache_dtype == "auto" else KV_DTYPES[args.kv_cache_dtype]
         self.config, checkpoint_layers = read_config(args.model_dir, args.model_preset, args.quantization,
                                                      args.num_layers)
@@ -133,7 +136,7 @@ class ModelRunner:
         self.model = load_model(self.config, self.backends.model, model_path=args.model_dir,
                                 checkpoint_layers=checkpoint_layers, load_format=args.load_format, dtype=self.dtype,
                                 device=self.device, seed=args.seed, group=group, expert_parallel=args.ep_size > 1,
-                                dp_attention=self.dp_size > 1, draft_model_path=args.speculative_draft_model_path,
+                                dp=self.dp, draft_model_path=args.speculative_draft_model_path,
                                 dummy_nextn=args.speculative is not None)
         for kind, rows in self.backends.by_rows.items():
             logger.info("%s backends by rows: %s", kind, rows)

@@ -344,14 +344,15 @@ class ServerArgs(BaseModel):
                 raise ValueError(f"{flag('dp_size')} {self.dp_size} needs {flag('enable_dp_attention')}: data "
                                  "parallelism runs as DP attention within one engine's --tp-size ranks")
             return
-        if self.dp_size != self.tp_size:
-            raise ValueError(f"{flag('dp_size')} {self.dp_size} must equal {flag('tp_size')} ({self.tp_size}): "
-                             "each DP attention group is one rank (attention tensor parallelism within a group, "
-                             f"{flag('tp_size')} / {flag('dp_size')} > 1, is not supported)")
+        if self.tp_size % self.dp_size:
+            raise ValueError(f"{flag('dp_size')} {self.dp_size} must divide {flag('tp_size')} ({self.tp_size}): "
+                             f"each DP attention group is {flag('tp_size')} / {flag('dp_size')} ranks, which split "
+                             "the group's attention heads")
 
     @property
     def dp_attention_size(self) -> int:
-        """DP attention groups: --dp-size under --enable-dp-attention, else 1 (attention split over every rank)."""
+        """DP attention groups: --dp-size under --enable-dp-attention, else 1 (attention split over every rank). Each
+        group is --tp-size / --dp-size ranks."""
         return self.dp_size if self.enable_dp_attention else 1
 
     @property

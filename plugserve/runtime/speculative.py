@@ -64,10 +64,10 @@ every rank computes them from the same all-reduced, all-gathered logits (as ever
 same hidden states), and the round graph then needs no collective beyond the model's.
 
 Under DP attention each rank's worker drafts and verifies its own DP group's requests (their KV and h' are on
-that rank), and rank 0 runs every group's step at once (`extend_groups`, `verify_groups`): a prefill step for the
-groups with a prefill batch, then a round for those with a TARGET_VERIFY batch, each joined by every rank, a group
-without such a batch on an IDLE one of no tokens, so that every rank runs the same forwards: the MLPs gather every
-group's tokens (`ForwardBatch.dp_tokens`) and each LM head every group's rows (`GroupRows`). Rank 0 so sees every
+the group's ranks), and rank 0 runs every group's step at once (`extend_groups`, `verify_groups`): a prefill step
+for the groups with a prefill batch, then a round for those with a TARGET_VERIFY batch, each joined by every rank, a
+group without such a batch on an IDLE one of no tokens, so that every rank runs the same forwards: the MLPs gather
+every group's tokens (`ForwardBatch.dp_tokens`) and each LM head every group's rows (`GroupRows`). Rank 0 so sees every
 group's logits and decides for every group's requests at once (drafts drawn, acceptance; trees' nodes are
 gathered to it first), and `from_leader` carries every group's decision, each rank keeping its group's rows. Every
 round's first draft is drawn from h' through that LM head (each rank's kept greedy token is its group's alone),
@@ -364,7 +364,8 @@ class SpeculativeWorker:
         b, n = tokens.shape
         hidden, _ = self._target(tokens.view(-1), self._step_batch(self._with_tree(batch, parents), n))
         logits = self._logits(hidden, n)
-        trees = self.layout.gather(self.runner.group, torch.cat([tokens, parents], dim=1))  # every group's
+        rows_group = self.runner.dp.rows if self.runner.dp is not None else self.runner.group
+        trees = self.layout.gather(rows_group, torch.cat([tokens, parents], dim=1))  # every group's
         every_tokens, every_parents = trees.split([n, n], dim=1)
         out, path = (None, None) if requests is None else acceptance.verify_tree(
             logits.view(len(requests), n, -1), every_tokens, every_parents, [r.params for r in requests],

@@ -60,9 +60,11 @@ HELP = {
     "ep_size": "expert-parallel size, 1 or --tp-size: each rank holds 1/ep_size of the routed experts whole "
                "(instead of each expert's 1/tp_size) and runs them for every token; one all-reduce combines",
     "enable_dp_attention": "DP attention: each of --dp-size groups of ranks runs attention for its own requests "
-                           "with its own KV pool; the MLP / MoE layers stay split over every rank (tokens "
-                           "all-gathered before them, each rank's rows kept after)",
-    "dp_size": "DP attention groups (with --enable-dp-attention): --tp-size, one rank each",
+                           "with its own KV pool, its heads split over the group's ranks; the MLP / MoE layers "
+                           "stay split over every rank (each group's tokens all-gathered before them, its rows "
+                           "kept after)",
+    "dp_size": "DP attention groups (with --enable-dp-attention), dividing --tp-size: A ranks "
+               "each, A = --tp-size / --dp-size: group g the ranks g*A .. g*A+A-1, splitting its heads",
     "nnodes": "nodes the --tp-size ranks are spread over (as many on each)",
     "node_rank": "this node's number; node 0 serves HTTP, the others run their ranks only",
     "dist_init_addr": "host:port of node 0 where the ranks meet (needed with --nnodes > 1; default: a free local "

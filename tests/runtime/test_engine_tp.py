@@ -1,6 +1,6 @@
-"""The engine with --tp-size 2 (and --ep-size 2, and DP attention) on the CPU (rank 1 a worker process, gloo)
-against --tp-size 1 on the same checkpoint: the same greedy tokens; a killed rank ends the engine with an error
-naming it."""
+"""The engine with --tp-size 2 (and --ep-size 2, and DP attention; DP groups of two ranks at --tp-size 4) on the CPU
+(the ranks past 0 worker processes, gloo) against --tp-size 1 on the same checkpoint: the same greedy tokens; a killed
+rank ends the engine with an error naming it."""
 
 from __future__ import annotations
 
@@ -88,6 +88,23 @@ def test_dp_attention_greedy_tokens_equal_tp1(model_dir: Path, tp1_tokens: list[
     finally:
         engine.shutdown()
     assert engine.ranks is not None and all(p.exitcode == 0 for p in engine.ranks.workers.values())
+
+
+@pytest.mark.parametrize("ep_size", [1, 4], ids=["tp4-dp2", "tp4-dp2-ep4"])
+def test_dp_groups_of_two_ranks_give_tp1_greedy_tokens(model_dir: Path, tp1_tokens: list[list[int]],
+                                                       ep_size: int) -> None:
+    """--tp-size 4 --dp-size 2: two DP groups of two ranks, each splitting its group's heads: two requests, one a
+    group, give --tp-size 1's tokens."""
+    engine = Engine(_args(model_dir, 4, ep_size, enable_dp_attention=True, dp_size=2, disable_overlap_schedule=True))
+    try:
+        assert _tokens(engine, PROMPTS[:2]) == tp1_tokens[:2]
+        assert engine.runner.dp_rank == 0 and engine.runner.model.layers[0].self_attn.num_heads == 2
+        scheduler = engine.scheduler
+        assert isinstance(scheduler, DPScheduler) and all(g.radix.queried_tokens for g in scheduler.groups)
+        engine.check_pool_accounting()
+    finally:
+        engine.shutdown()
+    assert engine.ranks is not None and [p.exitcode for p in engine.ranks.workers.values()] == [0, 0, 0]
 
 
 def test_a_failing_forward_under_dp_attention_fails_only_its_request(model_dir: Path,

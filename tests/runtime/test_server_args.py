@@ -97,6 +97,13 @@ def test_dp_attention_takes_a_dp_size_of_the_tp_size(ep_size):
     assert args.dp_attention_size == 2 and ServerArgs(tp_size=2).dp_attention_size == 1
 
 
+@pytest.mark.parametrize(("tp_size", "dp_size", "ep_size"), [(4, 2, 1), (4, 2, 4), (8, 2, 1), (8, 4, 8)])
+def test_dp_attention_takes_a_dp_size_dividing_the_tp_size(tp_size, dp_size, ep_size):
+    """Each DP group is --tp-size / --dp-size ranks, which split the group's attention heads."""
+    args = ServerArgs(tp_size=tp_size, ep_size=ep_size, enable_dp_attention=True, dp_size=dp_size)
+    assert args.dp_attention_size == dp_size
+
+
 def test_dp_attention_combines_with_speculative_decoding():
     args = ServerArgs(tp_size=2, enable_dp_attention=True, dp_size=2, speculative_algorithm="EAGLE",
                       speculative_eagle_topk=2, speculative_num_draft_tokens=4)
@@ -108,8 +115,8 @@ def test_dp_attention_combines_with_speculative_decoding():
     [
         ({"tp_size": 2, "enable_dp_attention": True}, "--enable-dp-attention needs --dp-size > 1"),
         ({"tp_size": 2, "dp_size": 2}, "--dp-size 2 needs --enable-dp-attention"),
-        ({"tp_size": 4, "dp_size": 2, "enable_dp_attention": True}, "--dp-size 2 must equal --tp-size (4)"),
-        ({"tp_size": 2, "dp_size": 4, "enable_dp_attention": True}, "--dp-size 4 must equal --tp-size (2)"),
+        ({"tp_size": 6, "dp_size": 4, "enable_dp_attention": True}, "--dp-size 4 must divide --tp-size (6)"),
+        ({"tp_size": 2, "dp_size": 4, "enable_dp_attention": True}, "--dp-size 4 must divide --tp-size (2)"),
     ],
 )
 def test_bad_dp_attention_flags_are_refused_naming_the_flag(flags, message):

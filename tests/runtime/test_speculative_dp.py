@@ -190,6 +190,26 @@ def test_dp2_speculative_gives_one_ranks_drafts_and_greedy_tokens(checkpoint: Pa
     assert engine.ranks is not None and [p.exitcode for p in engine.ranks.workers.values()] == [0]
 
 
+@pytest.mark.parametrize("flags", [CHAINS, TREE], ids=["chains", "tree"])
+def test_dp_groups_of_two_ranks_speculate_as_one_rank(checkpoint: Path, plain_tokens: list[list[int]],
+                                                     verified: Drafts, flags: dict[str, object]) -> None:
+    """--tp-size 4 --dp-size 2: each group's two ranks split its heads and draft its requests alike (a tree's nodes
+    gathered to rank 0 once a group): one rank's drafts and its greedy tokens without speculation."""
+    one_rank = _one_rank_drafts(checkpoint, flags, plain_tokens, verified)
+    engine = Engine(_args(checkpoint, 4, enable_dp_attention=True, dp_size=2, disable_overlap_schedule=True, **flags))
+    try:
+        scheduler = engine.scheduler
+        assert isinstance(scheduler, DPScheduler) and scheduler.spec is not None
+        assert _generate(engine, PROMPTS, [_greedy(n) for n in LENGTHS]) == plain_tokens
+        assert _staggered(engine) == plain_tokens[:2]
+        assert all(g.radix.queried_tokens for g in scheduler.groups)
+        assert verified == one_rank and any(k[: len(PROMPTS[1])] == tuple(PROMPTS[1]) for k in verified)
+        engine.check_pool_accounting()
+    finally:
+        engine.shutdown()
+    assert engine.ranks is not None and [p.exitcode for p in engine.ranks.workers.values()] == [0, 0, 0]
+
+
 def test_a_failing_prefill_fails_only_its_request_under_dp_attention(checkpoint: Path,
                                                                       plain_tokens: list[list[int]]) -> None:
     """One request's prefill raises in a speculative step (the fault hook): each group's batch runs alone (the other

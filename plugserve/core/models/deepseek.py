@@ -12,9 +12,11 @@ Parallelism over a `ParallelGroup` of P ranks (P = 1: one process, no collective
   each MLP or MoE block (routed and shared experts summed first); each rank reads only its slices;
 - expert parallelism (`expert_parallel`): E / P whole routed experts per rank, the router on every rank over
   all E, the MoE block's all-reduce combining the ranks' terms;
-- DP attention (`dp_attention`): the whole attention and embedding on this rank's own requests; the hidden
-  states all-gathered before each MLP / MoE block (padded to `ForwardBatch.dp_tokens`' largest count) and
-  this rank's rows kept after it; the sampled rows gathered the same way before the LM head.
+- DP attention (`dp`, `DPGroups`): the attention on this rank's DP group's own requests, its heads split over the
+  group's ranks (`DPGroups.attention`: all of them at one rank a group), the embedding whole; the hidden states
+  all-gathered over the groups before each MLP / MoE block (`DPGroups.rows`, each group's rows once, padded to
+  `ForwardBatch.dp_tokens`' largest count) and this rank's group's rows kept after it; the sampled rows gathered
+  the same way before the LM head.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 from torch import nn
 
 from plugserve.core.config import ModelConfig
-from plugserve.core.distributed import SINGLE, ParallelGroup, unpad_rows
+from plugserve.core.distributed import SINGLE, DPGroups, ParallelGroup, unpad_rows
 from plugserve.core.forward_batch import AttnForwardMethod, ForwardBatch, ForwardMode
 from plugserve.core.interfaces import AttentionBackend, Fp8GemmBackend, MoEBackend, MoEWeights
 from plugserve.core.layers.linear import Linear, WeightLoadError
@@ -105,9 +107,10 @@ class Parameters:
         self.config, self.dtype, self.device, self.group = config, dtype, torch.device(device), group
         self.expert_parallel = expert_parallel
 
-    def whole(self) -> Parameters:
-        """The same, with every tensor held whole (one rank's experts under expert parallelism)."""
-        return Parameters(self.config, self.dtype, self.device, SINGLE)
+    def over(self, group: ParallelGroup) -> Parameters:
+        """The same, split over `group` instead: SINGLE holds every tensor whole (one rank's experts under expert
+        parallelism); DP attention's attention splits over its DP group's ranks."""
+        return Parameters(self.config, self.dtype, self.device, group)
 
     def linear(self, in_features: int, *output_sizes: int) -> Linear:
         """Every rank holds the whole layer."""
@@ -181,7 +184,7 @@ class DeepseekMoE(nn.Module):
         held = experts // ranks if p.expert_parallel else experts
         self.first_expert = p.group.rank * held if p.expert_parallel else 0
         self.experts = nn.ModuleList(
-            DenseMLP(p.whole() if p.expert_parallel else p, inter, f"{name}.experts.{e}", reduce_output=False)
+            DenseMLP(p.over(SINGLE) if p.expert_parallel else p, inter, f"{name}.experts.{e}", reduce_output=False)
             for e in range(self.first_expert, self.first_expert + held)
         )
         self.shared_experts = (DenseMLP(p, inter * c.n_shared_experts, f"{name}.shared_experts", reduce_output=False)
@@ -282,8 +285,8 @@ class MLAAttention(nn.Module):
     W_UV applied to the latent-space output.
 
     Under tensor parallelism H below is this rank's heads (num_attention_heads / P); the latent, the rope
-    key and so the KV cache are every head's, the same on every rank. Under DP attention `p` is
-    `Parameters.whole()`: every head, on this rank's own requests.
+    key and so the KV cache are every head's, the same on every rank. Under DP attention `p` is over the DP
+    group's ranks (`DPGroups.attention`): the group's heads split over them, on the group's own requests.
     """
 
     def __init__(self, p: Parameters, layer_id: int) -> None:
@@ -388,14 +391,14 @@ class MLAAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Attention then MLP / MoE. `dp_attention`: the attention whole on this rank's tokens, the MLP over
-    every rank's (module docstring)."""
+    """Attention then MLP / MoE. `dp`: the attention over this rank's DP group's ranks on the group's tokens, the
+    MLP over every group's (module docstring)."""
 
-    def __init__(self, p: Parameters, layer_id: int, dp_attention: bool = False) -> None:
+    def __init__(self, p: Parameters, layer_id: int, dp: DPGroups | None = None) -> None:
         super().__init__()
-        self.group = p.group
+        self.rows = dp.rows if dp is not None else p.group  # the ranks `dp_tokens` counts the rows of
         self.input_layernorm = p.norm(p.config.hidden_size)
-        self.self_attn = MLAAttention(p.whole() if dp_attention else p, layer_id)
+        self.self_attn = MLAAttention(p.over(dp.attention) if dp is not None else p, layer_id)
         self.post_attention_layernorm = p.norm(p.config.hidden_size)
         name = f"model.layers.{layer_id}.mlp"
         self.mlp: DenseMLP | DeepseekMoE = (
@@ -434,10 +437,10 @@ class DecoderLayer(nn.Module):
         counts = batch.dp_tokens
         if counts is None:
             return self.mlp(h), residual
-        # DP attention: the MLP is split over every rank, so it runs on every rank's tokens.
-        gathered = self.group.gather_rows(h, counts)
+        # DP attention: the MLP is split over every rank, so it runs on every group's tokens.
+        gathered = self.rows.gather_rows(h, counts)
         out = self.mlp(gathered, batch.dp_real_rows) if isinstance(self.mlp, DeepseekMoE) else self.mlp(gathered)
-        return self.group.own_rows(out, counts), residual
+        return self.rows.own_rows(out, counts), residual
 
 
 class NextNLayer(nn.Module):
@@ -445,17 +448,17 @@ class NextNLayer(nn.Module):
     i and the embedding of token i + 1, a full decoder layer predicts token i + 2. Checkpoint prefix:
     `model.layers.{num_hidden_layers}`. The embedding and head are the main model's (the checkpoint
     repeats them; the copies are checked for shape and dropped). `eh_proj` is replicated (one small GEMM).
-    `dp_attention`: its decoder layer's attention whole on this rank's tokens, as the model's."""
+    `dp`: its decoder layer's attention on this rank's DP group's tokens, as the model's."""
 
     # The checkpoint's copies of the main model's embedding and head, under the layer's prefix.
     SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
 
-    def __init__(self, p: Parameters, layer_id: int, dp_attention: bool = False) -> None:
+    def __init__(self, p: Parameters, layer_id: int, dp: DPGroups | None = None) -> None:
         super().__init__()
         hidden = p.config.hidden_size
         self.enorm, self.hnorm = p.norm(hidden), p.norm(hidden)
         self.eh_proj = p.linear(2 * hidden, hidden)
-        self.layer = DecoderLayer(p, layer_id, dp_attention)
+        self.layer = DecoderLayer(p, layer_id, dp)
         self.final_norm = p.norm(hidden)
 
     def checkpoint_tensors(self, prefix: str, vocab_size: int) -> dict[str, CheckpointTensor]:
@@ -479,23 +482,24 @@ class NextNLayer(nn.Module):
 class DeepseekForCausalLM(nn.Module):
     """The decoder stack plus lm head. KV-pool layer ids: decoder layers 0..L-1, then the NextN layer.
     `group`: the ranks this model is split over (module docstring); every rank runs every forward on the
-    same inputs, or under `dp_attention` on its own DP group's inputs. `expert_parallel`: the routed experts
+    same inputs, or under DP attention (`dp`) on its own DP group's inputs. `expert_parallel`: the routed experts
     split over `group` whole (module docstring)."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
                  with_nextn: bool = False, group: ParallelGroup = SINGLE, expert_parallel: bool = False,
-                 dp_attention: bool = False) -> None:
+                 dp: DPGroups | None = None) -> None:
         super().__init__()
         p = Parameters(config, dtype, device, group, expert_parallel)
         self.config, self.group = config, group
+        self.rows = dp.rows if dp is not None else group  # the ranks `compute_logits`' `dp_rows` counts the rows of
         vocab = (config.vocab_size, config.hidden_size, dtype, device)
         # Under DP attention each rank embeds its own tokens: the whole table.
-        self.embed_tokens = VocabParallelEmbedding(*vocab, group=SINGLE if dp_attention else group,
+        self.embed_tokens = VocabParallelEmbedding(*vocab, group=SINGLE if dp is not None else group,
                                                    name="model.embed_tokens")
-        self.layers = nn.ModuleList(DecoderLayer(p, i, dp_attention) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(p, i, dp) for i in range(config.num_hidden_layers))
         self.norm = p.norm(config.hidden_size)
         self.lm_head = ParallelLMHead(*vocab, group=group, name="lm_head")
-        self.nextn = NextNLayer(p, config.num_hidden_layers, dp_attention) if with_nextn else None
+        self.nextn = NextNLayer(p, config.num_hidden_layers, dp) if with_nextn else None
         # One rope for every layer: the rope dims and scaling are the model's.
         self.rotary = RotaryEmbedding(config.qk_rope_head_dim, config.rope_theta, config.rope_scaling, device)
         self.backends: ModelBackends | None = None
@@ -589,8 +593,8 @@ class DeepseekForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, dp_rows: Sequence[int] | None = None) -> torch.Tensor:
         """hidden [n, hidden] -> logits [n, vocab] float32, the whole vocabulary on every rank (each rank's
         [n, vocab / P] all-gathered: callers pass only the rows they sample). Under DP attention `dp_rows`
-        gives each rank's n: every rank's rows are gathered first, and the logits are [sum(dp_rows), vocab],
-        rank 0's rows first."""
+        gives each DP group's n: every group's rows are gathered first, and the logits are [sum(dp_rows), vocab],
+        group 0's rows first."""
         if dp_rows is None:
             return self.lm_head(hidden)
-        return unpad_rows(self.lm_head(self.group.gather_rows(hidden, dp_rows)), dp_rows)
+        return unpad_rows(self.lm_head(self.rows.gather_rows(hidden, dp_rows)), dp_rows)

@@ -239,7 +239,7 @@ def test_under_dp_attention_each_rank_holds_the_whole_attention_and_embedding(ch
     directory = checkpoints["v3_fp8"]
     full = load_reference_model(directory)
     rank = 1
-    mine = load_reference_model(directory, group=ParallelGroup(rank, WORLD_SIZE), dp_attention=True)
+    mine = load_reference_model(directory, group=ParallelGroup(rank, WORLD_SIZE), dp_size=WORLD_SIZE)
     assert _same_bits(mine.embed_tokens.weight, full.embed_tokens.weight)
     assert _same_bits(mine.lm_head.weight, _rows(full.lm_head.weight, rank))
     for layer, full_layer in zip(mine.layers, full.layers, strict=True):
@@ -253,8 +253,8 @@ def test_under_dp_attention_each_rank_holds_the_whole_attention_and_embedding(ch
 
 
 # DP attention's steps: (mode, the requests in it, the slice of each prompt an EXTEND computes). Requests 0 and 1
-# are rank 0's, request 2 rank 1's: a prompt over the two ranks' different token counts, an extension over the
-# cached prefix (absorbed MLA), decodes, then a step where rank 1 idles and one where rank 0 does.
+# are DP group 0's, request 2 group 1's: a prompt over the two groups' different token counts, an extension over the
+# cached prefix (absorbed MLA), decodes, then a step where group 1 idles and one where group 0 does.
 DP_OWNER = [0, 0, 1]
 DP_STEPS = [
     (ForwardMode.EXTEND, [0, 1, 2], slice(0, -4)),
@@ -265,12 +265,15 @@ DP_STEPS = [
 ]
 
 
-def _dp_attention_matches_one_process(group: ParallelGroup, runs: list[tuple[Path, bool]]) -> None:
+def _dp_attention_matches_one_process(group: ParallelGroup, runs: list[tuple[Path, bool]], dp_size: int) -> None:
     generator = torch.Generator().manual_seed(2)
+    dp_rank = group.rank // (group.world_size // dp_size)
     for directory, expert_parallel in runs:
         single = PagedRunner(load_reference_model(directory), page_size=4)
         split = PagedRunner(load_reference_model(directory, group=group, expert_parallel=expert_parallel,
-                                                 dp_attention=True), page_size=4)
+                                                 dp_size=dp_size), page_size=4)
+        heads = single.model.config.num_attention_heads
+        assert split.model.layers[0].self_attn.num_heads == heads * dp_size // group.world_size
         prompts = [torch.randint(0, single.model.config.vocab_size, (n,), generator=generator).tolist()
                    for n in (21, 12, 17)]
         single_requests, split_requests = [Request() for _ in prompts], [Request() for _ in prompts]
@@ -278,8 +281,8 @@ def _dp_attention_matches_one_process(group: ParallelGroup, runs: list[tuple[Pat
         for mode, active, part in DP_STEPS:
             new = {i: prompts[i][part] if mode is ForwardMode.EXTEND else [last[i]] for i in active}
             want = single.step(mode, [single_requests[i] for i in active], [new[i] for i in active])
-            mine = [i for i in active if DP_OWNER[i] == group.rank]
-            counts = [sum(len(new[i]) for i in active if DP_OWNER[i] == r) for r in range(WORLD_SIZE)]
+            mine = [i for i in active if DP_OWNER[i] == dp_rank]
+            counts = [sum(len(new[i]) for i in active if DP_OWNER[i] == g) for g in range(dp_size)]
             got = split.step(mode if mine else ForwardMode.IDLE, [split_requests[i] for i in mine],
                              [new[i] for i in mine], dp_tokens=counts)
             torch.testing.assert_close(got, want, rtol=0, atol=TOLERANCE * want.abs().max().item())
@@ -292,4 +295,13 @@ def test_dp2_logits_and_greedy_tokens_match_one_process(checkpoints: dict[str, P
     """Each rank attends over its own requests only (rank 1 idles in one step, rank 0 in another); the MLPs and
     the LM head see both ranks' tokens: the logits are the one-process model's over all requests. The MLPs split
     by width (V3), and by expert (V2-Lite, without q LoRA)."""
-    run_ranks(_dp_attention_matches_one_process, [(checkpoints["v3"], False), (checkpoints["v2_lite"], True)])
+    run_ranks(_dp_attention_matches_one_process, [(checkpoints["v3"], False), (checkpoints["v2_lite"], True)],
+              WORLD_SIZE)
+
+
+def test_dp2_groups_of_two_ranks_match_one_process(checkpoints: dict[str, Path]) -> None:
+    """4 ranks, 2 DP groups of 2: each group's heads split over its ranks (o_proj summed over the group), each
+    group's rows gathered once before the MLPs; the logits are the one-process model's. The MLPs split by width
+    over the 4 ranks (V3), and by expert (V2-Lite)."""
+    run_ranks(_dp_attention_matches_one_process, [(checkpoints["v3"], False), (checkpoints["v2_lite"], True)], 2,
+              world_size=4)
