@@ -97,6 +97,10 @@ def _layouts() -> list[object]:
         for name, flags in [("tp", {}), ("tp-ep", {"ep_size": world}), ("dp", dp), ("dp-ep", dp | {"ep_size": world}),
                             ("tp-nccl", {"disable_custom_all_reduce": True})]:
             layouts.append(pytest.param(world, flags, id=f"{name}{world}", marks=multi_gpu(world)))
+    # Two DP groups of two ranks, each splitting its heads (o_proj summed over the group's NCCL subgroup).
+    groups = {"enable_dp_attention": True, "dp_size": 2}
+    for name, flags in [("dp2-tp4", groups), ("dp2-tp4-ep4", groups | {"ep_size": 4})]:
+        layouts.append(pytest.param(4, flags, id=name, marks=multi_gpu(4)))
     return layouts
 
 
@@ -216,6 +220,8 @@ def _speculative_layouts() -> list[object]:
         for name, flags in [("chains-tp", CHAINS), ("chains-tp-ep", CHAINS | {"ep_size": world}), ("tree-tp", TREE),
                             ("chains-dp", CHAINS | dp), ("tree-dp-ep", TREE | dp | {"ep_size": world})]:
             layouts.append(pytest.param(world, flags, id=f"{name}{world}", marks=multi_gpu(world)))
+    layouts.append(pytest.param(4, TREE | {"enable_dp_attention": True, "dp_size": 2}, id="tree-dp2-tp4",
+                                marks=multi_gpu(4)))
     return layouts
 
 
