@@ -207,14 +207,14 @@ from plugserve.registry import hookimpl
 
 
 class SlowSums(TorchDistributedAllReduce):
-    '''A correct sum of messages up to 8 KiB, then a nap: slower than torch_ref.'''
+    '''A correct sum of messages up to 8 KiB, then a nap: slower than torch_ref, even on a loaded machine.'''
 
     name: ClassVar[str] = "slow_sums"
     capabilities: ClassVar[CommCapabilities] = CommCapabilities(
         dtypes=frozenset({torch.float32}), devices=frozenset({"cpu"}), max_bytes={2: 8 << 10})
 
     def all_reduce(self, x):
-        time.sleep(0.002)
+        time.sleep(0.02)
         return super().all_reduce(x)
 
 
@@ -248,7 +248,7 @@ def test_comm_shootout_ranks_all_reduces_per_world_and_size_and_drops_wrong_sums
     assert set(rows) == {("w2 8 KiB t1 h2048", "torch_ref"), ("w2 8 KiB t1 h2048", "slow_sums"),
                          ("w2 64 KiB t8 h2048", "torch_ref")}
     assert all(r["fraction_of_limit"] is None and r["world"] == 2 and r["timing"] == "wall" for r in rows.values())
-    assert rows["w2 8 KiB t1 h2048", "slow_sums"]["us"] > 2000 and rows["w2 64 KiB t8 h2048", "torch_ref"][
+    assert rows["w2 8 KiB t1 h2048", "slow_sums"]["us"] > 20000 and rows["w2 64 KiB t8 h2048", "torch_ref"][
         "message_bytes"] == 64 << 10
     assert data["ceilings"] == {}  # comm alone measures no ceiling
     assert "| comm | any | w2 8 KiB t1 h2048 | slow_sums |" in (tmp_path / "shootout.md").read_text()
