@@ -12,6 +12,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m compileall -q plugserve  # the bytecode pip writes for a regular install: a first start skips it
 	touch $@
 
 install: $(VENV)/.installed
