@@ -364,8 +364,7 @@ class SpeculativeWorker:
         b, n = tokens.shape
         hidden, _ = self._target(tokens.view(-1), self._step_batch(self._with_tree(batch, parents), n))
         logits = self._logits(hidden, n)
-        rows_group = self.runner.dp.rows if self.runner.dp is not None else self.runner.group
-        trees = self.layout.gather(rows_group, torch.cat([tokens, parents], dim=1))  # every group's
+        trees = self.layout.gather(self.runner.model.rows, torch.cat([tokens, parents], dim=1))  # every group's
         every_tokens, every_parents = trees.split([n, n], dim=1)
         out, path = (None, None) if requests is None else acceptance.verify_tree(
             logits.view(len(requests), n, -1), every_tokens, every_parents, [r.params for r in requests],
