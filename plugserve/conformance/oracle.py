@@ -10,6 +10,9 @@ plugin, `torch_ref` included), so that the kit checks the reference backends too
   itself), exp, sum, divide; lse = max + log(sum).
 - The KV cache's values are what its dtype holds: an fp8 (e4m3) cache's stored value times its per-tensor scale,
   the new tokens quantized as the contract says (`stored_kv`), so a backend is checked on the values it reads.
+  A backend whose decode over it runs 8-bit MMAs (`AttentionBackend.rounds_decode_to_e4m3`) is checked against the
+  query rounded as it declares (`round_query_e4m3`), with room for its probabilities' rounding
+  (`mla_e4m3_probability_slack`).
 - Absorbed MLA written out: q_nope already carries W_UK, so head h scores a cached token j as
   (q_nope[h] . c_kv[j] + q_rope[h] . k_rope[j]) * sm_scale and returns the softmax-weighted sum of c_kv
   (W_UV is applied after the backend); one KV head, the cache row, shared by every query head.
@@ -31,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from plugserve.core.forward_batch import AttnForwardMethod, ForwardBatch
+from plugserve.core.forward_batch import AttnForwardMethod, ForwardBatch, ForwardMode
 from plugserve.core.specs import AttentionSpec, RouterConfig
 
 NEG_INF = float("-inf")
@@ -177,9 +180,20 @@ def mla(
     batch.kv_pool) followed by its new tokens, seen causally, or with `batch.tree` as draft-tree nodes: node i
     sees node j where tree.mask[b, i, j].
     Returns out [T, H, R] and lse [T, H] float64."""
+    outs, lses = [], []
+    for q, k, c_kv, visible in _mla_requests(batch, layer_id, q_nope, q_rope, latent, k_rope):
+        out, lse = attend(q, k, c_kv.unsqueeze(1), visible, sm_scale)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def _mla_requests(batch: ForwardBatch, layer_id: int, q_nope: torch.Tensor, q_rope: torch.Tensor,
+                  latent: torch.Tensor, k_rope: torch.Tensor):
+    """Per request (`mla`): its queries [new, H, R + P], keys [seq_len, 1, R + P] float64, latent values
+    [seq_len, R] float64 and visible [new, seq_len] bool."""
     pool = batch.kv_pool
     cache, r, device = pool.buffer(layer_id), pool.kv_lora_rank, q_nope.device
-    outs, lses = [], []
     start = 0
     for b, (seq_len, new) in enumerate(zip(batch.seq_lens_cpu, batch.extend_lens_cpu, strict=True)):
         rows = slice(start, start + new)
@@ -194,10 +208,45 @@ def mla(
         visible = visible_keys(new, seq_len, True, device)
         if batch.tree is not None:  # the prefix, then the tree's ancestor-or-self mask over the new tokens
             visible[:, seq_len - new :] = batch.tree.mask[b]
-        out, lse = attend(q, k, c_kv.unsqueeze(1), visible, sm_scale)
-        outs.append(out)
-        lses.append(lse)
-    return torch.cat(outs), torch.cat(lses)
+        yield q, k, c_kv, visible
+
+
+def mla_as_declared(batch: ForwardBatch, layer_id: int, q_nope: torch.Tensor, q_rope: torch.Tensor,
+                    latent: torch.Tensor, k_rope: torch.Tensor, sm_scale: float, rounds_decode_to_e4m3: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`mla` (out, lse) for a backend with `AttentionBackend.rounds_decode_to_e4m3` as given, and the room its
+    output needs beyond the dtype's bounds (None: none): a DECODE over an e4m3 cache by such a backend sees the
+    query rounded (`round_query_e4m3`) and its probabilities' rounding (`mla_e4m3_probability_slack`)."""
+    if not (rounds_decode_to_e4m3 and batch.mode is ForwardMode.DECODE and batch.kv_pool.dtype == FP8):
+        return *mla(batch, layer_id, q_nope, q_rope, latent, k_rope, sm_scale), None
+    q_nope, q_rope = round_query_e4m3(q_nope, q_rope)
+    out, lse = mla(batch, layer_id, q_nope, q_rope, latent, k_rope, sm_scale)
+    return out, lse, mla_e4m3_probability_slack(batch, layer_id, q_nope, q_rope, latent, k_rope, sm_scale)
+
+
+def round_query_e4m3(q_nope: torch.Tensor, q_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The absorbed query [T, H, R] and [T, H, P] as a backend that rounds it for 8-bit MMAs declares it does
+    (`AttentionBackend.rounds_decode_to_e4m3`): each head's R + P values divided by s = max |value| / 448 (float32,
+    from the query's own dtype), rounded to e4m3 (nearest, ties to even), times s; float64."""
+    q = torch.cat([q_nope, q_rope], dim=-1).float()
+    scale = q.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30) / FP8_MAX
+    rounded = (q / scale).to(FP8).double() * scale.double()
+    return rounded[..., : q_nope.shape[-1]], rounded[..., q_nope.shape[-1] :]
+
+
+def mla_e4m3_probability_slack(batch: ForwardBatch, layer_id: int, q_nope: torch.Tensor, q_rope: torch.Tensor,
+                               latent: torch.Tensor, k_rope: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """Room [T, H, R] float64 for `mla`'s output when each probability is rounded to e4m3 on its way into the
+    P V product (2^8 times its value against the running max, so at most 256), the row sums not: a probability
+    moves by at most 2^-4 of itself on e4m3's normal range (2^-8 more where it was rounded to 16 bits first), by at
+    most 2^-10 / 2^8 of the row's largest below it (subnormal), so an output element by at most
+    (2^-4 + 2^-8) sum_k p_k |v_k| + 2^-18 sum_k |v_k| over the visible keys."""
+    slacks = []
+    for q, k, c_kv, visible in _mla_requests(batch, layer_id, q_nope, q_rope, latent, k_rope):
+        weighted, _ = attend(q, k, c_kv.abs().unsqueeze(1), visible, sm_scale)  # sum_k p_k |v_k|
+        flat = visible.double() @ c_kv.abs()  # [new, R]: sum_k |v_k|
+        slacks.append((2**-4 + 2**-8) * weighted + 2**-18 * flat.unsqueeze(1))
+    return torch.cat(slacks)
 
 
 def merge_attn_states(

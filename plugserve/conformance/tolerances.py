@@ -12,11 +12,14 @@ stored e4m3 value times the pool's scale, `oracle.stored_kv`), the very values a
 the comparison. What a backend adds is its upcast, exact (every e4m3 value is a float16, bfloat16 and float32
 value), and the scale applied in float32 to scores and outputs, one rounding of 2^-24: far below every bound here.
 Bounds that admitted e4m3's 2^-4 would hide a kernel that misreads the cache by as much; the cost of the
-quantization itself is measured on the model's perplexity instead (docs/kernels.md).
+quantization itself is measured on the model's perplexity instead (docs/kernels.md). A decode that itself computes
+in e4m3 (`AttentionBackend.rounds_decode_to_e4m3`) is compared with the oracle over the query rounded as it
+declares, and gets its probabilities' rounding as per-element slack (`oracle.mla_e4m3_probability_slack`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +53,9 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
                  atol: float | None = None, slack: torch.Tensor | None = None) -> None:
     """Raise AssertionError naming `what`, the worst element and the cosine when `actual` is off. `atol`:
     at least this times max |reference| (W8A8_MOE_ATOL), where the dtype's own is tighter. `slack` (expected's
-    shape): more room per element, the oracle's own (oracle.moe_with_rounding_slack)."""
+    shape): more room per element, the oracle's own (oracle.moe_with_rounding_slack, mla_e4m3_probability_slack);
+    the cosine floor then admits an error as large as all of it, sqrt(1 - (|slack| / |reference|)^2), where that
+    is lower than the dtype's."""
     tol = TOLERANCES[dtype]
     if atol is not None and atol > tol.atol:
         tol = Tolerance(atol, tol.rtol, tol.min_cosine, tol.lse_atol)
@@ -65,7 +70,10 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     err = (a - e).abs()
     bound = tol.atol * scale + tol.rtol * e.abs() + (0.0 if slack is None else slack.double())
     cosine = torch.nn.functional.cosine_similarity(a.flatten(), e.flatten(), dim=0).item() if scale > 0 else 1.0
-    if bool((err > bound).any()) or cosine < tol.min_cosine:
+    floor = tol.min_cosine
+    if slack is not None and scale > 0:
+        floor = min(floor, math.sqrt(max(0.0, 1 - (slack.double().norm() / e.norm()).item() ** 2)))
+    if bool((err > bound).any()) or cosine < floor:
         worst = int(torch.argmax(err - bound))
         index = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), a.shape))
         raise AssertionError(
@@ -74,7 +82,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
             f"bound {tol.atol:g} x max|ref| {scale:.3g} + {tol.rtol:g} x |ref|"
             + ("" if slack is None else f" + rounding slack {slack.flatten()[worst].item():.3g}")
             + f"), cosine {cosine:.6f} "
-            f"(floor {tol.min_cosine})"
+            f"(floor {floor:.6g})"
         )
 
 

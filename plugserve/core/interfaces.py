@@ -124,14 +124,13 @@ class Capabilities:
 
 @dataclass(frozen=True)
 class AttentionCapabilities(Capabilities):
-    """`methods`: which of MHA / MHA_CHUNKED_KV / MLA it implements; `mla_modes`: the forward modes
-    `forward_mla` accepts. A set of None accepts any value. `page_sizes` with one value forces the
-    KV pool's page size when the backend decodes. `graph_modes`: the modes whose forward_mla (and
-    set_kv) run inside CUDA graphs, with `init_cuda_graph` / `plan_capture` / `plan_replay`. `tree_verify`:
-    forward_mla applies a TARGET_VERIFY batch's draft-tree mask (`ForwardBatch.tree`); speculative decoding
-    with topk > 1 needs it. `graph_plan_on_device`: its `plan_replay` only runs device ops on the batch's static
-    tensors (and host values fixed per mode and batch size), so the graph runner records it into the graph after
-    the capture's plan and a replay needs no host call to it."""
+    """`methods`: which of MHA / MHA_CHUNKED_KV / MLA it implements; `mla_modes`: the forward modes `forward_mla`
+    accepts. A set of None accepts any value. `page_sizes` with one value forces the KV pool's page size when the
+    backend decodes. `graph_modes`: the modes whose forward_mla (and set_kv) run inside CUDA graphs, with
+    `init_cuda_graph` / `plan_capture` / `plan_replay`. `tree_verify`: forward_mla applies a TARGET_VERIFY batch's
+    draft-tree mask (`ForwardBatch.tree`); speculative decoding with topk > 1 needs it. `graph_plan_on_device`: its
+    `plan_replay` only runs device ops on the batch's static tensors (and host values fixed per mode and batch size), so
+    the graph runner records it into the graph after the capture's plan and a replay needs no host call to it."""
 
     methods: frozenset[AttnForwardMethod] = frozenset(AttnForwardMethod)
     mla_modes: frozenset[ForwardMode] = frozenset(
@@ -322,18 +321,20 @@ class AttentionBackend(Backend):
     Causality is bottom-right aligned: new token i of a request with q_len new tokens and kv_len
     visible keys sees keys [0, kv_len - q_len + i].
 
-    A backend implements the methods its `capabilities.methods` declare (MLA: forward_mla; MHA:
-    forward_mha; MHA_CHUNKED_KV: forward_mha with prefix chunks and merge_attn_states); the registry
-    refuses a class that declares one it does not implement. The others raise.
+    A backend implements the methods its `capabilities.methods` declare (MLA: forward_mla; MHA: forward_mha;
+    MHA_CHUNKED_KV: forward_mha with prefix chunks and merge_attn_states); the registry refuses a class that declares
+    one it does not implement. The others raise.
 
-    Under the default `set_kv` (pool rows stored as they are) the model's absorbed MLA path does not call it:
-    it writes the pool in one fused op with the latent's norm, the rope and W_UK's absorption
-    (`SmallOps.mla_prepare`).
+    Under the default `set_kv` (pool rows stored as they are) the model's absorbed MLA path does not call it: it
+    writes the pool in one fused op with the latent's norm, the rope and W_UK's absorption (`SmallOps.mla_prepare`).
     A backend that overrides `set_kv` (its own cache layout) is called with the normed latent and rotated key.
     """
 
     kind: ClassVar[Kind] = "attention"
     capabilities: ClassVar[AttentionCapabilities]
+    # Set per instance: its DECODE over an e4m3 cache rounds each head's query to e4m3 (scale max|q| / 448) and its
+    # probabilities too (8-bit MMAs); the kit's oracle rounds the query alike and admits the probabilities' rounding.
+    rounds_decode_to_e4m3: bool = False
     spec: AttentionSpec
     batch: ForwardBatch
 

@@ -122,6 +122,73 @@ def test_mla_is_attention_over_the_decompressed_paged_cache():
         start += new
 
 
+def test_the_query_rounded_to_e4m3_per_head():
+    """Each head's largest magnitude lands on 448 s exactly (s = that magnitude / 448 in float32), every value on
+    e4m3's grid times s, within 2^-4 of itself where it is normal (e4m3's 3-bit mantissa)."""
+    torch.manual_seed(0)
+    q_nope, q_rope = torch.randn(3, 4, 16, dtype=torch.bfloat16) * 5, torch.randn(3, 4, 8, dtype=torch.bfloat16)
+    q_nope[1, 2] = 0  # an all-zero head (but its rope part) stays finite
+    nope, rope = oracle.round_query_e4m3(q_nope, q_rope)
+    q, rounded = torch.cat([q_nope, q_rope], -1).double(), torch.cat([nope, rope], -1)
+    scale = (q.float().abs().amax(-1, keepdim=True) / 448).double()  # float32, as the backends compute it
+    assert torch.equal(rounded.abs().amax(-1, keepdim=True), 448 * scale)
+    steps = rounded / scale
+    assert torch.equal(steps.to(torch.float8_e4m3fn).double(), steps)
+    normal = (q / scale).abs() >= 2**-6
+    assert ((rounded - q).abs()[normal] <= 2**-4 * q.abs()[normal] + 1e-12).all()
+
+
+def _e4m3_decode(batch: ForwardBatch, q_nope: torch.Tensor, q_rope: torch.Tensor, scale: float,
+                 dropped_keys: slice = slice(0)) -> torch.Tensor:
+    """What an 8-bit MLA decode computes, written apart from the oracle: the query rounded per head, each
+    probability 2^8 times its value against the row max rounded to e4m3 before P V (the sum not), over 64-key blocks;
+    `dropped_keys` of every block left out of P V (a wgmma's lost k-step)."""
+    pool, r, outs = batch.kv_pool, batch.kv_pool.kv_lora_rank, []
+    for b, seq_len in enumerate(batch.seq_lens_cpu):
+        pos = torch.arange(seq_len)
+        rows = pool.buffer(1)[batch.block_table[b, pos // pool.page_size].long() * pool.page_size
+                              + pos % pool.page_size].double() * pool.scale
+        q = torch.cat([q_nope[b], q_rope[b]], -1).float()  # [H, R + P]
+        s = q.abs().amax(-1, keepdim=True) / 448
+        q = (q / s).to(torch.float8_e4m3fn).double() * s.double()
+        scores = q @ rows.T * scale
+        p = (scores - scores.amax(-1, keepdim=True)).exp()
+        p_rounded = (p * 256).to(torch.float8_e4m3fn).double() / 256
+        for start in range(0, seq_len, 64):
+            p_rounded[:, start:start + 64][:, dropped_keys] = 0
+        outs.append(p_rounded @ rows[:, :r] / p.sum(-1, keepdim=True))
+    return torch.stack(outs)
+
+
+def test_the_e4m3_slack_admits_rounded_probabilities_and_catches_a_lost_k_step():
+    """A decode over an e4m3 cache that rounds its query and probabilities as `rounds_decode_to_e4m3` declares
+    lands within the bf16 bounds plus `mla_e4m3_probability_slack` of `mla_as_declared`; one that leaves keys 32-63
+    of each 64-key block out of P V (one of two k-steps of an 8-bit wgmma) does not. Without the declaration the
+    oracle is `mla`'s."""
+    from plugserve.conformance.batches import random_batch
+    from plugserve.conformance.tolerances import assert_close
+    from plugserve.core.specs import AttentionSpec
+
+    torch.manual_seed(0)
+    spec = AttentionSpec(num_heads=8, dtype=torch.bfloat16, page_size=16, kv_cache_dtype=torch.float8_e4m3fn)
+    batch = random_batch(ForwardMode.DECODE, [40, 130, 64], [1, 1, 1], spec, torch.device("cpu"), kv_scale=0.5)
+    q_nope, q_rope = torch.randn(3, 8, 512, dtype=torch.bfloat16), torch.randn(3, 8, 64, dtype=torch.bfloat16)
+    new = torch.zeros(3, 576, dtype=torch.bfloat16)  # the new tokens' rows, already in the cache: read back
+    for b, slot in enumerate(batch.out_cache_loc.tolist()):
+        new[b] = (batch.kv_pool.buffer(1)[slot].double() * batch.kv_pool.scale).to(torch.bfloat16)
+    scale = oracle.softmax_scale(spec)
+    expected, _, slack = oracle.mla_as_declared(batch, 1, q_nope, q_rope, new[:, :512], new[:, 512:], scale, True)
+    assert slack is not None
+    out = _e4m3_decode(batch, q_nope, q_rope, scale)
+    assert_close(out, expected, torch.bfloat16, "e4m3 decode", slack=slack)
+    plain, _, none = oracle.mla_as_declared(batch, 1, q_nope, q_rope, new[:, :512], new[:, 512:], scale, False)
+    assert none is None and torch.equal(plain, oracle.mla(batch, 1, q_nope, q_rope, new[:, :512], new[:, 512:],
+                                                          scale)[0])
+    with pytest.raises(AssertionError):
+        assert_close(_e4m3_decode(batch, q_nope, q_rope, scale, slice(32, 64)), expected, torch.bfloat16,
+                     "a lost k-step", slack=slack)
+
+
 def test_merge_is_attention_over_the_union():
     torch.manual_seed(0)
     q, k, v = torch.randn(4, 2, 8), torch.randn(9, 2, 8), torch.randn(9, 2, 5)

@@ -27,6 +27,18 @@ the pool times a zero probability must not be NaN).
 Every shared buffer a loop reads is indexed by `_opaque_zero` (plus 0 or 1): with constant indices the compiler
 hoists the loop's wgmma descriptors (two registers each) out of it and spills them, and every wgmma then waits for
 a local-memory load (docs/kernels.md has the profile).
+
+An e4m3 pool (FP8: `--kv-cache-dtype fp8_e4m3`) runs both products as 8-bit wgmmas, at twice the 16-bit rate
+(`AttentionBackend.rounds_decode_to_e4m3`: the kit's oracle rounds the query alike and bounds the rest):
+- the query is rounded to e4m3 here, with one scale per head (its largest magnitude over the 576 dims / 448); with
+  the pool's scale and the softmax scale that makes each head's score scale;
+- probabilities are e4m3 too, 2^8 times too large (exp2(s - m + 8), at most 256, so that small ones keep their
+  3-bit mantissa instead of flushing to zero), and the row sums with them, so that the output is unchanged;
+- the query's rope part and every probability block are A operands in shared memory, not registers;
+- an 8-bit wgmma reads its B operand K-major only, so the latent block [64 keys, 256] that P V multiplies is
+  transposed in shared memory into [256, 64 keys] (`_transpose`): each warpgroup its own half of both blocks of a
+  pair, while its score wgmma runs, while its P V runs, or (warpgroup 1) while it waits for the other's softmax.
+Shared memory: 36 KB of query, the stages' 72 KB, 64 KB of transposed halves and 12 KB of probabilities.
 """
 
 from __future__ import annotations
@@ -48,15 +60,37 @@ from plugserve.plugins.gluon_support import tma_load
 BLOCK_H = gl.constexpr(64)  # heads a program: one warpgroup's wgmma M
 BLOCK_N = gl.constexpr(64)  # keys a block: one warpgroup's score wgmma N
 WORKER_REGS = gl.constexpr(256)  # warpgroup 1's registers: with warpgroup 0 at 256 too, the whole register file
-# One warpgroup's layouts: scores [64, 64], its output half [64, 256] (DeepSeek's latent, `mla_gluon_fits`),
-# probabilities and the rope query as wgmma A operands from registers, and a blocked layout for global loads.
-S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
-O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16]))
-P_OPERAND = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT.value, k_width=2))
-Q_OPERAND = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=S_LAYOUT.value, k_width=2))
-IO_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
-ROW_S = gl.constexpr(gl.SliceLayout(1, S_LAYOUT.value))
-ROW_O = gl.constexpr(gl.SliceLayout(1, O_LAYOUT.value))
+IO_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))  # global loads
+# A [64 keys, 128] chunk of an e4m3 latent block as `_transpose` holds it: a thread has 16 dims (one 16-byte shared
+# load) of 4 keys, a warp's lanes 16 key groups side by side, so that its stores fill whole 64-key rows of the
+# transposed buffer (with a thread's dims side by side across lanes, as a blocked layout has them, 8 of a warp's
+# stores met in each bank: docs/kernels.md).
+T_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [1, 0], [2, 0]],
+    lane_bases=[[4, 0], [8, 0], [16, 0], [32, 0], [0, 16]],
+    warp_bases=[[0, 32], [0, 64]], block_bases=[], shape=[64, 128]))
+E4M3_MAX = gl.constexpr(448.0)
+P_SHIFT8 = gl.constexpr(8.0)  # e4m3 probabilities are exp2(s - m + P_SHIFT8)
+
+
+@gluon.constexpr_function
+def _mma_layout(n, fp8):
+    """One warpgroup's wgmma accumulator [64, n]: its scores (n = 64) or its output half (n = 256, DeepSeek's latent,
+    `mla_gluon_fits`). An 8-bit wgmma instruction takes k 32 at a time, a 16-bit one 16."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 32 if fp8 else 16])
+
+
+@gluon.constexpr_function
+def _a_operand(n, fp8):
+    """A 16-bit wgmma A operand in registers (probabilities, the rope query) whose accumulator is [64, n]. (8-bit A
+    operands are read from shared memory.)"""
+    return gl.DotOperandLayout(operand_index=0, parent=_mma_layout(n, fp8), k_width=2)
+
+
+@gluon.constexpr_function
+def _rows_of(n, fp8):
+    """The per-head vectors [64] beside a [64, n] accumulator."""
+    return gl.SliceLayout(1, _mma_layout(n, fp8))
 
 
 @gluon.jit
@@ -83,50 +117,72 @@ def _fill_part(desc, kv_ptr, dst, ready, block_table_row, stride_kv, b, last, fu
 @gluon.jit
 def _fill_partial(kv_ptr, dst, ready, block_table_row, stride_kv, b, kv_len, col0, COLS: gl.constexpr,
                   PAGE_SIZE: gl.constexpr):
-    """`_fill_part` for the sequence's partial last block b: masked loads of 64 columns at a time, zeros past kv_len.
+    """`_fill_part` for the sequence's partial last block b: masked loads of 128 bytes a row at a time, zeros past
+    kv_len.
     (Inlined: as a noinline function its thread barrier lowers to the whole CTA's, which a warp-specialized
     partition must not wait on.)"""
     n = b * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, IO_LAYOUT))
     valid = n < kv_len
     page = gl.load(block_table_row + n // PAGE_SIZE, mask=valid, other=0).to(gl.int64)
     rows = kv_ptr + (page * PAGE_SIZE + n % PAGE_SIZE)[:, None] * stride_kv
-    for c in gl.static_range(COLS // 64):
-        cols = col0 + c * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, IO_LAYOUT))
-        dst.slice(c * 64, 64, dim=1).store(gl.load(rows + cols[None, :], mask=valid[:, None], other=0.0))
+    CHUNK: gl.constexpr = min(COLS, 1024 // dst.dtype.primitive_bitwidth)  # 128 bytes: one swizzle row
+    for c in gl.static_range(COLS // CHUNK):
+        cols = col0 + c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, IO_LAYOUT))
+        dst.slice(c * CHUNK, CHUNK, dim=1).store(gl.load(rows + cols[None, :], mask=valid[:, None], other=0.0))
     fence_async_shared()
     gl.thread_barrier()
     mbarrier.arrive(ready, count=1)
 
 
 @gluon.jit
-def _rope_query(q_rope_ptr, t, head_block, num_heads, stride_qr_t, stride_qr_h, P: gl.constexpr):
-    """The head block's rope query [64, P] as a wgmma A operand in registers. Loaded in the scores' layout, whose
-    conversion to the operand's stays in registers (from a blocked layout it would take 8 KB of shared memory in each
-    warpgroup, which the stages leave no room for)."""
-    heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_S)
-    return gl.convert_layout(_load_rows(q_rope_ptr + t * stride_qr_t, heads, stride_qr_h, heads < num_heads, P,
-                                        S_LAYOUT), Q_OPERAND)
+def _rope_query(q_rope_ptr, q_rope_s, t, head_block, num_heads, stride_qr_t, stride_qr_h, P: gl.constexpr,
+                FP8: gl.constexpr):
+    """The head block's rope query [64, P] as a wgmma A operand: in registers (16-bit; loaded in the scores' layout,
+    whose conversion to the operand's stays in registers: from a blocked layout it would take 8 KB of shared memory
+    in each warpgroup, which the stages leave no room for), or (FP8) q_rope_s, where the kernel stored it in e4m3."""
+    if FP8:
+        operand = q_rope_s
+    else:
+        heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=_rows_of(BLOCK_N, FP8))
+        operand = gl.convert_layout(_load_rows(q_rope_ptr + t * stride_qr_t, heads, stride_qr_h, heads < num_heads, P,
+                                               _mma_layout(BLOCK_N, FP8)), _a_operand(BLOCK_N, FP8))
+    return operand
 
 
 @gluon.jit
-def _scores(q_lo, q_hi, q_rope, kv_lo, kv_hi, kv_rope, lo_ready, hi_ready, phase):
+def _scores(q_lo, q_hi, q_rope, kv_lo, kv_hi, kv_rope, lo_ready, hi_ready, phase, own, own_t, FP8: gl.constexpr):
     """Raw scores [64, 64] float32 of the block in a stage (kv_lo, kv_hi, kv_rope: its parts), each part's wgmma
-    issued once its TMA barrier (phase) says it has landed."""
+    issued once its TMA barrier (phase) says it has landed. FP8: while they run, this warpgroup's latent half of the
+    block (`own`, kv_lo or kv_hi) is transposed into `own_t` for its P V."""
     mbarrier.wait(lo_ready, phase)
-    scores = warpgroup_mma(q_lo, kv_lo.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_LAYOUT),
+    scores = warpgroup_mma(q_lo, kv_lo.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_N], gl.float32,
+                                                                 _mma_layout(BLOCK_N, FP8)),
                            use_acc=False, is_async=True)
     mbarrier.wait(hi_ready, phase)
     scores = warpgroup_mma(q_hi, kv_hi.permute((1, 0)), scores, is_async=True)
     scores = warpgroup_mma(q_rope, kv_rope.permute((1, 0)), scores, is_async=True)
+    if FP8:
+        _transpose(own, own_t)
     return warpgroup_mma_wait(num_outstanding=0, deps=(scores,))
 
 
 @gluon.jit
-def _scaled(scores, b, full, kv_len, qk_scale):
-    """Scores in base 2 (times qk_scale), keys past kv_len at -inf (only in the last block, b >= full)."""
+def _transpose(src, dst):
+    """dst [C, 64] = src [64, C]^T (e4m3, C a multiple of 128), in [64, 128] chunks through registers: an 8-bit
+    wgmma's B operand must be K-major, and a latent block lands key-major. The caller fences before a wgmma reads
+    dst."""
+    for c in gl.static_range(src.shape[1] // 128):
+        chunk = src.slice(c * 128, 128, dim=1).load(T_LAYOUT)
+        dst.slice(c * 128, 128, dim=0).store(gl.permute(chunk, (1, 0)))
+
+
+@gluon.jit
+def _scaled(scores, b, full, kv_len, qk_scale, FP8: gl.constexpr):
+    """Scores in base 2 (times qk_scale: a scalar, or [64, 1] per head), keys past kv_len at -inf (only in the last
+    block, b >= full)."""
     scores = scores * qk_scale
     if b >= full:
-        keys = b * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
+        keys = b * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, _mma_layout(BLOCK_N, FP8)))
         scores = gl.where((keys < kv_len)[None, :], scores, float("-inf"))
     return scores
 
@@ -147,12 +203,37 @@ def _opaque_zero(j):
 
 
 @gluon.jit
-def _warpgroup0(q, kv_lo, kv_hi, kv_rope, p_smem, s_max, s_scale1, s_l, bars, latent_desc, kv_ptr,
-                q_rope_ptr, out_ptr, lse_ptr, block_table_row, stride_kv, t, head_block, split, num_heads, stride_qr_t,
-                stride_qr_h, stride_o_t, stride_o_h, stride_o_s, stride_lse_t, stride_lse_h, first, last, full, kv_len,
-                qk_scale, R: gl.constexpr, P: gl.constexpr, PAGE_SIZE: gl.constexpr, SPLIT: gl.constexpr):
-    """Blocks first, first + 2, ...: their scores and softmax, and the output's low latent half over every block."""
-    q_rope = _rope_query(q_rope_ptr, t, head_block, num_heads, stride_qr_t, stride_qr_h, P)
+def _v_operand(v, FP8: gl.constexpr):
+    """A P V wgmma's B operand [64 keys, 256] from a latent half's buffer: the stage's own (16-bit), or its
+    transposed copy [256, 64 keys] (FP8)."""
+    if FP8:
+        v = v.permute((1, 0))
+    return v
+
+
+@gluon.jit
+def _score_scale(s_qscale, qk_scale, FP8: gl.constexpr):
+    """What raw scores are multiplied by: qk_scale, or (FP8) qk_scale times each head's query scale, [64, 1]."""
+    if FP8:
+        qk_scale = (s_qscale.load(_rows_of(BLOCK_N, FP8)) * qk_scale)[:, None]
+    return qk_scale
+
+
+@gluon.jit
+def _warpgroup0(q, q_rope_s, kv_lo, kv_hi, kv_rope, v_lo, p_smem, p_own, s_max, s_scale1, s_l, s_qscale, bars,
+                latent_desc, kv_ptr, q_rope_ptr, out_ptr, lse_ptr, block_table_row, stride_kv, t, head_block, split,
+                num_heads, stride_qr_t, stride_qr_h, stride_o_t, stride_o_h, stride_o_s, stride_lse_t, stride_lse_h,
+                first, last, full, kv_len, qk_scale, kv_scale, R: gl.constexpr, P: gl.constexpr,
+                PAGE_SIZE: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr):
+    """Blocks first, first + 2, ...: their scores and softmax, and the output's low latent half over every block.
+    v_lo: the low halves' P V operands (`_v_operand`); p_own (FP8): P0 in e4m3 for this warpgroup's own wgmma."""
+    P16: gl.constexpr = gl.bfloat16 if FP8 else p_smem.dtype
+    ROW_S: gl.constexpr = _rows_of(BLOCK_N, FP8)
+    ROW_O: gl.constexpr = _rows_of(R // 2, FP8)
+    O_LAYOUT: gl.constexpr = _mma_layout(R // 2, FP8)
+    P_OPERAND: gl.constexpr = _a_operand(R // 2, FP8)
+    q_rope = _rope_query(q_rope_ptr, q_rope_s, t, head_block, num_heads, stride_qr_t, stride_qr_h, P, FP8)
+    score_scale = _score_scale(s_qscale, qk_scale, FP8)
     lo_ready, hi_ready = bars.index(0), bars.index(2)
     scale0_ready, scale1_ready, p0_ready, p1_ready = bars.index(4), bars.index(5), bars.index(6), bars.index(7)
     l1_ready, l_ready = bars.index(8), bars.index(9)
@@ -160,16 +241,16 @@ def _warpgroup0(q, kv_lo, kv_hi, kv_rope, p_smem, s_max, s_scale1, s_l, bars, la
     acc = gl.zeros([BLOCK_H, R // 2], gl.float32, O_LAYOUT)
     denom = gl.zeros([BLOCK_H], gl.float32, ROW_S)
     scores = _scores(q.index(0), q.index(1), q_rope, kv_lo.index(0), kv_hi.index(0), kv_rope.index(0), lo_ready,
-                     hi_ready, 0)
+                     hi_ready, 0, kv_lo.index(0), v_lo.index(0), FP8)
     for j in range(gl.cdiv(last - first, 2)):
         z = _opaque_zero(j)
         b = first + 2 * j
         second = b + 1 < last
-        s = _scaled(scores, b, full, kv_len, qk_scale)
+        s = _scaled(scores, b, full, kv_len, score_scale, FP8)
         m_old = s_max.load(ROW_S)
         m0 = gl.maximum(m_old, gl.max(s, 1))
         scale0 = gl.exp2(m_old - m0)
-        probs = gl.exp2(s - m0[:, None])
+        probs = gl.exp2(s - (m0 - P_SHIFT8 if FP8 else m0)[:, None])
         denom = denom * scale0 + gl.sum(probs, 1)
         gl.thread_barrier()  # every thread has read sM before it changes
         s_max.store(m0)
@@ -177,8 +258,17 @@ def _warpgroup0(q, kv_lo, kv_hi, kv_rope, p_smem, s_max, s_scale1, s_l, bars, la
         acc = acc * gl.convert_layout(scale0, ROW_O)[:, None]
         # Only the 16-bit probabilities stay live (register room): P0 for warpgroup 1 is rounded twice, once here
         # and once after it moves to the pair's max (exactly once where that max is this block's).
-        p0 = probs.to(p_smem.dtype)
-        acc = warpgroup_mma(gl.convert_layout(p0, P_OPERAND), kv_lo.index(z), acc, is_async=True)
+        p0 = probs.to(P16)
+        if FP8:
+            p_own.store(p0.to(p_smem.dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            acc = warpgroup_mma(p_own, _v_operand(v_lo.index(z), FP8), acc, is_async=True)
+            if second:  # block b + 1's low half, while the wgmma runs: landed when warpgroup 1 scored it
+                mbarrier.wait(bars.index(1), j & 1)
+                _transpose(kv_lo.index(z + 1), v_lo.index(z + 1))
+        else:
+            acc = warpgroup_mma(gl.convert_layout(p0, P_OPERAND), kv_lo.index(z), acc, is_async=True)
         mbarrier.wait(scale1_ready, j & 1)
         scale1 = s_scale1.load(ROW_S)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -192,13 +282,13 @@ def _warpgroup0(q, kv_lo, kv_hi, kv_rope, p_smem, s_max, s_scale1, s_l, bars, la
         acc = acc * gl.convert_layout(scale1, ROW_O)[:, None]
         if second:
             mbarrier.wait(p1_ready, j & 1)
-            acc = warpgroup_mma(p_smem.index(z + 1), kv_lo.index(z + 1), acc, is_async=True)
+            acc = warpgroup_mma(p_smem.index(z + 1), _v_operand(v_lo.index(z + 1), FP8), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             _fill_part(latent_desc, kv_ptr, kv_lo.index(z + 1), bars.index(1), block_table_row, stride_kv, b + 3, last,
                        full, kv_len, 0, R // 2, PAGE_SIZE)
         if b + 2 < last:
             scores = _scores(q.index(z), q.index(z + 1), q_rope, kv_lo.index(z), kv_hi.index(z), kv_rope.index(z),
-                             lo_ready, hi_ready, (j + 1) & 1)
+                             lo_ready, hi_ready, (j + 1) & 1, kv_lo.index(z), v_lo.index(z), FP8)
 
     # Both halves' sums at the pair's final max: warpgroup 1's is added here, and the total goes back to it.
     mbarrier.wait(l1_ready, 0)
@@ -207,21 +297,27 @@ def _warpgroup0(q, kv_lo, kv_hi, kv_rope, p_smem, s_max, s_scale1, s_l, bars, la
     gl.thread_barrier()
     s_l.store(denom)
     _signal(l_ready)
-    _store_half(acc, denom, out_ptr, t, head_block, split, num_heads, stride_o_t, stride_o_h, stride_o_s, 0, R)
+    _store_half(acc, denom, out_ptr, t, head_block, split, num_heads, stride_o_t, stride_o_h, stride_o_s, 0, kv_scale,
+                R, FP8)
     if SPLIT:
         lse_heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_S)
-        gl.store(lse_ptr + t * stride_lse_t + lse_heads * stride_lse_h + split, m + gl.log2(denom),
-                 mask=lse_heads < num_heads)
+        lse = m + gl.log2(denom) - P_SHIFT8 if FP8 else m + gl.log2(denom)
+        gl.store(lse_ptr + t * stride_lse_t + lse_heads * stride_lse_h + split, lse, mask=lse_heads < num_heads)
 
 
 @gluon.jit
-def _warpgroup1(q, kv_lo, kv_hi, kv_rope, p_smem, s_max, s_scale1, s_l, bars, latent_desc, rope_desc,
-                kv_ptr, q_rope_ptr, out_ptr, block_table_row, stride_kv, t, head_block, split, num_heads, stride_qr_t,
-                stride_qr_h, stride_o_t, stride_o_h, stride_o_s, first, last, full, kv_len, qk_scale, R: gl.constexpr,
-                P: gl.constexpr, PAGE_SIZE: gl.constexpr):
+def _warpgroup1(q, q_rope_s, kv_lo, kv_hi, kv_rope, v_hi, p_smem, s_max, s_scale1, s_l, s_qscale, bars, latent_desc,
+                rope_desc, kv_ptr, q_rope_ptr, out_ptr, block_table_row, stride_kv, t, head_block, split, num_heads,
+                stride_qr_t, stride_qr_h, stride_o_t, stride_o_h, stride_o_s, first, last, full, kv_len, qk_scale,
+                kv_scale, R: gl.constexpr, P: gl.constexpr, PAGE_SIZE: gl.constexpr, FP8: gl.constexpr):
     """Blocks first + 1, first + 3, ...: their scores and softmax, and the output's high latent half over every
-    block."""
-    q_rope = _rope_query(q_rope_ptr, t, head_block, num_heads, stride_qr_t, stride_qr_h, P)
+    block. v_hi: the high halves' P V operands (`_v_operand`)."""
+    ROW_S: gl.constexpr = _rows_of(BLOCK_N, FP8)
+    ROW_O: gl.constexpr = _rows_of(R // 2, FP8)
+    O_LAYOUT: gl.constexpr = _mma_layout(R // 2, FP8)
+    P_OPERAND: gl.constexpr = _a_operand(R // 2, FP8)
+    q_rope = _rope_query(q_rope_ptr, q_rope_s, t, head_block, num_heads, stride_qr_t, stride_qr_h, P, FP8)
+    score_scale = _score_scale(s_qscale, qk_scale, FP8)
     lo_ready, hi_ready = bars.index(1), bars.index(3)
     scale0_ready, scale1_ready, p0_ready, p1_ready = bars.index(4), bars.index(5), bars.index(6), bars.index(7)
     l1_ready, l_ready = bars.index(8), bars.index(9)
@@ -229,31 +325,51 @@ def _warpgroup1(q, kv_lo, kv_hi, kv_rope, p_smem, s_max, s_scale1, s_l, bars, la
     acc = gl.zeros([BLOCK_H, R // 2], gl.float32, O_LAYOUT)
     denom = gl.zeros([BLOCK_H], gl.float32, ROW_S)
     m_prev = gl.full([BLOCK_H], float("-inf"), gl.float32, ROW_S)
-    scores = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_LAYOUT)
+    scores = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, _mma_layout(BLOCK_N, FP8))
     if first + 1 < last:
         scores = _scores(q.index(0), q.index(1), q_rope, kv_lo.index(1), kv_hi.index(1), kv_rope.index(1), lo_ready,
-                         hi_ready, 0)
+                         hi_ready, 0, kv_hi.index(1), v_hi.index(1), FP8)
     for j in range(gl.cdiv(last - first, 2)):
         z = _opaque_zero(j)
         b = first + 2 * j
         second = b + 1 < last
+        if FP8:  # block b's high half, while warpgroup 0 runs its softmax
+            mbarrier.wait(bars.index(2), j & 1)
+            _transpose(kv_hi.index(z), v_hi.index(z))
         mbarrier.wait(scale0_ready, j & 1)
         m0 = s_max.load(ROW_S)
         if second:
-            s = _scaled(scores, b + 1, full, kv_len, qk_scale)
+            s = _scaled(scores, b + 1, full, kv_len, score_scale, FP8)
         else:
-            s = gl.full([BLOCK_H, BLOCK_N], float("-inf"), gl.float32, S_LAYOUT)
+            s = gl.full([BLOCK_H, BLOCK_N], float("-inf"), gl.float32, _mma_layout(BLOCK_N, FP8))
         m1 = gl.maximum(m0, gl.max(s, 1))
         gl.thread_barrier()  # every thread has read sM before it changes
         s_max.store(m1)
         s_scale1.store(gl.exp2(m0 - m1))
         _signal(scale1_ready)
-        probs = gl.exp2(s - m1[:, None])
+        probs = gl.exp2(s - (m1 - P_SHIFT8 if FP8 else m1)[:, None])
         factor = gl.exp2(m_prev - m1)
         denom = denom * factor + gl.sum(probs, 1)
         acc = acc * gl.convert_layout(factor, ROW_O)[:, None]
         m_prev = m1
-        if second:
+        if FP8:
+            # P0's wgmma is issued at one place for both cases: with a copy in each branch, ptxas (triton 3.6's) read
+            # the second k-step's B descriptor, in the branch without P1, from registers only the other one sets.
+            if second:
+                p_smem.index(z + 1).store(probs.to(p_smem.dtype))
+                _signal(p1_ready)
+                acc = warpgroup_mma(p_smem.index(z + 1), _v_operand(v_hi.index(z + 1), FP8), acc, is_async=True)
+                # Stage 1's high half and rope key are read by no one else now (transposed, scored): they refill
+                # with block b + 3.
+                _fill_part(latent_desc, kv_ptr, kv_hi.index(z + 1), hi_ready, block_table_row, stride_kv, b + 3, last,
+                           full, kv_len, R // 2, R // 2, PAGE_SIZE)
+                _fill_part(rope_desc, kv_ptr, kv_rope.index(z + 1), hi_ready, block_table_row, stride_kv, b + 3, last,
+                           full, kv_len, R, P, PAGE_SIZE)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.wait(p0_ready, j & 1)
+            acc = warpgroup_mma(p_smem.index(z), _v_operand(v_hi.index(z), FP8), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        elif second:
             p1 = probs.to(p_smem.dtype)
             p_smem.index(z + 1).store(p1)
             _signal(p1_ready)
@@ -278,22 +394,28 @@ def _warpgroup1(q, kv_lo, kv_hi, kv_rope, p_smem, s_max, s_scale1, s_l, bars, la
                    kv_len, R, P, PAGE_SIZE)
         if b + 3 < last:
             scores = _scores(q.index(z), q.index(z + 1), q_rope, kv_lo.index(z + 1), kv_hi.index(z + 1),
-                             kv_rope.index(z + 1), lo_ready, hi_ready, (j + 1) & 1)
+                             kv_rope.index(z + 1), lo_ready, hi_ready, (j + 1) & 1, kv_hi.index(z + 1),
+                             v_hi.index(z + 1), FP8)
 
     s_l.store(denom)
     _signal(l1_ready)
     mbarrier.wait(l_ready, 0)
     denom = s_l.load(ROW_S)
-    _store_half(acc, denom, out_ptr, t, head_block, split, num_heads, stride_o_t, stride_o_h, stride_o_s, R // 2, R)
+    _store_half(acc, denom, out_ptr, t, head_block, split, num_heads, stride_o_t, stride_o_h, stride_o_s, R // 2,
+                kv_scale, R, FP8)
 
 
 @gluon.jit
 def _store_half(acc, denom, out_ptr, t, head_block, split, num_heads, stride_o_t, stride_o_h, stride_o_s, col0,
-                R: gl.constexpr):
-    """acc / denom into the output's (or the split's partial's) columns col0 .. col0 + R / 2."""
+                kv_scale, R: gl.constexpr, FP8: gl.constexpr):
+    """acc / denom (FP8: times the pool's kv_scale) into the output's (or the split's partial's) columns
+    col0 .. col0 + R / 2."""
+    O_LAYOUT: gl.constexpr = _mma_layout(R // 2, FP8)
     heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_LAYOUT))
     cols = col0 + gl.arange(0, R // 2, layout=gl.SliceLayout(0, O_LAYOUT))
     ptrs = out_ptr + t * stride_o_t + heads[:, None] * stride_o_h + split * stride_o_s + cols[None, :]
+    if FP8:
+        denom = denom / kv_scale
     out = acc / gl.convert_layout(denom, gl.SliceLayout(1, O_LAYOUT))[:, None]
     gl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=(heads < num_heads)[:, None])
 
@@ -304,12 +426,13 @@ def _gluon_mla_kernel(
     out_ptr, lse_ptr,
     stride_qn_t, stride_qn_h, stride_qr_t, stride_qr_h, stride_kv, stride_bt,
     stride_o_t, stride_o_h, stride_o_s, stride_lse_t, stride_lse_h,
-    num_heads, num_splits, min_split_blocks, qk_scale,
+    num_heads, num_splits, min_split_blocks, qk_scale, kv_scale,
     R: gl.constexpr, P: gl.constexpr, PAGE_SIZE: gl.constexpr, SPLIT: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """kv_ptr: the pool [num_slots, R + P]; latent_desc / rope_desc: its [64, R / 2] and [64, P] TMA boxes. SPLIT:
-    out_ptr / lse_ptr are float32 partials and base-2 log-sum-exps (unit stride over splits), else out_ptr is the
-    output. qk_scale: the softmax scale times log2(e). num_warps 4: warpgroup 0; warpgroup 1 is the worker."""
+    """kv_ptr: the pool [num_slots, R + P], of q's dtype or e4m3 (FP8: value / kv_scale); latent_desc / rope_desc: its
+    [64, R / 2] and [64, P] TMA boxes. SPLIT: out_ptr / lse_ptr are float32 partials and base-2 log-sum-exps (unit
+    stride over splits), else out_ptr is the output. qk_scale: the softmax scale times log2(e) (FP8: and kv_scale).
+    num_warps 4: warpgroup 0; warpgroup 1 is the worker."""
     gl.static_assert(num_warps == 4, "warpgroup 0 runs the kernel's warps, warpgroup 1 a worker partition")
     head_block, split, t, req, kv_len, first, last = mla_program(
         num_heads, num_splits, min_split_blocks, token_req_ptr, token_kv_len_ptr, BLOCK_H, BLOCK_N)
@@ -322,7 +445,8 @@ def _gluon_mla_kernel(
                      gl.full([BLOCK_H], float("-inf"), gl.float32, row_layout), mask=heads < num_heads)
         return
 
-    dtype: gl.constexpr = q_nope_ptr.dtype.element_ty
+    dtype: gl.constexpr = kv_ptr.dtype.element_ty  # of the operands: q's, or e4m3 (FP8)
+    FP8: gl.constexpr = dtype != q_nope_ptr.dtype.element_ty
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, R // 2], dtype)
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype)
     stats_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
@@ -331,10 +455,20 @@ def _gluon_mla_kernel(
     kv_hi = gl.allocate_shared_memory(dtype, [2, BLOCK_N, R // 2], latent_desc.layout)
     kv_rope = gl.allocate_shared_memory(dtype, [2, BLOCK_N, P], rope_desc.layout)
     p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_H, BLOCK_N], p_layout)
-    # Per head: the running row max, exp2(m0 - m1) of the pair, the row-sum exchange.
+    if FP8:  # each stage's latent halves transposed (the P V operands, `_v_operand`); 8-bit A operands
+        v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R // 2, BLOCK_N], dtype)
+        v_lo = gl.allocate_shared_memory(dtype, [2, R // 2, BLOCK_N], v_layout)
+        v_hi = gl.allocate_shared_memory(dtype, [2, R // 2, BLOCK_N], v_layout)
+        q_rope_s = gl.allocate_shared_memory(dtype, [BLOCK_H, P], gl.NVMMASharedLayout.get_default_for([BLOCK_H, P],
+                                                                                                       dtype))
+        p_own = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], p_layout)
+    else:  # the stages' own halves; the rope query and P0 in registers (unused here)
+        v_lo, v_hi, q_rope_s, p_own = kv_lo, kv_hi, q, p_smem
+    # Per head: the running row max, exp2(m0 - m1) of the pair, the row-sum exchange, the query's scale (FP8).
     s_max = gl.allocate_shared_memory(gl.float32, [BLOCK_H], stats_layout)
     s_scale1 = gl.allocate_shared_memory(gl.float32, [BLOCK_H], stats_layout)
     s_l = gl.allocate_shared_memory(gl.float32, [BLOCK_H], stats_layout)
+    s_qscale = gl.allocate_shared_memory(gl.float32, [BLOCK_H], stats_layout)
     # lo_ready[2], hi_ready[2] (a stage's high half and rope key: two fills, two arrivals), then scale0, scale1,
     # p0, p1, l1 and l ready (one arrival each).
     bars = gl.allocate_shared_memory(gl.int64, [10, 1], mbarrier.MBarrierLayout())
@@ -353,21 +487,31 @@ def _gluon_mla_kernel(
                    last, full, kv_len, R, P, PAGE_SIZE)
     heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_layout)
     q_base = q_nope_ptr + t * stride_qn_t
-    q.index(0).store(_load_rows(q_base, heads, stride_qn_h, heads < num_heads, R // 2, IO_LAYOUT))
-    q.index(1).store(_load_rows(q_base + R // 2, heads, stride_qn_h, heads < num_heads, R // 2, IO_LAYOUT))
+    q_lo = _load_rows(q_base, heads, stride_qn_h, heads < num_heads, R // 2, IO_LAYOUT)
+    q_hi = _load_rows(q_base + R // 2, heads, stride_qn_h, heads < num_heads, R // 2, IO_LAYOUT)
+    if FP8:  # each head's scale: its largest magnitude over the latent and rope parts, at e4m3's largest value
+        rope = _load_rows(q_rope_ptr + t * stride_qr_t, heads, stride_qr_h, heads < num_heads, P, IO_LAYOUT)
+        amax = gl.maximum(gl.maximum(gl.max(gl.abs(q_lo), 1), gl.max(gl.abs(q_hi), 1)), gl.max(gl.abs(rope), 1))
+        q_scale = gl.maximum(amax.to(gl.float32), 1e-30) / E4M3_MAX
+        s_qscale.store(q_scale)
+        q_rope_s.store((rope.to(gl.float32) / q_scale[:, None]).to(dtype))
+        q_lo = (q_lo.to(gl.float32) / q_scale[:, None]).to(dtype)
+        q_hi = (q_hi.to(gl.float32) / q_scale[:, None]).to(dtype)
+    q.index(0).store(q_lo)
+    q.index(1).store(q_hi)
     s_max.store(gl.full([BLOCK_H], float("-inf"), gl.float32, row_layout))
     fence_async_shared()
     gl.thread_barrier()
 
     gl.warp_specialize([
-        (_warpgroup0, (q, kv_lo, kv_hi, kv_rope, p_smem, s_max, s_scale1, s_l, bars, latent_desc,
-                       kv_ptr, q_rope_ptr, out_ptr, lse_ptr, block_table_row, stride_kv, t, head_block, split,
-                       num_heads, stride_qr_t, stride_qr_h, stride_o_t, stride_o_h, stride_o_s, stride_lse_t,
-                       stride_lse_h, first, last, full, kv_len, qk_scale, R, P, PAGE_SIZE, SPLIT)),
-        (_warpgroup1, (q, kv_lo, kv_hi, kv_rope, p_smem, s_max, s_scale1, s_l, bars, latent_desc,
-                       rope_desc, kv_ptr, q_rope_ptr, out_ptr, block_table_row, stride_kv, t, head_block, split,
-                       num_heads, stride_qr_t, stride_qr_h, stride_o_t, stride_o_h, stride_o_s, first, last, full,
-                       kv_len, qk_scale, R, P, PAGE_SIZE)),
+        (_warpgroup0, (q, q_rope_s, kv_lo, kv_hi, kv_rope, v_lo, p_smem, p_own, s_max, s_scale1, s_l, s_qscale, bars,
+                       latent_desc, kv_ptr, q_rope_ptr, out_ptr, lse_ptr, block_table_row, stride_kv, t, head_block,
+                       split, num_heads, stride_qr_t, stride_qr_h, stride_o_t, stride_o_h, stride_o_s, stride_lse_t,
+                       stride_lse_h, first, last, full, kv_len, qk_scale, kv_scale, R, P, PAGE_SIZE, SPLIT, FP8)),
+        (_warpgroup1, (q, q_rope_s, kv_lo, kv_hi, kv_rope, v_hi, p_smem, s_max, s_scale1, s_l, s_qscale, bars,
+                       latent_desc, rope_desc, kv_ptr, q_rope_ptr, out_ptr, block_table_row, stride_kv, t, head_block,
+                       split, num_heads, stride_qr_t, stride_qr_h, stride_o_t, stride_o_h, stride_o_s, first, last,
+                       full, kv_len, qk_scale, kv_scale, R, P, PAGE_SIZE, FP8)),
     ], [4], [WORKER_REGS])
     for i in gl.static_range(10):
         mbarrier.invalidate(bars.index(i))
@@ -376,11 +520,13 @@ def _gluon_mla_kernel(
 def launch(grid: tuple[int], q_nope: torch.Tensor, q_rope: torch.Tensor, kv_buffer: torch.Tensor,
            block_table: torch.Tensor, token_req: torch.Tensor, token_kv_len: torch.Tensor, part_out: torch.Tensor,
            part_lse: torch.Tensor, o_strides: tuple[int, int, int], lse_strides: tuple[int, int], num_splits: int,
-           min_split_blocks: int, qk_scale: float, page_size: int) -> None:
+           min_split_blocks: int, qk_scale: float, page_size: int, kv_scale: float = 1.0) -> None:
     """Stage 1 of `mla_decode.mla_attention` for a Gluon config (`mla_gluon_fits` checked the shapes):
-    q_nope [T, H, 512], q_rope [T, H, 64] bf16 / fp16, last dims contiguous; the pool kv_buffer [num_slots, 576];
-    part_out / part_lse and their strides as `_mla_kernel` takes them."""
-    element = gl.bfloat16 if q_nope.dtype == torch.bfloat16 else gl.float16
+    q_nope [T, H, 512], q_rope [T, H, 64] bf16 / fp16, last dims contiguous; the pool kv_buffer [num_slots, 576] of
+    q's dtype, or float8_e4m3fn holding value / kv_scale; part_out / part_lse and their strides as `_mla_kernel` takes
+    them."""
+    element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}[
+        kv_buffer.dtype]
     r, p = q_nope.shape[2], q_rope.shape[2]
     latent_desc = TensorDescriptor.from_tensor(
         kv_buffer, [64, r // 2], gl.NVMMASharedLayout.get_default_for([64, r // 2], element))
@@ -388,6 +534,6 @@ def launch(grid: tuple[int], q_nope: torch.Tensor, q_rope: torch.Tensor, kv_buff
     _gluon_mla_kernel[grid](
         q_nope, q_rope, kv_buffer, latent_desc, rope_desc, block_table, token_req, token_kv_len, part_out, part_lse,
         q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), kv_buffer.stride(0),
-        block_table.stride(0), *o_strides, *lse_strides, q_nope.shape[1], num_splits, min_split_blocks, qk_scale,
-        R=r, P=p, PAGE_SIZE=page_size, SPLIT=num_splits > 1, num_warps=4,
+        block_table.stride(0), *o_strides, *lse_strides, q_nope.shape[1], num_splits, min_split_blocks,
+        qk_scale * kv_scale, kv_scale, R=r, P=p, PAGE_SIZE=page_size, SPLIT=num_splits > 1, num_warps=4,
     )

@@ -121,8 +121,9 @@ def mla_config(num_heads: int, dtype: torch.dtype, capability: tuple[int, int] |
       page-index load and the KV load that depends on it.
     - fp32 (FMA dots, accuracy checks only): 16 x 16, one stage.
     - The interpreter (capability None) runs every program in Python: the biggest blocks, one warp.
-    `dtype` is q's (the activations'); a `kv_dtype` other than it (an fp8 pool) loads KV blocks through pointers
-    (upcast in registers), neither TMA boxes nor the Gluon kernel, which read the pool in q's dtype."""
+    `dtype` is q's (the activations'); a `kv_dtype` other than it (an fp8 pool) runs the Gluon kernel's 8-bit
+    wgmmas where it fits, else loads KV blocks through pointers (upcast in registers), not as the Triton kernel's TMA
+    boxes, which read the pool in q's dtype."""
     block_h = mla_block_h(num_heads, dtype, capability)
     if capability is None:
         return MlaConfig(block_h, 64, 1, 1)
@@ -130,10 +131,10 @@ def mla_config(num_heads: int, dtype: torch.dtype, capability: tuple[int, int] |
         return MlaConfig(block_h, 16, 4, 1, reload_q=True)
     if block_h == 64:
         config = MlaConfig(64, 64, 8, 2)
-        if kv_dtype not in (None, dtype):
-            return config
-        config = replace(config, tma=mla_tma_fits(config, kv_lora_rank, rope_dim, page_size, capability))
-        return replace(config, gluon=mla_gluon_fits(config, kv_lora_rank, rope_dim, page_size, dtype, capability))
+        if kv_dtype in (None, dtype):
+            config = replace(config, tma=mla_tma_fits(config, kv_lora_rank, rope_dim, page_size, capability))
+        return replace(config, gluon=mla_gluon_fits(config, kv_lora_rank, rope_dim, page_size, dtype, capability,
+                                                    kv_dtype))
     return MlaConfig(block_h, 2 * block_h, 4 if block_h == MIN_DOT else 8, 5, reload_q=True)
 
 
@@ -147,13 +148,14 @@ def mla_tma_fits(config: MlaConfig, kv_lora_rank: int, rope_dim: int, page_size:
 
 
 def mla_gluon_fits(config: MlaConfig, kv_lora_rank: int, rope_dim: int, page_size: int, dtype: torch.dtype,
-                   capability: tuple[int, int] | None) -> bool:
+                   capability: tuple[int, int] | None, kv_dtype: torch.dtype | None = None) -> bool:
     """Can `config` run as the Gluon kernel (`gluon_mla`): 64 heads on 8 warps (two warpgroups), 64-key blocks in
-    two stages, DeepSeek's latent 512 + rope 64 in bf16 / fp16, key blocks inside one page, where
-    `gluon_runs_on(capability)` (sm90)."""
+    two stages, DeepSeek's latent 512 + rope 64, q in bf16 / fp16 and the pool in q's dtype (`kv_dtype` None) or
+    e4m3, key blocks inside one page, where `gluon_runs_on(capability)` (sm90)."""
     return (config.block_h == 64 and config.num_warps == 8 and (kv_lora_rank, rope_dim) == (512, 64)
             and (config.block_n, config.num_stages) == (64, 2) and page_size % config.block_n == 0
-            and dtype in (torch.bfloat16, torch.float16) and gluon_runs_on(capability))
+            and dtype in (torch.bfloat16, torch.float16) and kv_dtype in (None, dtype, torch.float8_e4m3fn)
+            and gluon_runs_on(capability))
 
 
 def mla_min_split_keys(num_heads: int) -> int:
@@ -478,9 +480,9 @@ def mla_attention(
     if kv_buffer.dtype not in (q_nope.dtype, torch.float8_e4m3fn):
         raise ValueError(f"MLA decode reads a KV pool of q's dtype {q_nope.dtype} or float8_e4m3fn, not "
                          f"{kv_buffer.dtype}")
-    if kv_buffer.dtype != q_nope.dtype and (config.tma or config.gluon):
+    if kv_buffer.dtype != q_nope.dtype and config.tma:
         raise ValueError(f"MLA config {config} reads the pool in q's dtype: an fp8 pool takes pointer loads")
-    if config.gluon and not mla_gluon_fits(config, r, p, page_size, q_nope.dtype, capability):
+    if config.gluon and not mla_gluon_fits(config, r, p, page_size, q_nope.dtype, capability, kv_buffer.dtype):
         raise ValueError(f"MLA config {config} cannot run the Gluon kernel with page size {page_size}, latent {r}, "
                          f"rope {p}, {q_nope.dtype} on {'the CPU' if capability is None else f'sm{capability}'}")
     if config.gluon and (tree is not None or fixed_splits):
@@ -508,7 +510,7 @@ def mla_attention(
 
         gluon_mla.launch(grid, q_nope, q_rope, kv_buffer, block_table, token_req, token_kv_len, part_out, part_lse,
                          o_strides, lse_strides, num_splits, triton.cdiv(mla_min_split_keys(h), config.block_n),
-                         sm_scale * LOG2E, page_size)
+                         sm_scale * LOG2E, page_size, kv_scale)
     else:
         _launch_mla_kernel(grid, config, q_nope, q_rope, kv_buffer, block_table, token_req, token_kv_len, tree,
                            part_out, part_lse, o_strides, lse_strides, num_splits, split, page_size, sm_scale, kv_scale,

@@ -18,7 +18,7 @@ which is slow and meant for tests; the torch reference keeps the higher priority
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import TYPE_CHECKING, ClassVar
 
@@ -98,8 +98,8 @@ class TritonAttention(AttentionBackend):
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
         devices=frozenset({"cuda", "cpu"}),
         min_capability=(8, 0),  # bf16 tl.dot needs Ampere or newer
-        # forward_mla upcasts an fp8 pool's tiles in registers (sm89+ convert fp8; the interpreter too). The MHA paths
-        # get k / v the model dequantized.
+        # forward_mla upcasts an fp8 pool's tiles in registers (sm89+ convert fp8; the interpreter too), but for the
+        # Gluon kernel's 8-bit wgmmas (`rounds_decode_to_e4m3`). The MHA paths get k / v the model dequantized.
         kv_cache_dtypes=frozenset({torch.float8_e4m3fn}),
         graph_modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND}),
         batch_invariant=True,  # under the spec's flag: KV splits by each token's length alone, fixed reduce chunks
@@ -125,6 +125,9 @@ class TritonAttention(AttentionBackend):
         self._multiprocessors = hardware.multiprocessors
         self._capability = hardware.capability
         self._mla_config = self._mla_config_for(spec.page_size or 1)
+        # Batch-invariant launches never take the Gluon kernel (`mla_decode.mla_attention`).
+        self.rounds_decode_to_e4m3 = (spec.kv_dtype == torch.float8_e4m3fn and self._mla_config.gluon
+                                      and not spec.batch_invariant)
         self.plan_state: TritonPlan | None = None
         # Under graphs every request has the same new tokens (w), so token i's request is i // w: token_req
         # [max_num_tokens] int32 by w, made once by plan_capture, read by every replay with nothing to compute.
@@ -281,6 +284,8 @@ class TritonAttention(AttentionBackend):
         # The spec's page size is the pool's when the model runner builds both; a pool of other pages (the kit's)
         # may not hold the config's TMA boxes.
         config = self._mla_config if pool.page_size == self.spec.page_size else self._mla_config_for(pool.page_size)
+        if pool.dtype != q_nope.dtype and batch.mode is not ForwardMode.DECODE:  # `rounds_decode_to_e4m3`: DECODE only
+            config = replace(config, gluon=False)
         return self._mla_decode.mla_attention(
             q_nope, q_rope, pool.buffer(layer_id), batch.block_table, plan.token_req, plan.token_kv_len,
             pool.page_size, self.spec.softmax_scale, config, plan.num_splits, plan.workspace, plan.tree, w_vc,

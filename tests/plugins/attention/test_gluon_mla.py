@@ -1,25 +1,32 @@
 """The Gluon MLA decode kernel, as `mla_attention`'s stage 1 for configs with `gluon` set: where it fits
-(on the CPU, no GPU needed), and against the torch reference on a Hopper GPU (Gluon kernels do not run in Triton's
-interpreter)."""
+(on the CPU, no GPU needed), and against the torch reference (an e4m3 pool: the kit's oracle) on a Hopper GPU (Gluon
+kernels do not run in Triton's interpreter)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from plugserve.conformance import oracle
+from plugserve.conformance.batches import random_batch
 from plugserve.conformance.tolerances import assert_close
+from plugserve.core.forward_batch import ForwardMode
+from plugserve.core.specs import AttentionSpec
 from plugserve.plugins.attention import mla_decode as kernels
 from plugserve.plugins.attention.torch_ref import mla_attention_reference
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 PAGE = 64
 GLUON = kernels.MlaConfig(64, 64, 8, 2, gluon=True)
+LAYER = 1
 
 
 def test_where_the_gluon_kernel_fits():
     bf16, sm90 = torch.bfloat16, (9, 0)
     assert kernels.mla_gluon_fits(GLUON, 512, 64, 64, bf16, sm90)
     assert kernels.mla_gluon_fits(GLUON, 512, 64, 128, torch.float16, sm90)
+    assert kernels.mla_gluon_fits(GLUON, 512, 64, 64, bf16, sm90, torch.float8_e4m3fn)  # 8-bit wgmmas
+    assert not kernels.mla_gluon_fits(GLUON, 512, 64, 64, bf16, sm90, torch.float16)  # a pool of another 16 bits
     assert not kernels.mla_gluon_fits(GLUON, 512, 64, 64, bf16, (10, 0))  # Blackwell has no wgmma
     assert not kernels.mla_gluon_fits(GLUON, 512, 64, 64, bf16, None)  # the interpreter runs no Gluon
     assert not kernels.mla_gluon_fits(GLUON, 512, 64, 64, bf16, (8, 9))  # wgmma is sm90's
@@ -67,3 +74,29 @@ def test_matches_the_reference(kv_lens: list[int], heads: int, splits: int, dtyp
     expected, _ = mla_attention_reference(q[..., :512], q[..., 512:], keys[:, :512], keys[:, 512:],
                                           [1] * len(kv_lens), kv_lens, scale)
     assert_close(out.cpu(), expected, dtype, f"gluon MLA {kv_lens} x{heads} heads, {splits} splits")
+
+
+@pytest.mark.skipif(not HOPPER, reason="Gluon's wgmma kernel needs a Hopper GPU")
+@pytest.mark.parametrize("kv_lens", [[37], [64], [64, 130, 1000], [4096, 1]],
+                         ids=["one-partial-block", "one-block", "mixed", "long"])
+@pytest.mark.parametrize("heads", [64, 128])
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_an_e4m3_pool_against_the_oracle(kv_lens: list[int], heads: int, splits: int, dtype: torch.dtype):
+    """An e4m3 pool (scale 0.5): the kernel's 8-bit wgmmas against the kit's oracle with the query rounded per
+    head and room for the probabilities' rounding (`oracle.mla_as_declared`). A sequence of one block, whose P V on
+    warpgroup 1 once lost its second k-step to ptxas, is among them."""
+    device = torch.device("cuda")
+    spec = AttentionSpec(num_heads=heads, dtype=dtype, page_size=PAGE, kv_cache_dtype=torch.float8_e4m3fn)
+    torch.manual_seed(sum(kv_lens) + heads)
+    batch = random_batch(ForwardMode.DECODE, kv_lens, [1] * len(kv_lens), spec, device, kv_scale=0.5)
+    t, pool = batch.num_tokens, batch.kv_pool
+    latent, k_rope = (torch.randn(t, n, device=device, dtype=dtype) for n in (512, 64))
+    q_nope, q_rope = (torch.randn(t, heads, n, device=device, dtype=dtype) for n in (512, 64))
+    scale = oracle.softmax_scale(spec)
+    expected, _, slack = oracle.mla_as_declared(batch, LAYER, q_nope, q_rope, latent, k_rope, scale, True)
+    pool.write(LAYER, batch.out_cache_loc, latent, k_rope)
+    out = kernels.mla_attention(q_nope, q_rope, pool.buffer(LAYER), batch.block_table,
+                                torch.arange(t, dtype=torch.int32, device=device), batch.seq_lens.to(torch.int32),
+                                PAGE, scale, GLUON, splits, kv_scale=pool.scale)
+    assert_close(out, expected, dtype, f"gluon MLA over e4m3 {kv_lens} x{heads} heads, {splits} splits", slack=slack)

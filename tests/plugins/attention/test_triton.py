@@ -102,6 +102,24 @@ def test_kernels_say_where_gluon_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     assert TritonAttention.kernels(Hardware.detect(CPU)) == "MLA decode, MHA prefill, merge: Triton (interpreter)"
 
 
+def test_it_declares_where_its_decode_rounds_to_e4m3(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`rounds_decode_to_e4m3` (what the kit's oracle follows) holds exactly where the decode takes the Gluon kernel
+    over an e4m3 pool: sm90, 64-head blocks, pages of 64, not batch-invariant."""
+    h100 = Hardware("cuda", "NVIDIA H100 80GB HBM3", (9, 0), 80 * 2**30, 132)
+    monkeypatch.setattr(Hardware, "detect", staticmethod(lambda device: h100))
+    fp8 = torch.float8_e4m3fn
+
+    def rounds(**fields) -> bool:
+        spec = AttentionSpec(**{"num_heads": 128, "dtype": torch.bfloat16, "page_size": 64, **fields})
+        return TritonAttention(spec, CPU).rounds_decode_to_e4m3
+
+    assert rounds(kv_cache_dtype=fp8)
+    assert not rounds()  # a bf16 pool
+    assert not rounds(kv_cache_dtype=fp8, page_size=16)  # blocks span pages: pointer loads, upcast
+    assert not rounds(kv_cache_dtype=fp8, num_heads=16)  # 16-head blocks: mma.sync
+    assert not rounds(kv_cache_dtype=fp8, batch_invariant=True)  # fixed splits never take the Gluon kernel
+
+
 def test_availability_on_the_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = Hardware.detect(CPU)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -296,9 +314,12 @@ def test_launch_heuristics(kernels: ModuleType) -> None:
     assert kernels.mla_config(128, bf16, sm90, 64, 512, 64) == kernels.MlaConfig(64, 64, 8, 2, tma=True, gluon=True)
     assert kernels.mla_config(128, bf16, sm90, 16, 512, 64) == kernels.MlaConfig(64, 64, 8, 2)  # blocks span pages
     assert kernels.mla_config(128, bf16, sm90, 64, 256, 64) == kernels.MlaConfig(64, 64, 8, 2, tma=True)
-    # An fp8 pool: pointer loads upcast in registers, neither TMA boxes nor the Gluon kernel (which read q's dtype).
+    # An fp8 pool: the Gluon kernel's 8-bit wgmmas where it fits, else pointer loads upcast in registers, never the
+    # Triton kernel's TMA boxes (which read q's dtype).
     fp8 = torch.float8_e4m3fn
-    assert kernels.mla_config(128, bf16, sm90, 64, 512, 64, fp8) == kernels.MlaConfig(64, 64, 8, 2)
+    assert kernels.mla_config(128, bf16, sm90, 64, 512, 64, fp8) == kernels.MlaConfig(64, 64, 8, 2, gluon=True)
+    assert kernels.mla_config(128, bf16, sm90, 16, 512, 64, fp8) == kernels.MlaConfig(64, 64, 8, 2)
+    assert kernels.mla_config(128, bf16, (8, 9), 64, 512, 64, fp8) == kernels.MlaConfig(32, 64, 8, 5, reload_q=True)
     assert kernels.mla_config(128, bf16, None, 64, 512, 64) == kernels.MlaConfig(64, 64, 1, 1)  # the interpreter
     assert kernels.mla_config(16, bf16, sm90, 64, 512, 64) == kernels.MlaConfig(16, 32, 4, 5, reload_q=True)
     assert kernels.mla_min_split_keys(128) == 256 and kernels.mla_min_split_keys(16) == 32
