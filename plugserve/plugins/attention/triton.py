@@ -156,8 +156,9 @@ class TritonAttention(AttentionBackend):
         if not gluon_runs_on(hardware.capability):
             return f"MLA decode, MHA prefill, merge: Triton (no Gluon kernel for {hardware.arch})"
         return ("MLA decode: Gluon (gluon_mla) for 64-head blocks of latent 512 + rope 64 in bf16 / fp16 on pages of "
-                "a multiple of 64 keys, else Triton; MHA prefill: Gluon (gluon_mha) for bf16 / fp16 heads of qk "
-                "2^a + 2^b (192) and v <= 128, else Triton; merge: Triton")
+                "a multiple of 64 keys (over an e4m3 cache: 8-bit wgmmas, the query and probabilities rounded to "
+                "e4m3), else Triton; MHA prefill: Gluon (gluon_mha) for bf16 / fp16 heads of qk 2^a + 2^b (192) and "
+                "v <= 128, else Triton; merge: Triton")
 
     def plan(self, batch: ForwardBatch) -> None:
         """Per-token rows for forward_mla and the varlen offsets for forward_mha, shared by all layers.
