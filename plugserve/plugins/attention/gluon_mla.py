@@ -212,11 +212,14 @@ def _v_operand(v, FP8: gl.constexpr):
 
 
 @gluon.jit
-def _score_scale(s_qscale, qk_scale, FP8: gl.constexpr):
-    """What raw scores are multiplied by: qk_scale, or (FP8) qk_scale times each head's query scale, [64, 1]."""
+def _score_operands(q_rope_ptr, q_rope_s, s_qscale, t, head_block, num_heads, stride_qr_t, stride_qr_h, qk_scale,
+                    P: gl.constexpr, FP8: gl.constexpr):
+    """A warpgroup's rope query operand (`_rope_query`) and what its raw scores are multiplied by: qk_scale, or (FP8)
+    qk_scale times each head's query scale, [64, 1]."""
+    q_rope = _rope_query(q_rope_ptr, q_rope_s, t, head_block, num_heads, stride_qr_t, stride_qr_h, P, FP8)
     if FP8:
         qk_scale = (s_qscale.load(_rows_of(BLOCK_N, FP8)) * qk_scale)[:, None]
-    return qk_scale
+    return q_rope, qk_scale
 
 
 @gluon.jit
@@ -230,15 +233,13 @@ def _warpgroup0(q, q_rope_s, kv_lo, kv_hi, kv_rope, v_lo, p_smem, p_own, s_max, 
     P16: gl.constexpr = gl.bfloat16 if FP8 else p_smem.dtype
     ROW_S: gl.constexpr = _rows_of(BLOCK_N, FP8)
     ROW_O: gl.constexpr = _rows_of(R // 2, FP8)
-    O_LAYOUT: gl.constexpr = _mma_layout(R // 2, FP8)
-    P_OPERAND: gl.constexpr = _a_operand(R // 2, FP8)
-    q_rope = _rope_query(q_rope_ptr, q_rope_s, t, head_block, num_heads, stride_qr_t, stride_qr_h, P, FP8)
-    score_scale = _score_scale(s_qscale, qk_scale, FP8)
+    q_rope, score_scale = _score_operands(q_rope_ptr, q_rope_s, s_qscale, t, head_block, num_heads, stride_qr_t,
+                                          stride_qr_h, qk_scale, P, FP8)
     lo_ready, hi_ready = bars.index(0), bars.index(2)
     scale0_ready, scale1_ready, p0_ready, p1_ready = bars.index(4), bars.index(5), bars.index(6), bars.index(7)
     l1_ready, l_ready = bars.index(8), bars.index(9)
 
-    acc = gl.zeros([BLOCK_H, R // 2], gl.float32, O_LAYOUT)
+    acc = gl.zeros([BLOCK_H, R // 2], gl.float32, _mma_layout(R // 2, FP8))
     denom = gl.zeros([BLOCK_H], gl.float32, ROW_S)
     scores = _scores(q.index(0), q.index(1), q_rope, kv_lo.index(0), kv_hi.index(0), kv_rope.index(0), lo_ready,
                      hi_ready, 0, kv_lo.index(0), v_lo.index(0), FP8)
@@ -268,7 +269,7 @@ def _warpgroup0(q, q_rope_s, kv_lo, kv_hi, kv_rope, v_lo, p_smem, p_own, s_max, 
                 mbarrier.wait(bars.index(1), j & 1)
                 _transpose(kv_lo.index(z + 1), v_lo.index(z + 1))
         else:
-            acc = warpgroup_mma(gl.convert_layout(p0, P_OPERAND), kv_lo.index(z), acc, is_async=True)
+            acc = warpgroup_mma(gl.convert_layout(p0, _a_operand(R // 2, FP8)), kv_lo.index(z), acc, is_async=True)
         mbarrier.wait(scale1_ready, j & 1)
         scale1 = s_scale1.load(ROW_S)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -314,15 +315,13 @@ def _warpgroup1(q, q_rope_s, kv_lo, kv_hi, kv_rope, v_hi, p_smem, s_max, s_scale
     block. v_hi: the high halves' P V operands (`_v_operand`)."""
     ROW_S: gl.constexpr = _rows_of(BLOCK_N, FP8)
     ROW_O: gl.constexpr = _rows_of(R // 2, FP8)
-    O_LAYOUT: gl.constexpr = _mma_layout(R // 2, FP8)
-    P_OPERAND: gl.constexpr = _a_operand(R // 2, FP8)
-    q_rope = _rope_query(q_rope_ptr, q_rope_s, t, head_block, num_heads, stride_qr_t, stride_qr_h, P, FP8)
-    score_scale = _score_scale(s_qscale, qk_scale, FP8)
+    q_rope, score_scale = _score_operands(q_rope_ptr, q_rope_s, s_qscale, t, head_block, num_heads, stride_qr_t,
+                                          stride_qr_h, qk_scale, P, FP8)
     lo_ready, hi_ready = bars.index(1), bars.index(3)
     scale0_ready, scale1_ready, p0_ready, p1_ready = bars.index(4), bars.index(5), bars.index(6), bars.index(7)
     l1_ready, l_ready = bars.index(8), bars.index(9)
 
-    acc = gl.zeros([BLOCK_H, R // 2], gl.float32, O_LAYOUT)
+    acc = gl.zeros([BLOCK_H, R // 2], gl.float32, _mma_layout(R // 2, FP8))
     denom = gl.zeros([BLOCK_H], gl.float32, ROW_S)
     m_prev = gl.full([BLOCK_H], float("-inf"), gl.float32, ROW_S)
     scores = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, _mma_layout(BLOCK_N, FP8))
@@ -373,7 +372,7 @@ def _warpgroup1(q, q_rope_s, kv_lo, kv_hi, kv_rope, v_hi, p_smem, s_max, s_scale
             p1 = probs.to(p_smem.dtype)
             p_smem.index(z + 1).store(p1)
             _signal(p1_ready)
-            p1 = gl.convert_layout(p1, P_OPERAND)
+            p1 = gl.convert_layout(p1, _a_operand(R // 2, FP8))
             acc = warpgroup_mma(p1, kv_hi.index(z + 1), acc, is_async=True)
             mbarrier.wait(p0_ready, j & 1)
             acc = warpgroup_mma(p_smem.index(z), kv_hi.index(z), acc, is_async=True)
