@@ -28,7 +28,7 @@ are cut into query blocks so that full DeepSeek-V3 shapes fit a GPU's memory in 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -189,7 +189,8 @@ def mla(
 
 
 def _mla_requests(batch: ForwardBatch, layer_id: int, q_nope: torch.Tensor, q_rope: torch.Tensor,
-                  latent: torch.Tensor, k_rope: torch.Tensor):
+                  latent: torch.Tensor, k_rope: torch.Tensor
+                  ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Per request (`mla`): its queries [new, H, R + P], keys [seq_len, 1, R + P] float64, latent values
     [seq_len, R] float64 and visible [new, seq_len] bool."""
     pool = batch.kv_pool
