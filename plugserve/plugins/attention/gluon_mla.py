@@ -36,8 +36,10 @@ An e4m3 pool (FP8: `--kv-cache-dtype fp8_e4m3`) runs both products as 8-bit wgmm
   3-bit mantissa instead of flushing to zero), and the row sums with them, so that the output is unchanged;
 - the query's rope part and every probability block are A operands in shared memory, not registers;
 - an 8-bit wgmma reads its B operand K-major only, so the latent block [64 keys, 256] that P V multiplies is
-  transposed in shared memory into [256, 64 keys] (`_transpose`): each warpgroup its own half of both blocks of a
-  pair, while its score wgmma runs, while its P V runs, or (warpgroup 1) while it waits for the other's softmax.
+  transposed in shared memory into [256, 64 keys] (`_transpose`), by a third warpgroup (`_transposer`: 32 registers
+  a thread, warpgroups 0 and 1 at 240 and 232) as soon as a block lands, beside the other two's wgmmas and
+  softmaxes; each P V waits for its block's copy (v_ready), the transposer for both P V wgmmas on the stage's last
+  copy (v_free).
 Shared memory: 36 KB of query, the stages' 72 KB, 64 KB of transposed halves and 12 KB of probabilities.
 """
 
@@ -55,11 +57,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from plugserve.plugins.attention.common import mla_program
-from plugserve.plugins.gluon_support import tma_load
+from plugserve.plugins.gluon_support import release, tma_load
 
 BLOCK_H = gl.constexpr(64)  # heads a program: one warpgroup's wgmma M
 BLOCK_N = gl.constexpr(64)  # keys a block: one warpgroup's score wgmma N
 WORKER_REGS = gl.constexpr(256)  # warpgroup 1's registers: with warpgroup 0 at 256 too, the whole register file
+# FP8: warpgroup 1's and the transposer's registers; warpgroup 0 gets what they leave, 240. Of the splits that fit,
+# the one where ptxas spills least (`tools/compile_sm90.py`).
+WORKER_REGS8 = gl.constexpr(232)
+TRANSPOSER_REGS = gl.constexpr(32)
 IO_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))  # global loads
 # A [64 keys, 128] chunk of an e4m3 latent block as `_transpose` holds it: a thread has 16 dims (one 16-byte shared
 # load) of 4 keys, a warp's lanes 16 key groups side by side, so that its stores fill whole 64-key rows of the
@@ -150,10 +156,9 @@ def _rope_query(q_rope_ptr, q_rope_s, t, head_block, num_heads, stride_qr_t, str
 
 
 @gluon.jit
-def _scores(q_lo, q_hi, q_rope, kv_lo, kv_hi, kv_rope, lo_ready, hi_ready, phase, own, own_t, FP8: gl.constexpr):
+def _scores(q_lo, q_hi, q_rope, kv_lo, kv_hi, kv_rope, lo_ready, hi_ready, phase, FP8: gl.constexpr):
     """Raw scores [64, 64] float32 of the block in a stage (kv_lo, kv_hi, kv_rope: its parts), each part's wgmma
-    issued once its TMA barrier (phase) says it has landed. FP8: while they run, this warpgroup's latent half of the
-    block (`own`, kv_lo or kv_hi) is transposed into `own_t` for its P V."""
+    issued once its TMA barrier (phase) says it has landed."""
     mbarrier.wait(lo_ready, phase)
     scores = warpgroup_mma(q_lo, kv_lo.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_N], gl.float32,
                                                                  _mma_layout(BLOCK_N, FP8)),
@@ -161,8 +166,6 @@ def _scores(q_lo, q_hi, q_rope, kv_lo, kv_hi, kv_rope, lo_ready, hi_ready, phase
     mbarrier.wait(hi_ready, phase)
     scores = warpgroup_mma(q_hi, kv_hi.permute((1, 0)), scores, is_async=True)
     scores = warpgroup_mma(q_rope, kv_rope.permute((1, 0)), scores, is_async=True)
-    if FP8:
-        _transpose(own, own_t)
     return warpgroup_mma_wait(num_outstanding=0, deps=(scores,))
 
 
@@ -203,6 +206,24 @@ def _opaque_zero(j):
 
 
 @gluon.jit
+def _transposer(kv_lo, kv_hi, v_lo, v_hi, bars, v_ready, v_free, first, last):
+    """FP8's third warpgroup: each block's latent halves transposed into v_lo / v_hi (the P V operands) once its
+    stage has landed and the wgmmas that read the stage's previous copies have retired (v_free, one arrival from
+    each warpgroup), then v_ready."""
+    for k in range(last - first):
+        s = k % 2
+        n = k // 2
+        mbarrier.wait(bars.index(s), n & 1)  # the stage's low half
+        mbarrier.wait(bars.index(2 + s), n & 1)  # its high half and rope key
+        if k >= 2:
+            mbarrier.wait(v_free.index(s), (n - 1) & 1)
+        _transpose(kv_lo.index(s), v_lo.index(s))
+        _transpose(kv_hi.index(s), v_hi.index(s))
+        fence_async_shared()
+        release(v_ready.index(s))
+
+
+@gluon.jit
 def _v_operand(v, FP8: gl.constexpr):
     """A P V wgmma's B operand [64 keys, 256] from a latent half's buffer: the stage's own (16-bit), or its
     transposed copy [256, 64 keys] (FP8)."""
@@ -224,9 +245,10 @@ def _score_operands(q_rope_ptr, q_rope_s, s_qscale, t, head_block, num_heads, st
 
 @gluon.jit
 def _warpgroup0(q, q_rope_s, kv_lo, kv_hi, kv_rope, v_lo, p_smem, p_own, s_max, s_scale1, s_l, s_qscale, bars,
-                latent_desc, kv_ptr, q_rope_ptr, out_ptr, lse_ptr, block_table_row, stride_kv, t, head_block, split,
-                num_heads, stride_qr_t, stride_qr_h, stride_o_t, stride_o_h, stride_o_s, stride_lse_t, stride_lse_h,
-                first, last, full, kv_len, qk_scale, kv_scale, R: gl.constexpr, P: gl.constexpr,
+                v_ready, v_free, latent_desc, kv_ptr, q_rope_ptr, out_ptr, lse_ptr, block_table_row, stride_kv, t,
+                head_block, split, num_heads, stride_qr_t, stride_qr_h, stride_o_t, stride_o_h, stride_o_s,
+                stride_lse_t, stride_lse_h, first, last, full, kv_len, qk_scale, kv_scale, R: gl.constexpr,
+                P: gl.constexpr,
                 PAGE_SIZE: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr):
     """Blocks first, first + 2, ...: their scores and softmax, and the output's low latent half over every block.
     v_lo: the low halves' P V operands (`_v_operand`); p_own (FP8): P0 in e4m3 for this warpgroup's own wgmma."""
@@ -242,7 +264,7 @@ def _warpgroup0(q, q_rope_s, kv_lo, kv_hi, kv_rope, v_lo, p_smem, p_own, s_max, 
     acc = gl.zeros([BLOCK_H, R // 2], gl.float32, _mma_layout(R // 2, FP8))
     denom = gl.zeros([BLOCK_H], gl.float32, ROW_S)
     scores = _scores(q.index(0), q.index(1), q_rope, kv_lo.index(0), kv_hi.index(0), kv_rope.index(0), lo_ready,
-                     hi_ready, 0, kv_lo.index(0), v_lo.index(0), FP8)
+                     hi_ready, 0, FP8)
     for j in range(gl.cdiv(last - first, 2)):
         z = _opaque_zero(j)
         b = first + 2 * j
@@ -264,15 +286,15 @@ def _warpgroup0(q, q_rope_s, kv_lo, kv_hi, kv_rope, v_lo, p_smem, p_own, s_max, 
             p_own.store(p0.to(p_smem.dtype))
             fence_async_shared()
             gl.thread_barrier()
+            mbarrier.wait(v_ready.index(z), j & 1)
             acc = warpgroup_mma(p_own, _v_operand(v_lo.index(z), FP8), acc, is_async=True)
-            if second:  # block b + 1's low half, while the wgmma runs: landed when warpgroup 1 scored it
-                mbarrier.wait(bars.index(1), j & 1)
-                _transpose(kv_lo.index(z + 1), v_lo.index(z + 1))
         else:
             acc = warpgroup_mma(gl.convert_layout(p0, _a_operand(R // 2, FP8)), kv_lo.index(z), acc, is_async=True)
         mbarrier.wait(scale1_ready, j & 1)
         scale1 = s_scale1.load(ROW_S)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        if FP8:
+            release(v_free.index(z))
         # Stage 0's low half is read by no one else: it refills with block b + 2 now.
         _fill_part(latent_desc, kv_ptr, kv_lo.index(z), lo_ready, block_table_row, stride_kv, b + 2, last, full,
                    kv_len, 0, R // 2, PAGE_SIZE)
@@ -283,13 +305,17 @@ def _warpgroup0(q, q_rope_s, kv_lo, kv_hi, kv_rope, v_lo, p_smem, p_own, s_max, 
         acc = acc * gl.convert_layout(scale1, ROW_O)[:, None]
         if second:
             mbarrier.wait(p1_ready, j & 1)
+            if FP8:
+                mbarrier.wait(v_ready.index(z + 1), j & 1)
             acc = warpgroup_mma(p_smem.index(z + 1), _v_operand(v_lo.index(z + 1), FP8), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            if FP8:
+                release(v_free.index(z + 1))
             _fill_part(latent_desc, kv_ptr, kv_lo.index(z + 1), bars.index(1), block_table_row, stride_kv, b + 3, last,
                        full, kv_len, 0, R // 2, PAGE_SIZE)
         if b + 2 < last:
             scores = _scores(q.index(z), q.index(z + 1), q_rope, kv_lo.index(z), kv_hi.index(z), kv_rope.index(z),
-                             lo_ready, hi_ready, (j + 1) & 1, kv_lo.index(z), v_lo.index(z), FP8)
+                             lo_ready, hi_ready, (j + 1) & 1, FP8)
 
     # Both halves' sums at the pair's final max: warpgroup 1's is added here, and the total goes back to it.
     mbarrier.wait(l1_ready, 0)
@@ -307,7 +333,8 @@ def _warpgroup0(q, q_rope_s, kv_lo, kv_hi, kv_rope, v_lo, p_smem, p_own, s_max, 
 
 
 @gluon.jit
-def _warpgroup1(q, q_rope_s, kv_lo, kv_hi, kv_rope, v_hi, p_smem, s_max, s_scale1, s_l, s_qscale, bars, latent_desc,
+def _warpgroup1(q, q_rope_s, kv_lo, kv_hi, kv_rope, v_hi, p_smem, s_max, s_scale1, s_l, s_qscale, bars, v_ready,
+                v_free, latent_desc,
                 rope_desc, kv_ptr, q_rope_ptr, out_ptr, block_table_row, stride_kv, t, head_block, split, num_heads,
                 stride_qr_t, stride_qr_h, stride_o_t, stride_o_h, stride_o_s, first, last, full, kv_len, qk_scale,
                 kv_scale, R: gl.constexpr, P: gl.constexpr, PAGE_SIZE: gl.constexpr, FP8: gl.constexpr):
@@ -327,14 +354,11 @@ def _warpgroup1(q, q_rope_s, kv_lo, kv_hi, kv_rope, v_hi, p_smem, s_max, s_scale
     scores = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, _mma_layout(BLOCK_N, FP8))
     if first + 1 < last:
         scores = _scores(q.index(0), q.index(1), q_rope, kv_lo.index(1), kv_hi.index(1), kv_rope.index(1), lo_ready,
-                         hi_ready, 0, kv_hi.index(1), v_hi.index(1), FP8)
+                         hi_ready, 0, FP8)
     for j in range(gl.cdiv(last - first, 2)):
         z = _opaque_zero(j)
         b = first + 2 * j
         second = b + 1 < last
-        if FP8:  # block b's high half, while warpgroup 0 runs its softmax
-            mbarrier.wait(bars.index(2), j & 1)
-            _transpose(kv_hi.index(z), v_hi.index(z))
         mbarrier.wait(scale0_ready, j & 1)
         m0 = s_max.load(ROW_S)
         if second:
@@ -357,6 +381,7 @@ def _warpgroup1(q, q_rope_s, kv_lo, kv_hi, kv_rope, v_hi, p_smem, s_max, s_scale
             if second:
                 p_smem.index(z + 1).store(probs.to(p_smem.dtype))
                 _signal(p1_ready)
+                mbarrier.wait(v_ready.index(z + 1), j & 1)
                 acc = warpgroup_mma(p_smem.index(z + 1), _v_operand(v_hi.index(z + 1), FP8), acc, is_async=True)
                 # Stage 1's high half and rope key are read by no one else now (transposed, scored): they refill
                 # with block b + 3.
@@ -365,9 +390,12 @@ def _warpgroup1(q, q_rope_s, kv_lo, kv_hi, kv_rope, v_hi, p_smem, s_max, s_scale
                 _fill_part(rope_desc, kv_ptr, kv_rope.index(z + 1), hi_ready, block_table_row, stride_kv, b + 3, last,
                            full, kv_len, R, P, PAGE_SIZE)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                release(v_free.index(z + 1))
             mbarrier.wait(p0_ready, j & 1)
+            mbarrier.wait(v_ready.index(z), j & 1)
             acc = warpgroup_mma(p_smem.index(z), _v_operand(v_hi.index(z), FP8), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            release(v_free.index(z))
         elif second:
             p1 = probs.to(p_smem.dtype)
             p_smem.index(z + 1).store(p1)
@@ -393,8 +421,7 @@ def _warpgroup1(q, q_rope_s, kv_lo, kv_hi, kv_rope, v_hi, p_smem, s_max, s_scale
                    kv_len, R, P, PAGE_SIZE)
         if b + 3 < last:
             scores = _scores(q.index(z), q.index(z + 1), q_rope, kv_lo.index(z + 1), kv_hi.index(z + 1),
-                             kv_rope.index(z + 1), lo_ready, hi_ready, (j + 1) & 1, kv_hi.index(z + 1),
-                             v_hi.index(z + 1), FP8)
+                             kv_rope.index(z + 1), lo_ready, hi_ready, (j + 1) & 1, FP8)
 
     s_l.store(denom)
     _signal(l1_ready)
@@ -461,7 +488,12 @@ def _gluon_mla_kernel(
         q_rope_s = gl.allocate_shared_memory(dtype, [BLOCK_H, P], gl.NVMMASharedLayout.get_default_for([BLOCK_H, P],
                                                                                                        dtype))
         p_own = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], p_layout)
-    else:  # the stages' own halves; the rope query and P0 in registers (unused here)
+        v_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        v_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(v_free.index(i), count=2)
+    else:  # the stages' own halves; the rope query and P0 in registers; no transposer (unused here)
         v_lo, v_hi, q_rope_s, p_own = kv_lo, kv_hi, q, p_smem
     # Per head: the running row max, exp2(m0 - m1) of the pair, the row-sum exchange, the query's scale (FP8).
     s_max = gl.allocate_shared_memory(gl.float32, [BLOCK_H], stats_layout)
@@ -473,6 +505,8 @@ def _gluon_mla_kernel(
     bars = gl.allocate_shared_memory(gl.int64, [10, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(10):
         mbarrier.init(bars.index(i), count=2 if i == 2 or i == 3 else 1)
+    if not FP8:
+        v_ready, v_free = bars, bars  # (unused)
     fence_async_shared()
     gl.thread_barrier()
 
@@ -502,16 +536,34 @@ def _gluon_mla_kernel(
     fence_async_shared()
     gl.thread_barrier()
 
-    gl.warp_specialize([
-        (_warpgroup0, (q, q_rope_s, kv_lo, kv_hi, kv_rope, v_lo, p_smem, p_own, s_max, s_scale1, s_l, s_qscale, bars,
-                       latent_desc, kv_ptr, q_rope_ptr, out_ptr, lse_ptr, block_table_row, stride_kv, t, head_block,
-                       split, num_heads, stride_qr_t, stride_qr_h, stride_o_t, stride_o_h, stride_o_s, stride_lse_t,
-                       stride_lse_h, first, last, full, kv_len, qk_scale, kv_scale, R, P, PAGE_SIZE, SPLIT, FP8)),
-        (_warpgroup1, (q, q_rope_s, kv_lo, kv_hi, kv_rope, v_hi, p_smem, s_max, s_scale1, s_l, s_qscale, bars,
-                       latent_desc, rope_desc, kv_ptr, q_rope_ptr, out_ptr, block_table_row, stride_kv, t, head_block,
-                       split, num_heads, stride_qr_t, stride_qr_h, stride_o_t, stride_o_h, stride_o_s, first, last,
-                       full, kv_len, qk_scale, kv_scale, R, P, PAGE_SIZE, FP8)),
-    ], [4], [WORKER_REGS])
+    # The argument lists are written twice: a tuple variable would lose their constexprs.
+    if FP8:
+        gl.warp_specialize([
+            (_warpgroup0, (q, q_rope_s, kv_lo, kv_hi, kv_rope, v_lo, p_smem, p_own, s_max, s_scale1, s_l, s_qscale,
+                           bars, v_ready, v_free, latent_desc, kv_ptr, q_rope_ptr, out_ptr, lse_ptr, block_table_row,
+                           stride_kv, t, head_block, split, num_heads, stride_qr_t, stride_qr_h, stride_o_t,
+                           stride_o_h, stride_o_s, stride_lse_t, stride_lse_h, first, last, full, kv_len, qk_scale,
+                           kv_scale, R, P, PAGE_SIZE, SPLIT, FP8)),
+            (_warpgroup1, (q, q_rope_s, kv_lo, kv_hi, kv_rope, v_hi, p_smem, s_max, s_scale1, s_l, s_qscale, bars,
+                           v_ready, v_free, latent_desc, rope_desc, kv_ptr, q_rope_ptr, out_ptr, block_table_row,
+                           stride_kv, t, head_block, split, num_heads, stride_qr_t, stride_qr_h, stride_o_t,
+                           stride_o_h, stride_o_s, first, last, full, kv_len, qk_scale, kv_scale, R, P, PAGE_SIZE,
+                           FP8)),
+            (_transposer, (kv_lo, kv_hi, v_lo, v_hi, bars, v_ready, v_free, first, last)),
+        ], [4, 4], [WORKER_REGS8, TRANSPOSER_REGS])
+    else:
+        gl.warp_specialize([
+            (_warpgroup0, (q, q_rope_s, kv_lo, kv_hi, kv_rope, v_lo, p_smem, p_own, s_max, s_scale1, s_l, s_qscale,
+                           bars, v_ready, v_free, latent_desc, kv_ptr, q_rope_ptr, out_ptr, lse_ptr, block_table_row,
+                           stride_kv, t, head_block, split, num_heads, stride_qr_t, stride_qr_h, stride_o_t,
+                           stride_o_h, stride_o_s, stride_lse_t, stride_lse_h, first, last, full, kv_len, qk_scale,
+                           kv_scale, R, P, PAGE_SIZE, SPLIT, FP8)),
+            (_warpgroup1, (q, q_rope_s, kv_lo, kv_hi, kv_rope, v_hi, p_smem, s_max, s_scale1, s_l, s_qscale, bars,
+                           v_ready, v_free, latent_desc, rope_desc, kv_ptr, q_rope_ptr, out_ptr, block_table_row,
+                           stride_kv, t, head_block, split, num_heads, stride_qr_t, stride_qr_h, stride_o_t,
+                           stride_o_h, stride_o_s, first, last, full, kv_len, qk_scale, kv_scale, R, P, PAGE_SIZE,
+                           FP8)),
+        ], [4], [WORKER_REGS])
     for i in gl.static_range(10):
         mbarrier.invalidate(bars.index(i))
 
