@@ -42,13 +42,20 @@ class ChosenBackend:
     max_batch_size: int
 
 
+def unchecked(backend: Any, phase: Phase) -> None:
+    """The start-up check of a backend that is not checked."""
+
+
 class RunnerBackends:
     """Every backend of one rank's model, built (and self-checked) at construction. `chosen` lists each
     selection with its reason; the decode backend of the largest batch fixes `page_size`."""
 
     def __init__(self, args: ServerArgs, config: ModelConfig, hardware: Hardware, device: torch.device,
-                 dtype: torch.dtype, kv_dtype: torch.dtype, group: ParallelGroup, dp_size: int, max_batch: int) -> None:
+                 dtype: torch.dtype, kv_dtype: torch.dtype, group: ParallelGroup, dp_size: int, max_batch: int,
+                 self_check: bool = True) -> None:
+        """`self_check`: False builds the first usable candidates unchecked (`precompile`'s replicas)."""
         self.args, self.config, self.hardware, self.device = args, config, hardware, device
+        self.self_check = self_check
         for broken in get_registry().broken:
             logger.warning("plugin %s (package %s) failed to load and is skipped: %s", broken.plugin, broken.package,
                            broken.error)
@@ -138,7 +145,8 @@ class RunnerBackends:
         logged with why."""
         try:
             backend, selection = get_registry().build(kind, phase, batch_size, self.device, spec, requested,  # type: ignore[arg-type]
-                                                      fit_spec, built, check=self_check)
+                                                      fit_spec, built,
+                                                      check=self_check if self.self_check else unchecked)
         except SelectionError as exc:
             raise SelectionError(f"{flag_name}: {exc}") from None
         logger.info("%s %s backend up to %d: %s (%s)", kind, phase.value, batch_size, backend.name, selection.reason)

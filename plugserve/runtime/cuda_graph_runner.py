@@ -111,10 +111,10 @@ class CudaGraphRunner:
                 progress: Callable[[int], None] | None = None) -> None:
         """Capture every size, largest first, into the memory pool `pool_handle` (smaller graphs, and the
         other modes' captured after, reuse its blocks; `init_graph_attention` ran before). Each size runs
-        eagerly twice first: JIT compiles and lazy allocations happen outside the graph."""
+        eagerly first, the first size twice: JIT compiles and lazy allocations happen outside the graph."""
         device = self.inputs.pool.device
         stream = torch.cuda.Stream(device)
-        for size in reversed(self.sizes):
+        for i, size in enumerate(reversed(self.sizes)):
             attention = self.backend_for_size(size)
             batch = self.inputs.batch(self.mode, size)
             if self.dp_real_rows is not None:
@@ -134,13 +134,18 @@ class CudaGraphRunner:
 
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
-                for _ in range(2):
+                for _ in range(2 if i == 0 else 1):
                     run()
             torch.cuda.current_stream(device).wait_stream(stream)
             torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool_handle, stream=stream):
-                outputs = run()
+            # capture_begin / end rather than torch.cuda.graph, which empties the allocator's cache each time.
+            with torch.cuda.stream(stream):
+                graph.capture_begin(pool=pool_handle)
+                try:
+                    outputs = run()
+                finally:
+                    graph.capture_end()
             self._graphs[size] = _Graph(graph, batch, attention, outputs, plan_in_graph)
             if progress is not None:
                 progress(size)

@@ -36,6 +36,7 @@ from typing import TypeVar
 
 from plugserve.core.distributed import SINGLE
 from plugserve.core.tokenizer import EMBEDDED_MODEL_DIR, load_tokenizer
+from plugserve.runtime import precompile
 from plugserve.runtime.dp_scheduler import DPScheduler
 from plugserve.runtime.grammar import GrammarCompiler, GrammarError, grammar_of
 from plugserve.runtime.isolation import FaultHook
@@ -137,7 +138,8 @@ class Engine:
         if self.ranks is not None:
             self.ranks.watch(self._rank_exited)
         try:
-            self.runner = build_runner(args, self.ranks.group if self.ranks is not None else SINGLE)
+            self.runner = build_runner(args, self.ranks.group if self.ranks is not None else SINGLE,
+                                       before_sizing=precompile.wait)
         except BaseException:
             if self.ranks is not None:
                 self.ranks.stop(None)

@@ -101,10 +101,13 @@ def device_memory(device: torch.device) -> tuple[int, int]:
 
 
 class ModelRunner:
-    def __init__(self, args: ServerArgs, group: ParallelGroup = SINGLE, graph_plans: GraphPlans | None = None
-                 ) -> None:
+    def __init__(self, args: ServerArgs, group: ParallelGroup = SINGLE, graph_plans: GraphPlans | None = None,
+                 self_check: bool = True, before_sizing: Callable[[], None] | None = None) -> None:
         """`group`: the tensor-parallel ranks, this process's rank among them (SINGLE: one process).
-        `graph_plans`: the forwards to capture in CUDA graphs (default: the target's DECODE)."""
+        `graph_plans`: the forwards to capture in CUDA graphs (default: the target's DECODE). `self_check`: False
+        only in `precompile`'s replicas, whose backends are the server's, checked there. `before_sizing`: called
+        once the weights are loaded, before the device's memory is measured (the engine waits there for
+        `precompile`'s processes, which hold some of it)."""
         if group.world_size != args.tp_size:
             raise ValueError(f"{flag('tp_size')} {args.tp_size} needs one ModelRunner per rank, in a world of that "
                              f"size (the Engine starts them), not one in a world of {group.world_size}")
@@ -131,7 +134,7 @@ class ModelRunner:
                 raise ValueError(f"{flag('disable_shared_experts_overlap')} needs a CUDA device: the CPU has no "
                                  "streams")
         self.backends = RunnerBackends(args, self.config, self.hardware, self.device, self.dtype, self.kv_dtype, group,
-                                       self.dp_size, self.max_running_requests)
+                                       self.dp_size, self.max_running_requests, self_check)
         self.page_size = self.backends.page_size
         self.model = load_model(self.config, self.backends.model, model_path=args.model_dir,
                                 checkpoint_layers=checkpoint_layers, load_format=args.load_format, dtype=self.dtype,
@@ -156,6 +159,8 @@ class ModelRunner:
                                             pages_needed(self.context_length + 1 + lookahead, self.page_size),
                                             self.device)
         self.graph_plans = graph_plans or decode_graph_plans()
+        if before_sizing is not None:
+            before_sizing()
         graph_bytes = self._graph_bytes(self.graph_max_bs) if self.graph_max_bs and self.graph_plans.plans else 0
         self.max_total_tokens = self._kv_tokens(graph_bytes)
         num_pages = self.max_total_tokens // self.page_size
@@ -248,11 +253,13 @@ class ModelRunner:
 
     # -- graphs --------------------------------------------------------------------------------------
 
-    def capture_graphs(self) -> None:
-        """Capture `graph_plans` at every size up to the largest graph batch (`CudaGraphs.capture`)."""
+    def capture_graphs(self, part: tuple[int, int] | None = None) -> None:
+        """Capture `graph_plans` at every size up to the largest graph batch (`CudaGraphs.capture`); `part` (k, n):
+        at every n-th size from the k-th only."""
+        sizes = capture_sizes(self.graph_max_bs)
         with batch_invariant(self.args.enable_deterministic_inference):
-            self.graphs.capture(self.graph_plans, capture_sizes(self.graph_max_bs), self.backends, self.model,
-                                self.sample_vocab, (self.config.hidden_size, self.dtype), self.pool,
+            self.graphs.capture(self.graph_plans, sizes if part is None else sizes[part[0]::part[1]], self.backends,
+                                self.model, self.sample_vocab, (self.config.hidden_size, self.dtype), self.pool,
                                 self.padding_page, min(self.block_table.max_pages, self.allocator.num_pages),
                                 self.dp_size)
 

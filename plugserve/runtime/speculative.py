@@ -99,11 +99,13 @@ if TYPE_CHECKING:
     from plugserve.runtime.request import Request
 
 
-def build_runner(args: ServerArgs, group: ParallelGroup = SINGLE) -> ModelRunner:
+def build_runner(args: ServerArgs, group: ParallelGroup = SINGLE, before_sizing: Callable[[], None] | None = None
+                 ) -> ModelRunner:
     """This rank's ModelRunner, capturing the speculative round's forwards (`graph_plans`) when `args` asks for
-    speculative decoding (checked first: `check_runner`)."""
+    speculative decoding (checked first: `check_runner`); `before_sizing` as ModelRunner's."""
     spec = args.speculative
-    runner = ModelRunner(args, group, graph_plans(spec, args.dp_attention_size) if spec is not None else None)
+    runner = ModelRunner(args, group, graph_plans(spec, args.dp_attention_size) if spec is not None else None,
+                         before_sizing=before_sizing)
     if spec is not None:
         check_runner(runner, spec)
     return runner

@@ -25,13 +25,15 @@ WARMUP_MIN_PREFILL_TOKENS = 16
 
 
 @torch.inference_mode()
-def warm_up(runner: ModelRunner, on_late_compile: Callable[[], None] | None = None) -> None:
+def warm_up(runner: ModelRunner, on_late_compile: Callable[[], None] | None = None,
+            part: tuple[int, int] | None = None) -> None:
     """Before serving: every prefill bucket's backend on a prompt of its size and of each power of two below
     it down to WARMUP_MIN_PREFILL_TOKENS (and an extension of each over the cached prefix), every decode
     bucket's eagerly (with speculative decoding, the NextN layer after each prefill and a round's forwards
     at each decode batch size), then the CUDA graphs. JIT compiles, autotuning and FlashInfer plans happen
     here, not in a request. After it, each Triton kernel compiled is logged and `on_late_compile` called
-    (`report_late_triton_compiles`)."""
+    (`report_late_triton_compiles`). `part` (k, n): only every n-th shape and graph size from the k-th, quietly
+    (`precompile`'s processes split the warm-up so)."""
     prefill_buckets, decode_buckets = runner.backends.prefill_buckets, runner.backends.decode_buckets
     cap = WARMUP_PREFILL_TOKENS if runner.device.type == "cuda" else CPU_WARMUP_TOKENS
     largest = min(prefill_buckets[-1].max_size, cap,
@@ -50,6 +52,12 @@ def warm_up(runner: ModelRunner, on_late_compile: Callable[[], None] | None = No
                   for b in decode_buckets]
     if runner.args.skip_server_warmup:  # --skip-server-warmup: each shape compiles on its first request instead
         steps = []
+    if part is not None:
+        for step in steps[part[0]::part[1]]:
+            step()
+        if runner.graph_max_bs:
+            runner.capture_graphs(part)
+        return
     for step in track(steps, len(steps), "warm-up", "shapes"):
         step()
     if runner.graph_max_bs:

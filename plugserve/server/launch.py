@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 from pydantic import ValidationError
 
+from plugserve.runtime import precompile
 from plugserve.runtime.server_args import CHOICES, ServerArgs, describe_validation_error, flag
 
 if TYPE_CHECKING:
@@ -238,10 +239,6 @@ def server_args_from(namespace: argparse.Namespace, parser: argparse.ArgumentPar
 def serve(args: ServerArgs) -> None:
     """Serve until SIGTERM / SIGINT (exit 0 after the graceful shutdown) or until the scheduler loop dies
     (exit 1, so that a supervisor restarts the server). Ends the process."""
-    from plugserve.registry import SelectionError
-    from plugserve.runtime.engine import Engine, served_model_names
-    from plugserve.server.app import create_app
-
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for notice in args.notices():
         logger.warning(notice)
@@ -254,6 +251,11 @@ def serve(args: ServerArgs) -> None:
         _exit(0 if error is None else 1)
     sock = listen_socket(args.host, args.port)  # before the minutes of loading: a busy port fails at once
     started = time.perf_counter()
+    precompile.start(args)  # before this process's imports: the compiling processes import torch meanwhile
+    from plugserve.registry import SelectionError
+    from plugserve.runtime.engine import Engine, served_model_names
+    from plugserve.server.app import create_app
+
     logger.info("loading model %s from %s", served_model_names(args)[0],
                 args.model_dir or f"--model-preset {args.model_preset} (random weights)")
     try:

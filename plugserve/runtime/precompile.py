@@ -1,0 +1,121 @@
+"""A cold start's Triton compiles, ahead, in processes of their own.
+
+A cold start on a GPU compiles some fifty Triton kernels, one at a time: Triton's compiler holds the GIL, so
+threads do not help. At `serve`'s first line, on a GPU whose Triton cache has not yet seen this server's kernels,
+`start` spawns up to COMPILE_PROCESSES processes. Each builds a replica of the model with the server's flags but
+only its first dense and first MoE layer (no kernel's shapes depend on the depth), random weights, no self-checks
+and a KV pool as wide as the server's block table, and runs its share of the warm-up's shapes and CUDA graphs
+(`warmup.warm_up`'s `part`). Each launch compiles into Triton's on-disk cache, where the server's own launches then
+find it. The runner waits for the processes before it measures the device's memory (`wait`). A marker in the cache,
+named by the flags, the GPU, Triton's version and plugserve's sources, skips them on later starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import logging
+import multiprocessing
+import os
+import time
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+
+from plugserve.runtime.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+COMPILE_PROCESSES = 8  # at most; each imports torch and holds a CUDA context
+COMPILE_TIMEOUT_S = 300.0  # a process still compiling then is ended: the warm-up compiles what it left
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # the driver's GPUs, read without initializing CUDA
+
+_started: list[BaseProcess] = []
+_marker: Path | None = None
+_start_time = 0.0
+
+
+def start(args: ServerArgs) -> None:
+    """Spawn the compiling processes for a one-process server on a GPU (no --tp-size, no DP attention, a warm-up
+    to speed up), unless the marker of an earlier start is in Triton's cache. Cheap where it does nothing: it reads
+    no CUDA state, so a server on the CPU pays a few file reads."""
+    global _marker, _start_time
+    gpu = gpu_model(args.device)
+    if gpu is None or args.tp_size > 1 or args.dp_attention_size > 1 or args.skip_server_warmup or _started:
+        return
+    marker = compiled_marker(args, gpu)
+    if marker.exists():
+        return
+    parts = min(COMPILE_PROCESSES, max(1, (os.cpu_count() or 2) // 2))
+    spawn = multiprocessing.get_context("spawn")  # a fresh CUDA context each, nothing of this process's
+    _started.extend(spawn.Process(target=compile_share, args=(args, k, parts), daemon=True, name=f"compile-{k}")
+                    for k in range(parts))
+    for process in _started:
+        process.start()
+    _marker, _start_time = marker, time.perf_counter()
+    logger.info("compiling the warm-up's kernels ahead in %d processes (a first start on this GPU)", parts)
+
+
+def wait() -> None:
+    """Wait for the processes `start` spawned (none: return at once); leave the marker when all finished."""
+    if not _started:
+        return
+    for process in _started:
+        process.join(max(0.0, COMPILE_TIMEOUT_S - (time.perf_counter() - _start_time)))
+        if process.is_alive():
+            process.kill()
+            process.join()
+    failed = [f"{p.name} (exit code {p.exitcode})" for p in _started if p.exitcode]
+    if failed:
+        logger.warning("compiling ahead failed in %s; the warm-up compiles what they left", ", ".join(failed))
+    elif _marker is not None:
+        _marker.parent.mkdir(parents=True, exist_ok=True)
+        _marker.touch()
+    logger.info("kernels compiled ahead in %.1f s", time.perf_counter() - _start_time)
+    _started.clear()
+
+
+def gpu_model(device: str) -> str | None:
+    """The model name of the first NVIDIA GPU this process would use under --device `device`, from the driver's
+    files (CUDA is not initialized); None on the CPU or where no GPU is visible."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if device == "cpu" or visible in ("", "-1") or not NVIDIA_GPUS.is_dir():
+        return None
+    for info in sorted(NVIDIA_GPUS.glob("*/information")):
+        for line in info.read_text(errors="replace").splitlines():
+            if line.startswith("Model:"):
+                return line.split(":", 1)[1].strip()
+    return None
+
+
+def compiled_marker(args: ServerArgs, gpu: str) -> Path:
+    """The file a finished compile-ahead leaves in Triton's cache directory, named by what the kernels depend on:
+    the flags, the GPU, Triton's version and plugserve's sources (a change to any, or an emptied cache, compiles
+    anew)."""
+    digest = hashlib.sha256()
+    for part in (args.model_dump_json(exclude={"host", "port", "api_key", "log_level"}), gpu,
+                 importlib.metadata.version("triton")):
+        digest.update(part.encode())
+    package = Path(__file__).resolve().parents[1]
+    for source in sorted(package.rglob("*.py")):
+        digest.update(source.read_bytes())
+    root = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    return root / f"plugserve-compiled-{digest.hexdigest()[:32]}"
+
+
+def compile_share(args: ServerArgs, part: int, parts: int) -> None:
+    """A compiling process: the replica of `args`'s model (see the module's docstring) warmed up at its share of the
+    shapes, `part` of `parts`."""
+    logging.basicConfig(level=logging.ERROR)
+    from plugserve.core.loader import read_config
+    from plugserve.runtime.backends import WARMUP_PREFILL_TOKENS
+    from plugserve.runtime.model_runner import ModelRunner, context_length
+    from plugserve.runtime.warmup import warm_up
+
+    config, _ = read_config(args.model_dir, args.model_preset, args.quantization, args.num_layers)
+    layers = config.first_k_dense_replace + 1 if config.n_routed_experts else 1
+    # Pages for the block table's widest row (the graphs' tables are as wide) and the warm-up's longest prompt.
+    tokens = context_length(args, config.max_position_embeddings) + 2 * WARMUP_PREFILL_TOKENS
+    replica = args.model_copy(update={"num_layers": min(layers, config.num_hidden_layers), "load_format": "dummy",
+                                      "max_total_tokens": tokens, "mem_fraction_static": None})
+    runner = ModelRunner(replica, self_check=False)
+    warm_up(runner, part=(part, parts))
