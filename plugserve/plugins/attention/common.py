@@ -68,6 +68,12 @@ def gluon_runs_on(capability: tuple[int, int] | None) -> bool:
 
 
 @triton.jit
+def saturate_to_f16(x):
+    """x (bfloat16) as float16, beyond float16's range clamped to its largest finite value rather than inf."""
+    return tl.clamp(x.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+
+
+@triton.jit
 def mla_program(num_heads, num_splits, min_split_blocks, token_req_ptr, token_kv_len_ptr, BLOCK_H: tl.constexpr,
                 BLOCK_N: tl.constexpr):
     """This MLA decode program's work, the same for `mla_decode`'s Triton kernel and `gluon_mla`'s (one program per

@@ -19,11 +19,14 @@ past a token's own changing nothing: a row's sums are the same ops alone, in any
 or inside a prefill.
 
 Softmaxes run in base 2 (scores scaled by sm_scale * log2(e)); accumulation is float32. An fp8 (e4m3) pool is
-upcast to q's dtype tile by tile in registers; its per-tensor scale s enters the scores' scale (q . s k = s (q . k))
-and the output (sum p s v = s sum p v), so no tile is multiplied. Per-batch counts and the
-strides that follow them are `do_not_specialize_on_alignment`, so that no new variant compiles inside a request
-after the warm-up. Both kernels launch as programmatic dependents on Hopper and newer (`plugserve.core.triton_pdl`).
-Imported only once a backend is built: see `common`.
+upcast tile by tile in registers, to q's dtype; under 16-head blocks (V2-Lite, V3 at eight ranks) and a bfloat16 q,
+to float16, and each latent tile is loaded twice, once per dot (`_mla_block`; 32-head blocks would spill): e4m3
+converts to float16 in one instruction a pair (to bfloat16 in several), float16 holds every e4m3 value exactly and
+has more mantissa than bfloat16 (q and the probabilities follow; q saturates at float16's largest finite value).
+The pool's per-tensor scale s enters the scores' scale (q . s k = s (q . k)) and the output (sum p s v = s sum p v),
+so no tile is multiplied. Per-batch counts and the strides that follow them are `do_not_specialize_on_alignment`, so
+that no new variant compiles inside a request after the warm-up. Both kernels launch as programmatic dependents on
+Hopper and newer (`plugserve.core.triton_pdl`). Imported only once a backend is built: see `common`.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from plugserve.plugins.attention.common import (
     launch_first_fitting,
     mla_program,
     pow2_at_least,
+    saturate_to_f16,
 )
 
 # MLA_MIN_SPLIT_KEYS; also enforced in the kernel, for CUDA graphs sized for the longest sequence), at most
@@ -135,6 +139,8 @@ def mla_config(num_heads: int, dtype: torch.dtype, capability: tuple[int, int] |
             config = replace(config, tma=mla_tma_fits(config, kv_lora_rank, rope_dim, page_size, capability))
         return replace(config, gluon=mla_gluon_fits(config, kv_lora_rank, rope_dim, page_size, dtype, capability,
                                                     kv_dtype))
+    if kv_dtype not in (None, dtype) and block_h == MIN_DOT:  # fp8: 64-key blocks on 8 warps (on 4 tiles spill)
+        return MlaConfig(block_h, 64, 8, 5, reload_q=True)
     return MlaConfig(block_h, 2 * block_h, 4 if block_h == MIN_DOT else 8, 5, reload_q=True)
 
 
@@ -244,9 +250,18 @@ def _mla_block(
     under TMA, so that nothing past kv_len enters the dots (0 * inf would poison them). TREE (with MASKED):
     key tree_start + j, a draft-tree node, is seen only where bit j of tree_bits is set. RELOAD_Q: the
     query block is loaded here (q_lo, q_hi, q_rope are None), see `MlaConfig.reload_q`. KV tiles of another dtype
-    than q's (an fp8 pool) are upcast to q's dtype as loaded; the caller applies the pool's scale."""
+    than q's (an fp8 pool) are upcast as loaded (see the module's docstring); the caller applies the pool's
+    scale."""
     if RELOAD_Q:
         q_lo, q_hi, q_rope = _mla_load_q(q_rows, q_rope_rows, head_mask, R, P, HALF_R, BLOCK_P)
+    # An fp8 pool under 16-head blocks: see the module's docstring.
+    fp8_16_heads: tl.constexpr = kv_ptr.dtype.element_ty == tl.float8e4nv and head_mask.shape[0] == 16
+    compute_ty = q_rows.dtype.element_ty
+    if fp8_16_heads and compute_ty == tl.bfloat16:
+        compute_ty = tl.float16
+        q_lo = saturate_to_f16(q_lo)
+        q_hi = saturate_to_f16(q_hi)
+        q_rope = saturate_to_f16(q_rope)
     n = b * BLOCK_N + tl.arange(0, BLOCK_N)
     if TMA and not MASKED:
         # The block lies inside one page, so its rows are contiguous: one page lookup, three boxes.
@@ -255,6 +270,7 @@ def _mla_block(
         lo = kv.load([row, 0])
         hi = kv.load([row, HALF_R])
         rope = kv_rope.load([row, R])
+        lo_v, hi_v = lo, hi
     else:
         r = tl.arange(0, HALF_R)
         p = tl.arange(0, BLOCK_P)
@@ -265,10 +281,17 @@ def _mla_block(
             valid = tl.full([BLOCK_N, 1], 1, tl.int1)
             page = tl.load(block_table_row + n // PAGE_SIZE)
         rows = kv_ptr + (page.to(tl.int64) * PAGE_SIZE + n % PAGE_SIZE)[:, None] * stride_kv
-        q_ty = q_rows.dtype.element_ty
-        lo = tl.load(rows + r[None, :], mask=valid, other=0.0).to(q_ty)
-        hi = tl.load(rows + HALF_R + r[None, :], mask=valid & (HALF_R + r < R)[None, :], other=0.0).to(q_ty)
-        rope = tl.load(rows + R + p[None, :], mask=valid & (p < P)[None, :], other=0.0).to(q_ty)
+        lo_rows, hi_rows = rows + r[None, :], rows + HALF_R + r[None, :]
+        hi_mask = valid & (HALF_R + r < R)[None, :]
+        lo = tl.load(lo_rows, mask=valid, other=0.0, eviction_policy="evict_last").to(compute_ty)
+        hi = tl.load(hi_rows, mask=hi_mask, other=0.0, eviction_policy="evict_last").to(compute_ty)
+        rope = tl.load(rows + R + p[None, :], mask=valid & (p < P)[None, :], other=0.0).to(compute_ty)
+        if fp8_16_heads:  # one load a dot (the second from L2), or the pipeliner keeps the upcast tiles out of
+            # shared memory: no 8-bit layout serves both the transposed score operand and the P V one
+            lo_v = tl.load(lo_rows, mask=valid, other=0.0, eviction_policy="evict_first").to(compute_ty)
+            hi_v = tl.load(hi_rows, mask=hi_mask, other=0.0, eviction_policy="evict_first").to(compute_ty)
+        else:
+            lo_v, hi_v = lo, hi
 
     scores = tl.dot(q_lo, tl.trans(lo), input_precision=INPUT_PRECISION)
     scores = tl.dot(q_hi, tl.trans(hi), scores, input_precision=INPUT_PRECISION)
@@ -289,8 +312,8 @@ def _mla_block(
     probs = tl.exp2(scores - m_ref[:, None])
     denom = denom * alpha + tl.sum(probs, 1)
     probs = probs.to(lo.dtype)
-    acc_lo = tl.dot(probs, lo, acc_lo * alpha[:, None], input_precision=INPUT_PRECISION)
-    acc_hi = tl.dot(probs, hi, acc_hi * alpha[:, None], input_precision=INPUT_PRECISION)
+    acc_lo = tl.dot(probs, lo_v, acc_lo * alpha[:, None], input_precision=INPUT_PRECISION)
+    acc_hi = tl.dot(probs, hi_v, acc_hi * alpha[:, None], input_precision=INPUT_PRECISION)
     return m_new, denom, acc_lo, acc_hi
 
 
