@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from plugserve.core.loader import read_config
 from plugserve.runtime import backends, precompile, warmup
 from plugserve.runtime.model_runner import ModelRunner
 from plugserve.runtime.server_args import ServerArgs
@@ -84,6 +85,42 @@ def test_a_failed_process_leaves_no_marker_and_says_so(tmp_path, monkeypatch, ca
     monkeypatch.setattr(precompile, "_started", [Finished(0)])
     precompile.wait()
     assert marker.exists() and precompile._started == []
+
+
+def test_no_room_beside_the_weights_is_said_and_not_retried(tmp_path, monkeypatch, caplog):
+    class Finished:
+        name, exitcode = "compile-0", precompile.NO_ROOM
+
+        def join(self, timeout: float) -> None:
+            pass
+
+        def is_alive(self) -> bool:
+            return False
+
+    marker = tmp_path / "marker"
+    monkeypatch.setattr(precompile, "_marker", marker)
+    monkeypatch.setattr(precompile, "_started", [Finished()])
+    with caplog.at_level(logging.INFO, logger=precompile.__name__):
+        precompile.wait()
+    assert marker.exists() and "no room on the GPU" in caplog.text and "failed" not in caplog.text
+
+
+def test_gpu_share_leaves_the_servers_weights_and_reserve(monkeypatch):
+    config, _ = read_config(None, "deepseek-v2-lite")
+    gib = 2**30
+    weights = 29.26 * gib  # its bfloat16 parameters, as the meta device counts them
+
+    def free(total: float, used: float = 0.0) -> None:
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (int(total - used), int(total)))
+
+    free(141 * gib)  # an H200 before the server loads: (141 GiB - weights - 10 %) / 8 - 1 GiB each
+    share = precompile.gpu_share(config, torch.bfloat16, 8)
+    assert share is not None and share * 141 * gib == pytest.approx((141 * gib - weights - 14.1 * gib) / 8 - gib,
+                                                                    rel=1e-3)
+    free(40 * gib)  # a 40 GB GPU: what the weights leave is under MIN_SHARE_BYTES a process
+    assert precompile.gpu_share(config, torch.bfloat16, 8) is None
+    free(141 * gib, used=120 * gib)  # another tenant's memory counts too
+    assert precompile.gpu_share(config, torch.bfloat16, 1) is None
 
 
 def test_a_replica_builds_its_backends_unchecked(monkeypatch):
