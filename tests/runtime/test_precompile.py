@@ -64,42 +64,36 @@ def test_no_processes_on_the_cpu_with_several_ranks_or_after_an_earlier_start(gp
     precompile.wait()  # nothing started: returns at once
 
 
+class Exited:
+    """A compiling process that has ended with `exitcode`, as `wait` sees it."""
+
+    def __init__(self, exitcode: int) -> None:
+        self.name, self.exitcode = f"compile-{exitcode}", exitcode
+
+    def join(self, timeout: float) -> None:
+        pass
+
+    def is_alive(self) -> bool:
+        return False
+
+
 def test_a_failed_process_leaves_no_marker_and_says_so(tmp_path, monkeypatch, caplog):
-    class Finished:
-        def __init__(self, exitcode: int) -> None:
-            self.name, self.exitcode = f"compile-{exitcode}", exitcode
-
-        def join(self, timeout: float) -> None:
-            pass
-
-        def is_alive(self) -> bool:
-            return False
-
     marker = tmp_path / "marker"
     monkeypatch.setattr(precompile, "_marker", marker)
-    monkeypatch.setattr(precompile, "_started", [Finished(0), Finished(1)])
+    monkeypatch.setattr(precompile, "_started", [Exited(0), Exited(1)])
     with caplog.at_level(logging.WARNING, logger=precompile.__name__):
         precompile.wait()
     assert not marker.exists()
     assert "compile-1 (exit code 1)" in caplog.text
-    monkeypatch.setattr(precompile, "_started", [Finished(0)])
+    monkeypatch.setattr(precompile, "_started", [Exited(0)])
     precompile.wait()
     assert marker.exists() and precompile._started == []
 
 
 def test_no_room_beside_the_weights_is_said_and_not_retried(tmp_path, monkeypatch, caplog):
-    class Finished:
-        name, exitcode = "compile-0", precompile.NO_ROOM
-
-        def join(self, timeout: float) -> None:
-            pass
-
-        def is_alive(self) -> bool:
-            return False
-
     marker = tmp_path / "marker"
     monkeypatch.setattr(precompile, "_marker", marker)
-    monkeypatch.setattr(precompile, "_started", [Finished()])
+    monkeypatch.setattr(precompile, "_started", [Exited(precompile.NO_ROOM)])
     with caplog.at_level(logging.INFO, logger=precompile.__name__):
         precompile.wait()
     assert marker.exists() and "no room on the GPU" in caplog.text and "failed" not in caplog.text
