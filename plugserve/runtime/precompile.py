@@ -136,7 +136,8 @@ def compile_share(args: ServerArgs, part: int, parts: int) -> None:
     config, _ = read_config(args.model_dir, args.model_preset, args.quantization, args.num_layers)
     device = rank_device(args, 0)
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        if device.index is not None:  # --device cuda:N; plain cuda is the current device already
+            torch.cuda.set_device(device)
         share = gpu_share(config, resolve_dtype(args.dtype, device), parts)
         if share is None:
             sys.exit(NO_ROOM)

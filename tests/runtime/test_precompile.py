@@ -117,6 +117,34 @@ def test_gpu_share_leaves_the_servers_weights_and_reserve(monkeypatch):
     assert precompile.gpu_share(config, torch.bfloat16, 1) is None
 
 
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_a_process_on_a_gpu_takes_its_share_then_warms_a_replica_up(device, monkeypatch):
+    """`compile_share`'s path on a GPU, its CUDA calls faked: the share set as the process's memory fraction, then a
+    runner over a dense and a MoE layer with random weights and a pool as wide as the block table, its part of the
+    warm-up; no share, no runner."""
+    from plugserve.runtime import model_runner
+
+    calls: list[object] = []
+    monkeypatch.setattr(model_runner, "rank_device", lambda args, rank: torch.device(device))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("device", str(d))))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f: calls.append(("fraction", f)))
+    monkeypatch.setattr(model_runner, "ModelRunner", lambda args, self_check: calls.append((args, self_check)))
+    monkeypatch.setattr(warmup, "warm_up", lambda runner, part: calls.append(("part", part)))
+    monkeypatch.setattr(precompile, "gpu_share", lambda config, dtype, parts: None)
+    args = ServerArgs(model_preset="deepseek-v2-lite", load_format="auto")
+    with pytest.raises(SystemExit) as ended:
+        precompile.compile_share(args, 1, 8)
+    assert ended.value.code == precompile.NO_ROOM
+    assert calls == ([("device", "cuda:1")] if device == "cuda:1" else [])
+    calls.clear()
+    monkeypatch.setattr(precompile, "gpu_share", lambda config, dtype, parts: 0.07)
+    precompile.compile_share(args, 1, 8)
+    fraction, (replica, checked), part = calls[-3:]
+    assert fraction == ("fraction", 0.07) and part == ("part", (1, 8)) and checked is False
+    assert (replica.num_layers, replica.load_format) == (2, "dummy")  # V2-Lite: one dense layer, then MoE
+    assert replica.max_total_tokens > 163840  # its context: the graphs' block tables are as wide
+
+
 def test_a_replica_builds_its_backends_unchecked(monkeypatch):
     def refuse(backend, phase):
         raise AssertionError("a replica ran a self-check")
