@@ -1,14 +1,14 @@
 """A cold start's Triton compiles, ahead, in processes of their own.
 
 A cold start on a GPU compiles some fifty Triton kernels, one at a time: Triton's compiler holds the GIL, so
-threads do not help. At `serve`'s first line, on a GPU whose Triton cache has not yet seen this server's kernels,
+threads do not help. As `serve` starts, on a GPU whose Triton cache has not yet seen this server's kernels,
 `start` spawns up to COMPILE_PROCESSES processes. Each builds a replica of the model with the server's flags but
 only its first dense and first MoE layer (no kernel's shapes depend on the depth), random weights, no self-checks
 and a KV pool as wide as the server's block table, and runs its share of the warm-up's shapes and CUDA graphs
 (`warmup.warm_up`'s `part`), within a share of the GPU's memory that leaves the server room for its weights
 (`gpu_share`). Each launch compiles into Triton's on-disk cache, where the server's own launches then find it. The
-runner waits for the processes before it measures the device's memory (`wait`). A marker in the cache,
-named by the flags, the GPU, Triton's version and plugserve's sources, skips them on later starts.
+engine's runner waits for the processes before it measures the device's memory (`wait`, its `before_sizing`). A
+marker in the cache, named by the flags, the GPU, Triton's version and plugserve's sources, skips them later.
 """
 
 from __future__ import annotations
