@@ -44,53 +44,54 @@ MIN_SHARE_BYTES = 4 * 2**30
 NO_ROOM = 3  # a process's exit code when its share was too small, or ran out
 NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # the driver's GPUs, read without initializing CUDA
 
-_started: list[BaseProcess] = []
-_marker: Path | None = None
-_start_time = 0.0
+# What `start` began and `wait` ends: the processes, the marker they leave when all finish, when they started.
+processes: list[BaseProcess] = []
+pending_marker: Path | None = None
+started_at = 0.0
 
 
 def start(args: ServerArgs) -> None:
     """Spawn the compiling processes for a one-process server on a GPU (no --tp-size, no DP attention, a warm-up
     to speed up), unless the marker of an earlier start is in Triton's cache. Cheap where it does nothing: it reads
     no CUDA state, so a server on the CPU pays a few file reads."""
-    global _marker, _start_time
+    global pending_marker, started_at
     gpu = gpu_model(args.device)
-    if gpu is None or args.tp_size > 1 or args.dp_attention_size > 1 or args.skip_server_warmup or _started:
+    if gpu is None or args.tp_size > 1 or args.dp_attention_size > 1 or args.skip_server_warmup or processes:
         return
     marker = compiled_marker(args, gpu)
     if marker.exists():
         return
     parts = min(COMPILE_PROCESSES, max(1, (os.cpu_count() or 2) // 2))
     spawn = multiprocessing.get_context("spawn")  # a fresh CUDA context each, nothing of this process's
-    _started.extend(spawn.Process(target=compile_share, args=(args, k, parts), daemon=True, name=f"compile-{k}")
+    processes.extend(spawn.Process(target=compile_share, args=(args, k, parts), daemon=True, name=f"compile-{k}")
                     for k in range(parts))
-    for process in _started:
+    for process in processes:
         process.start()
-    _marker, _start_time = marker, time.perf_counter()
+    pending_marker, started_at = marker, time.perf_counter()
     logger.info("compiling the warm-up's kernels ahead in %d processes (a first start on this GPU)", parts)
 
 
 def wait() -> None:
     """Wait for the processes `start` spawned (none: return at once); leave the marker when all finished."""
-    if not _started:
+    if not processes:
         return
-    for process in _started:
-        process.join(max(0.0, COMPILE_TIMEOUT_S - (time.perf_counter() - _start_time)))
+    for process in processes:
+        process.join(max(0.0, COMPILE_TIMEOUT_S - (time.perf_counter() - started_at)))
         if process.is_alive():
             process.kill()
             process.join()
-    failed = [f"{p.name} (exit code {p.exitcode})" for p in _started if p.exitcode not in (0, NO_ROOM)]
-    crowded = [p.name for p in _started if p.exitcode == NO_ROOM]
+    failed = [f"{p.name} (exit code {p.exitcode})" for p in processes if p.exitcode not in (0, NO_ROOM)]
+    crowded = [p.name for p in processes if p.exitcode == NO_ROOM]
     if failed:
         logger.warning("compiling ahead failed in %s; the warm-up compiles what they left", ", ".join(failed))
-    elif _marker is not None:  # no room is no reason to try again: the GPU and the weights stay the same
-        _marker.parent.mkdir(parents=True, exist_ok=True)
-        _marker.touch()
+    elif pending_marker is not None:  # no room is no reason to try again: the GPU and the weights stay the same
+        pending_marker.parent.mkdir(parents=True, exist_ok=True)
+        pending_marker.touch()
     if crowded:
         logger.info("%s found no room on the GPU beside the server's weights; the warm-up compiles their share",
                     ", ".join(crowded))
-    logger.info("kernels compiled ahead in %.1f s", time.perf_counter() - _start_time)
-    _started.clear()
+    logger.info("kernels compiled ahead in %.1f s", time.perf_counter() - started_at)
+    processes.clear()
 
 
 def gpu_model(device: str) -> str | None:

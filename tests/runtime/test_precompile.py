@@ -79,21 +79,21 @@ class Exited:
 
 def test_a_failed_process_leaves_no_marker_and_says_so(tmp_path, monkeypatch, caplog):
     marker = tmp_path / "marker"
-    monkeypatch.setattr(precompile, "_marker", marker)
-    monkeypatch.setattr(precompile, "_started", [Exited(0), Exited(1)])
+    monkeypatch.setattr(precompile, "pending_marker", marker)
+    monkeypatch.setattr(precompile, "processes", [Exited(0), Exited(1)])
     with caplog.at_level(logging.WARNING, logger=precompile.__name__):
         precompile.wait()
     assert not marker.exists()
     assert "compile-1 (exit code 1)" in caplog.text
-    monkeypatch.setattr(precompile, "_started", [Exited(0)])
+    monkeypatch.setattr(precompile, "processes", [Exited(0)])
     precompile.wait()
-    assert marker.exists() and precompile._started == []
+    assert marker.exists() and precompile.processes == []
 
 
 def test_no_room_beside_the_weights_is_said_and_not_retried(tmp_path, monkeypatch, caplog):
     marker = tmp_path / "marker"
-    monkeypatch.setattr(precompile, "_marker", marker)
-    monkeypatch.setattr(precompile, "_started", [Exited(precompile.NO_ROOM)])
+    monkeypatch.setattr(precompile, "pending_marker", marker)
+    monkeypatch.setattr(precompile, "processes", [Exited(precompile.NO_ROOM)])
     with caplog.at_level(logging.INFO, logger=precompile.__name__):
         precompile.wait()
     assert marker.exists() and "no room on the GPU" in caplog.text and "failed" not in caplog.text
@@ -177,7 +177,7 @@ def test_start_spawns_replicas_that_warm_up_and_leave_the_marker(gpu_files, tmp_
     monkeypatch.setattr(precompile, "COMPILE_PROCESSES", 1)
     args = ServerArgs(model_preset="tiny", max_total_tokens=512)
     precompile.start(args)
-    assert [p.name for p in precompile._started] == ["compile-0"]
+    assert [p.name for p in precompile.processes] == ["compile-0"]
     precompile.wait()
     assert precompile.compiled_marker(args, "NVIDIA H200").exists()
 
@@ -193,7 +193,7 @@ def test_on_a_gpu_the_warm_up_finds_every_kernel_compiled(tmp_path):
         from plugserve.runtime.server_args import ServerArgs
         args = ServerArgs(model_preset="tiny", cuda_graph_max_bs=8)
         precompile.start(args)
-        assert precompile._started, "no compiling processes started"
+        assert precompile.processes, "no compiling processes started"
         runner = ModelRunner(args, before_sizing=precompile.wait)
         cache = sys.argv[1]
         before = set(os.listdir(cache))
