@@ -406,7 +406,7 @@ class Scheduler:
         sample = result.wait()
         tokens, logprobs, tops, counts = sample.runs()
         verified = sample.accept_lens is not None
-        row = appended = 0
+        row, appended, sampled = 0, 0, []  # sampled: their outputs go once the metrics count the batch's tokens
         for index, (request, was_sampled, end) in enumerate(zip(batch.requests, batch.sampled, batch.ends,
                                                                 strict=True)):
             if not request.finished:  # its KV is written now (none if it was retracted since: pages given back)
@@ -421,21 +421,26 @@ class Scheduler:
                         appended += 1
                         if request.finished:
                             break
-                    self._emit(request)
+                    sampled.append(request)
                     if verified and not request.finished:
                         self._trim_pages(request)
-                # Prompt pages are shared at once (concurrent requests with the prompt reuse them); pages filled
-                # by decoding are cached when the request releases them: inserting a running sequence's path
-                # at every decode step cost more host time than the step's GPU work at batch 64.
+                # Prompt pages are shared at once (concurrent requests reuse them); decoded pages when the request
+                # releases them: inserting a running path every step cost more host time than a batch-64 step.
                 if not request.finished and batch.prefills(index):
                     self._cache_prefix(request)
             except Exception as exc:
+                sampled = [r for r in sampled if r is not request]  # it ends with the error instead
                 self._fail(request, "its output was processed", exc)
             row += was_sampled
         if self.metrics:
             self.metrics.observe_batch(appended, batch.mode is not ForwardMode.EXTEND, self.gauges)
             if verified:
                 self.metrics.observe_verify(counts)
+        for request in sampled:
+            try:
+                self._emit(request)
+            except Exception as exc:
+                self._fail(request, "its output was processed", exc)
         self._drop_finished()
 
     def _append(self, request: Request, token: int, logprob: float | None, top: tuple[tuple[int, float], ...]

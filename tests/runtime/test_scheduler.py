@@ -8,6 +8,7 @@ import time
 import pytest
 
 from plugserve.core.tokenizer import EMBEDDED_MODEL_DIR, load_tokenizer
+from plugserve.runtime.metrics import Metrics
 from plugserve.runtime.model_runner import ModelRunner
 from plugserve.runtime.radix_cache import RadixCache
 from plugserve.runtime.request import FinishReason, Request, RequestOutput
@@ -64,3 +65,24 @@ def test_an_abort_ends_every_request_of_its_id_and_only_those(runner):
     scheduler.abort("same0")
     assert first.finish_reason is second.finish_reason is FinishReason.ABORT and not other.finished
     assert list(scheduler.waiting) == [other] and len(scheduler.by_rid) == 1
+
+
+def test_a_final_output_comes_after_its_tokens_are_counted(runner):
+    """A client that reads /metrics when its request ends finds its tokens counted: each batch's tokens reach the
+    metrics before any of its outputs go out (the last batch's were counted after its outputs, a race that a
+    speculative test lost now and then)."""
+    metrics = Metrics()
+    scheduler = Scheduler(runner, RadixCache(runner.allocator, runner.page_size), load_tokenizer(EMBEDDED_MODEL_DIR),
+                          metrics)
+    counted_at_output: list[tuple[int, float]] = []
+
+    def on_output(output: RequestOutput) -> None:
+        counted_at_output.append((output.completion_tokens, metrics.registry.get_sample_value(
+            "plugserve_generation_tokens_total")))
+
+    for i in range(2):
+        scheduler.add(Request(f"r{i}", [1, 2, 3], SamplingParams(max_new_tokens=5, ignore_eos=True), on_output))
+    while scheduler.has_work:
+        scheduler.step()
+    finals = [counted for completion, counted in counted_at_output if completion == 5]
+    assert finals == [10.0, 10.0], counted_at_output
