@@ -53,16 +53,12 @@ def warm_up(runner: ModelRunner, on_late_compile: Callable[[], None] | None = No
     if runner.args.skip_server_warmup:  # --skip-server-warmup: each shape compiles on its first request instead
         steps = []
     if part is not None:
-        for step in steps[part[0]::part[1]]:
-            step()
-        if runner.graph_max_bs:
-            runner.capture_graphs(part)
-        return
-    for step in track(steps, len(steps), "warm-up", "shapes"):
+        steps = steps[part[0]::part[1]]
+    for step in steps if part is not None else track(steps, len(steps), "warm-up", "shapes"):
         step()
     if runner.graph_max_bs:
-        runner.capture_graphs()
-    if runner.device.type == "cuda":
+        runner.capture_graphs(part)
+    if runner.device.type == "cuda" and part is None:
         report_late_triton_compiles(on_late_compile)
 
 
