@@ -105,6 +105,7 @@ def mla_cases(profile: str) -> list[MLACase]:
             _decode((4096,), 128),
             _decode((1, 513, 2048, 4096, 77, 1000, 3000, 8192), 128),
             _decode(tuple(range(64, 64 * 33, 64)), 128),
+            _decode((1, 513, 2048, 4096, 77, 1000, 3000, 8192), 16),  # DeepSeek-V2-Lite, or V3 over eight ranks
             MLACase(ForwardMode.TARGET_VERIFY, (1024, 4100, 37), (4, 4, 4), 128),
             MLACase(ForwardMode.DRAFT_EXTEND, (2048, 70), (3, 2), 128),
             MLACase(ForwardMode.EXTEND, (4096 + 300, 700, 129), (300, 200, 128), 128),
@@ -130,6 +131,7 @@ def graph_cases(profile: str) -> list[GraphCase]:
         return [
             GraphCase(decode, 1, ((4096,), (1,), (777,)), num_heads=128),
             GraphCase(decode, 32, ((1, 8192, 513), tuple(range(100, 3300, 100)), (700,)), num_heads=128),
+            GraphCase(decode, 32, ((1, 8192, 513), tuple(range(100, 3300, 100)), (700,)), num_heads=16),
             GraphCase(verify, 8, ((1024, 4100, 37), (9, 2000, 64, 5, 6, 7, 8, 3000)), per_request=4, num_heads=128),
             GraphCase(ForwardMode.DRAFT_EXTEND, 4, ((2048, 70), (5, 6, 7, 900)), per_request=2, num_heads=128),
         ]

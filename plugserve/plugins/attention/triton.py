@@ -32,7 +32,13 @@ from plugserve.plugins.triton_support import triton_availability
 from plugserve.registry import hookimpl
 
 if TYPE_CHECKING:
+    from plugserve.core.kv_cache import MLAKVPool
     from plugserve.plugins.attention.mla_decode import MlaConfig
+
+
+# (query token, head) rows from which fewer than 64 heads take the Gluon kernel's 64-head block (`_pads_heads`):
+# 16 heads from 8 tokens, 32 from 4.
+PADDED_MIN_ROWS = 128
 
 
 def _tokens_per_request(batch: ForwardBatch) -> int:
@@ -125,6 +131,10 @@ class TritonAttention(AttentionBackend):
         self._multiprocessors = hardware.multiprocessors
         self._capability = hardware.capability
         self._mla_config = self._mla_config_for(spec.page_size or 1)
+        wide = mla_decode.mla_config(64, spec.dtype, self._capability, spec.page_size or 1, spec.kv_lora_rank,
+                                     spec.qk_rope_head_dim, spec.kv_dtype)
+        padded = wide.gluon and spec.num_heads < 64 and spec.kv_dtype in (None, spec.dtype)
+        self._mla_padded_config: MlaConfig | None = wide if padded else None  # see `_pads_heads`
         # Batch-invariant launches never take the Gluon kernel (`mla_decode.mla_attention`).
         self.rounds_decode_to_e4m3 = (spec.kv_dtype == torch.float8_e4m3fn and self._mla_config.gluon
                                       and not spec.batch_invariant)
@@ -157,7 +167,8 @@ class TritonAttention(AttentionBackend):
             return f"MLA decode, MHA prefill, merge: Triton (no Gluon kernel for {hardware.arch})"
         return ("MLA decode: Gluon (gluon_mla) for 64-head blocks of latent 512 + rope 64 in bf16 / fp16 on pages of "
                 "a multiple of 64 keys (over an e4m3 cache: 8-bit wgmmas, the query and probabilities rounded to "
-                "e4m3), else Triton; MHA prefill: Gluon (gluon_mha) for bf16 / fp16 heads of qk 2^a + 2^b (192) and "
+                "e4m3; fewer heads over a bf16 / fp16 cache padded to 64 from 128 token-head rows), else Triton; "
+                "MHA prefill: Gluon (gluon_mha) for bf16 / fp16 heads of qk 2^a + 2^b (192) and "
                 "v <= 128, else Triton; merge: Triton")
 
     def plan(self, batch: ForwardBatch) -> None:
@@ -287,11 +298,25 @@ class TritonAttention(AttentionBackend):
         config = self._mla_config if pool.page_size == self.spec.page_size else self._mla_config_for(pool.page_size)
         if pool.dtype != q_nope.dtype and batch.mode is not ForwardMode.DECODE:  # `rounds_decode_to_e4m3`: DECODE only
             config = replace(config, gluon=False)
+        if self._pads_heads(pool, plan, q_nope):
+            config = self._mla_padded_config
         return self._mla_decode.mla_attention(
             q_nope, q_rope, pool.buffer(layer_id), batch.block_table, plan.token_req, plan.token_kv_len,
             pool.page_size, self.spec.softmax_scale, config, plan.num_splits, plan.workspace, plan.tree, w_vc,
             pool.scale, self.spec.batch_invariant,
         )
+
+    def _pads_heads(self, pool: MLAKVPool, plan: TritonPlan, q_nope: torch.Tensor) -> bool:
+        """Does this launch of fewer than 64 heads (V2-Lite's 16; V3's 128 over four or eight ranks) take the Gluon
+        kernel's 64-head block, the heads past num_heads masked (`_mla_padded_config`, on sm90 over a pool of q's
+        dtype): from PADDED_MIN_ROWS (token, head) rows on, where its TMA loads and wgmmas at four or two times the
+        rows outrun the 16- and 32-head blocks' mma.sync loop, which is bound by issuing instructions, not by memory
+        (at a token or two the shorter launch wins: docs/kernels.md); not for a draft tree or under batch
+        invariance, which the Gluon kernel does not serve. Not over an e4m3 pool either, where the Gluon kernel rounds
+        the query and the probabilities to e4m3 and the pointer kernel's upcast does not."""
+        return (self._mla_padded_config is not None and pool.page_size == self.spec.page_size
+                and pool.dtype == q_nope.dtype and plan.tree is None and not self.spec.batch_invariant
+                and self.spec.num_heads * q_nope.shape[0] >= PADDED_MIN_ROWS)
 
     def forward_mha(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_chunk: int | None = None

@@ -120,6 +120,45 @@ def test_it_declares_where_its_decode_rounds_to_e4m3(monkeypatch: pytest.MonkeyP
     assert not rounds(kv_cache_dtype=fp8, batch_invariant=True)  # fixed splits never take the Gluon kernel
 
 
+def test_fewer_heads_take_the_gluon_kernels_64_head_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On sm90, 16 and 32 heads over a bf16 pool launch the Gluon kernel's 64-head block from 128 (token, head) rows
+    on; fewer rows, an e4m3 pool, pages that split its key blocks, a draft tree and batch invariance keep the pointer
+    kernel's own blocks. The launch is recorded, not run (the Gluon kernel needs the GPU: `test_gluon_mla`)."""
+    h100 = Hardware("cuda", "NVIDIA H100 80GB HBM3", (9, 0), 80 * 2**30, 132)
+    monkeypatch.setattr(Hardware, "detect", staticmethod(lambda device: h100))
+    mla_decode = importlib.import_module("plugserve.plugins.attention.mla_decode")
+    launched: list = []
+
+    def record(q_nope: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        launched.append(args[7])  # the config
+        return torch.zeros_like(q_nope)
+
+    monkeypatch.setattr(mla_decode, "mla_attention", record)
+
+    def block_h(tokens: int, heads: int = 16, tree: bool = False, **fields) -> int:
+        spec = AttentionSpec(**{"num_heads": heads, "dtype": torch.bfloat16, "page_size": 64, **fields})
+        mode = ForwardMode.TARGET_VERIFY if tree else ForwardMode.DECODE
+        requests = 1 if tree else tokens
+        batch = random_batch(mode, [130] * requests, [tokens // requests] * requests, spec, CPU)
+        if tree:
+            batch = batch.with_tree(DraftTree.of(torch.arange(-1, tokens - 1)[None]))
+        backend = TritonAttention(spec, CPU)
+        backend.plan(batch)
+        q_nope = torch.zeros(batch.num_tokens, heads, spec.kv_lora_rank, dtype=torch.bfloat16)
+        backend.forward_mla(q_nope, torch.zeros(batch.num_tokens, heads, spec.qk_rope_head_dim,
+                                                dtype=torch.bfloat16), LAYER)
+        config = launched.pop()
+        assert config.gluon == (config.block_h == 64)
+        return config.block_h
+
+    assert block_h(8) == 64 and block_h(4, heads=32) == 64 and block_h(64) == 64
+    assert block_h(7) == 16 and block_h(1) == 16 and block_h(3, heads=32) == 32
+    assert block_h(8, kv_cache_dtype=torch.float8_e4m3fn) == 16  # the Gluon kernel would round q to e4m3
+    assert block_h(8, page_size=32) == 16  # its 64-key blocks would span pages
+    assert block_h(8, tree=True) == 16 and block_h(8, batch_invariant=True) == 16
+    assert block_h(8, heads=128) == 64  # 64-head blocks anyway
+
+
 def test_availability_on_the_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = Hardware.detect(CPU)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
