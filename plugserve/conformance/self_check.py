@@ -8,7 +8,10 @@ an installed version with a different argument order. Tiny means a few milliseco
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -23,6 +26,9 @@ from plugserve.core.specs import AttentionSpec, GemmSpec, MoESpec
 
 # Small enough to cost nothing, large enough to cross a page and a 128-wide FP8 block.
 CHECK_SEQ_LENS = (70, 5)
+# Decode is also checked at this many requests (CHECK_SEQ_LENS repeated): a backend may launch another kernel for
+# wider batches (the Triton attention's Gluon block for fewer than 64 heads from 128 token-head rows).
+CHECK_WIDE_DECODE = 16
 CHECK_TOKENS = 3
 CHECK_GEMM_N, CHECK_GEMM_K = 256, 512
 CHECK_MOE_HIDDEN, CHECK_MOE_INTERMEDIATE = 512, 256
@@ -36,14 +42,28 @@ def self_check(backend: Backend, phase: Phase) -> None:
     if backend.name == "torch_ref":
         return
     torch.manual_seed(0)
-    if isinstance(backend, AttentionBackend):
-        _check_attention(backend, phase)
-    elif isinstance(backend, Fp8GemmBackend):
-        _check_gemm(backend)
-    elif isinstance(backend, MoEBackend):
-        _check_moe(backend)
-    else:
-        raise TypeError(f"no self-check for {type(backend).__qualname__}")
+    with _probe_lookups_unlogged():
+        if isinstance(backend, AttentionBackend):
+            _check_attention(backend, phase)
+        elif isinstance(backend, Fp8GemmBackend):
+            _check_gemm(backend)
+        elif isinstance(backend, MoEBackend):
+            _check_moe(backend)
+        else:
+            raise TypeError(f"no self-check for {type(backend).__qualname__}")
+
+
+@contextlib.contextmanager
+def _probe_lookups_unlogged() -> Iterator[None]:
+    """The plugins' INFO lines held back while the probes run: their small shapes have no tuned configs, and a
+    line such as "no tuned config E=64,N=256" would read as the model's. Warnings still show."""
+    plugins = logging.getLogger("plugserve.plugins")
+    level = plugins.level
+    plugins.setLevel(max(plugins.getEffectiveLevel(), logging.WARNING))
+    try:
+        yield
+    finally:
+        plugins.setLevel(level)
 
 
 def _check_attention(backend: AttentionBackend, phase: Phase) -> None:
@@ -51,21 +71,13 @@ def _check_attention(backend: AttentionBackend, phase: Phase) -> None:
     spec = dataclasses.replace(spec, page_size=spec.page_size or 1)
     device, dtype, scale = backend.device, spec.dtype, oracle.softmax_scale(spec)
     methods = backend.capabilities.methods
-    if phase is Phase.DECODE or AttnForwardMethod.MHA not in methods:
-        mode = ForwardMode.DECODE if phase is Phase.DECODE else ForwardMode.EXTEND
-        extend = [1] * len(CHECK_SEQ_LENS) if mode is ForwardMode.DECODE else [CHECK_TOKENS] * len(CHECK_SEQ_LENS)
-        batch = random_batch(mode, CHECK_SEQ_LENS, extend, spec, device, num_layers=1)
-        t, h = batch.num_tokens, spec.num_heads
-        latent = torch.randn(t, spec.kv_lora_rank, device=device, dtype=dtype)
-        k_rope = torch.randn(t, spec.qk_rope_head_dim, device=device, dtype=dtype)
-        q_nope = torch.randn(t, h, spec.kv_lora_rank, device=device, dtype=dtype)
-        q_rope = torch.randn(t, h, spec.qk_rope_head_dim, device=device, dtype=dtype)
-        expected, _, slack = oracle.mla_as_declared(batch, 0, q_nope, q_rope, latent, k_rope, scale,
-                                                    backend.rounds_decode_to_e4m3)
-        backend.plan(batch)
-        backend.set_kv(0, batch.out_cache_loc, latent, k_rope)
-        assert_close(backend.forward_mla(q_nope, q_rope, 0), expected, dtype,
-                     f"{backend.name} self-check: forward_mla ({mode.name})", slack=slack)
+    if phase is Phase.DECODE:
+        for requests in (len(CHECK_SEQ_LENS), CHECK_WIDE_DECODE):
+            seq_lens = [CHECK_SEQ_LENS[i % len(CHECK_SEQ_LENS)] for i in range(requests)]
+            _check_mla(backend, spec, ForwardMode.DECODE, seq_lens, [1] * requests)
+        return
+    if AttnForwardMethod.MHA not in methods:
+        _check_mla(backend, spec, ForwardMode.EXTEND, CHECK_SEQ_LENS, [CHECK_TOKENS] * len(CHECK_SEQ_LENS))
         return
     batch = random_batch(ForwardMode.EXTEND, CHECK_SEQ_LENS, CHECK_SEQ_LENS, spec, device, num_layers=1)
     prepare_attention(batch, chunked_prefix_cache_threshold=1)
@@ -78,6 +90,23 @@ def _check_attention(backend: AttentionBackend, phase: Phase) -> None:
     expected, expected_lse = oracle.mha(batch, q, k, v, scale)
     assert_close(out, expected, dtype, f"{backend.name} self-check: forward_mha")
     assert_lse_close(lse, expected_lse, dtype, f"{backend.name} self-check: forward_mha lse")
+
+
+def _check_mla(backend: AttentionBackend, spec: AttentionSpec, mode: ForwardMode, seq_lens: Sequence[int],
+               extend_lens: Sequence[int]) -> None:
+    device, dtype = backend.device, spec.dtype
+    batch = random_batch(mode, seq_lens, extend_lens, spec, device, num_layers=1)
+    t, h = batch.num_tokens, spec.num_heads
+    latent = torch.randn(t, spec.kv_lora_rank, device=device, dtype=dtype)
+    k_rope = torch.randn(t, spec.qk_rope_head_dim, device=device, dtype=dtype)
+    q_nope = torch.randn(t, h, spec.kv_lora_rank, device=device, dtype=dtype)
+    q_rope = torch.randn(t, h, spec.qk_rope_head_dim, device=device, dtype=dtype)
+    expected, _, slack = oracle.mla_as_declared(batch, 0, q_nope, q_rope, latent, k_rope, oracle.softmax_scale(spec),
+                                                backend.rounds_decode_to_e4m3)
+    backend.plan(batch)
+    backend.set_kv(0, batch.out_cache_loc, latent, k_rope)
+    assert_close(backend.forward_mla(q_nope, q_rope, 0), expected, dtype,
+                 f"{backend.name} self-check: forward_mla ({mode.name}, {len(seq_lens)} requests)", slack=slack)
 
 
 def _check_gemm(backend: Fp8GemmBackend) -> None:

@@ -44,3 +44,32 @@ def test_triton_moe_passes_holding_one_ranks_experts(ep_rank):
     model does, and expects only their terms."""
     router = RouterConfig(16, 4, "sigmoid", "noaux_tc", 4, 2, True)
     self_check(TritonMoE(MoESpec(dtype=torch.float16, router=router, ep_size=2, ep_rank=ep_rank), CPU), Phase.DECODE)
+
+
+def test_decode_is_checked_at_a_wide_batch_too():
+    """A backend may launch another kernel for wide batches (the Triton attention's Gluon block for fewer than 64
+    heads): one that is wrong only there fails."""
+
+    class WrongWhenWide(TritonAttention):
+        name = "wrong_when_wide"
+
+        def forward_mla(self, q_nope, q_rope, layer_id):
+            out = super().forward_mla(q_nope, q_rope, layer_id)
+            return out * 1.01 if q_nope.shape[0] >= 8 else out
+
+    with pytest.raises(AssertionError, match=r"wrong_when_wide self-check: forward_mla \(DECODE, 16 requests\)"):
+        self_check(WrongWhenWide(SMALL_ATTENTION, CPU), Phase.DECODE)
+
+
+def test_the_probes_config_lookups_are_not_logged(caplog):
+    """The probes' small expert shapes have no tuned configs; saying so would read as the model's shapes."""
+    import logging
+
+    from plugserve.plugins.moe.configs import config_device
+
+    config_device.cache_clear()  # it logs once per shape
+    router = RouterConfig(16, 4, "sigmoid", "noaux_tc", 4, 2, True)
+    with caplog.at_level(logging.INFO):
+        self_check(TritonMoE(MoESpec(dtype=torch.float16, router=router), CPU), Phase.DECODE)
+    assert not [r for r in caplog.records if r.name.startswith("plugserve.plugins")]
+    assert logging.getLogger("plugserve.plugins").level == logging.NOTSET  # restored
