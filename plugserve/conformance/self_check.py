@@ -94,6 +94,7 @@ def _check_attention(backend: AttentionBackend, phase: Phase) -> None:
 
 def _check_mla(backend: AttentionBackend, spec: AttentionSpec, mode: ForwardMode, seq_lens: Sequence[int],
                extend_lens: Sequence[int]) -> None:
+    """forward_mla over a random batch of these lengths, against the oracle as the backend declares its rounding."""
     device, dtype = backend.device, spec.dtype
     batch = random_batch(mode, seq_lens, extend_lens, spec, device, num_layers=1)
     t, h = batch.num_tokens, spec.num_heads
