@@ -1,5 +1,7 @@
 """The start-up self-check passes the Triton kernels (interpreted) and fails a subtly wrong backend."""
 
+import logging
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from plugserve.core.specs import AttentionSpec, GemmSpec, MoESpec, RouterConfig
 from plugserve.plugins.attention.triton import TritonAttention
 from plugserve.plugins.gemm.torch_ref import TorchRefFp8Gemm
 from plugserve.plugins.gemm.triton import TritonFp8Gemm
+from plugserve.plugins.moe.configs import config_device
 from plugserve.plugins.moe.triton import TritonMoE
 
 CPU = torch.device("cpu")
@@ -63,10 +66,6 @@ def test_decode_is_checked_at_a_wide_batch_too():
 
 def test_the_probes_config_lookups_are_not_logged(caplog):
     """The probes' small expert shapes have no tuned configs; saying so would read as the model's shapes."""
-    import logging
-
-    from plugserve.plugins.moe.configs import config_device
-
     config_device.cache_clear()  # it logs once per shape
     router = RouterConfig(16, 4, "sigmoid", "noaux_tc", 4, 2, True)
     with caplog.at_level(logging.INFO):
