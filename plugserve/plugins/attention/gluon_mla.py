@@ -57,16 +57,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from plugserve.plugins.attention.common import mla_program
-from plugserve.plugins.gluon_support import release, tma_load
+from plugserve.plugins.attention.gluon_mla_blocks import BLOCK_N, IO_LAYOUT, fill_block, load_rows
+from plugserve.plugins.gluon_support import release
 
 BLOCK_H = gl.constexpr(64)  # heads a program: one warpgroup's wgmma M
-BLOCK_N = gl.constexpr(64)  # keys a block: one warpgroup's score wgmma N
 WORKER_REGS = gl.constexpr(256)  # warpgroup 1's registers: with warpgroup 0 at 256 too, the whole register file
 # FP8: warpgroup 1's and the transposer's registers; warpgroup 0 gets what they leave, 240. Of the splits that fit,
 # the one where ptxas spills least (`tools/compile_sm90.py`).
 WORKER_REGS8 = gl.constexpr(232)
 TRANSPOSER_REGS = gl.constexpr(32)
-IO_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))  # global loads
 # A [64 keys, 128] chunk of an e4m3 latent block as `_transpose` holds it: a thread has 16 dims (one 16-byte shared
 # load) of 4 keys, a warp's lanes 16 key groups side by side, so that its stores fill whole 64-key rows of the
 # transposed buffer (with a thread's dims side by side across lanes, as a blocked layout has them, 8 of a warp's
@@ -100,47 +99,6 @@ def _rows_of(n, fp8):
 
 
 @gluon.jit
-def _load_rows(base, rows, row_stride, row_mask, COLS: gl.constexpr, layout: gl.constexpr):
-    """[len(rows), COLS] elements at base + rows * row_stride + col, 0 where row_mask is false."""
-    cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
-    return gl.load(base + rows[:, None] * row_stride + cols[None, :], mask=row_mask[:, None], other=0.0)
-
-
-@gluon.jit
-def _fill_part(desc, kv_ptr, dst, ready, block_table_row, stride_kv, b, last, full, kv_len, col0,
-               COLS: gl.constexpr, PAGE_SIZE: gl.constexpr):
-    """Key block b's columns col0 .. col0 + COLS of the pool into `dst` [64, COLS] (nothing when b >= last), arriving
-    on `ready`: one TMA box for a full block (inside one page), masked loads for the sequence's partial last
-    block. Run by one warpgroup."""
-    if b < full:
-        row = gl.load(block_table_row + b * BLOCK_N // PAGE_SIZE) * PAGE_SIZE + b * BLOCK_N % PAGE_SIZE
-        mbarrier.expect(ready, desc.block_type.nbytes)
-        tma_load(desc, [row, col0], ready, dst)
-    elif b < last:
-        _fill_partial(kv_ptr, dst, ready, block_table_row, stride_kv, b, kv_len, col0, COLS, PAGE_SIZE)
-
-
-@gluon.jit
-def _fill_partial(kv_ptr, dst, ready, block_table_row, stride_kv, b, kv_len, col0, COLS: gl.constexpr,
-                  PAGE_SIZE: gl.constexpr):
-    """`_fill_part` for the sequence's partial last block b: masked loads of 128 bytes a row at a time, zeros past
-    kv_len.
-    (Inlined: as a noinline function its thread barrier lowers to the whole CTA's, which a warp-specialized
-    partition must not wait on.)"""
-    n = b * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, IO_LAYOUT))
-    valid = n < kv_len
-    page = gl.load(block_table_row + n // PAGE_SIZE, mask=valid, other=0).to(gl.int64)
-    rows = kv_ptr + (page * PAGE_SIZE + n % PAGE_SIZE)[:, None] * stride_kv
-    CHUNK: gl.constexpr = min(COLS, 1024 // dst.dtype.primitive_bitwidth)  # 128 bytes: one swizzle row
-    for c in gl.static_range(COLS // CHUNK):
-        cols = col0 + c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, IO_LAYOUT))
-        dst.slice(c * CHUNK, CHUNK, dim=1).store(gl.load(rows + cols[None, :], mask=valid[:, None], other=0.0))
-    fence_async_shared()
-    gl.thread_barrier()
-    mbarrier.arrive(ready, count=1)
-
-
-@gluon.jit
 def _rope_query(q_rope_ptr, q_rope_s, t, head_block, num_heads, stride_qr_t, stride_qr_h, P: gl.constexpr,
                 FP8: gl.constexpr):
     """The head block's rope query [64, P] as a wgmma A operand: in registers (16-bit; loaded in the scores' layout,
@@ -150,20 +108,26 @@ def _rope_query(q_rope_ptr, q_rope_s, t, head_block, num_heads, stride_qr_t, str
         operand = q_rope_s
     else:
         heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=_rows_of(BLOCK_N, FP8))
-        operand = gl.convert_layout(_load_rows(q_rope_ptr + t * stride_qr_t, heads, stride_qr_h, heads < num_heads, P,
+        operand = gl.convert_layout(load_rows(q_rope_ptr + t * stride_qr_t, heads, stride_qr_h, heads < num_heads, P,
                                                _mma_layout(BLOCK_N, FP8)), _a_operand(BLOCK_N, FP8))
     return operand
 
 
 @gluon.jit
-def _scores(q_lo, q_hi, q_rope, kv_lo, kv_hi, kv_rope, lo_ready, hi_ready, phase, FP8: gl.constexpr):
-    """Raw scores [64, 64] float32 of the block in a stage (kv_lo, kv_hi, kv_rope: its parts), each part's wgmma
-    issued once its TMA barrier (phase) says it has landed."""
+def _scores(q_lo, q_hi, q_rope, kv_lo, kv_hi, kv_rope, lo_ready, hi_ready, phase, FP8: gl.constexpr,
+            PAGE_SIZE: gl.constexpr):
+    """Raw scores [64, 64] float32 of the block in a stage (kv_lo, kv_hi, kv_rope: its parts), each part's wgmma issued
+    once its barrier (phase) says it has landed; after cp.async fills (`gluon_mla_blocks.fill_block`) behind a proxy
+    fence, which also covers the other warpgroup's P V wgmmas on the stage, issued after this one's next signal."""
     mbarrier.wait(lo_ready, phase)
+    if PAGE_SIZE % BLOCK_N != 0:
+        fence_async_shared()
     scores = warpgroup_mma(q_lo, kv_lo.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_N], gl.float32,
                                                                  _mma_layout(BLOCK_N, FP8)),
                            use_acc=False, is_async=True)
     mbarrier.wait(hi_ready, phase)
+    if PAGE_SIZE % BLOCK_N != 0:
+        fence_async_shared()
     scores = warpgroup_mma(q_hi, kv_hi.permute((1, 0)), scores, is_async=True)
     scores = warpgroup_mma(q_rope, kv_rope.permute((1, 0)), scores, is_async=True)
     return warpgroup_mma_wait(num_outstanding=0, deps=(scores,))
@@ -264,7 +228,7 @@ def _warpgroup0(q, q_rope_s, kv_lo, kv_hi, kv_rope, v_lo, p_smem, p_own, s_max, 
     acc = gl.zeros([BLOCK_H, R // 2], gl.float32, _mma_layout(R // 2, FP8))
     denom = gl.zeros([BLOCK_H], gl.float32, ROW_S)
     scores = _scores(q.index(0), q.index(1), q_rope, kv_lo.index(0), kv_hi.index(0), kv_rope.index(0), lo_ready,
-                     hi_ready, 0, FP8)
+                     hi_ready, 0, FP8, PAGE_SIZE)
     for j in range(gl.cdiv(last - first, 2)):
         z = _opaque_zero(j)
         b = first + 2 * j
@@ -296,7 +260,7 @@ def _warpgroup0(q, q_rope_s, kv_lo, kv_hi, kv_rope, v_lo, p_smem, p_own, s_max, 
         if FP8:
             release(v_free.index(z))
         # Stage 0's low half is read by no one else: it refills with block b + 2 now.
-        _fill_part(latent_desc, kv_ptr, kv_lo.index(z), lo_ready, block_table_row, stride_kv, b + 2, last, full,
+        fill_block(latent_desc, kv_ptr, kv_lo.index(z), lo_ready, block_table_row, stride_kv, b + 2, last, full,
                    kv_len, 0, R // 2, PAGE_SIZE)
         # P0 against the pair's max, for warpgroup 1's half; this warpgroup's half and sum move to that max too.
         p_smem.index(z).store((p0.to(gl.float32) * scale1[:, None]).to(p_smem.dtype))
@@ -311,11 +275,11 @@ def _warpgroup0(q, q_rope_s, kv_lo, kv_hi, kv_rope, v_lo, p_smem, p_own, s_max, 
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             if FP8:
                 release(v_free.index(z + 1))
-            _fill_part(latent_desc, kv_ptr, kv_lo.index(z + 1), bars.index(1), block_table_row, stride_kv, b + 3, last,
+            fill_block(latent_desc, kv_ptr, kv_lo.index(z + 1), bars.index(1), block_table_row, stride_kv, b + 3, last,
                        full, kv_len, 0, R // 2, PAGE_SIZE)
         if b + 2 < last:
             scores = _scores(q.index(z), q.index(z + 1), q_rope, kv_lo.index(z), kv_hi.index(z), kv_rope.index(z),
-                             lo_ready, hi_ready, (j + 1) & 1, FP8)
+                             lo_ready, hi_ready, (j + 1) & 1, FP8, PAGE_SIZE)
 
     # Both halves' sums at the pair's final max: warpgroup 1's is added here, and the total goes back to it.
     mbarrier.wait(l1_ready, 0)
@@ -354,7 +318,7 @@ def _warpgroup1(q, q_rope_s, kv_lo, kv_hi, kv_rope, v_hi, p_smem, s_max, s_scale
     scores = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, _mma_layout(BLOCK_N, FP8))
     if first + 1 < last:
         scores = _scores(q.index(0), q.index(1), q_rope, kv_lo.index(1), kv_hi.index(1), kv_rope.index(1), lo_ready,
-                         hi_ready, 0, FP8)
+                         hi_ready, 0, FP8, PAGE_SIZE)
     for j in range(gl.cdiv(last - first, 2)):
         z = _opaque_zero(j)
         b = first + 2 * j
@@ -385,9 +349,9 @@ def _warpgroup1(q, q_rope_s, kv_lo, kv_hi, kv_rope, v_hi, p_smem, s_max, s_scale
                 acc = warpgroup_mma(p_smem.index(z + 1), _v_operand(v_hi.index(z + 1), FP8), acc, is_async=True)
                 # Stage 1's high half and rope key are read by no one else now (transposed, scored): they refill
                 # with block b + 3.
-                _fill_part(latent_desc, kv_ptr, kv_hi.index(z + 1), hi_ready, block_table_row, stride_kv, b + 3, last,
+                fill_block(latent_desc, kv_ptr, kv_hi.index(z + 1), hi_ready, block_table_row, stride_kv, b + 3, last,
                            full, kv_len, R // 2, R // 2, PAGE_SIZE)
-                _fill_part(rope_desc, kv_ptr, kv_rope.index(z + 1), hi_ready, block_table_row, stride_kv, b + 3, last,
+                fill_block(rope_desc, kv_ptr, kv_rope.index(z + 1), hi_ready, block_table_row, stride_kv, b + 3, last,
                            full, kv_len, R, P, PAGE_SIZE)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 release(v_free.index(z + 1))
@@ -406,22 +370,22 @@ def _warpgroup1(q, q_rope_s, kv_lo, kv_hi, kv_rope, v_hi, p_smem, s_max, s_scale
             acc = warpgroup_mma(p_smem.index(z), kv_hi.index(z), acc, is_async=True)
             warpgroup_mma_wait(num_outstanding=1, deps=(p1,))
             # Stage 1's high half and rope key are read by no one else now: they refill with block b + 3.
-            _fill_part(latent_desc, kv_ptr, kv_hi.index(z + 1), hi_ready, block_table_row, stride_kv, b + 3, last, full,
+            fill_block(latent_desc, kv_ptr, kv_hi.index(z + 1), hi_ready, block_table_row, stride_kv, b + 3, last, full,
                        kv_len, R // 2, R // 2, PAGE_SIZE)
-            _fill_part(rope_desc, kv_ptr, kv_rope.index(z + 1), hi_ready, block_table_row, stride_kv, b + 3, last, full,
+            fill_block(rope_desc, kv_ptr, kv_rope.index(z + 1), hi_ready, block_table_row, stride_kv, b + 3, last, full,
                        kv_len, R, P, PAGE_SIZE)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         else:
             mbarrier.wait(p0_ready, j & 1)
             acc = warpgroup_mma(p_smem.index(z), kv_hi.index(z), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        _fill_part(latent_desc, kv_ptr, kv_hi.index(z), bars.index(2), block_table_row, stride_kv, b + 2, last, full,
+        fill_block(latent_desc, kv_ptr, kv_hi.index(z), bars.index(2), block_table_row, stride_kv, b + 2, last, full,
                    kv_len, R // 2, R // 2, PAGE_SIZE)
-        _fill_part(rope_desc, kv_ptr, kv_rope.index(z), bars.index(2), block_table_row, stride_kv, b + 2, last, full,
+        fill_block(rope_desc, kv_ptr, kv_rope.index(z), bars.index(2), block_table_row, stride_kv, b + 2, last, full,
                    kv_len, R, P, PAGE_SIZE)
         if b + 3 < last:
             scores = _scores(q.index(z), q.index(z + 1), q_rope, kv_lo.index(z + 1), kv_hi.index(z + 1),
-                             kv_rope.index(z + 1), lo_ready, hi_ready, (j + 1) & 1, FP8)
+                             kv_rope.index(z + 1), lo_ready, hi_ready, (j + 1) & 1, FP8, PAGE_SIZE)
 
     s_l.store(denom)
     _signal(l1_ready)
@@ -512,18 +476,18 @@ def _gluon_mla_kernel(
 
     block_table_row = block_table_ptr + req * stride_bt
     for s in gl.static_range(2):
-        _fill_part(latent_desc, kv_ptr, kv_lo.index(s), bars.index(s), block_table_row, stride_kv, first + s, last,
+        fill_block(latent_desc, kv_ptr, kv_lo.index(s), bars.index(s), block_table_row, stride_kv, first + s, last,
                    full, kv_len, 0, R // 2, PAGE_SIZE)
-        _fill_part(latent_desc, kv_ptr, kv_hi.index(s), bars.index(2 + s), block_table_row, stride_kv, first + s,
+        fill_block(latent_desc, kv_ptr, kv_hi.index(s), bars.index(2 + s), block_table_row, stride_kv, first + s,
                    last, full, kv_len, R // 2, R // 2, PAGE_SIZE)
-        _fill_part(rope_desc, kv_ptr, kv_rope.index(s), bars.index(2 + s), block_table_row, stride_kv, first + s,
+        fill_block(rope_desc, kv_ptr, kv_rope.index(s), bars.index(2 + s), block_table_row, stride_kv, first + s,
                    last, full, kv_len, R, P, PAGE_SIZE)
     heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_layout)
     q_base = q_nope_ptr + t * stride_qn_t
-    q_lo = _load_rows(q_base, heads, stride_qn_h, heads < num_heads, R // 2, IO_LAYOUT)
-    q_hi = _load_rows(q_base + R // 2, heads, stride_qn_h, heads < num_heads, R // 2, IO_LAYOUT)
+    q_lo = load_rows(q_base, heads, stride_qn_h, heads < num_heads, R // 2, IO_LAYOUT)
+    q_hi = load_rows(q_base + R // 2, heads, stride_qn_h, heads < num_heads, R // 2, IO_LAYOUT)
     if FP8:  # each head's scale: its largest magnitude over the latent and rope parts, at e4m3's largest value
-        rope = _load_rows(q_rope_ptr + t * stride_qr_t, heads, stride_qr_h, heads < num_heads, P, IO_LAYOUT)
+        rope = load_rows(q_rope_ptr + t * stride_qr_t, heads, stride_qr_h, heads < num_heads, P, IO_LAYOUT)
         amax = gl.maximum(gl.maximum(gl.max(gl.abs(q_lo), 1), gl.max(gl.abs(q_hi), 1)), gl.max(gl.abs(rope), 1))
         q_scale = gl.maximum(amax.to(gl.float32), 1e-30) / E4M3_MAX
         s_qscale.store(q_scale)

@@ -157,9 +157,9 @@ def mla_gluon_fits(config: MlaConfig, kv_lora_rank: int, rope_dim: int, page_siz
                    capability: tuple[int, int] | None, kv_dtype: torch.dtype | None = None) -> bool:
     """Can `config` run as the Gluon kernel (`gluon_mla`): 64 heads on 8 warps (two warpgroups), 64-key blocks in
     two stages, DeepSeek's latent 512 + rope 64, q in bf16 / fp16 and the pool in q's dtype (`kv_dtype` None) or
-    e4m3, key blocks inside one page, where `gluon_runs_on(capability)` (sm90)."""
+    e4m3, where `gluon_runs_on(capability)` (sm90). Any `page_size` (its blocks as TMA boxes or rows by cp.async)."""
     return (config.block_h == 64 and config.num_warps == 8 and (kv_lora_rank, rope_dim) == (512, 64)
-            and (config.block_n, config.num_stages) == (64, 2) and page_size % config.block_n == 0
+            and (config.block_n, config.num_stages) == (64, 2)
             and dtype in (torch.bfloat16, torch.float16) and kv_dtype in (None, dtype, torch.float8_e4m3fn)
             and gluon_runs_on(capability))
 

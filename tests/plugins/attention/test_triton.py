@@ -115,14 +115,14 @@ def test_it_declares_where_its_decode_rounds_to_e4m3(monkeypatch: pytest.MonkeyP
 
     assert rounds(kv_cache_dtype=fp8)
     assert not rounds()  # a bf16 pool
-    assert not rounds(kv_cache_dtype=fp8, page_size=16)  # blocks span pages: pointer loads, upcast
+    assert rounds(kv_cache_dtype=fp8, page_size=16)  # blocks span pages: rows by cp.async, the same wgmmas
     assert not rounds(kv_cache_dtype=fp8, num_heads=16)  # 16-head blocks: mma.sync
     assert not rounds(kv_cache_dtype=fp8, batch_invariant=True)  # fixed splits never take the Gluon kernel
 
 
 def test_fewer_heads_take_the_gluon_kernels_64_head_block(monkeypatch: pytest.MonkeyPatch) -> None:
     """On sm90, 16 and 32 heads over a bf16 pool launch the Gluon kernel's 64-head block from 128 (token, head) rows
-    on; fewer rows, an e4m3 pool, pages that split its key blocks, a draft tree and batch invariance keep the pointer
+    on, at any page size; fewer rows, an e4m3 pool, a draft tree and batch invariance keep the pointer
     kernel's own blocks. The launch is recorded, not run (the Gluon kernel needs the GPU: `test_gluon_mla`)."""
     h100 = Hardware("cuda", "NVIDIA H100 80GB HBM3", (9, 0), 80 * 2**30, 132)
     monkeypatch.setattr(Hardware, "detect", staticmethod(lambda device: h100))
@@ -154,7 +154,7 @@ def test_fewer_heads_take_the_gluon_kernels_64_head_block(monkeypatch: pytest.Mo
     assert block_h(8) == 64 and block_h(4, heads=32) == 64 and block_h(64) == 64
     assert block_h(7) == 16 and block_h(1) == 16 and block_h(3, heads=32) == 32
     assert block_h(8, kv_cache_dtype=torch.float8_e4m3fn) == 16  # the Gluon kernel would round q to e4m3
-    assert block_h(8, page_size=32) == 16  # its 64-key blocks would span pages
+    assert block_h(8, page_size=1) == 64  # its blocks' rows by cp.async
     assert block_h(8, tree=True) == 16 and block_h(8, batch_invariant=True) == 16
     assert block_h(8, heads=128) == 64  # 64-head blocks anyway
 
@@ -354,13 +354,13 @@ def test_launch_heuristics(kernels: ModuleType) -> None:
     assert kernels.mla_block_h(20, bf16, sm90) == 32 and kernels.mla_block_h(128, torch.float32, sm90) == 16
     # sm90, 64-head blocks: the Gluon kernel where its blocks lie in pages; else Triton's, TMA where it can.
     assert kernels.mla_config(128, bf16, sm90, 64, 512, 64) == kernels.MlaConfig(64, 64, 8, 2, tma=True, gluon=True)
-    assert kernels.mla_config(128, bf16, sm90, 16, 512, 64) == kernels.MlaConfig(64, 64, 8, 2)  # blocks span pages
+    assert kernels.mla_config(128, bf16, sm90, 16, 512, 64) == kernels.MlaConfig(64, 64, 8, 2, gluon=True)  # rows
     assert kernels.mla_config(128, bf16, sm90, 64, 256, 64) == kernels.MlaConfig(64, 64, 8, 2, tma=True)
     # An fp8 pool: the Gluon kernel's 8-bit wgmmas where it fits, else pointer loads upcast in registers, never the
     # Triton kernel's TMA boxes (which read q's dtype).
     fp8 = torch.float8_e4m3fn
     assert kernels.mla_config(128, bf16, sm90, 64, 512, 64, fp8) == kernels.MlaConfig(64, 64, 8, 2, gluon=True)
-    assert kernels.mla_config(128, bf16, sm90, 16, 512, 64, fp8) == kernels.MlaConfig(64, 64, 8, 2)
+    assert kernels.mla_config(128, bf16, sm90, 16, 512, 64, fp8) == kernels.MlaConfig(64, 64, 8, 2, gluon=True)
     assert kernels.mla_config(128, bf16, (8, 9), 64, 512, 64, fp8) == kernels.MlaConfig(32, 64, 8, 5, reload_q=True)
     assert kernels.mla_config(128, bf16, None, 64, 512, 64) == kernels.MlaConfig(64, 64, 1, 1)  # the interpreter
     assert kernels.mla_config(16, bf16, sm90, 64, 512, 64) == kernels.MlaConfig(16, 32, 4, 5, reload_q=True)
