@@ -133,10 +133,12 @@ class TritonAttention(AttentionBackend):
         self._mla_config = self._mla_config_for(spec.page_size or 1)
         wide = mla_decode.mla_config(64, spec.dtype, self._capability, spec.page_size or 1, spec.kv_lora_rank,
                                      spec.qk_rope_head_dim, spec.kv_dtype)
-        padded = wide.gluon and spec.num_heads < 64 and spec.kv_dtype in (None, spec.dtype)
+        # Over an e4m3 pool only past 16 heads: there the pointer kernel's 32-head upcast loop takes 1.6-2.6x the
+        # padded launch, while at 16 heads the padded one loses at one token and on pages of 1 (docs/kernels.md).
+        padded = wide.gluon and spec.num_heads < 64 and (spec.kv_dtype in (None, spec.dtype) or spec.num_heads > 16)
         self._mla_padded_config: MlaConfig | None = wide if padded else None  # see `_pads_heads`
         # Batch-invariant launches never take the Gluon kernel (`mla_decode.mla_attention`).
-        self.rounds_decode_to_e4m3 = (spec.kv_dtype == torch.float8_e4m3fn and self._mla_config.gluon
+        self.rounds_decode_to_e4m3 = (spec.kv_dtype == torch.float8_e4m3fn and (self._mla_config.gluon or padded)
                                       and not spec.batch_invariant)
         self.plan_state: TritonPlan | None = None
         # Under graphs every request has the same new tokens (w), so token i's request is i // w: token_req
@@ -167,7 +169,8 @@ class TritonAttention(AttentionBackend):
             return f"MLA decode, MHA prefill, merge: Triton (no Gluon kernel for {hardware.arch})"
         return ("MLA decode: Gluon (gluon_mla) for 64-head blocks of latent 512 + rope 64 in bf16 / fp16 on pages of "
                 "a multiple of 64 keys (over an e4m3 cache: 8-bit wgmmas, the query and probabilities rounded to "
-                "e4m3; fewer heads over a bf16 / fp16 cache padded to 64 from 128 token-head rows), else Triton; "
+                "e4m3; fewer heads padded to 64: over a bf16 / fp16 cache from 128 token-head rows, over e4m3 "
+                "past 16 heads at every decode), else Triton; "
                 "MHA prefill: Gluon (gluon_mha) for bf16 / fp16 heads of qk 2^a + 2^b (192) and "
                 "v <= 128, else Triton; merge: Triton")
 
@@ -308,15 +311,18 @@ class TritonAttention(AttentionBackend):
 
     def _pads_heads(self, pool: MLAKVPool, plan: TritonPlan, q_nope: torch.Tensor) -> bool:
         """Does this launch of fewer than 64 heads (V2-Lite's 16; V3's 128 over four or eight ranks) take the Gluon
-        kernel's 64-head block, the heads past num_heads masked (`_mla_padded_config`, on sm90 over a pool of q's
-        dtype): from PADDED_MIN_ROWS (token, head) rows on, where its TMA loads and wgmmas at four or two times the
-        rows outrun the 16- and 32-head blocks' mma.sync loop, which is bound by issuing instructions, not by memory
-        (at a token or two the shorter launch wins: docs/kernels.md); not for a draft tree or under batch
-        invariance, which the Gluon kernel does not serve. Not over an e4m3 pool either, where the Gluon kernel rounds
-        the query and the probabilities to e4m3 and the pointer kernel's upcast does not."""
-        return (self._mla_padded_config is not None and pool.page_size == self.spec.page_size
-                and pool.dtype == q_nope.dtype and plan.tree is None and not self.spec.batch_invariant
-                and self.spec.num_heads * q_nope.shape[0] >= PADDED_MIN_ROWS)
+        kernel's 64-head block, the heads past num_heads masked (`_mla_padded_config`, on sm90): its TMA loads and
+        wgmmas at four or two times the rows outrun the 16- and 32-head blocks' mma.sync loop, which is bound by issuing
+        instructions, not by memory. Over a pool of q's dtype from PADDED_MIN_ROWS (token, head) rows on (at a token or
+        two the shorter launch wins: docs/kernels.md); over an e4m3 pool (past 16 heads) every DECODE, so that the
+        rounding to e4m3 that `rounds_decode_to_e4m3` declares holds at every batch size. Not for a draft tree or under
+        batch invariance, which the Gluon kernel does not serve."""
+        if (self._mla_padded_config is None or pool.page_size != self.spec.page_size or plan.tree is not None
+                or self.spec.batch_invariant):
+            return False
+        if pool.dtype != q_nope.dtype:
+            return self.batch.mode is ForwardMode.DECODE
+        return self.spec.num_heads * q_nope.shape[0] >= PADDED_MIN_ROWS
 
     def forward_mha(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_chunk: int | None = None

@@ -80,7 +80,7 @@ def test_matches_the_reference(kv_lens: list[int], heads: int, splits: int, dtyp
 @pytest.mark.skipif(not HOPPER, reason="Gluon's wgmma kernel needs a Hopper GPU")
 @pytest.mark.parametrize("kv_lens", [[37], [64], [64, 130, 1000], [4096, 1]],
                          ids=["one-partial-block", "one-block", "mixed", "long"])
-@pytest.mark.parametrize("heads", [64, 128])
+@pytest.mark.parametrize("heads", [16, 32, 64, 128])  # 16 and 32: one 64-head block, the rest masked
 @pytest.mark.parametrize("splits", [1, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("page", [64, 1])

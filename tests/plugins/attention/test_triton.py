@@ -104,7 +104,7 @@ def test_kernels_say_where_gluon_runs(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_it_declares_where_its_decode_rounds_to_e4m3(monkeypatch: pytest.MonkeyPatch) -> None:
     """`rounds_decode_to_e4m3` (what the kit's oracle follows) holds exactly where the decode takes the Gluon kernel
-    over an e4m3 pool: sm90, 64-head blocks, pages of 64, not batch-invariant."""
+    over an e4m3 pool: sm90, 64-head blocks (32 heads padded to one), not batch-invariant."""
     h100 = Hardware("cuda", "NVIDIA H100 80GB HBM3", (9, 0), 80 * 2**30, 132)
     monkeypatch.setattr(Hardware, "detect", staticmethod(lambda device: h100))
     fp8 = torch.float8_e4m3fn
@@ -116,14 +116,17 @@ def test_it_declares_where_its_decode_rounds_to_e4m3(monkeypatch: pytest.MonkeyP
     assert rounds(kv_cache_dtype=fp8)
     assert not rounds()  # a bf16 pool
     assert rounds(kv_cache_dtype=fp8, page_size=16)  # blocks span pages: rows by cp.async, the same wgmmas
-    assert not rounds(kv_cache_dtype=fp8, num_heads=16)  # 16-head blocks: mma.sync
+    assert rounds(kv_cache_dtype=fp8, num_heads=32)  # the Gluon kernel's 64-head block, heads masked
+    assert rounds(kv_cache_dtype=fp8, num_heads=32, page_size=1)
+    assert not rounds(kv_cache_dtype=fp8, num_heads=16)  # 16-head blocks: mma.sync, the upcast
     assert not rounds(kv_cache_dtype=fp8, batch_invariant=True)  # fixed splits never take the Gluon kernel
 
 
 def test_fewer_heads_take_the_gluon_kernels_64_head_block(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On sm90, 16 and 32 heads over a bf16 pool launch the Gluon kernel's 64-head block from 128 (token, head) rows
-    on, at any page size; fewer rows, an e4m3 pool, a draft tree and batch invariance keep the pointer
-    kernel's own blocks. The launch is recorded, not run (the Gluon kernel needs the GPU: `test_gluon_mla`)."""
+    """On sm90, 16 and 32 heads launch the Gluon kernel's 64-head block at any page size: over a bf16 pool from 128
+    (token, head) rows on, over an e4m3 pool at 32 heads every DECODE; fewer rows, 16 heads over e4m3, a draft tree and
+    batch invariance keep the pointer kernel's own blocks. The launch is recorded, not run (the Gluon kernel needs the
+    GPU: `test_gluon_mla`)."""
     h100 = Hardware("cuda", "NVIDIA H100 80GB HBM3", (9, 0), 80 * 2**30, 132)
     monkeypatch.setattr(Hardware, "detect", staticmethod(lambda device: h100))
     mla_decode = importlib.import_module("plugserve.plugins.attention.mla_decode")
@@ -153,7 +156,10 @@ def test_fewer_heads_take_the_gluon_kernels_64_head_block(monkeypatch: pytest.Mo
 
     assert block_h(8) == 64 and block_h(4, heads=32) == 64 and block_h(64) == 64
     assert block_h(7) == 16 and block_h(1) == 16 and block_h(3, heads=32) == 32
-    assert block_h(8, kv_cache_dtype=torch.float8_e4m3fn) == 16  # the Gluon kernel would round q to e4m3
+    fp8 = torch.float8_e4m3fn
+    assert block_h(1, heads=32, kv_cache_dtype=fp8) == 64  # at every DECODE, as rounds_decode_to_e4m3 says
+    assert block_h(1, heads=32, kv_cache_dtype=fp8, page_size=32) == 64
+    assert block_h(8, kv_cache_dtype=fp8) == 16  # 16 heads over e4m3: the pointer kernel's upcast
     assert block_h(8, page_size=1) == 64  # its blocks' rows by cp.async
     assert block_h(8, tree=True) == 16 and block_h(8, batch_invariant=True) == 16
     assert block_h(8, heads=128) == 64  # 64-head blocks anyway
