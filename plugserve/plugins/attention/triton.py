@@ -133,9 +133,10 @@ class TritonAttention(AttentionBackend):
         self._mla_config = self._mla_config_for(spec.page_size or 1)
         wide = mla_decode.mla_config(64, spec.dtype, self._capability, spec.page_size or 1, spec.kv_lora_rank,
                                      spec.qk_rope_head_dim, spec.kv_dtype)
-        # Over an e4m3 pool only past 16 heads: there the pointer kernel's 32-head upcast loop takes 1.6-2.6x the
-        # padded launch, while at 16 heads the padded one loses at one token and on pages of 1 (docs/kernels.md).
-        padded = wide.gluon and spec.num_heads < 64 and (spec.kv_dtype in (None, spec.dtype) or spec.num_heads > 16)
+        # Over an e4m3 pool, past 16 heads or on pages of 64 keys or more: there the pointer kernel's upcast loop
+        # takes 1.4-2.8x the padded launch from batch 8; 16 heads on shorter pages lose with it (docs/kernels.md).
+        fp8_padded = spec.num_heads > 16 or (spec.page_size or 1) % 64 == 0
+        padded = wide.gluon and spec.num_heads < 64 and (spec.kv_dtype in (None, spec.dtype) or fp8_padded)
         self._mla_padded_config: MlaConfig | None = wide if padded else None  # see `_pads_heads`
         # Batch-invariant launches never take the Gluon kernel (`mla_decode.mla_attention`).
         self.rounds_decode_to_e4m3 = (spec.kv_dtype == torch.float8_e4m3fn and (self._mla_config.gluon or padded)
@@ -167,10 +168,10 @@ class TritonAttention(AttentionBackend):
 
         if not gluon_runs_on(hardware.capability):
             return f"MLA decode, MHA prefill, merge: Triton (no Gluon kernel for {hardware.arch})"
-        return ("MLA decode: Gluon (gluon_mla) for 64-head blocks of latent 512 + rope 64 in bf16 / fp16 on pages of "
-                "a multiple of 64 keys (over an e4m3 cache: 8-bit wgmmas, the query and probabilities rounded to "
+        return ("MLA decode: Gluon (gluon_mla) for 64-head blocks of latent 512 + rope 64 in bf16 / fp16 at any page "
+                "size (over an e4m3 cache: 8-bit wgmmas, the query and probabilities rounded to "
                 "e4m3; fewer heads padded to 64: over a bf16 / fp16 cache from 128 token-head rows, over e4m3 "
-                "past 16 heads at every decode), else Triton; "
+                "at every decode past 16 heads or on pages of 64), else Triton; "
                 "MHA prefill: Gluon (gluon_mha) for bf16 / fp16 heads of qk 2^a + 2^b (192) and "
                 "v <= 128, else Triton; merge: Triton")
 
@@ -314,9 +315,9 @@ class TritonAttention(AttentionBackend):
         kernel's 64-head block, the heads past num_heads masked (`_mla_padded_config`, on sm90): its TMA loads and
         wgmmas at four or two times the rows outrun the 16- and 32-head blocks' mma.sync loop, which is bound by issuing
         instructions, not by memory. Over a pool of q's dtype from PADDED_MIN_ROWS (token, head) rows on (at a token or
-        two the shorter launch wins: docs/kernels.md); over an e4m3 pool (past 16 heads) every DECODE, so that the
-        rounding to e4m3 that `rounds_decode_to_e4m3` declares holds at every batch size. Not for a draft tree or under
-        batch invariance, which the Gluon kernel does not serve."""
+        two the shorter launch wins: docs/kernels.md); over an e4m3 pool (past 16 heads or on pages of 64) every DECODE,
+        so that the rounding to e4m3 that `rounds_decode_to_e4m3` declares holds at every batch size. Not for a draft
+        tree or under batch invariance, which the Gluon kernel does not serve."""
         if (self._mla_padded_config is None or pool.page_size != self.spec.page_size or plan.tree is not None
                 or self.spec.batch_invariant):
             return False

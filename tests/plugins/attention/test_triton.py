@@ -104,7 +104,7 @@ def test_kernels_say_where_gluon_runs(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_it_declares_where_its_decode_rounds_to_e4m3(monkeypatch: pytest.MonkeyPatch) -> None:
     """`rounds_decode_to_e4m3` (what the kit's oracle follows) holds exactly where the decode takes the Gluon kernel
-    over an e4m3 pool: sm90, 64-head blocks (32 heads padded to one), not batch-invariant."""
+    over an e4m3 pool: sm90, 64-head blocks (fewer heads padded to one), not batch-invariant."""
     h100 = Hardware("cuda", "NVIDIA H100 80GB HBM3", (9, 0), 80 * 2**30, 132)
     monkeypatch.setattr(Hardware, "detect", staticmethod(lambda device: h100))
     fp8 = torch.float8_e4m3fn
@@ -118,15 +118,16 @@ def test_it_declares_where_its_decode_rounds_to_e4m3(monkeypatch: pytest.MonkeyP
     assert rounds(kv_cache_dtype=fp8, page_size=16)  # blocks span pages: rows by cp.async, the same wgmmas
     assert rounds(kv_cache_dtype=fp8, num_heads=32)  # the Gluon kernel's 64-head block, heads masked
     assert rounds(kv_cache_dtype=fp8, num_heads=32, page_size=1)
-    assert not rounds(kv_cache_dtype=fp8, num_heads=16)  # 16-head blocks: mma.sync, the upcast
+    assert rounds(kv_cache_dtype=fp8, num_heads=16)  # padded too on pages of 64
+    assert not rounds(kv_cache_dtype=fp8, num_heads=16, page_size=1)  # 16-head blocks: mma.sync, the upcast
     assert not rounds(kv_cache_dtype=fp8, batch_invariant=True)  # fixed splits never take the Gluon kernel
 
 
 def test_fewer_heads_take_the_gluon_kernels_64_head_block(monkeypatch: pytest.MonkeyPatch) -> None:
     """On sm90, 16 and 32 heads launch the Gluon kernel's 64-head block at any page size: over a bf16 pool from 128
-    (token, head) rows on, over an e4m3 pool at 32 heads every DECODE; fewer rows, 16 heads over e4m3, a draft tree and
-    batch invariance keep the pointer kernel's own blocks. The launch is recorded, not run (the Gluon kernel needs the
-    GPU: `test_gluon_mla`)."""
+    (token, head) rows on, over an e4m3 pool every DECODE at 32 heads or on pages of 64; fewer rows, 16 heads over e4m3
+    on shorter pages, a draft tree and batch invariance keep the pointer kernel's own blocks. The launch is recorded,
+    not run (the Gluon kernel needs the GPU: `test_gluon_mla`)."""
     h100 = Hardware("cuda", "NVIDIA H100 80GB HBM3", (9, 0), 80 * 2**30, 132)
     monkeypatch.setattr(Hardware, "detect", staticmethod(lambda device: h100))
     mla_decode = importlib.import_module("plugserve.plugins.attention.mla_decode")
@@ -159,7 +160,8 @@ def test_fewer_heads_take_the_gluon_kernels_64_head_block(monkeypatch: pytest.Mo
     fp8 = torch.float8_e4m3fn
     assert block_h(1, heads=32, kv_cache_dtype=fp8) == 64  # at every DECODE, as rounds_decode_to_e4m3 says
     assert block_h(1, heads=32, kv_cache_dtype=fp8, page_size=32) == 64
-    assert block_h(8, kv_cache_dtype=fp8) == 16  # 16 heads over e4m3: the pointer kernel's upcast
+    assert block_h(1, kv_cache_dtype=fp8) == 64  # 16 heads on pages of 64
+    assert block_h(8, kv_cache_dtype=fp8, page_size=16) == 16  # 16 heads on shorter pages: the pointer kernel
     assert block_h(8, page_size=1) == 64  # its blocks' rows by cp.async
     assert block_h(8, tree=True) == 16 and block_h(8, batch_invariant=True) == 16
     assert block_h(8, heads=128) == 64  # 64-head blocks anyway
