@@ -742,8 +742,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="expert-parallel ranks: 1 or --tp-size (then a rank holds n / P whole experts)")
     parser.add_argument("--page-size", type=int, default=64,
                         help="the attention rows' KV page size. A server without --page-size runs its decode "
-                             "backend's forced size, else 1, where the Triton MLA decode takes no Gluon kernel "
-                             "(its 64-key blocks span pages): rows at 64 are a --page-size 64 server's")
+                             "backend's forced size, else 1, where the Triton MLA decode fills each 64-key block a "
+                             "row a key (slower at long KV: docs/kernels.md); rows at 64 are a --page-size 64 server's")
     parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "fp8_e4m3"],
                         help="the KV cache of the attention decode rows, each asked for (auto: the --dtype; fp8_e4m3 "
                              "rows run the backends that read it, their shapes ending in fp8kv)")
