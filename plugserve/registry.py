@@ -62,6 +62,7 @@ BUILTIN_PLUGINS = (
     "plugserve.plugins.gemm.deepgemm",
     "plugserve.plugins.moe.deepgemm",
     "plugserve.plugins.comm.symmetric_memory",
+    "plugserve.plugins.comm.gather_sum",
 )
 # Upper edges of the batch-size (token count) buckets that selection tables and --explain use.
 BATCH_BUCKETS = (1, 8, 64, 512, 4096)

@@ -44,12 +44,14 @@ def test_backends_table_and_kind_filter(capsys):
 def test_backends_say_which_were_verified_only_against_stand_ins_of_their_library(capsys):
     """cutlass_mla (sm100) and fa3_mla (FA3's qv kernels) never ran on a GPU lent: their tests check them through a
     fake FlashInfer and a fake flash_attn_interface, and `backends` says so; every other built-in passed the kit
-    against the oracle, on a GPU (torch_ref, the oracle's own backend, on the CPU)."""
+    against the oracle, on a GPU (torch_ref, the oracle's own backend, and gather_sum, not run on GPUs yet, on the
+    CPU)."""
     assert main(["backends", "--json"]) == 0
     verified = {(b["kind"], b["name"]): b["verified"] for b in json.loads(capsys.readouterr().out)["backends"]}
     assert {key for key, where in verified.items() if where == "stand-ins"} == {("attention", "cutlass_mla"),
                                                                                  ("attention", "fa3_mla")}
-    assert {key for key, where in verified.items() if where == "cpu"} == {(kind, "torch_ref") for kind in KINDS}
+    assert {key for key, where in verified.items() if where == "cpu"} == {(kind, "torch_ref") for kind in KINDS} | {
+        ("comm", "gather_sum")}
     assert set(verified.values()) == {"gpu", "cpu", "stand-ins"}
     assert main(["backends", "--kind", "attention"]) == 0
     out = capsys.readouterr().out

@@ -50,8 +50,9 @@ def _inputs(shape: tuple[int, ...], world: int, dtype: torch.dtype, device: torc
 
 def check_sums(rank: int, world: int, device: torch.device, name: str, dtype_name: str) -> None:
     """The comm backend `name` on this rank sums every shape it takes as the oracle (float64 sum of the ranks'
-    tensors) does, within the dtype's tolerance; refuses a message past its declared bound; and replays its sum
-    in a CUDA graph on new inputs where it declares graphs."""
+    tensors) does, within the dtype's tolerance; refuses a message past its declared bound; sums each row to the
+    same bits in any message where it declares `batch_invariant`; and replays its sum in a CUDA graph on new inputs
+    where it declares graphs."""
     from plugserve.registry import get_registry
 
     dtype = getattr(torch, dtype_name)
@@ -75,8 +76,24 @@ def check_sums(rank: int, world: int, device: torch.device, name: str, dtype_nam
     if largest is not None:
         beyond = torch.zeros(largest // element + 2, dtype=dtype, device=device)
         assert not backend.takes(beyond), f"{name} takes {beyond.numel() * element} bytes, past its {largest}"
+    if cls.capabilities.batch_invariant:
+        _check_batch_invariance(cls(CommSpec(world, dtype, batch_invariant=True), device),  # type: ignore[call-arg]
+                                max(shapes), dtype, device, rank, world)
     if device.type == "cuda" and cls.capabilities.cuda_graph:
         _check_graph_replay(backend, shapes[0], dtype, device, rank, world)
+
+
+def _check_batch_invariance(backend: CommBackend, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                            rank: int, world: int) -> None:
+    """A backend declaring `batch_invariant`, built for it: each element of a message sums to the same bits in
+    messages of every size the kit has, from a few elements to the whole (so that a token's activations do not move
+    with the batch around it)."""
+    x = _inputs(shape, world, dtype, device)[rank]
+    whole = backend.all_reduce(x.clone())
+    for rows, cols in [*SHAPES[:-1], (shape[0] // 2, shape[1]), (1, shape[1])]:
+        part = backend.all_reduce(x[:rows, :cols].contiguous())
+        assert torch.equal(part, whole[:rows, :cols]), (
+            f"{backend.name}: a [{rows}, {cols}] corner of a {list(shape)} message sums to other bits alone")
 
 
 def _check_graph_replay(backend: CommBackend, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,

@@ -150,12 +150,14 @@ class MoESpec:
 @dataclass(frozen=True)
 class CommSpec:
     """The all-reduces of one tensor-parallel group: `world_size` ranks on `nodes` hosts, summing tensors of
-    `dtype` (the model's activations). `group`: their torch.distributed process group (None: the default group),
+    `dtype` (the model's activations). `batch_invariant` (--enable-deterministic-inference): each element's sum the
+    same whatever the message's size. `group`: their torch.distributed process group (None: the default group),
     which a backend builds on; not part of the problem's identity."""
 
     world_size: int = 2
     dtype: torch.dtype = torch.bfloat16
     nodes: int = 1
+    batch_invariant: bool = False
     group: Any = field(default=None, compare=False, repr=False)
 
 

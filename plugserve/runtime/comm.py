@@ -3,8 +3,9 @@ names), each built by every rank at once and checked against the group's own all
 where every rank's check passed. Where this GPU's selection table ranks comm backends for the group's world size
 (`shootout.py --kinds comm`), a sum of b bytes goes to the first of its size bucket's order that takes it, else to
 torch_ref; without one, the chain follows declared priority, a sum going to the first backend that takes it, the
-chain ending at the first backend that takes every size. Every rank reads the same table and builds the same chain,
-so every rank sends a message of one size to the same backend."""
+chain ending at the first backend that takes every size. Under --enable-deterministic-inference only
+batch-invariant backends (gather_sum) take part, in declared priority. Every rank reads the same table and builds
+the same chain, so every rank sends a message of one size to the same backend."""
 
 from __future__ import annotations
 
@@ -39,14 +40,16 @@ def build_comm(args: ServerArgs, group: ParallelGroup, device: torch.device, dty
     if group.world_size == 1:
         return CommRoutes(), "one rank: no all-reduce"
     requested = requested_backend(args)
-    spec = CommSpec(group.world_size, dtype, nodes=args.nnodes, group=group.group)
+    spec = CommSpec(group.world_size, dtype, nodes=args.nnodes, batch_invariant=args.enable_deterministic_inference,
+                    group=group.group)
     hardware = Hardware.detect(device)
     try:
         candidates = get_registry().candidates("comm", Phase.DECODE, 1, hardware, requested, spec)
     except SelectionError as exc:
         name = "disable_custom_all_reduce" if args.disable_custom_all_reduce else "all_reduce_backend"
         raise SelectionError(f"{flag(name)}: {exc}") from None
-    measured = measured_order(hardware, group.world_size) if requested == "auto" else None
+    # A measured order ends every size at torch_ref, whose sums are not batch-invariant.
+    measured = measured_order(hardware, group.world_size) if requested == "auto" and not spec.batch_invariant else None
     ranked = None if measured is None else {name for bucket in measured[1] for name in bucket.order}
     chain: list[CommBackend] = []
     failures: list[str] = []

@@ -224,9 +224,6 @@ class ServerArgs(BaseModel):
         if self.enable_deterministic_inference and self.speculative_algorithm is not None:
             raise ValueError(f"{flag('enable_deterministic_inference')} does not combine with "
                              f"{flag('speculative_algorithm')} yet: the draft forwards are not batch-invariant")
-        if self.enable_deterministic_inference and self.tp_size > 1:
-            raise ValueError(f"{flag('enable_deterministic_inference')} runs with {flag('tp_size')} 1 only for now: "
-                             "the all-reduce's algorithm, and so its order of summation, follows the batch's size")
         if self.log_requests_level and not self.log_requests:
             raise ValueError(f"{flag('log_requests_level')} {self.log_requests_level} needs {flag('log_requests')} "
                              "(the level says what each request's line holds)")

@@ -238,8 +238,9 @@ def test_comm_shootout_ranks_all_reduces_per_world_and_size_and_drops_wrong_sums
     """Two gloo ranks: torch_ref and a slower fake at the size it takes, torch_ref alone above it, the fake that sums
     wrong reported and not ranked; rows without a limit, the table's comm buckets merged by order."""
     make_plugin("plugserve-test-comm", "test_comm_backends", COMM_PLUGIN)
-    shootout.main(["--kinds", "comm", "--quick", "--device", "cpu", "--dtype", "float32", "--warmup", "1",
-                   "--reps", "2", "--output-dir", str(tmp_path)])
+    shootout.main(["--kinds", "comm", "--backends", "comm:torch_ref", "comm:slow_sums", "comm:wrong_sums", "--quick",
+                   "--device", "cpu", "--dtype", "float32", "--warmup", "1", "--reps", "2", "--output-dir",
+                   str(tmp_path)])
     out = capsys.readouterr().out
     assert "comm at 2 ranks, not ranked: wrong_sums at 8 x 2048: its sum differs" in out
     assert "auto's order at 2 ranks: up to 8 KiB: torch_ref > slow_sums; above: torch_ref" in out

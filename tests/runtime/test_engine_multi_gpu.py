@@ -95,7 +95,8 @@ def _layouts() -> list[object]:
     for world in (2, 4):
         dp = {"enable_dp_attention": True, "dp_size": world}
         for name, flags in [("tp", {}), ("tp-ep", {"ep_size": world}), ("dp", dp), ("dp-ep", dp | {"ep_size": world}),
-                            ("tp-nccl", {"disable_custom_all_reduce": True})]:
+                            ("tp-nccl", {"disable_custom_all_reduce": True}),
+                            ("tp-deterministic", {"enable_deterministic_inference": True})]:  # sums by gather_sum
             layouts.append(pytest.param(world, flags, id=f"{name}{world}", marks=multi_gpu(world)))
     # Two DP groups of two ranks, each splitting its heads (o_proj summed over the group's NCCL subgroup).
     groups = {"enable_dp_attention": True, "dp_size": 2}

@@ -1,6 +1,6 @@
 """The engine with --tp-size 2 (and --ep-size 2, and DP attention; DP groups of two ranks at --tp-size 4) on the CPU
 (the ranks past 0 worker processes, gloo) against --tp-size 1 on the same checkpoint: the same greedy tokens; a killed
-rank ends the engine with an error naming it."""
+rank ends the engine with an error naming it; deterministic inference at --tp-size 4."""
 
 from __future__ import annotations
 
@@ -102,6 +102,26 @@ def test_dp_groups_of_two_ranks_give_tp1_greedy_tokens(model_dir: Path, tp1_toke
         scheduler = engine.scheduler
         assert isinstance(scheduler, DPScheduler) and all(g.radix.queried_tokens for g in scheduler.groups)
         engine.check_pool_accounting()
+    finally:
+        engine.shutdown()
+    assert engine.ranks is not None and [p.exitcode for p in engine.ranks.workers.values()] == [0, 0, 0]
+
+
+def test_deterministic_inference_at_tp4_gives_a_request_its_bits_alone_in_a_batch_or_cached(model_dir: Path) -> None:
+    """--enable-deterministic-inference --tp-size 4: every all-reduce goes to gather_sum, and a greedy request's
+    tokens and logprobs are the same alone, inside a batch of other lengths and from the prefix cache."""
+    engine = Engine(_args(model_dir, 4, enable_deterministic_inference=True))
+    params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True, logprobs=True)
+
+    def answers(prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+        return [(r.token_ids, [lp.logprob for lp in r.logprobs]) for r in engine.generate(prompts, params)]
+
+    try:
+        assert engine.runner.all_reduce_status == "gather_sum, by declared priority"
+        [alone] = answers([PROMPTS[2]])
+        assert answers(PROMPTS)[2] == alone
+        [cached] = engine.generate([PROMPTS[2]], params)
+        assert cached.cached_tokens > 0 and (cached.token_ids, [lp.logprob for lp in cached.logprobs]) == alone
     finally:
         engine.shutdown()
     assert engine.ranks is not None and [p.exitcode for p in engine.ranks.workers.values()] == [0, 0, 0]

@@ -52,8 +52,6 @@ def test_speculation_is_off_by_default():
          "--speculative-num-draft-tokens 6 must be --speculative-num-steps + 1 = 4"),
         ({"speculative_algorithm": "NEXTN", "enable_deterministic_inference": True},
          "--enable-deterministic-inference does not combine with --speculative-algorithm"),
-        ({"tp_size": 2, "enable_deterministic_inference": True},
-         "--enable-deterministic-inference runs with --tp-size 1 only for now"),
     ],
 )
 def test_bad_speculative_flags_are_refused_naming_the_flag(flags, message):
