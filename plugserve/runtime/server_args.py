@@ -345,6 +345,11 @@ class ServerArgs(BaseModel):
             raise ValueError(f"{flag('dp_size')} {self.dp_size} must divide {flag('tp_size')} ({self.tp_size}): "
                              f"each DP attention group is {flag('tp_size')} / {flag('dp_size')} ranks, which split "
                              "the group's attention heads")
+        if self.enable_deterministic_inference and self.tp_size // self.dp_size > 2:
+            raise ValueError(f"{flag('enable_deterministic_inference')} takes DP attention groups of at most two "
+                             f"ranks, not {self.tp_size // self.dp_size} ({flag('tp_size')} {self.tp_size} / "
+                             f"{flag('dp_size')} {self.dp_size}): a group sums its heads over its own NCCL all-reduce, "
+                             "whose order of summation follows the message's size beyond two ranks")
 
     @property
     def dp_attention_size(self) -> int:

@@ -52,6 +52,9 @@ def test_speculation_is_off_by_default():
          "--speculative-num-draft-tokens 6 must be --speculative-num-steps + 1 = 4"),
         ({"speculative_algorithm": "NEXTN", "enable_deterministic_inference": True},
          "--enable-deterministic-inference does not combine with --speculative-algorithm"),
+        ({"tp_size": 8, "enable_dp_attention": True, "dp_size": 2, "enable_deterministic_inference": True},
+         "--enable-deterministic-inference takes DP attention groups of at most two ranks, not 4 (--tp-size 8 / "
+         "--dp-size 2)"),
     ],
 )
 def test_bad_speculative_flags_are_refused_naming_the_flag(flags, message):
