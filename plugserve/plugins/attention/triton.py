@@ -133,8 +133,8 @@ class TritonAttention(AttentionBackend):
         self._mla_config = self._mla_config_for(spec.page_size or 1)
         wide = mla_decode.mla_config(64, spec.dtype, self._capability, spec.page_size or 1, spec.kv_lora_rank,
                                      spec.qk_rope_head_dim, spec.kv_dtype)
-        # Over an e4m3 pool, past 16 heads or on pages of a multiple of 64: there the pointer kernel's upcast loop
-        # takes 1.1-2.8x the padded launch from batch 8; 16 heads on shorter pages lose with it (docs/kernels.md).
+        # Over an e4m3 pool, past 16 heads or on pages of a multiple of 64: there the pointer kernel's upcast loop is
+        # the slower from batch 8, while 16 heads on shorter pages lose with the padded launch (docs/kernels.md).
         fp8_padded = spec.num_heads > 16 or (spec.page_size or 1) % 64 == 0
         padded = wide.gluon and spec.num_heads < 64 and (spec.kv_dtype in (None, spec.dtype) or fp8_padded)
         self._mla_padded_config: MlaConfig | None = wide if padded else None  # see `_pads_heads`
