@@ -50,8 +50,8 @@ def _inputs(shape: tuple[int, ...], world: int, dtype: torch.dtype, device: torc
 
 def check_sums(rank: int, world: int, device: torch.device, name: str, dtype_name: str) -> None:
     """The comm backend `name` on this rank sums every shape it takes as the oracle (float64 sum of the ranks'
-    tensors) does, within the dtype's tolerance; refuses a message past its declared bound; sums each row to the
-    same bits in any message where it declares `batch_invariant`; and replays its sum in a CUDA graph on new inputs
+    tensors) does, within the dtype's tolerance; refuses a message past its declared bound; sums each element to
+    the same bits in any message where it declares `batch_invariant`; and replays its sum in a CUDA graph on new inputs
     where it declares graphs."""
     from plugserve.registry import get_registry
 

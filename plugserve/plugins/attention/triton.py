@@ -130,12 +130,13 @@ class TritonAttention(AttentionBackend):
         hardware = Hardware.detect(device)
         self._multiprocessors = hardware.multiprocessors
         self._capability = hardware.capability
-        self._mla_config = self._mla_config_for(spec.page_size or 1)
-        wide = mla_decode.mla_config(64, spec.dtype, self._capability, spec.page_size or 1, spec.kv_lora_rank,
+        page_size = spec.page_size or 1
+        self._mla_config = self._mla_config_for(page_size)
+        wide = mla_decode.mla_config(64, spec.dtype, self._capability, page_size, spec.kv_lora_rank,
                                      spec.qk_rope_head_dim, spec.kv_dtype)
-        # Over an e4m3 pool, past 16 heads or on pages of a multiple of 64: there the pointer kernel's upcast loop is
+        # Over an e4m3 pool, past 16 heads or on pages of whole key blocks: there the pointer kernel's upcast loop is
         # the slower from batch 8, while 16 heads on shorter pages lose with the padded launch (docs/kernels.md).
-        fp8_padded = spec.num_heads > 16 or (spec.page_size or 1) % 64 == 0
+        fp8_padded = spec.num_heads > 16 or page_size % wide.block_n == 0
         padded = wide.gluon and spec.num_heads < 64 and (spec.kv_dtype in (None, spec.dtype) or fp8_padded)
         self._mla_padded_config: MlaConfig | None = wide if padded else None  # see `_pads_heads`
         # Batch-invariant launches never take the Gluon kernel (`mla_decode.mla_attention`).
@@ -169,9 +170,9 @@ class TritonAttention(AttentionBackend):
         if not gluon_runs_on(hardware.capability):
             return f"MLA decode, MHA prefill, merge: Triton (no Gluon kernel for {hardware.arch})"
         return ("MLA decode: Gluon (gluon_mla) for 64-head blocks of latent 512 + rope 64 in bf16 / fp16 at any page "
-                "size (over an e4m3 cache: 8-bit wgmmas, the query and probabilities rounded to "
-                "e4m3; fewer heads padded to 64: over a bf16 / fp16 cache from 128 token-head rows, over e4m3 "
-                "at every decode past 16 heads or on pages of 64), else Triton; "
+                "size (over an e4m3 cache: 8-bit wgmmas, the query and probabilities rounded to e4m3; fewer "
+                "heads padded to 64: over a bf16 / fp16 cache from 128 token-head rows, over e4m3 at every decode "
+                "past 16 heads or on pages of 64), else Triton; "
                 "MHA prefill: Gluon (gluon_mha) for bf16 / fp16 heads of qk 2^a + 2^b (192) and "
                 "v <= 128, else Triton; merge: Triton")
 
